@@ -1,0 +1,10 @@
+"""The ops: fused and unfused per-token log-probs and entropy over a vocabulary-parallel LM head.
+
+They know nothing about Megatron: a tensor-parallel group, if any, is a plain process group.
+"""
+
+from .backends import BACKENDS
+from .fused import FusedLinearLogprob, fused_linear_logprob
+from .logits import logits_logprob
+
+__all__ = ["BACKENDS", "FusedLinearLogprob", "fused_linear_logprob", "logits_logprob"]

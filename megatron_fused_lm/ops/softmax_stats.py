@@ -92,9 +92,11 @@ def merge_across_group(stats: torch.Tensor, group: Optional[dist.ProcessGroup]) 
     size = group_size(group)
     if size == 1 or stats.shape[0] == 0:
         return stats
-    gathered = torch.empty((size,) + tuple(stats.shape), dtype=stats.dtype, device=stats.device)
-    dist.all_gather_into_tensor(gathered, stats.contiguous(), group=group)
-    return merge_statistics(gathered)
+    gathered = torch.empty((size * stats.shape[0], NUM_STATISTICS), dtype=stats.dtype, device=stats.device)
+    # torch 2.13 renamed all_gather_into_tensor (and deprecated the old name).
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather(gathered, stats.contiguous(), group=group)
+    return merge_statistics(gathered.view(size, -1, NUM_STATISTICS))
 
 
 def summarize(stats: torch.Tensor) -> SoftmaxSummary:

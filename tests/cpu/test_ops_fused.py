@@ -1,0 +1,209 @@
+"""fused_linear_logprob (torch backend) against a float64 oracle, on one rank."""
+
+import itertools
+import logging
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+from megatron_fused_lm import fused_linear_logprob
+from oracle import fused_reference, make_case, relative_error
+
+HIDDEN = 40  # not a multiple of any tile
+LEAD_SHAPES = [((29,), 97), ((3, 11), 251), ((2, 3, 5), 97)]  # prime vocabulary sizes
+TOLERANCE = {  # (outputs, gradients): fp32 end to end; bf16 inputs with fp32 accumulation
+    torch.float32: (2e-5, 2e-5),
+    torch.bfloat16: (1e-4, 1e-2),
+    torch.float16: (1e-4, 1e-2),
+}
+
+
+def run_fused(hidden, weight, targets, grad_logprob, grad_entropy, **options):
+    hidden = hidden.detach().clone().requires_grad_()
+    weight = weight.detach().clone().requires_grad_()
+    logprob, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, **options)
+    ((logprob * grad_logprob).sum() + (entropy * grad_entropy).sum()).backward()
+    return logprob, entropy, hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize(
+    "dtype,temperature,peaky,chunk_size,case",
+    list(itertools.product([torch.float32, torch.bfloat16], [0.7, 1.3], [False, True], [1, 7, None, 1000], range(3))),
+)
+def test_matches_float64_oracle(dtype, temperature, peaky, chunk_size, case):
+    lead_shape, vocab = LEAD_SHAPES[case]
+    hidden, weight, targets = make_case(lead_shape, HIDDEN, vocab, dtype, peaky, seed=case)
+    grad_logprob, grad_entropy = torch.randn(lead_shape), torch.randn(lead_shape)
+    logprob, entropy, grad_hidden, grad_weight = run_fused(
+        hidden, weight, targets, grad_logprob, grad_entropy, temperature=temperature, chunk_size=chunk_size
+    )
+    expected = fused_reference(hidden, weight, targets, temperature, grad_logprob, grad_entropy)
+    output_tol, grad_tol = TOLERANCE[dtype]
+    assert logprob.dtype == entropy.dtype == torch.float32
+    assert logprob.shape == entropy.shape == lead_shape
+    assert relative_error(logprob, expected["logprob"]) <= output_tol
+    assert relative_error(entropy, expected["entropy"]) <= output_tol
+    assert grad_hidden.dtype == dtype and grad_weight.dtype == dtype
+    assert relative_error(grad_hidden, expected["grad_hidden"]) <= grad_tol
+    assert relative_error(grad_weight, expected["grad_weight"]) <= grad_tol
+
+
+def test_float16_inputs():
+    hidden, weight, targets = make_case((33,), HIDDEN, 97, torch.float16, peaky=True)
+    grad_logprob, grad_entropy = torch.randn(33), torch.randn(33)
+    logprob, entropy, grad_hidden, grad_weight = run_fused(hidden, weight, targets, grad_logprob, grad_entropy, chunk_size=8)
+    expected = fused_reference(hidden, weight, targets, 1.0, grad_logprob, grad_entropy)
+    assert relative_error(logprob, expected["logprob"]) <= 1e-4
+    assert relative_error(entropy, expected["entropy"]) <= 1e-4
+    assert relative_error(grad_hidden, expected["grad_hidden"]) <= 1e-2
+    assert relative_error(grad_weight, expected["grad_weight"]) <= 1e-2
+
+
+def test_peaky_entropy_keeps_its_relative_precision():
+    # Logits in the hundreds with a tiny entropy: lse - mean would lose it to cancellation.
+    hidden, weight, targets = make_case((16,), HIDDEN, 97, torch.float32, peaky=True)
+    hidden = hidden * 8
+    _, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True)
+    expected = fused_reference(hidden, weight, targets, 1.0)["entropy"]
+    assert expected.min() < 1e-3
+    assert torch.allclose(entropy.double(), expected, rtol=1e-3, atol=1e-9)
+
+
+def test_float32_hidden_with_bfloat16_weight():
+    hidden, weight, targets = make_case((21,), HIDDEN, 97, torch.float32, peaky=False)
+    weight = weight.to(torch.bfloat16)
+    grad_logprob, grad_entropy = torch.randn(21), torch.randn(21)
+    logprob, entropy, grad_hidden, grad_weight = run_fused(hidden, weight, targets, grad_logprob, grad_entropy)
+    # The product runs in the weight's dtype: the oracle sees hidden rounded to bf16.
+    expected = fused_reference(hidden.to(torch.bfloat16), weight, targets, 1.0, grad_logprob, grad_entropy)
+    assert grad_hidden.dtype == torch.float32 and grad_weight.dtype == torch.bfloat16
+    assert relative_error(logprob, expected["logprob"]) <= 1e-4
+    assert relative_error(grad_hidden, expected["grad_hidden"]) <= 1e-2
+    assert relative_error(grad_weight, expected["grad_weight"]) <= 1e-2
+
+
+def test_entropy_does_not_depend_on_targets():
+    hidden, weight, targets = make_case((25,), HIDDEN, 97, torch.float32, peaky=False)
+    _, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True)
+    _, other = fused_linear_logprob(hidden, weight, (targets + 13) % 97, return_entropy=True)
+    assert torch.equal(entropy, other)
+
+
+def test_entropy_without_grad_has_no_graph_and_no_backward_term():
+    hidden, weight, targets = make_case((25,), HIDDEN, 97, torch.float32, peaky=False)
+    hidden.requires_grad_()
+    logprob, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, entropy_grad=False)
+    assert not entropy.requires_grad and entropy.grad_fn is None
+    assert logprob.requires_grad
+    grad_logprob = torch.randn(25)
+    (logprob * grad_logprob).sum().backward()
+    expected = fused_reference(hidden, weight, targets, 1.0, grad_logprob=grad_logprob)
+    assert relative_error(hidden.grad, expected["grad_hidden"]) <= 2e-5
+    assert relative_error(entropy, expected["entropy"]) <= 2e-5
+
+
+def test_logprob_only_returns_a_tensor():
+    hidden, weight, targets = make_case((3, 4), HIDDEN, 97, torch.float32, peaky=False)
+    logprob = fused_linear_logprob(hidden, weight, targets)
+    assert isinstance(logprob, torch.Tensor) and logprob.shape == (3, 4)
+
+
+def test_frozen_weight_gets_no_gradient():
+    hidden, weight, targets = make_case((9,), HIDDEN, 97, torch.float32, peaky=False)
+    hidden.requires_grad_()
+    fused_linear_logprob(hidden, weight, targets).sum().backward()
+    assert weight.grad is None
+    expected = fused_reference(hidden, weight, targets, 1.0, grad_logprob=torch.ones(9))
+    assert relative_error(hidden.grad, expected["grad_hidden"]) <= 2e-5
+
+
+def test_non_contiguous_inputs():
+    hidden, weight, targets = make_case((12, 5), HIDDEN, 97, torch.float32, peaky=False)
+    hidden_t = hidden.transpose(0, 1).contiguous().transpose(0, 1)  # same values, strided
+    weight_wide = torch.randn(97, 2 * HIDDEN)
+    weight_wide[:, ::2] = weight
+    weight_strided = weight_wide[:, ::2]
+    targets_t = targets.t().contiguous().t()
+    assert not hidden_t.is_contiguous() and not weight_strided.is_contiguous() and not targets_t.is_contiguous()
+    grad_logprob, grad_entropy = torch.randn(12, 5), torch.randn(12, 5)
+    logprob, entropy, grad_hidden, grad_weight = run_fused(hidden_t, weight_strided, targets_t, grad_logprob, grad_entropy, chunk_size=7)
+    expected = fused_reference(hidden, weight, targets, 1.0, grad_logprob, grad_entropy)
+    assert relative_error(logprob, expected["logprob"]) <= 2e-5
+    assert relative_error(grad_hidden, expected["grad_hidden"]) <= 2e-5
+    assert relative_error(grad_weight, expected["grad_weight"]) <= 2e-5
+
+
+def test_empty_input_gives_empty_outputs_and_zero_gradients():
+    hidden = torch.randn(0, 3, HIDDEN, requires_grad=True)
+    weight = torch.randn(97, HIDDEN, requires_grad=True)
+    logprob, entropy = fused_linear_logprob(hidden, weight, torch.zeros(0, 3, dtype=torch.long), return_entropy=True)
+    assert logprob.shape == entropy.shape == (0, 3)
+    (logprob.sum() + entropy.sum()).backward()
+    assert hidden.grad.shape == hidden.shape
+    assert torch.count_nonzero(weight.grad) == 0
+
+
+def test_works_under_non_reentrant_checkpoint():
+    hidden, weight, targets = make_case((17,), HIDDEN, 97, torch.float32, peaky=False)
+    grad_logprob, grad_entropy = torch.randn(17), torch.randn(17)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+
+    def loss_of(hidden, weight):
+        logprob, entropy = fused_linear_logprob(hidden * 1.5, weight, targets, return_entropy=True, chunk_size=5)
+        return (logprob * grad_logprob).sum() + (entropy * grad_entropy).sum()
+
+    checkpoint(loss_of, hidden, weight, use_reentrant=False).backward()
+    expected = fused_reference(hidden * 1.5, weight, targets, 1.0, grad_logprob, grad_entropy)
+    assert relative_error(hidden.grad, 1.5 * expected["grad_hidden"]) <= 2e-5
+    assert relative_error(weight.grad, expected["grad_weight"]) <= 2e-5
+
+
+class LargestAllocation(TorchDispatchMode):
+    """Records the element count of every tensor an op allocates (views excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            for tensor in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(tensor, torch.Tensor):
+                    self.sizes.append((tensor.numel(), str(func), tensor.dtype))
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_never_allocates_tokens_by_vocab(dtype):
+    tokens, vocab = 256, 101
+    hidden, weight, targets = make_case((tokens,), 16, vocab, dtype, peaky=False)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    recorder = LargestAllocation()
+    with recorder:
+        logprob, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, chunk_size=32)
+        (logprob.sum() + entropy.sum()).backward()
+    too_big = [entry for entry in recorder.sizes if entry[0] >= tokens * vocab]
+    assert not too_big, too_big
+    assert max(size for size, _, _ in recorder.sizes) >= 32 * vocab  # the recorder saw the chunk blocks
+
+
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_triton_and_auto_fall_back_with_one_warning(backend, monkeypatch, caplog):
+    from megatron_fused_lm import _logging
+    from megatron_fused_lm.ops import backends
+
+    monkeypatch.setattr(backends, "triton_unavailable_reason", lambda device: "no GPU in this test")
+    monkeypatch.setattr(_logging, "_already_warned", set())
+    hidden, weight, targets = make_case((9,), HIDDEN, 97, torch.float32, peaky=False)
+    with caplog.at_level(logging.WARNING, logger="megatron_fused_lm"):
+        first = fused_linear_logprob(hidden, weight, targets, backend=backend)
+        second = fused_linear_logprob(hidden, weight, targets, backend=backend)
+    warnings = [record for record in caplog.records if "no GPU in this test" in record.getMessage()]
+    assert len(warnings) == 1 and backend in warnings[0].getMessage()
+    expected = fused_reference(hidden, weight, targets, 1.0)["logprob"]
+    assert relative_error(first, expected) <= 2e-5 and torch.equal(first, second)

@@ -1,0 +1,108 @@
+"""Both ops with the vocabulary split over two gloo ranks, against a float64 oracle of the whole
+vocabulary; and the number of collectives per call."""
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from megatron_fused_lm import fused_linear_logprob, logits_logprob
+from oracle import fused_reference, logits_reference, make_case, relative_error
+from spawn import run_ranks
+
+H, V_LOCAL, TOKENS = 24, 53, 31
+ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+
+@contextlib.contextmanager
+def counted_collectives():
+    """Count calls of the collectives the ops use."""
+    counts = {ALL_GATHER: 0, "all_reduce": 0}
+    originals = {name: getattr(dist, name) for name in counts}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in counts:
+        setattr(dist, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, function in originals.items():
+            setattr(dist, name, function)
+
+
+def check_fused(rank, group, dtype, chunk_size, targets_on_rank_1_only):
+    world = dist.get_world_size(group)
+    hidden, weight, targets = make_case((TOKENS,), H, V_LOCAL * world, dtype, peaky=True, seed=7)
+    if targets_on_rank_1_only:  # rank 0 owns no target: its shard still gets the -p term
+        targets = V_LOCAL + targets % V_LOCAL
+    else:  # alternate rows' targets in alternate shards: each rank owns half of them
+        targets = targets % V_LOCAL + V_LOCAL * (torch.arange(TOKENS) % world)
+    shard = weight[rank * V_LOCAL:(rank + 1) * V_LOCAL].clone().requires_grad_()
+    hidden_leaf = hidden.clone().requires_grad_()
+    grad_logprob, grad_entropy = torch.randn(TOKENS), torch.randn(TOKENS)
+    with counted_collectives() as counts:
+        logprob, entropy = fused_linear_logprob(
+            hidden_leaf, shard, targets, tp_group=group, temperature=0.7, return_entropy=True, chunk_size=chunk_size
+        )
+        forward_counts = dict(counts)
+        ((logprob * grad_logprob).sum() + (entropy * grad_entropy).sum()).backward()
+    assert forward_counts == {ALL_GATHER: 1, "all_reduce": 0}, forward_counts
+    assert counts == {ALL_GATHER: 1, "all_reduce": 1}, counts
+    expected = fused_reference(hidden, weight, targets, 0.7, grad_logprob, grad_entropy)
+    output_tol, grad_tol = (2e-5, 2e-5) if dtype == torch.float32 else (1e-4, 1e-2)
+    assert relative_error(logprob, expected["logprob"]) <= output_tol
+    assert relative_error(entropy, expected["entropy"]) <= output_tol
+    assert relative_error(hidden_leaf.grad, expected["grad_hidden"]) <= grad_tol
+    expected_shard_grad = expected["grad_weight"][rank * V_LOCAL:(rank + 1) * V_LOCAL]
+    assert relative_error(shard.grad, expected_shard_grad) <= grad_tol
+
+
+def check_partial_hidden_grad(rank, group):
+    hidden, weight, targets = make_case((TOKENS,), H, 2 * V_LOCAL, torch.float32, peaky=False, seed=3)
+    shard = weight[rank * V_LOCAL:(rank + 1) * V_LOCAL]
+    hidden_leaf = hidden.clone().requires_grad_()
+    with counted_collectives() as counts:
+        fused_linear_logprob(hidden_leaf, shard, targets, tp_group=group, reduce_hidden_grad=False).sum().backward()
+    assert counts["all_reduce"] == 0
+    full = fused_reference(hidden, weight, targets, 1.0, grad_logprob=torch.ones(TOKENS))["grad_hidden"]
+    partial = hidden_leaf.grad.clone()
+    assert relative_error(partial, full) > 1e-2  # really only this rank's share
+    dist.all_reduce(partial, group=group)
+    assert relative_error(partial, full) <= 2e-5
+
+
+def check_logits(rank, group, chunk_size):
+    hidden, weight, targets = make_case((TOKENS,), H, 2 * V_LOCAL, torch.float64, peaky=False, seed=5)
+    logits = (hidden @ weight.t()).float()
+    shard = logits[:, rank * V_LOCAL:(rank + 1) * V_LOCAL].clone().requires_grad_()
+    grad_logprob, grad_entropy = torch.randn(TOKENS), torch.randn(TOKENS)
+    with counted_collectives() as counts:
+        logprob, entropy = logits_logprob(shard, targets, tp_group=group, temperature=1.3, return_entropy=True, chunk_size=chunk_size)
+        ((logprob * grad_logprob).sum() + (entropy * grad_entropy).sum()).backward()
+    assert counts == {ALL_GATHER: 1, "all_reduce": 0}, counts
+    expected = logits_reference(logits, targets, 1.3, grad_logprob, grad_entropy)
+    assert relative_error(logprob, expected["logprob"]) <= 2e-5
+    assert relative_error(entropy, expected["entropy"]) <= 2e-5
+    assert relative_error(shard.grad, expected["grad_logits"][:, rank * V_LOCAL:(rank + 1) * V_LOCAL]) <= 2e-5
+
+
+def tensor_parallel_cases(rank, world_size):
+    torch.manual_seed(1234)  # the same upstream gradients on every rank
+    group = dist.new_group(list(range(world_size)))
+    for dtype in (torch.float32, torch.bfloat16):
+        for chunk_size in (1, 7, None):
+            check_fused(rank, group, dtype, chunk_size, targets_on_rank_1_only=False)
+    check_fused(rank, group, torch.float32, 5, targets_on_rank_1_only=True)
+    check_partial_hidden_grad(rank, group)
+    for chunk_size in (4, None):
+        check_logits(rank, group, chunk_size)
+
+
+def test_two_ranks():
+    run_ranks(tensor_parallel_cases, 2)

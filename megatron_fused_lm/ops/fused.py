@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .backends import resolve_backend
-from .inputs import check_float, check_options, shard_targets
+from .inputs import check_float, check_options, flatten_targets, scatter_rows, shard_targets
 from .softmax_stats import group_size, merge_across_group, summarize
 
 
@@ -80,6 +80,7 @@ def fused_linear_logprob(
     backend: str = "torch",
     chunk_size: Optional[int] = None,
     reduce_hidden_grad: bool = True,
+    mask: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Log-probs (and entropy) of ``targets`` under ``softmax(hidden @ weight.T / temperature)``,
     the vocabulary spread over ``tp_group``, without materializing the logits.
@@ -101,6 +102,10 @@ def fused_linear_logprob(
         reduce_hidden_grad: ``True`` (default) gives the full gradient w.r.t. ``hidden`` on every
             rank (one all-reduce). ``False`` gives this rank's partial, for a caller whose own
             backward sums partials across ranks (a sequence-parallel gather's reduce-scatter).
+        mask: optional bool ``[...]`` (``targets``' shape): only rows where it is True are
+            computed (their hidden rows are gathered before the product, so time and memory follow
+            the number selected); the others are 0 with zero gradient, and their targets are not
+            read. Under tensor parallelism every rank must pass the same mask.
 
     Returns:
         ``logprob [...]`` float32, or ``(logprob, entropy)`` with ``return_entropy=True``.
@@ -113,11 +118,15 @@ def fused_linear_logprob(
         raise ValueError(f"hidden size {tuple(hidden.shape)[-1:]} does not match weight's {weight.shape[1]}")
     check_options(temperature, chunk_size)
     lead_shape = hidden.shape[:-1]
-    local_target, owned = shard_targets(targets, lead_shape, weight.shape[0], tp_group)
+    selected_targets, rows = flatten_targets(targets, lead_shape, mask)
+    local_target, owned = shard_targets(selected_targets, weight.shape[0], tp_group)
     implementation = resolve_backend(backend, hidden.device)
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    if rows is not None:
+        hidden = hidden.index_select(0, rows)
     logprob, entropy = FusedLinearLogprob.apply(
-        hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype), weight, local_target, owned,
+        hidden.to(weight.dtype), weight, local_target, owned,
         float(temperature), tp_group, implementation, chunk_size, entropy_grad, reduce_hidden_grad,
     )
-    logprob = logprob.view(lead_shape)
-    return (logprob, entropy.view(lead_shape)) if return_entropy else logprob
+    logprob = scatter_rows(logprob, rows, lead_shape)
+    return (logprob, scatter_rows(entropy, rows, lead_shape)) if return_entropy else logprob

@@ -7,7 +7,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from .inputs import check_float, check_options, shard_targets
+from .inputs import check_float, check_options, flatten_targets, scatter_rows, shard_targets
 from .softmax_stats import merge_across_group, summarize
 from .torch_backend import chunk_logit_grads, chunk_statistics
 
@@ -67,6 +67,7 @@ def logits_logprob(
     return_entropy: bool = False,
     entropy_grad: bool = True,
     chunk_size: Optional[int] = None,
+    mask: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Log-probs (and entropy) of ``targets`` under ``softmax(logits / temperature)``, the
     vocabulary spread over ``tp_group``: the stock (unfused) path.
@@ -78,6 +79,8 @@ def logits_logprob(
         tp_group, temperature, return_entropy, entropy_grad: as for ``fused_linear_logprob``.
         chunk_size: tokens per chunk of the float32 softmax; ``None`` (or a size of at least the
             number of tokens) runs one pass over all tokens.
+        mask: optional bool ``[...]``: only rows where it is True are computed; the others are 0
+            with zero gradient (as for ``fused_linear_logprob``).
 
     Returns:
         ``logprob [...]`` float32, or ``(logprob, entropy)``. The gradient goes to ``logits``
@@ -88,9 +91,11 @@ def logits_logprob(
         raise ValueError(f"logits must be [..., vocab_shard >= 1], got shape {tuple(logits.shape)}")
     check_options(temperature, chunk_size)
     lead_shape = logits.shape[:-1]
-    local_target, owned = shard_targets(targets, lead_shape, logits.shape[-1], tp_group)
-    logprob, entropy = LogitsLogprob.apply(
-        logits.reshape(-1, logits.shape[-1]), local_target, owned, float(temperature), tp_group, chunk_size, entropy_grad
-    )
-    logprob = logprob.view(lead_shape)
-    return (logprob, entropy.view(lead_shape)) if return_entropy else logprob
+    selected_targets, rows = flatten_targets(targets, lead_shape, mask)
+    local_target, owned = shard_targets(selected_targets, logits.shape[-1], tp_group)
+    logits = logits.reshape(-1, logits.shape[-1])
+    if rows is not None:
+        logits = logits.index_select(0, rows)
+    logprob, entropy = LogitsLogprob.apply(logits, local_target, owned, float(temperature), tp_group, chunk_size, entropy_grad)
+    logprob = scatter_rows(logprob, rows, lead_shape)
+    return (logprob, scatter_rows(entropy, rows, lead_shape)) if return_entropy else logprob

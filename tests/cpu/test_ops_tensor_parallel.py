@@ -92,6 +92,20 @@ def check_logits(rank, group, chunk_size):
     assert relative_error(shard.grad, expected["grad_logits"][:, rank * V_LOCAL:(rank + 1) * V_LOCAL]) <= 2e-5
 
 
+def check_masked(rank, group):
+    hidden, weight, targets = make_case((TOKENS,), H, 2 * V_LOCAL, torch.float32, peaky=False, seed=9)
+    mask = torch.arange(TOKENS) % 3 == 0
+    shard = weight[rank * V_LOCAL:(rank + 1) * V_LOCAL].clone().requires_grad_()
+    hidden_leaf = hidden.clone().requires_grad_()
+    logprob = fused_linear_logprob(hidden_leaf, shard, targets, tp_group=group, mask=mask)
+    logprob.sum().backward()
+    expected = fused_reference(hidden, weight, targets, 1.0, grad_logprob=mask.double())
+    assert relative_error(logprob[mask], expected["logprob"][mask]) <= 2e-5
+    assert torch.count_nonzero(logprob[~mask]) == 0
+    assert relative_error(hidden_leaf.grad, expected["grad_hidden"]) <= 2e-5
+    assert relative_error(shard.grad, expected["grad_weight"][rank * V_LOCAL:(rank + 1) * V_LOCAL]) <= 2e-5
+
+
 def tensor_parallel_cases(rank, world_size):
     torch.manual_seed(1234)  # the same upstream gradients on every rank
     group = dist.new_group(list(range(world_size)))
@@ -100,6 +114,7 @@ def tensor_parallel_cases(rank, world_size):
             check_fused(rank, group, dtype, chunk_size, targets_on_rank_1_only=False)
     check_fused(rank, group, torch.float32, 5, targets_on_rank_1_only=True)
     check_partial_hidden_grad(rank, group)
+    check_masked(rank, group)
     for chunk_size in (4, None):
         check_logits(rank, group, chunk_size)
 

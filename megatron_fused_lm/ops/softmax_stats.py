@@ -50,7 +50,7 @@ def block_statistics(logits: torch.Tensor, local_target: torch.Tensor, owned: to
     stats = torch.empty(logits.shape[0], NUM_STATISTICS, dtype=torch.float32, device=logits.device)
     stats[:, MAX] = row_max.squeeze(-1)
     stats[:, SUMEXP] = weights.sum(dim=-1)
-    stats[:, SUMEXP_Z] = (weights * shifted).sum(dim=-1)
+    stats[:, SUMEXP_Z] = torch.linalg.vecdot(weights, shifted)  # no fourth block for the product
     target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
     stats[:, TARGET] = torch.where(owned, target_logit, torch.zeros_like(target_logit))
     return stats

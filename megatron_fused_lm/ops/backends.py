@@ -8,6 +8,7 @@ the input checks and the autograd plumbing are shared and live in ``fused``.
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 from typing import Optional
 
@@ -31,8 +32,6 @@ def triton_unavailable_reason(device: torch.device) -> Optional[str]:
     It runs on CUDA devices, and on the CPU under the Triton interpreter (``TRITON_INTERPRET=1``,
     set before the kernels are first imported), which the CPU tests use.
     """
-    import os
-
     try:
         import triton  # noqa: F401
     except ImportError:

@@ -1,0 +1,24 @@
+"""The forward kernel's launch shape: tile sizes, program ordering, warps and pipeline depth."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Tiles(NamedTuple):
+    """One kernel launch's shape.
+
+    ``block_m`` tokens x ``block_n`` vocabulary rows per output tile, ``block_k`` of the hidden
+    dimension per ``tl.dot`` step; ``group_m`` token tiles are walked together so that their
+    hidden rows and the weight rows they share stay in L2; ``num_warps`` and ``num_stages`` as
+    for any Triton kernel; ``dot_precision`` is ``tl.dot``'s ``input_precision`` ("ieee" for
+    float32 inputs, so float32 means float32 and not tf32).
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    dot_precision: str

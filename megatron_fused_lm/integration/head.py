@@ -1,0 +1,249 @@
+"""Patching a Megatron-Core language model so that its LM head never builds the logits, and the
+``FusedLMHead`` that turns what the model returns into per-token log-probs and entropy.
+
+While a model is wrapped with the fused head on:
+
+- ``output_layer.forward(input_, weight=None, runtime_gather_output=None)`` returns
+  ``(hidden [s, b, h], None)``: the pre-projection hidden states, gathered along the sequence when
+  the layer is sequence parallel. It records the weight the call used (the ``weight=`` argument
+  for tied embeddings, else the layer's own), so ``model(input_ids, position_ids, mask)`` returns
+  ``hidden [b, s, h]`` where the stock model returns ``logits [b, s, vocab/TP]``.
+- ``compute_language_model_loss(labels [b, s], hidden [s, b, h])`` returns the stock per-token
+  cross-entropy ``[b, s]`` (float32) computed by ``fused_linear_logprob``, so
+  ``model(..., labels=labels)`` and multi-token-prediction heads keep working.
+
+Both patches are instance attributes; ``unwrap_model`` deletes them and the class methods apply
+again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+from .._logging import warn_once
+from ..ops import fused_linear_logprob, logits_logprob
+from .config import FusedLMConfig
+from .megatron_compat import (
+    derives_mtp_metrics_from_logits,
+    fallback_reason,
+    model_chunks,
+    output_layer_of,
+    tensor_parallel_group,
+)
+
+# Instance attribute set on a patched output layer and on a patched model chunk; holds the
+# `_Patch` that owns them.
+PATCH_ATTRIBUTE = "_megatron_fused_lm_patch"
+_NOT_SET = object()
+
+
+@dataclass(frozen=True)
+class _HeadCall:
+    """What one patched output-layer call used: everything the fused op needs besides the hidden.
+
+    ``reduce_hidden_grad`` is ``False`` where the stock layer would not all-reduce the hidden
+    gradient either: under sequence parallelism (the gather's backward reduce-scatters the
+    partials) and with ``disable_grad_reduce``.
+    """
+
+    weight: torch.Tensor
+    tp_group: Optional[dist.ProcessGroup]
+    reduce_hidden_grad: bool
+
+
+class _Patch:
+    """The patches of one model chunk, and how to take them off."""
+
+    def __init__(self, head: "FusedLMHead", chunk: torch.nn.Module, layer: torch.nn.Module):
+        self.head = head
+        self.chunk = chunk
+        self.layer = layer
+        self.tp_group = tensor_parallel_group(chunk, layer)
+        self.weight_shape = (layer.output_size_per_partition, layer.input_size)
+
+    def apply(self) -> None:
+        replacements = (
+            (self.layer, "forward", self.output_layer_forward),
+            (self.chunk, "compute_language_model_loss", self.compute_language_model_loss),
+        )
+        # An instance attribute that was there before (someone else's patch) comes back on remove.
+        self.replaced = [(owner, name, owner.__dict__.get(name, _NOT_SET)) for owner, name, _ in replacements]
+        for owner, name, patched in replacements:
+            setattr(owner, name, patched)
+        setattr(self.layer, PATCH_ATTRIBUTE, self)
+        setattr(self.chunk, PATCH_ATTRIBUTE, self)
+
+    def remove(self) -> None:
+        for owner, name, previous in self.replaced:
+            if previous is _NOT_SET:
+                del owner.__dict__[name]
+            else:
+                setattr(owner, name, previous)
+        delattr(self.layer, PATCH_ATTRIBUTE)
+        delattr(self.chunk, PATCH_ATTRIBUTE)
+        self.head._detached = True
+
+    def output_layer_forward(
+        self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None, runtime_gather_output: Optional[bool] = None
+    ) -> Tuple[torch.Tensor, None]:
+        """``input_ [s/TP if sequence parallel else s, b, h]`` -> ``(hidden [s, b, h], None)``.
+
+        ``runtime_gather_output`` has nothing to gather: the hidden is the same on every rank.
+        """
+        layer = self.layer
+        if weight is None:
+            if layer.weight is None:
+                raise RuntimeError("the output layer owns no weight and none was passed as weight=")
+            weight = layer.weight
+        elif tuple(weight.shape) != self.weight_shape:
+            raise RuntimeError(f"supplied weight's shape is {tuple(weight.shape)}, not {self.weight_shape} as expected")
+        if layer.sequence_parallel:
+            # Its backward reduce-scatters the ranks' partial hidden gradients: the one reduction.
+            hidden = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=self.tp_group)
+            reduce_hidden_grad = False
+        else:
+            hidden = input_
+            reduce_hidden_grad = not getattr(layer, "disable_grad_reduce", False)
+        self.head._last_call = _HeadCall(weight, self.tp_group, reduce_hidden_grad)
+        return hidden, None
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """``labels [b, s]`` global ids, ``logits``: what the patched output layer returned,
+        ``hidden [s, b, h]`` (possibly scaled by MuP) -> per-token cross-entropy ``[b, s]`` float32."""
+        logprob = self.head._fused_logprobs(logits, labels.transpose(0, 1), temperature=1.0)
+        return (-logprob).transpose(0, 1).contiguous()
+
+
+class FusedLMHead:
+    """Per-token log-probs and entropy from what a wrapped model returns; made by ``wrap_model``.
+
+    Attributes:
+        fused: ``True`` when the model's output layer returns hidden states (the fused path);
+            ``False`` when the model is stock (disabled config, a fallback, or no output layer
+            on this pipeline stage) and returns logits.
+        fallback_reason: ``None``, or the sentence saying why the fused path was not taken.
+    """
+
+    def __init__(self, config: FusedLMConfig, fallback_reason: Optional[str] = None):
+        self.config = config
+        self.fallback_reason = fallback_reason
+        self.fused = False
+        self._patches: List[_Patch] = []
+        self._stock_layers: List[Tuple[torch.nn.Module, torch.nn.Module]] = []
+        self._last_call: Optional[_HeadCall] = None
+        self._detached = False
+
+    def logprobs(
+        self,
+        output: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        temperature: float = 1.0,
+        return_entropy: bool = False,
+        entropy_grad: bool = True,
+        mask: Optional[torch.Tensor] = None,
+    ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """Log-probs (and entropy) of ``targets`` under the model's next-token distribution.
+
+        Args:
+            output: what the wrapped model returned for this batch: ``hidden [b, s, h]`` when
+                ``fused``, else the logits ``[b, s, vocab/TP]`` (or ``[b, s, vocab]`` when the
+                model gathered them).
+            targets: ``[b, s]`` integer global vocabulary ids.
+            temperature: divides the logits.
+            return_entropy: also return the entropy.
+            entropy_grad: ``False`` makes the entropy a metric (no graph, no backward term).
+            mask: optional bool ``[b, s]``: only these positions are computed (e.g. the response
+                tokens, see ``megatron_fused_lm.packing``); the others are 0 with zero gradient.
+                With the fused head the hidden rows are selected before the projection, so the
+                head's cost follows the number of selected positions.
+
+        Returns:
+            ``logprob [b, s]`` float32, or ``(logprob, entropy)``, each ``[b, s]`` float32.
+        """
+        options = dict(temperature=temperature, return_entropy=return_entropy, entropy_grad=entropy_grad, mask=mask)
+        if self.fused:
+            return self._fused_logprobs(output, targets, **options)
+        return logits_logprob(
+            output, targets, tp_group=self._logits_group(output), chunk_size=self.config.chunk_size, **options
+        )
+
+    def _fused_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, **options):
+        if self._detached:
+            raise RuntimeError("this FusedLMHead's model was unwrapped or wrapped again; use the newest head")
+        call = self._last_call
+        if call is None:
+            raise RuntimeError("run the wrapped model's forward before asking the head for log-probs")
+        if hidden.dim() == 0 or hidden.shape[-1] != call.weight.shape[1]:
+            raise ValueError(
+                f"expected the wrapped model's hidden states [..., {call.weight.shape[1]}], got shape "
+                f"{tuple(hidden.shape)}; with the fused head on, the model returns hidden states, not logits"
+            )
+        return fused_linear_logprob(
+            hidden, call.weight, targets, tp_group=call.tp_group, backend=self.config.backend,
+            chunk_size=self.config.chunk_size, reduce_hidden_grad=call.reduce_hidden_grad, **options,
+        )
+
+    def _logits_group(self, logits: torch.Tensor) -> Optional[dist.ProcessGroup]:
+        # A [.., vocab/TP] shard needs the group; logits gathered to the full vocabulary do not.
+        if not self._stock_layers:
+            raise RuntimeError("this pipeline stage has no output layer, so there are no log-probs to compute")
+        chunk, layer = self._stock_layers[-1]
+        group = tensor_parallel_group(chunk, layer)
+        full_vocab = getattr(layer, "output_size", None)
+        gathered = full_vocab is not None and logits.dim() > 0 and logits.shape[-1] == full_vocab
+        return None if gathered else group
+
+
+def wrap_model(model: Any, config: FusedLMConfig) -> FusedLMHead:
+    """Patch every output layer of ``model`` for the fused head (when ``config.enabled``) and
+    return the head that computes log-probs from the model's outputs.
+
+    ``model`` is a Megatron-Core language model (GPTModel, or anything with the same
+    ``output_layer`` / ``compute_language_model_loss`` API), possibly wrapped in modules that hold
+    it as ``.module`` (DDP, Float16Module), or a list of virtual-pipeline chunks. Chunks without
+    an output layer are left alone. A model wrapped before is unwrapped first, so patches never
+    stack. When any output layer cannot be fused exactly (see ``megatron_compat.fallback_reason``)
+    the model stays stock, one warning names the reason, and ``head.fallback_reason`` holds it.
+    """
+    if not isinstance(config, FusedLMConfig):
+        raise TypeError(f"config must be a FusedLMConfig, got {type(config).__name__}")
+    unwrap_model(model)
+    head = FusedLMHead(config)
+    for chunk in model_chunks(model):
+        layer = output_layer_of(chunk)
+        if layer is not None:
+            head._stock_layers.append((chunk, layer))
+    if not config.enabled or not head._stock_layers:
+        return head
+    for chunk, layer in head._stock_layers:
+        reason = fallback_reason(chunk, layer)
+        if reason is not None:
+            head.fallback_reason = reason
+            warn_once(f"megatron_fused_lm: the fused LM head falls back to the stock logits path: {reason}.")
+            return head
+    for chunk, layer in head._stock_layers:
+        patch = _Patch(head, chunk, layer)
+        patch.apply()
+        head._patches.append(patch)
+        if derives_mtp_metrics_from_logits(chunk):
+            warn_once(
+                "megatron_fused_lm: multi-token-prediction losses stay exact with the fused LM head, but "
+                "Megatron's MTP acceptance-rate metric (an argmax over the output layer's result) is meaningless."
+            )
+    head.fused = True
+    return head
+
+
+def unwrap_model(model: Any) -> None:
+    """Take the fused-head patches off every chunk of ``model`` (a no-op where there are none);
+    the model computes logits and losses the stock way again."""
+    for chunk in model_chunks(model):
+        patch = getattr(chunk, PATCH_ATTRIBUTE, None)
+        if patch is not None:
+            patch.remove()

@@ -1,0 +1,194 @@
+"""Test helpers: real Megatron-Core GPTModels on CPU, run on gloo ranks.
+
+One spawned process costs seconds (torch + megatron imports), so a test spawns its ranks once with
+``spawn`` and runs many cases inside; ``tensor_parallel(size)`` re-initializes Megatron's groups
+between cases (TP=1 cases run on every rank of a two-rank world, each rank on its own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Callable, Dict, Optional
+
+import torch
+
+from spawn import run_ranks
+
+VOCAB_SHARD = 53  # a prime, so shards are not tile multiples
+SEQ, BATCH = 12, 2  # SEQ divisible by 2 for sequence parallelism
+HIDDEN, HEADS, LAYERS = 32, 4, 2
+
+
+def spawn(worker: Callable, world_size: int, *args) -> None:
+    """Run ``worker(*args)`` on ``world_size`` fresh gloo ranks set up for Megatron on CPU; a failure
+    on any rank fails the caller. ``worker`` must be importable by name (a module-level function)."""
+    run_ranks(_megatron_rank, world_size, worker, args)
+
+
+def _megatron_rank(rank: int, world_size: int, worker: Callable, args: tuple) -> None:
+    torch.set_num_threads(1)
+    patch_megatron_for_cpu()
+    try:
+        worker(*args)
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+
+
+def patch_megatron_for_cpu() -> None:
+    """Undo the two GPU-only assumptions of a GPTModel forward, and let torch norms run under
+    sequence parallelism (they are per-token, so exact there)."""
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    torch.cuda.current_device = lambda: "cpu"  # the attention scratch buffer's device
+    CudaRNGStatesTracker.fork = lambda self, *args, **kwargs: contextlib.nullcontext()  # dropout is 0
+    build_norm = WrappedTorchNorm.__new__
+
+    def build_norm_ignoring_sequence_parallel(cls, config, *args, **kwargs):
+        config = copy.copy(config)
+        config.sequence_parallel = False
+        return build_norm(cls, config, *args, **kwargs)
+
+    WrappedTorchNorm.__new__ = build_norm_ignoring_sequence_parallel
+
+
+def tensor_parallel(size: int) -> None:
+    """(Re-)initialize Megatron's process groups with tensor-parallel size ``size``."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(size, 1)
+
+
+def tp_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def build_gpt(
+    *,
+    sequence_parallel: bool = False,
+    tied: bool = False,
+    seed: int = 1234,
+    config_overrides: Optional[Dict] = None,
+    mtp_num_layers: Optional[int] = None,
+    model_class: Optional[type] = None,
+    post_process: bool = True,
+):
+    """A small float32 GPTModel (local spec, rotary positions, no dropout), identical on every rank
+    for the same ``seed``. Weights are large enough (std 0.7) that the next-token distributions are
+    peaky, where log-prob and entropy errors show."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    size = tp_size()
+    config = TransformerConfig(
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        tensor_model_parallel_size=size,
+        sequence_parallel=sequence_parallel and size > 1,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        init_method_std=0.7,
+        mtp_num_layers=mtp_num_layers,
+        **(config_overrides or {}),
+    )
+    layer_spec = get_gpt_layer_local_spec()
+    mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False) if mtp_num_layers else None
+    torch.manual_seed(seed)
+    return (model_class or GPTModel)(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=VOCAB_SHARD * size,
+        max_sequence_length=SEQ,
+        share_embeddings_and_output_weights=tied,
+        position_embedding_type="rope",
+        mtp_block_spec=mtp_spec,
+        post_process=post_process,
+    )
+
+
+def make_batch(seed: int = 7):
+    """``(input_ids, position_ids, attention_mask, targets)``, the same on every rank: ids
+    ``[BATCH, SEQ]`` int64, a causal mask ``[1, 1, SEQ, SEQ]`` (True = masked), targets ``[BATCH, SEQ]``
+    over the whole vocabulary."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = VOCAB_SHARD * tp_size()
+    input_ids = torch.randint(0, vocab, (BATCH, SEQ), generator=generator)
+    targets = torch.randint(0, vocab, (BATCH, SEQ), generator=generator)
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    return input_ids, position_ids, mask, targets
+
+
+def random_weights(*shape, seed: int) -> torch.Tensor:
+    """Float32 weights in [-1, 1), the same on every rank."""
+    return torch.rand(*shape, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+
+
+def forward(model, batch, **kwargs):
+    """The model on ``make_batch``'s inputs (``labels=`` etc. pass through)."""
+    input_ids, position_ids, mask, _ = batch
+    return model(input_ids, position_ids, mask, **kwargs)
+
+
+def head_loss(logprob: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+    """A random weighted sum of both head outputs, the same on every rank."""
+    weights = random_weights(2, *logprob.shape, seed=11)
+    return (weights[0] * logprob + weights[1] * entropy).sum()
+
+
+def labels_loss(loss: torch.Tensor) -> torch.Tensor:
+    """A random weighted sum of the per-token labels-path loss."""
+    return (random_weights(*loss.shape, seed=12) * loss).sum()
+
+
+def oracle_logprob_entropy(logits_shard: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """Float64 log-probs and entropy ``[b, s]`` from a logits shard ``[b, s, vocab/TP]``: the shards
+    are gathered across the TP group (with autograd: the backward hands each rank its own slice),
+    then plain torch does the math."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    full = logits_shard
+    if tp_size() > 1:
+        full = gather_from_tensor_model_parallel_region(logits_shard, group=parallel_state.get_tensor_model_parallel_group())
+    log_probs = torch.log_softmax(full.double() / temperature, dim=-1)
+    logprob = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return logprob, entropy
+
+
+def parameter_grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Every parameter's gradient (cloned), by name; zeroes them afterwards."""
+    grads = {}
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None, f"{name} got no gradient"
+        grads[name] = parameter.grad.detach().clone()
+        parameter.grad = None
+    return grads
+
+
+def assert_grads_close(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], rtol: float, label: str) -> None:
+    """Each gradient within ``rtol`` of the largest entry of the stock one (elementwise relative
+    tolerances are meaningless for entries near zero)."""
+    assert actual.keys() == expected.keys(), label
+    for name, want in expected.items():
+        scale = want.abs().max().item()
+        error = (actual[name] - want).abs().max().item()
+        assert scale > 0, f"{label}: {name} has an all-zero stock gradient, the comparison would prove nothing"
+        assert error <= rtol * scale, f"{label}: {name} gradient differs by {error:.3g} (largest entry {scale:.3g})"
+
+
+def assert_max_error(actual: torch.Tensor, expected: torch.Tensor, atol: float, label: str) -> None:
+    error = (actual.double() - expected.double()).abs().max().item()
+    assert error <= atol, f"{label}: max error {error:.3g} > {atol:.3g}"

@@ -1,0 +1,263 @@
+"""wrap_model on real Megatron-Core GPTModels beyond the plain case (TP=2, gloo): each fallback
+reason, model wrappers and virtual-pipeline chunk lists, stages without an output layer, wrapping
+twice, multi-token prediction, MuP output scaling (megatron-core >= 0.19), gathered logits, misuse.
+
+Every result is compared with the stock model itself: a float64 oracle on its gathered logits, or
+its own loss and gradients. Tolerances as in test_integration_parity (float32 models; measured
+errors about 2e-6).
+"""
+
+import copy
+import logging
+
+import torch
+
+import megatron_harness as harness
+from megatron_fused_lm.integration import FusedLMConfig, unwrap_model, wrap_model
+
+TEMPERATURE = 0.7
+VALUE_ATOL = 2e-5
+GRAD_RTOL = 5e-5
+FUSED = FusedLMConfig(enabled=True, chunk_size=7)
+
+
+class WarningRecords(logging.Handler):
+    """Collects the package logger's warnings."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+        logging.getLogger("megatron_fused_lm").addHandler(self)
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+class ModuleWrapper(torch.nn.Module):
+    """Holds a model as ``.module`` and forwards to it, as DDP and Float16Module do."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def _is_stock(chunk):
+    layer = chunk.output_layer
+    return "forward" not in vars(layer) and "compute_language_model_loss" not in vars(chunk)
+
+
+def _stock_reference(model, batch, with_backward=True):
+    """Stock logits, oracle log-probs/entropy and their gradients, stock loss and its gradients."""
+    targets = batch[3]
+    logits = harness.forward(model, batch)
+    logprob, entropy = harness.oracle_logprob_entropy(logits, targets, TEMPERATURE)
+    reference = dict(logits=logits.detach(), logprob=logprob.detach(), entropy=entropy.detach())
+    if with_backward:
+        harness.head_loss(logprob, entropy).backward()
+        reference["grads"] = harness.parameter_grads(model)
+        loss = harness.forward(model, batch, labels=targets)
+        harness.labels_loss(loss).backward()
+        reference["loss"], reference["loss_grads"] = loss.detach(), harness.parameter_grads(model)
+    return reference
+
+
+def _check_head(model, head, batch, reference, label, with_backward=True):
+    """The head's log-probs/entropy from the model's output match the oracle (and the gradients
+    the stock ones); the labels path gives the stock loss and gradients."""
+    targets = batch[3]
+    logprob, entropy = head.logprobs(harness.forward(model, batch), targets, temperature=TEMPERATURE, return_entropy=True)
+    harness.assert_max_error(logprob, reference["logprob"], VALUE_ATOL, f"{label} logprob")
+    harness.assert_max_error(entropy, reference["entropy"], VALUE_ATOL, f"{label} entropy")
+    if not with_backward:
+        return
+    harness.head_loss(logprob, entropy).backward()
+    harness.assert_grads_close(harness.parameter_grads(model), reference["grads"], GRAD_RTOL, f"{label} head grads")
+    loss = harness.forward(model, batch, labels=targets)
+    harness.assert_max_error(loss, reference["loss"], VALUE_ATOL, f"{label} labels loss")
+    harness.labels_loss(loss).backward()
+    harness.assert_grads_close(harness.parameter_grads(model), reference["loss_grads"], GRAD_RTOL, f"{label} labels grads")
+
+
+def _check_fallback(model, batch, expected_words, warnings, label, with_backward=True):
+    """Wrapping falls back: one warning naming the reason (none on a second wrap), the model
+    stays stock, and the head gives the oracle's answers from the stock logits."""
+    reference = _stock_reference(model, batch, with_backward)
+    before = len(warnings.messages)
+    head = wrap_model(model, FUSED)
+    assert not head.fused and head.fallback_reason, label
+    for word in expected_words:
+        assert word in head.fallback_reason, f"{label}: {head.fallback_reason!r} does not name {word!r}"
+    assert len(warnings.messages) == before + 1 and head.fallback_reason in warnings.messages[-1], label
+    chunk = harness_chunk(model)
+    assert _is_stock(chunk), f"{label}: a fallback patched the model"
+    assert torch.equal(harness.forward(model, batch), reference["logits"]), f"{label}: logits changed"
+    _check_head(model, head, batch, reference, label, with_backward)
+    head_again = wrap_model(model, FUSED)
+    assert head_again.fallback_reason == head.fallback_reason and len(warnings.messages) == before + 1, label
+
+
+def harness_chunk(model):
+    return model.module if isinstance(model, ModuleWrapper) else model
+
+
+def fallback_cases(warnings) -> None:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    batch = harness.make_batch()
+
+    model = harness.build_gpt(sequence_parallel=True)
+    model.output_layer.bias = torch.nn.Parameter(harness.random_weights(harness.VOCAB_SHARD, seed=3))
+    _check_fallback(model, batch, ["bias"], warnings, "bias")
+
+    # TransformerEngine's MXFP8 head, recognized by its name; a stand-in that computes like
+    # the stock layer, so the comparison is with known logits.
+    te_head = type("TELMHeadColumnParallelLinear", (ColumnParallelLinear,), {"__module__": "megatron.core.extensions.transformer_engine"})
+    model = harness.build_gpt(tied=True)
+    model.output_layer.__class__ = te_head
+    _check_fallback(model, batch, ["TransformerEngine", "TELMHeadColumnParallelLinear"], warnings, "TE head")
+
+    class SoftCappedHead(ColumnParallelLinear):
+        def forward(self, input_, weight=None, runtime_gather_output=None):
+            logits, bias = super().forward(input_, weight, runtime_gather_output)
+            return 8.0 * torch.tanh(logits / 8.0), bias
+
+    model = harness.build_gpt()
+    model.output_layer.__class__ = SoftCappedHead
+    _check_fallback(model, batch, ["SoftCappedHead", "not Megatron's ColumnParallelLinear"], warnings, "custom head")
+
+    # Deferred embedding wgrad needs pipelining and the fused wgrad kernel to be built, and its
+    # stock backward leaves the weight gradient to the pipeline flush: switch it on after the
+    # build, on the output layer's own copy of the config, and check the forward only.
+    model = harness.build_gpt()
+    model.output_layer.config = copy.copy(model.config)
+    model.output_layer.config.defer_embedding_wgrad_compute = True
+    model.output_layer.embedding_activation_buffer = []
+    _check_fallback(model, batch, ["defer_embedding_wgrad_compute"], warnings, "deferred wgrad", with_backward=False)
+    assert model.output_layer.embedding_activation_buffer, "deferred wgrad: the stock layer did not run"
+
+    class SoftCappedGPT(GPTModel):
+        """megatron-core >= 0.19 applies this to the output layer's result; 0.16 never calls it."""
+
+        def _scale_logits(self, logits):
+            return 8.0 * torch.tanh(logits / 8.0)
+
+    model = harness.build_gpt(model_class=SoftCappedGPT)
+    _check_fallback(model, batch, ["_scale_logits"], warnings, "_scale_logits override")
+
+
+def wrapping_cases() -> None:
+    batch = harness.make_batch()
+
+    # A virtual-pipeline list: a chunk without an output layer and a wrapped one with it.
+    first_chunk = harness.build_gpt(post_process=False, seed=5)
+    last_chunk = harness.build_gpt(sequence_parallel=True, tied=True)
+    wrapped_last = ModuleWrapper(last_chunk)
+    reference = _stock_reference(wrapped_last, batch)
+    first_stock_state = dict(vars(first_chunk))
+    head = wrap_model([first_chunk, wrapped_last], FUSED)
+    assert head.fused and not _is_stock(last_chunk) and "forward" not in vars(wrapped_last), "chunk list"
+    assert dict(vars(first_chunk)) == first_stock_state, "chunk list: the chunk without output layer was touched"
+    _check_head(wrapped_last, head, batch, reference, "chunk list")
+
+    # Wrapping twice replaces the patches instead of stacking them; the old head refuses work.
+    second_head = wrap_model(wrapped_last, FUSED)
+    hidden = harness.forward(wrapped_last, batch)
+    assert hidden.shape[-1] == harness.HIDDEN, "wrap twice: the output layer was patched twice"
+    _check_head(wrapped_last, second_head, batch, reference, "wrap twice")
+    try:
+        head.logprobs(hidden, batch[3])
+    except RuntimeError as error:
+        assert "unwrapped or wrapped again" in str(error)
+    else:
+        raise AssertionError("a superseded head still computed log-probs")
+    unwrap_model([first_chunk, wrapped_last])
+    assert _is_stock(last_chunk), "unwrap after wrapping twice"
+    assert torch.equal(harness.forward(wrapped_last, batch), reference["logits"]), "unwrap after wrapping twice"
+    unwrap_model(wrapped_last)  # a no-op on a stock model
+
+    # A pipeline stage without an output layer: nothing to fuse, nothing to compute.
+    stage_head = wrap_model(first_chunk, FUSED)
+    assert not stage_head.fused and stage_head.fallback_reason is None
+    try:
+        stage_head.logprobs(torch.zeros(1, 1, harness.VOCAB_SHARD), torch.zeros(1, 1, dtype=torch.long))
+    except RuntimeError as error:
+        assert "no output layer" in str(error)
+    else:
+        raise AssertionError("a stage without output layer computed log-probs")
+
+    # The disabled head also takes logits the model gathered over the whole vocabulary.
+    disabled = wrap_model(last_chunk, FusedLMConfig())
+    gathered = harness.forward(last_chunk, batch, runtime_gather_output=True)
+    assert gathered.shape[-1] == harness.VOCAB_SHARD * harness.tp_size()
+    logprob = disabled.logprobs(gathered, batch[3], temperature=TEMPERATURE)
+    harness.assert_max_error(logprob, reference["logprob"], VALUE_ATOL, "gathered logits")
+
+    # Someone else's instance-level forward comes back on unwrap.
+    model = harness.build_gpt()
+    traced_forward = model.output_layer.forward
+    model.output_layer.forward = traced_forward
+    wrap_model(model, FUSED)
+    assert vars(model.output_layer)["forward"] is not traced_forward
+    unwrap_model(model)
+    assert vars(model.output_layer)["forward"] is traced_forward and "compute_language_model_loss" not in vars(model)
+
+    # Misuse gets clear errors.
+    head = wrap_model(model, FUSED)
+    for bad_call, message in (
+        (lambda: head.logprobs(torch.zeros(2, 3, harness.HIDDEN), torch.zeros(2, 3, dtype=torch.long)), "forward"),
+        (lambda: head.logprobs(harness.forward(model, batch)[..., :5], batch[3]), "hidden states"),
+    ):
+        try:
+            bad_call()
+        except (RuntimeError, ValueError) as error:
+            assert message in str(error), str(error)
+        else:
+            raise AssertionError(f"no error mentioning {message!r}")
+
+
+def mtp_and_mup_cases() -> None:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    batch = harness.make_batch()
+    for sequence_parallel, tied in ((False, True), (True, False)):
+        label = f"MTP sequence_parallel={sequence_parallel} tied={tied}"
+        model = harness.build_gpt(sequence_parallel=sequence_parallel, tied=tied, mtp_num_layers=1)
+        targets = batch[3]
+        stock_loss = harness.forward(model, batch, labels=targets)
+        harness.labels_loss(stock_loss).backward()
+        stock_grads = harness.parameter_grads(model)
+        assert any(name.startswith("mtp.") for name in stock_grads), label
+        wrap_model(model, FUSED)
+        loss = harness.forward(model, batch, labels=targets)
+        harness.assert_max_error(loss, stock_loss, VALUE_ATOL, f"{label} loss")
+        harness.labels_loss(loss).backward()
+        # The MTP layers learn only through the MTP loss, which the fused head computes too.
+        harness.assert_grads_close(harness.parameter_grads(model), stock_grads, GRAD_RTOL, label)
+        unwrap_model(model)
+
+    if "use_mup" not in TransformerConfig.__dataclass_fields__:
+        return  # megatron-core < 0.19 has no MuP output scaling
+    for tied in (False, True):
+        label = f"MuP tied={tied}"
+        model = harness.build_gpt(sequence_parallel=True, tied=tied, config_overrides=dict(use_mup=True, mup_output_mult=2.5))
+        reference = _stock_reference(model, batch)
+        head = wrap_model(model, FUSED)
+        assert head.fused, label
+        _check_head(model, head, batch, reference, label)
+        unwrap_model(model)
+
+
+def worker() -> None:
+    harness.tensor_parallel(2)
+    warnings = WarningRecords()
+    fallback_cases(warnings)
+    wrapping_cases()
+    mtp_and_mup_cases()
+
+
+def test_fallbacks_wrappers_mtp_mup():
+    harness.spawn(worker, 2)

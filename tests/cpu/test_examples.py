@@ -1,0 +1,33 @@
+"""The examples run end to end (the README's first command runs the quickstart)."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def run_example(name: str) -> str:
+    done = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_quickstart_fused_matches_the_oracle_and_trains_like_stock():
+    output = run_example("quickstart.py")
+    stock_error, fused_error = map(float, re.search(r"log-prob max error vs float64\s+(\S+)\s+(\S+)", output).groups())
+    assert fused_error <= max(stock_error, 1e-5), output
+    assert "never built" in output
+    curve = [tuple(map(float, line.split()[1:3])) for line in output.splitlines() if re.match(r"\s+\d+\s+\d+\.\d+\s+\d+\.\d+", line)]
+    assert len(curve) >= 5 and curve[-1][0] < 0.5 * curve[0][0], output  # the loss falls...
+    assert all(abs(stock - fused) <= 1e-3 * stock for stock, fused in curve), output  # ...together
+
+
+def test_grpo_example_computes_only_response_rows():
+    output = run_example("grpo_policy_loss.py")
+    assert "fused head: True" in output
+    computed, total = map(int, re.search(r"rows computed: (\d+) of (\d+)", output).groups())
+    assert 0 < computed < total / 2
+    first_step = next(line for line in output.splitlines() if line.strip().startswith("0 "))
+    assert float(first_step.split()[-1]) == 0.0  # old and new policy agree before the first update

@@ -1,183 +1,272 @@
-"""Forward+backward time and peak extra memory of per-token log-prob + entropy, on one GPU.
+"""Side-by-side forward+backward benchmarks of the LM-head losses on one GPU; writes JSON and plots.
 
-Methods, on identical inputs in one process (bf16 by default, random upstream gradients):
-- ``stock``: materialized logits ``hidden @ weight.T`` then ``logits_logprob`` (float32 softmax);
-- ``torch``: ``fused_linear_logprob(backend="torch")``;
-- ``triton``: ``fused_linear_logprob(backend="triton")``;
-- ``floor``: the four cuBLAS GEMMs any exact recompute method needs (logits, recomputed logits,
-  grad_hidden, grad_weight), each one full-size product.
+Every method runs in one process on identical inputs (bf16 by default, logits with standard
+deviation about 4). Sections (``--sections``):
 
-Time: median of CUDA-event timings after warm-up. Memory: ``max_memory_allocated`` after
-``reset_peak_memory_stats`` minus what was allocated before the step (the returned gradients
-count). Accuracy: max |error| of log-prob and entropy against a float64 oracle on a subsample
-of tokens. Prints a table and writes JSON.
+- ``rl``: per-token log-prob + entropy with random upstream gradients, at each ``--temperatures``:
+  ``stock`` (materialized bf16 logits, float32 softmax), our ``torch`` and ``triton`` backends, and
+  ``floor`` (the four cuBLAS GEMMs of any exact recompute method);
+- ``sft``: mean cross-entropy: ``stock``, ``ours`` (Triton backend through the same op),
+  ``liger`` (liger-kernel's fused linear cross-entropy), ``cce`` (Apple's cut-cross-entropy) and
+  ``floor`` (three GEMMs); a missing package gives a ``missing`` row, never a number;
+- ``scaling``: hidden x vocabulary ``--scaling-shape``, tokens doubling from ``--scaling-start``
+  until each method runs out of memory or ``--scaling-max-tokens`` is reached (a cap that keeps
+  the run short);
+- ``fractions``: log-prob + entropy of only the response positions (``mask=``) of packed
+  sequences of ``--sequence-length`` tokens, at each response ``--fractions``.
 
-    python benchmarks/bench_logprob.py --json bench.json [--shapes 4096x2048x151936,...]
+Each row records the median time, the peak extra memory and the max |log-prob error| against a
+float64 oracle on ``--sample`` tokens (harness.py says how). The JSON is rewritten after every
+shape, so an interrupted run keeps what it measured; ``--plots DIR`` draws the PNGs (report.py).
+
+    PYTHONPATH=. python3 benchmarks/bench_logprob.py --json results.json --plots plots/
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import statistics
 
 import torch
-import triton
 
-from megatron_fused_lm import fused_linear_logprob, logits_logprob
-
-REFERENCE_SHAPES = (
-    "4096x2048x151936,8192x4096x151936,16384x2048x151936,"
-    "16384x5120x152064,16384x3072x262144,32768x4096x151936"
+from harness import (
+    GIB, REFERENCE_SHAPES, environment, make_inputs, max_abs_error, oracle, parse_shapes,
+    release_memory, result_row, sample_rows, shape_name, try_measure,
 )
-METHODS = ("floor", "stock", "torch", "triton")
-MIB = 2**20
+from methods import (
+    RL_METHODS, SFT_METHODS, floor_step, import_competitors, rl_step, sft_logprob, sft_step,
+)
+from megatron_fused_lm import response_mask
+
+SECTIONS = ("rl", "sft", "scaling", "fractions")
+# (use, method) pairs of the scaling section: every SFT method that can run out of memory, and
+# the RL stock path next to our Triton backend.
+SCALING_SERIES = (("sft", "stock"), ("sft", "ours"), ("sft", "liger"), ("sft", "cce"),
+                  ("rl", "stock"), ("rl", "triton"))
+FRACTION_METHODS = ("stock", "triton")
 
 
-def parse_shape(text):
-    tokens, hidden, vocab = (int(part) for part in text.lower().split("x"))
-    return tokens, hidden, vocab
+def response_fraction_mask(tokens, fraction, sequence_length, device):
+    """Response mask of packed sequences of ``sequence_length`` tokens, the last ``fraction`` of
+    each being response. Position t scores token t + 1, so a sequence of L tokens has at most
+    L - 1 response log-probs: fraction 1 selects (L - 1) / L of the tokens."""
+    starts = torch.arange(0, tokens, sequence_length, device=device)
+    cu_seqlens = torch.cat([starts, torch.tensor([tokens], device=device)])
+    lengths = cu_seqlens.diff()
+    response_lengths = ((lengths - 1) * fraction).round().long()
+    return response_mask(cu_seqlens, lengths - response_lengths, response_lengths)
 
 
-def make_inputs(tokens, hidden_size, vocab, dtype, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    hidden = torch.randn(tokens, hidden_size, device="cuda", generator=gen).to(dtype).requires_grad_()
-    # Logits with standard deviation about 4: a realistic, fairly peaky softmax.
-    weight = (torch.randn(vocab, hidden_size, device="cuda", generator=gen) * (4.0 / hidden_size**0.5))
-    weight = weight.to(dtype).requires_grad_()
-    targets = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
-    grad_logprob = torch.randn(tokens, device="cuda", generator=gen)
-    grad_entropy = torch.randn(tokens, device="cuda", generator=gen)
-    return hidden, weight, targets, grad_logprob, grad_entropy
+class Benchmark:
+    def __init__(self, args):
+        self.args = args
+        self.device = torch.device(args.device)
+        self.dtype = getattr(torch, args.dtype)
+        self.competitors, self.missing = import_competitors()
+        self.rows = []
+
+    def measure_row(self, make_step, inputs, timing=None, **fields):
+        warmup, repeats = timing or (self.args.warmup, self.args.repeats)
+        measurement, failure = try_measure(make_step, inputs, warmup, repeats)
+        row = result_row(measurement, failure, **fields)
+        self.rows.append(row)
+        return row, measurement
+
+    def missing_row(self, method, **fields):
+        self.rows.append(dict(fields, method=method, status="missing", note=self.missing[method]))
+
+    def rl(self, shape, inputs, sample):
+        name = shape_name(shape)
+        first = len(self.rows)
+        if "floor" in self.args.rl_methods:
+            self.measure_row(lambda: floor_step(inputs, recompute=True), inputs,
+                             section="rl", shape=name, method="floor")
+        for temperature in self.args.temperatures:
+            ref_logprob, ref_entropy = oracle(inputs, sample, temperature)
+            for method in self.args.rl_methods:
+                if method == "floor":
+                    continue
+                row, measurement = self.measure_row(
+                    lambda: rl_step(method, inputs, temperature), inputs,
+                    section="rl", shape=name, method=method, temperature=temperature)
+                if measurement is not None:
+                    logprob, entropy = measurement.outputs
+                    row["logprob_max_error"] = max_abs_error(logprob, sample, ref_logprob)
+                    row["entropy_max_error"] = max_abs_error(entropy, sample, ref_entropy)
+        add_floor_ratios(self.rows[first:])
+
+    def sft(self, shape, inputs, sample):
+        name = shape_name(shape)
+        first = len(self.rows)
+        ref_logprob = oracle(inputs, sample)[0]
+        for method in self.args.sft_methods:
+            if method in self.missing:
+                self.missing_row(method, section="sft", shape=name)
+            elif method == "floor":
+                self.measure_row(lambda: floor_step(inputs, recompute=False), inputs,
+                                 section="sft", shape=name, method="floor")
+            else:
+                row, measurement = self.measure_row(
+                    lambda: sft_step(method, self.competitors, inputs), inputs,
+                    section="sft", shape=name, method=method)
+                if measurement is not None:
+                    self.record_sft_error(row, method, inputs, sample, ref_logprob)
+        add_floor_ratios(self.rows[first:])
+
+    def record_sft_error(self, row, method, inputs, sample, ref_logprob):
+        try:
+            logprob = sft_logprob(method, self.competitors, inputs)
+            row["logprob_max_error"] = max_abs_error(logprob, sample, ref_logprob)
+        except Exception as error:  # keep the timing; say why the error check is absent
+            row["note"] = f"error check failed: {type(error).__name__}: {error}"
+        release_memory()
+
+    def fractions(self, shape, inputs):
+        for fraction in self.args.fractions:
+            mask = response_fraction_mask(shape[0], fraction, self.args.sequence_length, self.device)
+            sample = sample_rows(mask.nonzero().squeeze(1), self.args.sample)
+            ref_logprob, ref_entropy = oracle(inputs, sample)
+            for method in FRACTION_METHODS:
+                row, measurement = self.measure_row(
+                    lambda: rl_step(method, inputs, 1.0, mask=mask), inputs,
+                    section="fractions", shape=shape_name(shape), method=method, fraction=fraction,
+                    selected_tokens=int(mask.sum()))
+                if measurement is not None:
+                    logprob, entropy = measurement.outputs
+                    row["logprob_max_error"] = max_abs_error(logprob, sample, ref_logprob)
+                    row["entropy_max_error"] = max_abs_error(entropy, sample, ref_entropy)
+
+    def scaling(self):
+        hidden_size, vocab = self.args.scaling_shape
+        timing = (self.args.scaling_warmup, self.args.scaling_repeats)
+        stopped = {series for series in SCALING_SERIES if series[1] in self.missing}
+        for use, method in sorted(stopped):
+            self.missing_row(method, section="scaling", use=use)
+        tokens = self.args.scaling_start
+        while tokens <= self.args.scaling_max_tokens and len(stopped) < len(SCALING_SERIES):
+            shape = (tokens, hidden_size, vocab)
+            inputs = make_inputs(*shape, self.dtype, self.device)
+            sample = sample_rows(torch.arange(tokens, device=self.device), self.args.sample)
+            ref_logprob = oracle(inputs, sample)[0]
+            for use, method in SCALING_SERIES:
+                if (use, method) in stopped:
+                    continue
+                fields = dict(section="scaling", shape=shape_name(shape), tokens=tokens, use=use, method=method)
+                if use == "rl":
+                    row, measurement = self.measure_row(lambda: rl_step(method, inputs, 1.0), inputs, timing, **fields)
+                    if measurement is not None:
+                        row["logprob_max_error"] = max_abs_error(measurement.outputs[0], sample, ref_logprob)
+                else:
+                    row, measurement = self.measure_row(
+                        lambda: sft_step(method, self.competitors, inputs), inputs, timing, **fields)
+                    if measurement is not None:
+                        self.record_sft_error(row, method, inputs, sample, ref_logprob)
+                if measurement is None:
+                    stopped.add((use, method))
+            del inputs
+            release_memory()
+            print_table(self.rows_of(shape))
+            tokens *= 2
+
+    def rows_of(self, shape):
+        return [row for row in self.rows if row.get("shape") == shape_name(shape)]
+
+    def run(self):
+        args = self.args
+        sections = set(args.sections)
+        shapes = args.shapes if sections & {"rl", "sft"} else []
+        fraction_shapes = args.fraction_shapes if "fractions" in sections else []
+        meta = environment(self.device, self.dtype)
+        # The settings, less where this run's files went and the device kind (meta names the device).
+        meta.update({key: value for key, value in vars(args).items() if key not in ("json", "plots", "device")},
+                    missing=self.missing)
+        for shape in dict.fromkeys(shapes + fraction_shapes):  # each shape's inputs made once
+            inputs = make_inputs(*shape, self.dtype, self.device)
+            sample = sample_rows(torch.arange(shape[0], device=self.device), args.sample)
+            if shape in shapes and "rl" in sections:
+                self.rl(shape, inputs, sample)
+            if shape in shapes and "sft" in sections:
+                self.sft(shape, inputs, sample)
+            if shape in fraction_shapes:
+                self.fractions(shape, inputs)
+            del inputs
+            release_memory()
+            print_table(self.rows_of(shape))
+            write_json(args.json, meta, self.rows)
+        if "scaling" in sections:
+            self.scaling()
+            write_json(args.json, meta, self.rows)
+        print(json.dumps({key: meta[key] for key in ("device", "date", "versions")}))
+        print_table(self.rows)
+        return {"meta": meta, "rows": self.rows}
 
 
-def step_function(method, hidden, weight, targets, grad_logprob, grad_entropy):
-    """A callable running one forward+backward; returns ``(logprob, entropy)`` or ``None``."""
-    if method == "floor":
-        logits = hidden.new_empty(hidden.shape[0], weight.shape[0])
-        products = (torch.empty_like(hidden), torch.empty_like(weight))
-
-        def floor():
-            with torch.no_grad():
-                torch.mm(hidden, weight.t(), out=logits)
-                torch.mm(hidden, weight.t(), out=logits)  # the recompute
-                torch.mm(logits, weight, out=products[0])
-                torch.mm(logits.t(), hidden, out=products[1])
-
-        return floor
-
-    def step():
-        if method == "stock":
-            logprob, entropy = logits_logprob(hidden @ weight.t(), targets, return_entropy=True)
-        else:
-            logprob, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, backend=method)
-        torch.autograd.backward([logprob, entropy], [grad_logprob, grad_entropy])
-        return logprob.detach(), entropy.detach()
-
-    return step
-
-
-def time_step(step, hidden, weight, warmup, repeats):
-    """Median milliseconds of ``step`` and its peak extra memory in bytes."""
-    for _ in range(warmup):
-        hidden.grad = weight.grad = None
-        step()
-    times = []
-    for _ in range(repeats):
-        hidden.grad = weight.grad = None
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    hidden.grad = weight.grad = None
-    torch.cuda.synchronize()
-    baseline = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    outputs = step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - baseline
-    return statistics.median(times), peak, outputs
-
-
-def oracle(hidden, weight, targets, sample):
-    """Float64 log-prob and entropy of the tokens ``sample``."""
-    logits = hidden.detach()[sample].double() @ weight.detach().double().t()
-    log_probs = logits.log_softmax(-1)
-    logprob = log_probs.gather(1, targets[sample][:, None]).squeeze(1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return logprob, entropy
-
-
-def bench_shape(shape, dtype, methods, warmup, repeats, sample_size):
-    tokens, hidden_size, vocab = shape
-    inputs = make_inputs(tokens, hidden_size, vocab, dtype)
-    hidden, weight, targets = inputs[:3]
-    sample = torch.randperm(tokens, device="cuda")[:sample_size]
-    ref_logprob, ref_entropy = oracle(hidden, weight, targets, sample)
-    gradient_bytes = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
-    rows = []
-    for method in methods:
-        torch.cuda.empty_cache()
-        median_ms, peak, outputs = time_step(step_function(method, *inputs), hidden, weight, warmup, repeats)
-        row = {"shape": "x".join(map(str, shape)), "method": method, "ms": median_ms, "peak_extra_bytes": peak}
-        if outputs is not None:
-            logprob, entropy = outputs
-            row["logprob_max_error"] = (logprob[sample].double() - ref_logprob).abs().max().item()
-            row["entropy_max_error"] = (entropy[sample].double() - ref_entropy).abs().max().item()
-        rows.append(row)
-        del outputs
-    floor_ms = next((row["ms"] for row in rows if row["method"] == "floor"), None)
-    memory_bound = 1.1 * gradient_bytes + 256 * MIB
+def add_floor_ratios(rows):
+    """Each timed row's time over its section's floor, for the same shape."""
+    floor = next((row for row in rows if row["method"] == "floor" and row["status"] == "ok"), None)
     for row in rows:
-        row["vs_floor"] = None if floor_ms is None else row["ms"] / floor_ms
-        row["memory_bound_bytes"] = memory_bound
-    return rows
+        if floor is not None and row["status"] == "ok":
+            row["vs_floor"] = row["ms"] / floor["ms"]
+
+
+def write_json(path, meta, rows):
+    with open(path, "w") as handle:
+        json.dump({"meta": meta, "rows": rows}, handle, indent=1)
 
 
 def print_table(rows):
-    print(f"{'shape':>22} {'method':>7} {'ms':>9} {'x floor':>8} {'peak GiB':>9} {'bound GiB':>9} "
-          f"{'lp err':>9} {'ent err':>9}")
+    print(f"{'section':>9} {'shape':>22} {'detail':>8} {'method':>7} {'ms':>9} {'x floor':>8} "
+          f"{'peak GiB':>9} {'lp err':>9}  note")
     for row in rows:
-        ratio = "" if row["vs_floor"] is None else f"{row['vs_floor']:.3f}"
-        lp_err = f"{row['logprob_max_error']:.2e}" if "logprob_max_error" in row else ""
-        ent_err = f"{row['entropy_max_error']:.2e}" if "entropy_max_error" in row else ""
-        print(f"{row['shape']:>22} {row['method']:>7} {row['ms']:9.2f} {ratio:>8} "
-              f"{row['peak_extra_bytes'] / 2**30:9.3f} {row['memory_bound_bytes'] / 2**30:9.3f} {lp_err:>9} {ent_err:>9}")
+        detail = next((f"{key[0]}={row[key]}" for key in ("temperature", "fraction", "use") if key in row), "")
+        ms = f"{row['ms']:9.2f}" if "ms" in row else f"{row['status']:>9}"
+        ratio = f"{row['vs_floor']:.3f}" if "vs_floor" in row else ""
+        peak = f"{row['peak_extra_bytes'] / GIB:9.3f}" if row.get("peak_extra_bytes") is not None else ""
+        error = f"{row['logprob_max_error']:.2e}" if "logprob_max_error" in row else ""
+        print(f"{row['section']:>9} {row.get('shape', ''):>22} {detail:>8} {row['method']:>7} {ms} "
+              f"{ratio:>8} {peak:>9} {error:>9}  {row.get('note', '')[:60]}")
 
 
-def main():
+def comma_list(kind):
+    return lambda text: [kind(item) for item in text.split(",") if item]
+
+
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=REFERENCE_SHAPES, help="comma-separated TOKENSxHIDDENxVOCAB")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--sections", type=comma_list(str), default=",".join(SECTIONS))
+    parser.add_argument("--shapes", type=parse_shapes, default=REFERENCE_SHAPES,
+                        help="comma-separated TOKENSxHIDDENxVOCAB of the rl and sft sections")
+    parser.add_argument("--temperatures", type=comma_list(float), default="1.0,0.7")
+    parser.add_argument("--rl-methods", type=comma_list(str), default=",".join(RL_METHODS))
+    parser.add_argument("--sft-methods", type=comma_list(str), default=",".join(SFT_METHODS))
+    parser.add_argument("--scaling-shape", type=lambda text: tuple(map(int, text.split("x"))),
+                        default="4096x151936", help="HIDDENxVOCAB")
+    parser.add_argument("--scaling-start", type=int, default=2048)
+    parser.add_argument("--scaling-max-tokens", type=int, default=131072)
+    parser.add_argument("--scaling-warmup", type=int, default=1)
+    parser.add_argument("--scaling-repeats", type=int, default=3)
+    parser.add_argument("--fraction-shapes", type=parse_shapes, default="32768x4096x151936,16384x3072x262144")
+    parser.add_argument("--fractions", type=comma_list(float), default="1,0.5,0.25")
+    parser.add_argument("--sequence-length", type=int, default=4096,
+                        help="tokens per packed sequence in the fractions section")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run of the logic on tiny shapes")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sample", type=int, default=256, help="tokens checked against the float64 oracle")
-    parser.add_argument("--json", default="bench_logprob.json")
-    args = parser.parse_args()
+    parser.add_argument("--json", default="bench_results.json")
+    parser.add_argument("--plots", default=None, help="folder for the PNG plots (needs matplotlib)")
+    return parser.parse_args()
 
-    dtype = getattr(torch, args.dtype)
-    methods = args.methods.split(",")
-    rows = []
-    for text in args.shapes.split(","):
-        rows += bench_shape(parse_shape(text), dtype, methods, args.warmup, args.repeats, args.sample)
-        print_table(rows[-len(methods):])
-    meta = {
-        "device": torch.cuda.get_device_name(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "dtype": args.dtype,
-        "warmup": args.warmup,
-        "repeats": args.repeats,
-    }
-    with open(args.json, "w") as handle:
-        json.dump({"meta": meta, "rows": rows}, handle, indent=1)
-    print(json.dumps(meta))
-    print_table(rows)
+
+def main():
+    args = parse_args()
+    results = Benchmark(args).run()
+    if args.plots:
+        import report  # matplotlib is a benchmark extra: needed only when plots are asked for
+
+        for path in report.write_plots(results, args.plots):
+            print("wrote", path)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,183 @@
+"""What every benchmark script here shares: shapes, inputs, the float64 oracle, timing, peak memory.
+
+Measuring rule (docs/BENCHMARKS.md): warm up (Triton compiles on first call), time each
+forward+backward with CUDA events and take the median; peak extra memory is
+``max_memory_allocated`` after ``reset_peak_memory_stats`` during one more step, minus what was
+allocated before it (the returned gradients count). On the CPU (a dry run of the scripts' logic)
+times come from the host clock and there is no memory figure.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import importlib.metadata
+import platform
+import statistics
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+import megatron_fused_lm
+
+REFERENCE_SHAPES = (
+    "4096x2048x151936,8192x4096x151936,16384x2048x151936,"
+    "16384x5120x152064,16384x3072x262144,32768x4096x151936"
+)
+GIB = 2**30
+
+
+def parse_shapes(text):
+    """``"TxHxV,..."`` -> list of ``(tokens, hidden, vocab)``."""
+    return [tuple(int(part) for part in item.lower().split("x")) for item in text.split(",") if item]
+
+
+def shape_name(shape):
+    return "x".join(map(str, shape))
+
+
+@dataclass
+class BenchInputs:
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    targets: torch.Tensor
+    grad_logprob: torch.Tensor
+    grad_entropy: torch.Tensor
+
+    def clear_grads(self):
+        self.hidden.grad = self.weight.grad = None
+
+
+def make_inputs(tokens, hidden_size, vocab, dtype, device, seed=0):
+    """Random hidden states, weight, targets and upstream gradients; the same for a given seed."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(tokens, hidden_size, device=device, generator=gen).to(dtype).requires_grad_()
+    # Logits with standard deviation about 4: a realistic, fairly peaky softmax.
+    weight = torch.randn(vocab, hidden_size, device=device, generator=gen) * (4.0 / hidden_size**0.5)
+    weight = weight.to(dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (tokens,), device=device, generator=gen)
+    grad_logprob = torch.randn(tokens, device=device, generator=gen)
+    grad_entropy = torch.randn(tokens, device=device, generator=gen)
+    return BenchInputs(hidden, weight, targets, grad_logprob, grad_entropy)
+
+
+def sample_rows(candidates, size, seed=1):
+    """At most ``size`` rows drawn at random from the 1-D index tensor ``candidates``."""
+    gen = torch.Generator(device=candidates.device).manual_seed(seed)
+    order = torch.randperm(candidates.numel(), device=candidates.device, generator=gen)
+    return candidates[order[:size]]
+
+
+def oracle(inputs, sample, temperature=1.0):
+    """Float64 log-prob and entropy of the rows ``sample``."""
+    logits = inputs.hidden.detach()[sample].double() @ inputs.weight.detach().double().t() / temperature
+    log_probs = logits.log_softmax(-1)
+    logprob = log_probs.gather(1, inputs.targets[sample][:, None]).squeeze(1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return logprob, entropy
+
+
+def max_abs_error(values, sample, reference):
+    return (values[sample].double() - reference).abs().max().item()
+
+
+@dataclass
+class Measurement:
+    ms: float
+    peak_extra_bytes: Optional[int]
+    outputs: object  # what the step returned on its last (memory-measuring) call
+
+
+def elapsed_ms(step, device):
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+    begin = time.perf_counter()
+    step()
+    return (time.perf_counter() - begin) * 1e3
+
+
+def measure(step, inputs, warmup, repeats):
+    """Median milliseconds of ``step()`` and its peak extra memory."""
+    device = inputs.hidden.device
+    for _ in range(warmup):
+        inputs.clear_grads()
+        step()
+    times = []
+    for _ in range(repeats):
+        inputs.clear_grads()
+        times.append(elapsed_ms(step, device))
+    inputs.clear_grads()
+    if device.type != "cuda":
+        return Measurement(statistics.median(times), None, step())
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    outputs = step()
+    torch.cuda.synchronize()
+    return Measurement(statistics.median(times), torch.cuda.max_memory_allocated() - baseline, outputs)
+
+
+def release_memory():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def try_measure(make_step: Callable[[], Callable], inputs, warmup, repeats):
+    """``(Measurement, None)``, or ``(None, "oom")`` / ``(None, "error: ...")`` when the method
+    ran out of memory or failed; the memory it held is released either way."""
+    try:
+        result = measure(make_step(), inputs, warmup, repeats), None
+    except torch.OutOfMemoryError:
+        result = None, "oom"
+    except Exception as error:  # one method failing (a competitor's kernel, say) must not lose the run
+        traceback.print_exc()
+        result = None, f"error: {type(error).__name__}: {error}"
+    inputs.clear_grads()
+    release_memory()
+    return result
+
+
+def result_row(measurement, failure, **fields):
+    """One JSON row: the identifying ``fields`` plus status, time and memory."""
+    row = dict(fields, status="ok" if failure is None else failure.split(":")[0])
+    if failure is None:
+        row.update(ms=measurement.ms, peak_extra_bytes=measurement.peak_extra_bytes)
+    elif failure != "oom":
+        row["note"] = failure
+    return row
+
+
+def package_version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment(device, dtype):
+    """Device, date and versions for the JSON's ``meta``."""
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "versions": {name: package_version(name) for name in
+                     ("torch", "triton", "liger-kernel", "cut-cross-entropy")},
+    }
+    # Run from a checkout (PYTHONPATH), so the package's own version, not an installed one's.
+    meta["versions"]["megatron-fused-lm"] = megatron_fused_lm.__version__
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        meta.update(device=properties.name, device_memory_bytes=properties.total_memory,
+                    multiprocessors=properties.multi_processor_count, cuda=torch.version.cuda)
+    else:
+        meta["device"] = f"cpu ({platform.processor() or platform.machine()})"
+    return meta

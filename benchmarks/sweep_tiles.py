@@ -1,9 +1,11 @@
 """Time the Triton backend's two kernels over candidate tile shapes, against cuBLAS.
 
 For each shape: the forward kernel (``split_statistics`` + ``merge_statistics``) over all tokens
-and the whole vocabulary next to the cuBLAS product of the same size, and the backward's per-block
-work (cuBLAS float32 product + ``logit_grad_block``) next to a bare bf16 cuBLAS product. Prints achieved
-TFLOP/s; the chosen rule lives in ``triton_backend`` and is explained in ``docs/BENCHMARKS.md``.
+and the whole vocabulary next to the cuBLAS product of the same size (8 column tiles per split and
+the rule's choice), and the backward kernel (``logit_grad_block``: recomputed product + ``dz``
+epilogue; one program per tile or persistent) on one backward block next to the bare bf16 cuBLAS
+product of that block. Prints achieved TFLOP/s; the chosen rule lives in
+``triton_backend`` and is explained in ``docs/BENCHMARKS.md``.
 
     python benchmarks/sweep_tiles.py [--shapes 8192x4096x151936,4096x2048x151936]
 """
@@ -21,14 +23,17 @@ from megatron_fused_lm.ops.triton_kernels.logit_grad_kernel import logit_grad_bl
 from megatron_fused_lm.ops.triton_kernels.softmax_stats_kernel import split_statistics
 from megatron_fused_lm.ops.triton_kernels.tiles import Tiles
 
-CANDIDATES = [
-    Tiles(128, 256, 64, 8, 8, 3, "tf32"),
-    Tiles(128, 256, 64, 8, 8, 4, "tf32"),
+FORWARD_CANDIDATES = [
     Tiles(256, 128, 64, 8, 8, 3, "tf32"),
     Tiles(256, 128, 64, 8, 8, 4, "tf32"),
-    Tiles(128, 128, 64, 8, 8, 4, "tf32"),
+    Tiles(128, 256, 64, 8, 8, 3, "tf32"),
+    Tiles(128, 128, 64, 8, 4, 3, "tf32"),
 ]
-TILES_PER_SPLIT = (8, 16)
+BACKWARD_CANDIDATES = [
+    Tiles(128, 256, 64, 8, 8, 3, "tf32"),
+    Tiles(256, 128, 64, 8, 8, 3, "tf32"),
+    Tiles(128, 128, 64, 8, 4, 2, "tf32"),
+]
 
 
 def median_ms(fn):
@@ -39,6 +44,14 @@ def tflops(tokens, hidden_size, vocab, ms):
     return 2 * tokens * hidden_size * vocab / ms / 1e9
 
 
+def report(name, label, shape, fn):
+    try:
+        ms = median_ms(fn)
+        print(f"{name} {label:42s} {ms:8.3f} ms {tflops(*shape, ms):6.0f} TFLOP/s")
+    except Exception as error:  # out of shared memory or registers: report, go on
+        print(f"{name} {label:42s} failed: {type(error).__name__}")
+
+
 def sweep(shape):
     tokens, hidden_size, vocab = shape
     hidden = torch.randn(tokens, hidden_size, device="cuda").bfloat16()
@@ -47,34 +60,30 @@ def sweep(shape):
     lse = torch.randn(tokens, device="cuda") + 12
     mean_logit = torch.randn(tokens, device="cuda")
     grad_logprob, grad_entropy = torch.randn(tokens, device="cuda"), torch.randn(tokens, device="cuda")
-    chunk = min(tokens, triton_backend.TOKEN_CHUNK)
-    block_cols = min(vocab, triton_backend.BLOCK_BYTES // (chunk * 6) // 256 * 256)
-    out = torch.empty(chunk, block_cols, device="cuda", dtype=torch.bfloat16)
-    product = torch.empty(chunk, block_cols, device="cuda", dtype=torch.float32)
     name = "x".join(map(str, shape))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     logits = torch.empty(tokens, vocab, device="cuda", dtype=torch.bfloat16)
-    ms = median_ms(lambda: torch.mm(hidden, weight.t(), out=logits))
-    print(f"{name} cublas logits          {ms:8.3f} ms {tflops(tokens, hidden_size, vocab, ms):6.0f} TFLOP/s")
+    report(name, "cublas logits", shape, lambda: torch.mm(hidden, weight.t(), out=logits))
     del logits
-    for tiles in CANDIDATES:
-        for per_split in TILES_PER_SPLIT:
-            try:
-                ms = median_ms(lambda: merge_statistics(
-                    split_statistics(hidden, weight, target_column, 1.0, tiles, per_split)))
-                print(f"{name} forward {tuple(tiles[:6])} split {per_split:2d} {ms:8.3f} ms "
-                      f"{tflops(tokens, hidden_size, vocab, ms):6.0f} TFLOP/s")
-            except Exception as error:  # out of shared memory or registers: report, go on
-                print(f"{name} forward {tuple(tiles[:6])} split {per_split:2d} failed: {type(error).__name__}")
+    for tiles in FORWARD_CANDIDATES:
+        best_split = triton_backend.choose_tiles_per_split(tokens, vocab, tiles, hidden.device)
+        for per_split in sorted({8, best_split}):
+            report(name, f"forward {tuple(tiles[:6])} split {per_split}", shape, lambda: merge_statistics(
+                split_statistics(hidden, weight, target_column, 1.0, tiles, per_split)))
 
-    rows = slice(0, chunk)
-    ms = median_ms(lambda: torch.mm(hidden[rows], weight[:block_cols].t(), out=out))
-    print(f"{name} cublas bf16 block      {ms:8.3f} ms {tflops(chunk, hidden_size, block_cols, ms):6.0f} TFLOP/s")
-    ms = median_ms(lambda: torch.mm(hidden[rows], weight[:block_cols].t(), out_dtype=torch.float32, out=product))
-    print(f"{name} cublas float32 block   {ms:8.3f} ms {tflops(chunk, hidden_size, block_cols, ms):6.0f} TFLOP/s")
-    ms = median_ms(lambda: logit_grad_block(
-        out, product, target_column[rows], lse[rows], mean_logit[rows], grad_logprob[rows], grad_entropy[rows], 1.0))
-    print(f"{name} dz epilogue pass       {ms:8.3f} ms {chunk * block_cols * 6 / ms / 1e6:6.0f} GB/s")
+    rows = min(tokens, triton_backend.TOKEN_CHUNK)
+    block_bytes = triton_backend.dz_block_bytes(2 * (tokens + vocab) * hidden_size, rows * hidden_size * 4)
+    cols = min(vocab, block_bytes // 2 // rows // 256 * 256)
+    block_shape = (rows, hidden_size, cols)
+    out = torch.empty(rows, -(-cols // 256) * 256, device="cuda", dtype=torch.bfloat16)[:, :cols]
+    h, w = hidden[:rows], weight[:cols]
+    report(name, f"cublas bf16 block {rows}x{cols}", block_shape, lambda: torch.mm(h, w.t(), out=out))
+    for tiles in BACKWARD_CANDIDATES:
+        for programs, grid in ((rows * cols, "one program per tile"), (sms, "persistent")):
+            report(name, f"backward {tuple(tiles[:6])} {grid}", block_shape, lambda: logit_grad_block(
+                out, h, w, target_column[:rows], lse[:rows], mean_logit[:rows], grad_logprob[:rows],
+                grad_entropy[:rows], 1.0, tiles, programs))
 
 
 def main():

@@ -1,13 +1,18 @@
-"""Backward epilogue kernel: turn one float32 block of recomputed products into ``d(h . w)``.
+"""Backward kernel: recompute one ``[token chunk, vocab chunk]`` block of logits and write ``dz``.
 
-Given ``product = hidden @ weight.T`` for a ``[token chunk, vocab chunk]`` block (float32, from
-cuBLAS), one pass writes
+Each output tile is the product of a token tile and a weight tile over the hidden dimension
+(float32 accumulator, tensor cores, operands brought in by tensor descriptors); its epilogue turns
+the product into
 
     dz = g_lp * (1[v = y] - p) + g_H * p * (mean - z),   z = product / T,   p = exp(z - lse),
 
-divided by ``T`` (the gradient with respect to the unscaled product), in the weight's dtype, ready
-for the two cuBLAS gradient products. Measured on an H200 this beats recomputing the tile inside a
-Triton GEMM: cuBLAS runs the product near its peak and this pass only streams the block once.
+divided by ``T`` (the gradient with respect to the unscaled product), and stores it in the
+weight's dtype, ready for the two cuBLAS gradient products. Neither the float32 product nor any
+other ``[tokens, vocab]``-sized intermediate reaches memory.
+
+The grid is persistent (one program per multiprocessor, running the tiles ``pid, pid + programs,
+...``): the next tile's loads are then issued during a tile's epilogue and its store, which
+measured 1 to 2 % (hidden 4096) and 6 % (hidden 2048) faster than one program per tile.
 """
 
 from __future__ import annotations
@@ -18,74 +23,103 @@ import torch
 import triton
 import triton.language as tl
 
-# Elementwise tiles: rows x columns per program. Each program reads its rows' O(1) statistics once.
-BLOCK_ROWS = 16
-BLOCK_COLS = 512
-NUM_WARPS = 8
+from .descriptors import addressable, descriptor
+from .tiles import Tiles
 
 
 @triton.jit
 def logit_grad_kernel(
-    product_ptr, out_ptr, target_column_ptr, lse_ptr, mean_logit_ptr, grad_logprob_ptr, grad_entropy_ptr,
-    num_tokens, vocab, stride_product_token, stride_product_col, stride_out_token, stride_out_col,
-    inv_temperature,
+    hidden_desc, weight_desc, out_desc,
+    target_column_ptr, lse_ptr, mean_logit_ptr, grad_logprob_ptr, grad_entropy_ptr,
+    num_tokens, vocab, hidden_size, inv_temperature,
     HAS_GRAD_LOGPROB: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_valid = rows < num_tokens
-    inside = row_valid[:, None] & (cols < vocab)[None, :]
-    rows64 = rows.to(tl.int64)
-    logits = tl.load(
-        product_ptr + rows64[:, None] * stride_product_token + cols[None, :] * stride_product_col,
-        mask=inside, other=0.0,
-    ) * inv_temperature
-    lse = tl.load(lse_ptr + rows, mask=row_valid, other=0.0)
-    prob = tl.exp(logits - lse[:, None])
-    grad = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if HAS_GRAD_ENTROPY:
-        mean_logit = tl.load(mean_logit_ptr + rows, mask=row_valid, other=0.0)
-        grad_entropy = tl.load(grad_entropy_ptr + rows, mask=row_valid, other=0.0)
-        grad = prob * (mean_logit[:, None] - logits) * grad_entropy[:, None]
-    if HAS_GRAD_LOGPROB:
-        grad_logprob = tl.load(grad_logprob_ptr + rows, mask=row_valid, other=0.0)
-        target_column = tl.load(target_column_ptr + rows, mask=row_valid, other=-1)  # outside [0, vocab): not here
-        is_target = cols[None, :] == target_column[:, None]
-        grad += grad_logprob[:, None] * (tl.where(is_target, 1.0, 0.0) - prob)
-    grad *= inv_temperature
-    tl.store(
-        out_ptr + rows64[:, None] * stride_out_token + cols[None, :] * stride_out_col,
-        grad.to(out_ptr.dtype.element_ty), mask=inside,
-    )
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    num_row_tiles = tl.cdiv(num_tokens, BLOCK_M)
+    num_col_tiles = tl.cdiv(vocab, BLOCK_N)
+    tiles_per_group = GROUP_M * num_col_tiles  # GROUP_M token tiles across all columns (L2 reuse)
+    k_steps = tl.cdiv(hidden_size, BLOCK_K)
+    my_tiles = tl.cdiv(num_row_tiles * num_col_tiles - pid, num_programs)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # One flat loop over (tile, k step), its counters advanced at the top, so that the next tile's
+    # loads stay in flight during a tile's epilogue.
+    tile = pid - num_programs
+    k_step = k_steps - 1
+    row0 = 0
+    col0 = 0
+    for _ in range(0, my_tiles * k_steps):
+        k_step = tl.where(k_step == k_steps - 1, 0, k_step + 1)
+        if k_step == 0:
+            tile += num_programs
+            first_row_tile = (tile // tiles_per_group) * GROUP_M
+            rows_in_group = tl.minimum(num_row_tiles - first_row_tile, GROUP_M)
+            row0 = (first_row_tile + (tile % tiles_per_group) % rows_in_group) * BLOCK_M
+            col0 = (tile % tiles_per_group) // rows_in_group * BLOCK_N
+        hidden_tile = hidden_desc.load([row0, k_step * BLOCK_K])
+        weight_tile = weight_desc.load([col0, k_step * BLOCK_K])
+        acc = tl.dot(hidden_tile, weight_tile.T, acc, input_precision=DOT_PRECISION)
+
+        if k_step == k_steps - 1:
+            # Rows and columns past the block compute finite junk that the store clips.
+            rows = row0 + tl.arange(0, BLOCK_M)
+            row_valid = rows < num_tokens
+            logits = acc * inv_temperature
+            lse = tl.load(lse_ptr + rows, mask=row_valid, other=0.0)
+            prob = tl.exp(logits - lse[:, None])
+            grad = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            if HAS_GRAD_ENTROPY:
+                mean_logit = tl.load(mean_logit_ptr + rows, mask=row_valid, other=0.0)
+                grad_entropy = tl.load(grad_entropy_ptr + rows, mask=row_valid, other=0.0)
+                grad = prob * (mean_logit[:, None] - logits) * grad_entropy[:, None]
+            if HAS_GRAD_LOGPROB:
+                grad_logprob = tl.load(grad_logprob_ptr + rows, mask=row_valid, other=0.0)
+                target_column = tl.load(target_column_ptr + rows, mask=row_valid, other=-1)  # -1: not here
+                # Offsets within the tile against per-row scalars: no per-element column indices.
+                is_target = tl.arange(0, BLOCK_N)[None, :] == (target_column - col0)[:, None]
+                grad += grad_logprob[:, None] * (tl.where(is_target, 1.0, 0.0) - prob)
+            out_desc.store([row0, col0], (grad * inv_temperature).to(out_desc.dtype))
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
 
 
 def logit_grad_block(
     out: torch.Tensor,
-    product: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
     target_column: torch.Tensor,
     lse: torch.Tensor,
     mean_logit: torch.Tensor,
     grad_logprob: Optional[torch.Tensor],
     grad_entropy: Optional[torch.Tensor],
     inv_temperature: float,
+    tiles: Tiles,
+    num_programs: int,
 ) -> torch.Tensor:
-    """Fill ``out [n, v]`` (the weight's dtype, any strides) with the gradient with respect to
-    ``product [n, v]`` (float32, ``hidden @ weight.T`` of one vocabulary block, any strides).
+    """Fill ``out [n, v]`` (the weight's dtype, unit last stride, rows 16-byte aligned) with the
+    gradient with respect to ``hidden @ weight.T`` for ``hidden [n >= 1, H]`` and one vocabulary
+    block ``weight [v >= 1, H]`` (both ``descriptors.addressable``).
 
     ``target_column [n]`` (int64) is the target's column in this block (any value outside
     ``[0, v)`` when the block does not own it); ``lse``, ``mean_logit`` and the upstream grads
     are ``[n]`` float32, contiguous; a ``None`` upstream grad contributes nothing.
+    The grid has ``num_programs`` programs (fewer if there are fewer tiles).
     """
-    num_tokens, vocab = product.shape
-    grid = (triton.cdiv(num_tokens, BLOCK_ROWS), triton.cdiv(vocab, BLOCK_COLS))
-    logit_grad_kernel[grid](
-        product, out, target_column, lse, mean_logit,
+    num_tokens, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    num_tiles = triton.cdiv(num_tokens, tiles.block_m) * triton.cdiv(vocab, tiles.block_n)
+    logit_grad_kernel[(min(num_tiles, num_programs),)](
+        descriptor(hidden, [tiles.block_m, tiles.block_k]),
+        descriptor(weight, [tiles.block_n, tiles.block_k]),
+        descriptor(out, [tiles.block_m, tiles.block_n]),
+        target_column, lse, mean_logit,
         lse if grad_logprob is None else grad_logprob,  # unread placeholder when absent
         lse if grad_entropy is None else grad_entropy,
-        num_tokens, vocab, product.stride(0), product.stride(1), out.stride(0), out.stride(1),
-        inv_temperature,
+        num_tokens, vocab, hidden_size, inv_temperature,
         HAS_GRAD_LOGPROB=grad_logprob is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
-        BLOCK_M=BLOCK_ROWS, BLOCK_N=BLOCK_COLS, num_warps=NUM_WARPS,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+        DOT_PRECISION=tiles.dot_precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out

@@ -1,4 +1,4 @@
-"""The forward kernel's launch shape: tile sizes, program ordering, warps and pipeline depth."""
+"""A kernel's launch shape: tile sizes, program ordering, warps and pipeline depth."""
 
 from __future__ import annotations
 

@@ -1,0 +1,29 @@
+"""Tensor descriptors (TMA on Hopper) for the kernels' 2-D operands and outputs.
+
+A descriptor needs a unit last stride and 16-byte aligned rows and base; it reads zeros past the
+tensor's edges and clips stores there, so the kernels need no masks on their tiles.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+
+def addressable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor [rows, cols]`` if a descriptor can address it, else a copy (same values) that one
+    can: row-major, each row padded to a multiple of 16 bytes. Production layouts (contiguous,
+    hidden size a multiple of 8) never copy."""
+    item = tensor.element_size()
+    if tensor.stride(1) == 1 and tensor.stride(0) * item % 16 == 0 and tensor.data_ptr() % 16 == 0:
+        return tensor
+    padded_cols = -(-tensor.shape[1] * item // 16) * 16 // item
+    copy = tensor.new_empty(tensor.shape[0], padded_cols)[:, : tensor.shape[1]]
+    return copy.copy_(tensor)
+
+
+def descriptor(tensor: torch.Tensor, block_shape: Sequence[int]) -> TensorDescriptor:
+    """Descriptor of an ``addressable`` 2-D tensor, moving ``block_shape`` tiles."""
+    return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), list(block_shape))

@@ -39,18 +39,30 @@ def _megatron_rank(rank: int, world_size: int, worker: Callable, args: tuple) ->
 
 def patch_megatron_for_cpu() -> None:
     """Undo the two GPU-only assumptions of a GPTModel forward, and let torch norms run under
-    sequence parallelism (they are per-token, so exact there)."""
+    sequence parallelism."""
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     torch.cuda.current_device = lambda: "cpu"  # the attention scratch buffer's device
     CudaRNGStatesTracker.fork = lambda self, *args, **kwargs: contextlib.nullcontext()  # dropout is 0
+    allow_torch_norm_under_sequence_parallel()
+
+
+def allow_torch_norm_under_sequence_parallel() -> None:
+    """Let Megatron's torch norms (the local spec's norms without Apex or TransformerEngine) run
+    under sequence parallelism. They are per-token, so exact there; like Megatron's own norms,
+    their parameters are marked ``sequence_parallel`` so that ``finalize_model_grads`` sums their
+    gradients over the tensor-parallel group (each rank saw only its part of the sequence)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
     build_norm = WrappedTorchNorm.__new__
 
     def build_norm_ignoring_sequence_parallel(cls, config, *args, **kwargs):
-        config = copy.copy(config)
-        config.sequence_parallel = False
-        return build_norm(cls, config, *args, **kwargs)
+        local_config = copy.copy(config)
+        local_config.sequence_parallel = False
+        norm = build_norm(cls, local_config, *args, **kwargs)
+        for parameter in norm.parameters():
+            parameter.sequence_parallel = config.sequence_parallel
+        return norm
 
     WrappedTorchNorm.__new__ = build_norm_ignoring_sequence_parallel
 
@@ -130,9 +142,9 @@ def make_batch(seed: int = 7):
     return input_ids, position_ids, mask, targets
 
 
-def random_weights(*shape, seed: int) -> torch.Tensor:
-    """Float32 weights in [-1, 1), the same on every rank."""
-    return torch.rand(*shape, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+def random_weights(*shape, seed: int, device=None) -> torch.Tensor:
+    """Float32 weights in [-1, 1), the same on every rank (drawn on the CPU, then moved)."""
+    return (torch.rand(*shape, generator=torch.Generator().manual_seed(seed)) * 2 - 1).to(device)
 
 
 def forward(model, batch, **kwargs):
@@ -143,13 +155,13 @@ def forward(model, batch, **kwargs):
 
 def head_loss(logprob: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
     """A random weighted sum of both head outputs, the same on every rank."""
-    weights = random_weights(2, *logprob.shape, seed=11)
+    weights = random_weights(2, *logprob.shape, seed=11, device=logprob.device)
     return (weights[0] * logprob + weights[1] * entropy).sum()
 
 
 def labels_loss(loss: torch.Tensor) -> torch.Tensor:
     """A random weighted sum of the per-token labels-path loss."""
-    return (random_weights(*loss.shape, seed=12) * loss).sum()
+    return (random_weights(*loss.shape, seed=12, device=loss.device) * loss).sum()
 
 
 def oracle_logprob_entropy(logits_shard: torch.Tensor, targets: torch.Tensor, temperature: float):

@@ -1,0 +1,145 @@
+"""Per-rank time and memory of per-token log-prob + entropy under tensor parallelism (NCCL, one
+process per GPU), stock vs fused, at the reference shapes; TP=1 on each GPU alone beside it.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_tensor_parallel.py --json tp_bench.json
+
+For each ``TOKENSxHIDDENxVOCAB`` shape every rank makes the same inputs (``harness.make_inputs``,
+bf16, random upstream gradients) and measures, forward + backward:
+
+- TP=1, each GPU on its own with the whole weight: ``stock`` and ``triton``;
+- TP=N over all ranks, rank ``r`` holding vocabulary rows ``[r V/N, (r+1) V/N)``:
+  ``stock`` as Megatron's output layer does it (the hidden enters through
+  ``copy_to_tensor_model_parallel_region``, whose backward all-reduces its gradient; bf16 logits
+  shard; ``logits_logprob`` over the group) and ``triton`` (``fused_linear_logprob`` with the
+  group: one all-gather of four numbers per token forward, one all-reduce of the hidden gradient
+  backward).
+
+Time, peak extra memory and the float64-oracle errors are measured as ``harness.py`` says, on
+every rank; rank 0 prints a table and writes the JSON (every rank's rows). Without CUDA it runs
+on gloo CPU ranks (a dry run: give tiny ``--shapes``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from harness import (
+    GIB, REFERENCE_SHAPES, BenchInputs, make_inputs, max_abs_error, oracle, parse_shapes, release_memory,
+    result_row, sample_rows, shape_name, try_measure,
+)
+from megatron_fused_lm import fused_linear_logprob, logits_logprob
+
+# The multi-GPU tests' process setup (NCCL with NVLink multicast off, Megatron's groups).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "gpu"))
+import distributed_gpt  # noqa: E402
+
+METHODS = ("stock", "triton")
+
+
+def shard_inputs(inputs: BenchInputs, rank: int, size: int) -> BenchInputs:
+    """The same inputs with this rank's vocabulary rows of the weight, as a leaf of its own."""
+    rows = inputs.weight.shape[0] // size
+    shard = inputs.weight.detach()[rank * rows:(rank + 1) * rows].clone().requires_grad_()
+    return BenchInputs(inputs.hidden, shard, inputs.targets, inputs.grad_logprob, inputs.grad_entropy)
+
+
+def step_function(method: str, inputs: BenchInputs, tp_group):
+    """One forward + backward of log-prob + entropy with the random upstream gradients."""
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    def step():
+        if method == "stock":
+            hidden = inputs.hidden
+            if tp_group is not None:  # as the stock layer: the backward all-reduces the hidden gradient
+                hidden = copy_to_tensor_model_parallel_region(hidden, tp_group)
+            logprob, entropy = logits_logprob(hidden @ inputs.weight.t(), inputs.targets, tp_group=tp_group,
+                                              return_entropy=True)
+        else:
+            logprob, entropy = fused_linear_logprob(inputs.hidden, inputs.weight, inputs.targets, tp_group=tp_group,
+                                                    return_entropy=True, backend=method)
+        torch.autograd.backward([logprob, entropy], [inputs.grad_logprob, inputs.grad_entropy])
+        return logprob.detach(), entropy.detach()
+
+    return step
+
+
+def benchmark_shape(shape, args, device, tp_group) -> list:
+    """This rank's rows for one shape: TP=1 then TP=N, each method."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    inputs = make_inputs(*shape, getattr(torch, args.dtype), device)
+    sample = sample_rows(torch.arange(shape[0], device=device), args.sample)
+    ref_logprob, ref_entropy = oracle(inputs, sample)
+    rows = []
+    for tp, method in [(1, method) for method in METHODS] + [(size, method) for method in METHODS]:
+        measured_inputs = inputs if tp == 1 else shard_inputs(inputs, rank, size)
+        group = None if tp == 1 else tp_group
+        dist.barrier()
+        measurement, failure = try_measure(lambda: step_function(method, measured_inputs, group), measured_inputs,
+                                           args.warmup, args.repeats)
+        row = result_row(measurement, failure, shape=shape_name(shape), tp=tp, rank=rank, method=method)
+        if measurement is not None:
+            logprob, entropy = measurement.outputs
+            row["logprob_max_error"] = max_abs_error(logprob, sample, ref_logprob)
+            row["entropy_max_error"] = max_abs_error(entropy, sample, ref_entropy)
+        rows.append(row)
+    del inputs
+    release_memory()
+    return rows
+
+
+def print_table(rows) -> None:
+    """Per shape and method: each rank's ms / peak GiB at TP=1 and TP=N, and the TP=N / TP=1 ratios."""
+    print(f"{'shape':>22} {'method':>7} {'rank':>4} {'TP=1 ms':>9} {'TP=N ms':>9} {'ratio':>6} "
+          f"{'TP=1 GiB':>9} {'TP=N GiB':>9} {'ratio':>6} {'lp err TP=N':>11}")
+    keyed = {(row["shape"], row["method"], row["rank"], row["tp"]): row for row in rows}
+    for (shape, method, rank, tp), row in keyed.items():
+        single = keyed.get((shape, method, rank, 1))
+        if tp == 1 or single is None or "ms" not in row or "ms" not in single:
+            continue
+        memory = (single["peak_extra_bytes"], row["peak_extra_bytes"])
+        memory_text = (f"{memory[0] / GIB:9.3f} {memory[1] / GIB:9.3f} {memory[1] / memory[0]:6.3f}"
+                       if None not in memory else f"{'':>9} {'':>9} {'':>6}")
+        print(f"{shape:>22} {method:>7} {rank:>4} {single['ms']:9.2f} {row['ms']:9.2f} {row['ms'] / single['ms']:6.3f} "
+              f"{memory_text} {row.get('logprob_max_error', float('nan')):11.2e}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", type=parse_shapes, default=REFERENCE_SHAPES)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sample", type=int, default=256, help="tokens checked against the float64 oracle")
+    parser.add_argument("--json", default="tp_bench.json")
+    args = parser.parse_args()
+
+    from megatron.core import parallel_state
+
+    device = distributed_gpt.init_distributed(tensor_parallel=int(os.environ["WORLD_SIZE"]))
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    try:
+        rows = []
+        for shape in args.shapes:
+            rows += benchmark_shape(shape, args, device, tp_group)
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(rows, gathered, dst=0)
+        if dist.get_rank() == 0:
+            rows = [row for rank_rows in gathered for row in rank_rows]
+            meta = distributed_gpt.environment(device)
+            meta.update(vars(args), dtype=args.dtype)
+            with open(args.json, "w") as handle:
+                json.dump({"meta": meta, "rows": rows}, handle, indent=1)
+            print(json.dumps({key: meta[key] for key in ("device", "date", "versions")}))
+            print_table(rows)
+    finally:
+        distributed_gpt.shutdown()
+
+
+if __name__ == "__main__":
+    main()

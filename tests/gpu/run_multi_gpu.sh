@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The multi-GPU tests and the tensor-parallel benchmark on one host, one process per GPU (torchrun).
+#
+#   tests/gpu/run_multi_gpu.sh [OUTPUT_DIR] [PART ...]
+#
+# PARTs (default: every one that the visible GPUs allow), each run on the first GPUs it needs:
+#   tp_parity          2 GPUs: TP=2 + sequence parallel, bf16 GPTModel, fused vs stock (tests/gpu/tp_parity.py)
+#   tp_bench           2 GPUs: per-rank time and memory, TP=1 vs TP=2, stock vs fused (benchmarks/bench_tensor_parallel.py;
+#                      extra arguments in TP_BENCH_ARGS, e.g. TP_BENCH_ARGS="--shapes 4096x2048x151936")
+#   pipeline_training  4 GPUs: TP=2 x PP=2, Megatron schedule + DDP + distributed optimizer (tests/gpu/pipeline_training.py)
+# Each part writes OUTPUT_DIR/PART.json and OUTPUT_DIR/PART.log (OUTPUT_DIR defaults to $OUT, else
+# multi_gpu_results). The exit status is non-zero when any part failed or could not run.
+set -u -o pipefail
+
+# NVLink multicast stays off in NCCL, PyTorch and NVSHMEM on shared hosts (each script sets them
+# again before NCCL starts, in case this script is bypassed).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+
+out=${1:-${OUT:-multi_gpu_results}}
+shift $(( $# > 0 ? 1 : 0 ))
+mkdir -p "$out"
+gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())') || exit 1
+visible=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((gpus - 1)))}
+parts=("$@")
+if [ ${#parts[@]} -eq 0 ]; then
+    parts=(tp_parity tp_bench pipeline_training)
+fi
+
+status=0
+for part in "${parts[@]}"; do
+    case $part in
+        tp_parity) needed=2; command=(tests/gpu/tp_parity.py) ;;
+        tp_bench) needed=2; command=(benchmarks/bench_tensor_parallel.py ${TP_BENCH_ARGS:-}) ;;
+        pipeline_training) needed=4; command=(tests/gpu/pipeline_training.py) ;;
+        *) echo "unknown part: $part" >&2; status=1; continue ;;
+    esac
+    if [ "$gpus" -lt "$needed" ]; then
+        echo "== $part: needs $needed GPUs, $gpus visible: not run" >&2
+        status=1
+        continue
+    fi
+    devices=$(echo "$visible" | cut -d, -f1-"$needed")
+    echo "== $part on GPUs $devices"
+    started=$SECONDS
+    (cd "$repo" && CUDA_VISIBLE_DEVICES=$devices \
+        python3 -m torch.distributed.run --standalone --nproc-per-node "$needed" "${command[@]}" --json "$(realpath "$out")/$part.json") \
+        2>&1 | tee "$out/$part.log"
+    result=$?
+    echo "== $part: exit $result after $((SECONDS - started)) s"
+    [ $result -eq 0 ] || status=1
+done
+exit $status

@@ -1,0 +1,54 @@
+"""The multi-GPU scripts of this folder under pytest: each starts torchrun with one process per GPU
+on the first GPUs it needs, and is skipped where fewer are visible.
+
+    python -m pytest tests/gpu/test_multi_gpu.py -v
+
+What each script checks, and its tolerances, is in its docstring; ``run_multi_gpu.sh`` runs the
+same scripts (and the tensor-parallel benchmark) outside pytest, keeping their JSON and logs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from distributed_gpt import MULTICAST_OFF  # this folder's process setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+pytestmark = pytest.mark.gpu
+
+
+def needs_gpus(count: int):
+    return pytest.mark.skipif(torch.cuda.device_count() < count, reason=f"needs {count} CUDA GPUs")
+
+
+def run_torchrun(script: str, processes: int, json_path) -> dict:
+    """Run ``script`` under torchrun on the first ``processes`` GPUs; fail with its output's tail
+    if any rank fails; return the JSON it wrote."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
+    env = dict(os.environ, **MULTICAST_OFF, CUDA_VISIBLE_DEVICES=",".join(visible.split(",")[:processes]),
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+               os.path.join(HERE, script), "--json", str(json_path)]
+    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, f"{script} failed:\n{(result.stdout + result.stderr)[-6000:]}"
+    with open(json_path) as handle:
+        return json.load(handle)
+
+
+@needs_gpus(2)
+def test_tensor_parallel_sequence_parallel_parity(tmp_path):
+    record = run_torchrun("tp_parity.py", 2, tmp_path / "tp_parity.json")
+    assert {mode["tied"] for mode in record["ranks"][0]["modes"]} == {False, True}
+
+
+@needs_gpus(4)
+def test_pipeline_training_curves_and_tied_copies(tmp_path):
+    record = run_torchrun("pipeline_training.py", 4, tmp_path / "pipeline_training.json")
+    assert len(record["summary"]["sft_loss"]["stock"]) == len(record["summary"]["sft_loss"]["fused"]) > 0

@@ -66,36 +66,29 @@ def error_cell(rows):
                       for row in rows)
 
 
-def rl_table(rows, temperature):
-    methods = ("stock", "torch", "triton")
-    lines = [
-        "| tokens x hidden x vocab | floor (4 GEMMs) | stock | torch backend | Triton backend | Triton / floor "
-        "| log-prob err stock / torch / Triton |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for shape in shapes_of(rows, "rl"):
-        floor = find(rows, section="rl", shape=shape, method="floor")
-        measured = [find(rows, section="rl", shape=shape, method=method, temperature=temperature) for method in methods]
-        ratio = f"{measured[2]['vs_floor']:.3f}" if measured[2] and "vs_floor" in measured[2] else "-"
+def floor_table(rows, section, methods, ours, header, **filters):
+    """One row per shape: the floor, each method's cell, ours against the floor, the errors."""
+    lines = [header, "|" + "---|" * (len(methods) + 4)]
+    for shape in shapes_of(rows, section):
+        floor = find(rows, section=section, shape=shape, method="floor")
+        measured = [find(rows, section=section, shape=shape, method=method, **filters) for method in methods]
+        ours_row = measured[methods.index(ours)]
+        ratio = f"{ours_row['vs_floor']:.3f}" if ours_row and "vs_floor" in ours_row else "-"
         lines.append(f"| {pretty(shape)} | {cell(floor, memory=False)} | "
                      + " | ".join(cell(row) for row in measured) + f" | {ratio} | {error_cell(measured)} |")
     return "\n".join(lines)
+
+
+def rl_table(rows, temperature):
+    header = ("| tokens x hidden x vocab | floor (4 GEMMs) | stock | torch backend | Triton backend | Triton / floor "
+              "| log-prob err stock / torch / Triton |")
+    return floor_table(rows, "rl", ("stock", "torch", "triton"), "triton", header, temperature=temperature)
 
 
 def sft_table(rows):
-    methods = ("stock", "ours", "liger", "cce")
-    lines = [
-        "| tokens x hidden x vocab | floor (3 GEMMs) | stock | ours (Triton) | liger-kernel | cut-cross-entropy "
-        "| ours / floor | log-prob err stock / ours / liger / cce |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for shape in shapes_of(rows, "sft"):
-        floor = find(rows, section="sft", shape=shape, method="floor")
-        measured = [find(rows, section="sft", shape=shape, method=method) for method in methods]
-        ratio = f"{measured[1]['vs_floor']:.3f}" if measured[1] and "vs_floor" in measured[1] else "-"
-        lines.append(f"| {pretty(shape)} | {cell(floor, memory=False)} | "
-                     + " | ".join(cell(row) for row in measured) + f" | {ratio} | {error_cell(measured)} |")
-    return "\n".join(lines)
+    header = ("| tokens x hidden x vocab | floor (3 GEMMs) | stock | ours (Triton) | liger-kernel | cut-cross-entropy "
+              "| ours / floor | log-prob err stock / ours / liger / cce |")
+    return floor_table(rows, "sft", ("stock", "ours", "liger", "cce"), "ours", header)
 
 
 def scaling_table(rows):

@@ -65,7 +65,7 @@ def shard_targets(targets: torch.Tensor, vocab_shard: int, tp_group: Optional[di
     vocab = vocab_shard * group_size(tp_group)
     targets = targets.long()
     if targets.numel() > 0:
-        low, high = int(targets.min()), int(targets.max())
+        low, high = torch.stack([targets.min(), targets.max()]).tolist()  # one host sync
         if low < 0 or high >= vocab:
             bad = low if low < 0 else high
             raise ValueError(

@@ -13,6 +13,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from .products import add_product, float32_product
 from .softmax_stats import NUM_STATISTICS, block_statistics, logit_grad, token_chunks
 
 BLOCK_BYTES = 256 * 2**20
@@ -21,15 +22,6 @@ BLOCK_BYTES = 256 * 2**20
 def default_chunk_size(vocab_shard: int) -> int:
     """Tokens per chunk so that one float32 ``[chunk, vocab_shard]`` block is ``BLOCK_BYTES``."""
     return max(1, BLOCK_BYTES // (4 * vocab_shard))
-
-
-def float32_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """``left @ right`` accumulated and returned in float32, whatever the (shared) input dtype."""
-    if left.dtype == torch.float32:
-        return left @ right
-    if left.is_cuda:
-        return torch.mm(left, right, out_dtype=torch.float32)
-    return left.float() @ right.float()
 
 
 def chunk_statistics(
@@ -120,7 +112,7 @@ def local_gradients(
         # The product runs in the weight's dtype, as the stock path's logits gradient does.
         grad = grad.to(weight.dtype)
         if grad_hidden is not None:
-            grad_hidden[chunk] = float32_product(grad, weight)
+            add_product(grad_hidden[chunk], grad, weight, accumulate=False)
         if grad_weight is not None:
-            grad_weight += float32_product(grad.t(), hidden[chunk])
+            add_product(grad_weight, grad.t(), hidden[chunk], accumulate=True)
     return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype)

@@ -32,6 +32,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .products import add_product
 from .softmax_stats import NUM_STATISTICS, merge_statistics, token_chunks
 from .triton_kernels.descriptors import addressable
 from .triton_kernels.logit_grad_kernel import logit_grad_block
@@ -122,21 +123,6 @@ def local_statistics(
         hidden, weight, target_columns(local_target, owned), 1.0 / temperature, tiles, tiles_per_split
     )
     return merge_statistics(parts)
-
-
-def add_product(out: torch.Tensor, left: torch.Tensor, right: torch.Tensor, accumulate: bool) -> None:
-    """``out = left @ right`` (``+ out`` when ``accumulate``), the product accumulated in float32.
-
-    ``out`` is float32 or ``left``'s dtype; ``left`` and ``right`` share a dtype. When
-    ``accumulate`` is false, ``out`` may hold anything (beta = 0 ignores it).
-    """
-    beta = 1 if accumulate else 0
-    if out.dtype == left.dtype:
-        torch.addmm(out, left, right, beta=beta, out=out)
-    elif out.is_cuda:
-        torch.addmm(out, left, right, beta=beta, out_dtype=out.dtype, out=out)
-    else:  # CPU (interpreter tests): no mixed-dtype addmm there.
-        out.addmm_(left.to(out.dtype), right.to(out.dtype), beta=beta)
 
 
 def local_gradients(

@@ -1,0 +1,104 @@
+"""The float64 oracle: log-probs, entropy and their gradients by plain ``log_softmax`` and
+autograd, written independently of the package's own formulas; and the error measures that compare
+with it."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+
+class Reference(NamedTuple):
+    """Float64 results; the gradients are ``None`` when no upstream gradient was given."""
+
+    logprob: torch.Tensor  # [...]
+    entropy: torch.Tensor  # [...]
+    grad_hidden: Optional[torch.Tensor] = None  # [..., H] (or the logits' gradient [..., V])
+    grad_weight: Optional[torch.Tensor] = None  # [V, H] (None for a logits reference)
+
+
+def logprob_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
+    """Float64 ``(logprob [...], entropy [...])`` of ``targets`` under ``softmax(logits / T)``."""
+    log_probs = torch.log_softmax(logits.double() / temperature, dim=-1)
+    logprob = log_probs.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return logprob, entropy
+
+
+def _upstream_loss(logprob, entropy, grad_logprob, grad_entropy):
+    loss = logprob.new_zeros(())
+    if grad_logprob is not None:
+        loss = loss + (logprob * grad_logprob.double()).sum()
+    if grad_entropy is not None:
+        loss = loss + (entropy * grad_entropy.double()).sum()
+    return loss
+
+
+def reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    grad_logprob: Optional[torch.Tensor] = None,
+    grad_entropy: Optional[torch.Tensor] = None,
+) -> Reference:
+    """Log-probs and entropy of ``targets [...]`` under ``softmax(hidden [..., H] @ weight.T / T)``
+    over the whole vocabulary ``weight [V, H]``; given upstream gradients, the gradients of
+    ``sum(logprob * grad_logprob + entropy * grad_entropy)`` with respect to hidden and weight."""
+    hidden64 = hidden.detach().double().requires_grad_()
+    weight64 = weight.detach().double().requires_grad_()
+    logprob, entropy = logprob_entropy(hidden64 @ weight64.t(), targets, temperature)
+    if grad_logprob is None and grad_entropy is None:
+        return Reference(logprob.detach(), entropy.detach())
+    grad_hidden, grad_weight = torch.autograd.grad(
+        _upstream_loss(logprob, entropy, grad_logprob, grad_entropy), (hidden64, weight64)
+    )
+    return Reference(logprob.detach(), entropy.detach(), grad_hidden, grad_weight)
+
+
+def reference_from_logits(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    grad_logprob: Optional[torch.Tensor] = None,
+    grad_entropy: Optional[torch.Tensor] = None,
+) -> Reference:
+    """As ``reference`` from materialized logits ``[..., V]``; ``grad_hidden`` holds the gradient
+    with respect to the logits."""
+    logits64 = logits.detach().double().requires_grad_()
+    logprob, entropy = logprob_entropy(logits64, targets, temperature)
+    if grad_logprob is None and grad_entropy is None:
+        return Reference(logprob.detach(), entropy.detach())
+    (grad_logits,) = torch.autograd.grad(_upstream_loss(logprob, entropy, grad_logprob, grad_entropy), (logits64,))
+    return Reference(logprob.detach(), entropy.detach(), grad_logits)
+
+
+def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest absolute difference (0 for empty tensors)."""
+    if expected.numel() == 0:
+        return 0.0
+    return float((actual.detach().double() - expected.double()).abs().max())
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest absolute difference relative to the largest magnitude of ``expected``: an
+    elementwise relative error is meaningless for entries near zero, a norm hides one bad entry."""
+    if expected.numel() == 0:
+        return 0.0
+    scale = expected.double().abs().max().clamp_min(1e-30)
+    return float((actual.detach().double() - expected.double()).abs().max() / scale)
+
+
+def make_case(lead_shape, hidden_size: int, vocab: int, dtype: torch.dtype, peaky: bool, seed: int = 0, device=None):
+    """Random ``hidden [*lead_shape, H]``, ``weight [vocab, H]``, ``targets [*lead_shape]``.
+
+    Flat cases have logits of standard deviation about 1; peaky ones about 25, so that one token
+    takes almost all the probability mass and log-probs reach the hundreds.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    scale = 25.0 if peaky else 1.0
+    hidden = (torch.randn(*lead_shape, hidden_size, generator=generator) * scale).to(dtype)
+    weight = (torch.randn(vocab, hidden_size, generator=generator) / hidden_size**0.5).to(dtype)
+    targets = torch.randint(0, vocab, tuple(lead_shape), generator=generator)
+    return hidden.to(device), weight.to(device), targets.to(device)

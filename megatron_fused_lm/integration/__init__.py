@@ -6,7 +6,16 @@
     loss = model(tokens, positions, mask, labels=labels)   # SFT: the stock [b, s] loss
 """
 
-from .config import FusedLMConfig
-from .head import FusedLMHead, unwrap_model, wrap_model
+try:
+    import megatron.core  # noqa: F401
+except ImportError as error:
+    raise ImportError(
+        "megatron_fused_lm's Megatron-Core integration needs megatron-core (0.16 to 0.19): "
+        'pip install "megatron-fused-lm[megatron]" (or megatron-core itself); '
+        "the ops (fused_linear_logprob, logits_logprob) work without it"
+    ) from error
+
+from .config import FusedLMConfig  # noqa: E402
+from .head import FusedLMHead, unwrap_model, wrap_model  # noqa: E402
 
 __all__ = ["FusedLMConfig", "FusedLMHead", "unwrap_model", "wrap_model"]

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-from ..ops.backends import check_backend
+from ..ops import BACKENDS
 
 # Trainer key -> FusedLMConfig field.
 TRAINER_KEYS = {
@@ -39,7 +39,11 @@ class FusedLMConfig:
             raise TypeError(f"enabled (fused_linear_logprob) must be true or false, got {self.enabled!r}")
         if not isinstance(self.backend, str):
             raise TypeError(f"backend (fused_linear_logprob_backend) must be a string, got {self.backend!r}")
-        check_backend(self.backend)
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"backend (fused_linear_logprob_backend) must be one of {', '.join(map(repr, BACKENDS))}; "
+                f"got {self.backend!r}"
+            )
         if self.chunk_size is not None:
             if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, numbers.Integral):
                 raise TypeError(

@@ -3,69 +3,92 @@ LM-head weight, without building the ``[tokens, vocab_shard]`` logits."""
 
 from __future__ import annotations
 
-from types import ModuleType
+from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from .backends import resolve_backend
-from .inputs import check_float, check_options, flatten_targets, scatter_rows, shard_targets
-from .softmax_stats import group_size, merge_across_group, summarize
+from .contract import Backend, SavedStatistics, ShardTargets, UpstreamGrads
+from .distributed import all_reduce_sum
+from .inputs import check_float, check_options, select_rows
+from .softmax_stats import merge_across_group, summarize
+
+
+@dataclass(frozen=True)
+class FusedOptions:
+    """Everything ``FusedLinearLogprob`` needs besides its tensors (``fused_linear_logprob``
+    documents each)."""
+
+    backend: Backend
+    temperature: float = 1.0
+    tp_group: Optional[dist.ProcessGroup] = None
+    entropy_grad: bool = True
+    reduce_hidden_grad: bool = True
 
 
 class FusedLinearLogprob(torch.autograd.Function):
-    """Autograd function behind ``fused_linear_logprob`` (flat inputs, checks already done).
+    """Autograd function behind ``fused_linear_logprob`` (flat rows, checks already done).
 
-    ``forward(hidden [n, H], weight [vocab_shard, H] (same dtype as hidden), local_target [n]
-    int64, owned [n] bool, temperature, tp_group, backend module, chunk_size, entropy_grad,
-    reduce_hidden_grad) -> (logprob [n], entropy [n])``, both float32. Saves only O(n) statistics
-    besides its inputs; the backward recomputes the logits.
+    ``forward(hidden [n, H], weight [vocab_shard, H] (hidden's dtype), local_target [n] int64,
+    owned [n] bool, options: FusedOptions) -> (logprob [n], entropy [n])``, both float32 (the two
+    target tensors are a ``contract.ShardTargets``). Saves only O(n) statistics besides its inputs;
+    the backward recomputes the logits.
     """
 
     @staticmethod
-    def forward(
-        ctx,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        local_target: torch.Tensor,
-        owned: torch.Tensor,
-        temperature: float,
-        tp_group: Optional[dist.ProcessGroup],
-        backend: ModuleType,
-        chunk_size: Optional[int],
-        entropy_grad: bool,
-        reduce_hidden_grad: bool,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        stats = backend.local_statistics(hidden, weight, local_target, owned, temperature, chunk_size)
-        summary = summarize(merge_across_group(stats, tp_group))
-        ctx.save_for_backward(hidden, weight, local_target, owned, summary.lse, summary.mean_logit)
-        ctx.options = (temperature, tp_group, backend, chunk_size, entropy_grad, reduce_hidden_grad)
+    def forward(ctx, hidden, weight, local_target, owned, options: FusedOptions):
+        targets = ShardTargets(local_target, owned)
+        stats = options.backend.local_statistics(hidden, weight, targets, options.temperature)
+        summary = summarize(merge_across_group(stats, options.tp_group))
+        ctx.save_for_backward(hidden, weight, local_target, owned, *summary.saved)
+        ctx.options = options
         ctx.set_materialize_grads(False)
-        if not entropy_grad:
+        if not options.entropy_grad:
             ctx.mark_non_differentiable(summary.entropy)
         return summary.logprob, summary.entropy
 
     @staticmethod
     def backward(ctx, grad_logprob: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]):
+        options: FusedOptions = ctx.options
+        upstream = UpstreamGrads.from_autograd(grad_logprob, grad_entropy if options.entropy_grad else None)
+        if upstream is None:
+            return None, None, None, None, None
         hidden, weight, local_target, owned, lse, mean_logit = ctx.saved_tensors
-        temperature, tp_group, backend, chunk_size, entropy_grad, reduce_hidden_grad = ctx.options
-        if not entropy_grad:
-            grad_entropy = None
-        need_hidden_grad, need_weight_grad = ctx.needs_input_grad[:2]
-        if grad_logprob is None and grad_entropy is None:
-            return (None,) * 10
-        grad_hidden, grad_weight = backend.local_gradients(
-            hidden, weight, local_target, owned, lse, mean_logit,
-            None if grad_logprob is None else grad_logprob.float(),
-            None if grad_entropy is None else grad_entropy.float(),
-            temperature, chunk_size, need_hidden_grad, need_weight_grad,
+        grads = options.backend.local_gradients(
+            hidden, weight, ShardTargets(local_target, owned), SavedStatistics(lse, mean_logit), upstream,
+            options.temperature, need_hidden=ctx.needs_input_grad[0], need_weight=ctx.needs_input_grad[1],
         )
-        if grad_hidden is not None:
-            if reduce_hidden_grad and group_size(tp_group) > 1:
-                dist.all_reduce(grad_hidden, group=tp_group)
-            grad_hidden = grad_hidden.to(hidden.dtype)
-        return (grad_hidden, grad_weight) + (None,) * 8
+        if grads.hidden is not None and options.reduce_hidden_grad:
+            all_reduce_sum(grads.hidden, options.tp_group)
+        return grads.hidden, grads.weight, None, None, None
+
+
+def check_linear_inputs(hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    """``TypeError`` / ``ValueError`` unless ``hidden [..., H]`` and ``weight [vocab_shard >= 1, H]``
+    are float32, bfloat16 or float16 tensors of matching hidden size."""
+    check_float("hidden", hidden)
+    check_float("weight", weight)
+    if weight.dim() != 2 or weight.shape[0] == 0:
+        raise ValueError(f"weight must be 2-D [vocab_shard >= 1, H], got shape {tuple(weight.shape)}")
+    if hidden.dim() == 0 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden size {tuple(hidden.shape)[-1:]} does not match weight's {weight.shape[1]}")
+
+
+def fused_logprob_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    options: FusedOptions,
+    mask: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(logprob [...], entropy [...])`` with an explicit backend: what ``fused_linear_logprob``
+    runs once it has checked its inputs and resolved ``backend=`` (tests pass backends they built)."""
+    selection = select_rows(targets, hidden.shape[:-1], mask, weight.shape[0], options.tp_group)
+    rows = selection.take(hidden).to(weight.dtype)
+    logprob, entropy = FusedLinearLogprob.apply(rows, weight, *selection.targets, options)
+    return selection.place(logprob), selection.place(entropy)
 
 
 def fused_linear_logprob(
@@ -97,11 +120,12 @@ def fused_linear_logprob(
         entropy_grad: with ``False`` the entropy is a metric: no graph, no backward term.
         backend: ``"torch"``, ``"triton"`` or ``"auto"`` (Triton on CUDA when available; otherwise
             the torch backend, with one logged warning).
-        chunk_size: tokens per chunk (torch backend); ``None`` picks one that bounds the float32
-            working set (see ``torch_backend``).
+        chunk_size: rows per chunk (the torch backend's chunks; the Triton backward's token
+            chunks); ``None`` picks one that bounds the working set.
         reduce_hidden_grad: ``True`` (default) gives the full gradient w.r.t. ``hidden`` on every
-            rank (one all-reduce). ``False`` gives this rank's partial, for a caller whose own
-            backward sums partials across ranks (a sequence-parallel gather's reduce-scatter).
+            rank (one all-reduce, in the gradient's dtype). ``False`` gives this rank's partial,
+            for a caller whose own backward sums partials across ranks (a sequence-parallel
+            gather's reduce-scatter).
         mask: optional bool ``[...]`` (``targets``' shape): only rows where it is True are
             computed (their hidden rows are gathered before the product, so time and memory follow
             the number selected); the others are 0 with zero gradient, and their targets are not
@@ -109,24 +133,17 @@ def fused_linear_logprob(
 
     Returns:
         ``logprob [...]`` float32, or ``(logprob, entropy)`` with ``return_entropy=True``.
+        Gradients: w.r.t. ``hidden`` in hidden's dtype, w.r.t. ``weight`` (this shard's rows) in
+        the weight's dtype.
     """
-    check_float("hidden", hidden)
-    check_float("weight", weight)
-    if weight.dim() != 2 or weight.shape[0] == 0:
-        raise ValueError(f"weight must be 2-D [vocab_shard >= 1, H], got shape {tuple(weight.shape)}")
-    if hidden.dim() == 0 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"hidden size {tuple(hidden.shape)[-1:]} does not match weight's {weight.shape[1]}")
+    check_linear_inputs(hidden, weight)
     check_options(temperature, chunk_size)
-    lead_shape = hidden.shape[:-1]
-    selected_targets, rows = flatten_targets(targets, lead_shape, mask)
-    local_target, owned = shard_targets(selected_targets, weight.shape[0], tp_group)
-    implementation = resolve_backend(backend, hidden.device)
-    hidden = hidden.reshape(-1, hidden.shape[-1])
-    if rows is not None:
-        hidden = hidden.index_select(0, rows)
-    logprob, entropy = FusedLinearLogprob.apply(
-        hidden.to(weight.dtype), weight, local_target, owned,
-        float(temperature), tp_group, implementation, chunk_size, entropy_grad, reduce_hidden_grad,
+    options = FusedOptions(
+        backend=resolve_backend(backend, hidden.device, chunk_size),
+        temperature=float(temperature),
+        tp_group=tp_group,
+        entropy_grad=entropy_grad,
+        reduce_hidden_grad=reduce_hidden_grad,
     )
-    logprob = scatter_rows(logprob, rows, lead_shape)
-    return (logprob, scatter_rows(entropy, rows, lead_shape)) if return_entropy else logprob
+    logprob, entropy = fused_logprob_entropy(hidden, weight, targets, options, mask)
+    return (logprob, entropy) if return_entropy else logprob

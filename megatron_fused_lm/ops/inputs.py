@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
-from .softmax_stats import group_rank, group_size
+from .contract import ShardTargets
+from .distributed import group_rank, group_size
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -33,11 +34,36 @@ def check_options(temperature: float, chunk_size: Optional[int]) -> None:
             raise ValueError(f"chunk_size must be a positive number of tokens or None, got {chunk_size}")
 
 
-def flatten_targets(
-    targets: torch.Tensor, lead_shape: torch.Size, mask: Optional[torch.Tensor]
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Check ``targets`` (and ``mask``) against ``lead_shape``; return the flat targets of the
-    selected rows and the selected row indices (``None`` without a mask: every row)."""
+class RowSelection(NamedTuple):
+    """The rows an op computes: the flattened leading shape, the selected row indices and their
+    targets on this rank's vocabulary shard."""
+
+    lead_shape: torch.Size
+    rows: Optional[torch.Tensor]  # [k] int64 indices into the flattened lead_shape; None: every row
+    targets: ShardTargets  # of the selected rows, [k]
+
+    def take(self, values: torch.Tensor) -> torch.Tensor:
+        """``values [*lead_shape, X]`` -> the selected rows ``[k, X]`` (differentiable)."""
+        flat = values.reshape(-1, values.shape[-1])
+        return flat if self.rows is None else flat.index_select(0, self.rows)
+
+    def place(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-row results ``[k]`` back in ``lead_shape``, 0 on unselected rows (differentiable)."""
+        if self.rows is None:
+            return values.view(self.lead_shape)
+        full = values.new_zeros(self.lead_shape.numel())
+        return full.index_copy(0, self.rows, values).view(self.lead_shape)
+
+
+def select_rows(
+    targets: torch.Tensor,
+    lead_shape: torch.Size,
+    mask: Optional[torch.Tensor],
+    vocab_shard: int,
+    tp_group: Optional[dist.ProcessGroup],
+) -> RowSelection:
+    """Check ``targets`` (and ``mask``) against ``lead_shape`` and select the rows to compute:
+    every row without a mask, else those where ``mask`` is True (their targets only are read)."""
     if not isinstance(targets, torch.Tensor):
         raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
@@ -45,23 +71,21 @@ def flatten_targets(
     if targets.shape != lead_shape:
         raise ValueError(f"targets.shape {tuple(targets.shape)} must equal the leading shape {tuple(lead_shape)}")
     flat = targets.reshape(-1)
-    if mask is None:
-        return flat, None
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        raise TypeError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
-    if mask.shape != lead_shape:
-        raise ValueError(f"mask.shape {tuple(mask.shape)} must equal targets.shape {tuple(lead_shape)}")
-    rows = mask.reshape(-1).nonzero().squeeze(-1)
-    return flat[rows], rows
+    rows = None
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            raise TypeError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
+        if mask.shape != lead_shape:
+            raise ValueError(f"mask.shape {tuple(mask.shape)} must equal targets.shape {tuple(lead_shape)}")
+        rows = mask.reshape(-1).nonzero().squeeze(-1)
+        flat = flat[rows]
+    return RowSelection(lead_shape, rows, shard_targets(flat, vocab_shard, tp_group))
 
 
-def shard_targets(targets: torch.Tensor, vocab_shard: int, tp_group: Optional[dist.ProcessGroup]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Map flat global ``targets [n]`` onto this rank's vocabulary shard.
-
-    Rank ``r`` owns global ids ``[r * vocab_shard, (r + 1) * vocab_shard)``. Returns
-    ``local_target [n]`` (int64, clamped into the shard so that it can always index it) and
-    ``owned [n]`` (bool, whether this rank holds the row's target).
-    """
+def shard_targets(targets: torch.Tensor, vocab_shard: int, tp_group: Optional[dist.ProcessGroup]) -> ShardTargets:
+    """Map flat global ``targets [n]`` onto this rank's vocabulary shard: rank ``r`` owns global
+    ids ``[r * vocab_shard, (r + 1) * vocab_shard)``. ``ValueError`` for an id outside the
+    vocabulary."""
     vocab = vocab_shard * group_size(tp_group)
     targets = targets.long()
     if targets.numel() > 0:
@@ -74,12 +98,4 @@ def shard_targets(targets: torch.Tensor, vocab_shard: int, tp_group: Optional[di
             )
     local = targets - group_rank(tp_group) * vocab_shard
     owned = (local >= 0) & (local < vocab_shard)
-    return local.clamp(0, vocab_shard - 1), owned
-
-
-def scatter_rows(values: torch.Tensor, rows: Optional[torch.Tensor], lead_shape: torch.Size) -> torch.Tensor:
-    """Per-row results of the selected ``rows`` back in ``lead_shape``, 0 elsewhere (differentiable)."""
-    if rows is None:
-        return values.view(lead_shape)
-    full = values.new_zeros(lead_shape.numel())
-    return full.index_copy(0, rows, values).view(lead_shape)
+    return ShardTargets(local.clamp(0, vocab_shard - 1), owned)

@@ -2,58 +2,70 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from .inputs import check_float, check_options, flatten_targets, scatter_rows, shard_targets
+from .chunking import BlockLogits, chunk_logit_grads, chunk_statistics
+from .contract import SavedStatistics, ShardTargets, UpstreamGrads
+from .inputs import check_float, check_options, select_rows
 from .softmax_stats import merge_across_group, summarize
-from .torch_backend import chunk_logit_grads, chunk_statistics
+
+
+@dataclass(frozen=True)
+class LogitsOptions:
+    """Everything ``LogitsLogprob`` needs besides its tensors."""
+
+    temperature: float
+    tp_group: Optional[dist.ProcessGroup]
+    token_chunk: Optional[int]  # rows per chunk of the float32 softmax; None: one pass
+    entropy_grad: bool
 
 
 class LogitsLogprob(torch.autograd.Function):
-    """Autograd function behind ``logits_logprob``: ``forward(logits [n, vocab_shard], local_target,
-    owned, temperature, tp_group, chunk_size, entropy_grad) -> (logprob [n], entropy [n])``.
+    """Autograd function behind ``logits_logprob``: ``forward(logits [n, vocab_shard], local_target
+    [n] int64, owned [n] bool, options: LogitsOptions) -> (logprob [n], entropy [n])`` float32.
 
     Saves the logits as given (never modified) and O(n) statistics; the backward recomputes the
     float32 softmax one chunk at a time and writes the gradient in the logits' dtype.
     """
 
     @staticmethod
-    def forward(ctx, logits, local_target, owned, temperature, tp_group, chunk_size, entropy_grad):
-        num_tokens = logits.shape[0]
-        chunk_size = chunk_size or max(num_tokens, 1)
-        stats = chunk_statistics(_scaled(logits, temperature), num_tokens, chunk_size, local_target, owned)
-        summary = summarize(merge_across_group(stats, tp_group))
-        ctx.save_for_backward(logits, local_target, owned, summary.lse, summary.mean_logit)
-        ctx.options = (temperature, chunk_size, entropy_grad)
+    def forward(ctx, logits, local_target, owned, options: LogitsOptions):
+        targets = ShardTargets(local_target, owned)
+        stats = chunk_statistics(_scaled(logits, options.temperature), targets, _chunk_rows(logits, options))
+        summary = summarize(merge_across_group(stats, options.tp_group))
+        ctx.save_for_backward(logits, local_target, owned, *summary.saved)
+        ctx.options = options
         ctx.set_materialize_grads(False)
-        if not entropy_grad:
+        if not options.entropy_grad:
             ctx.mark_non_differentiable(summary.entropy)
         return summary.logprob, summary.entropy
 
     @staticmethod
-    def backward(ctx, grad_logprob, grad_entropy):
+    def backward(ctx, grad_logprob: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]):
+        options: LogitsOptions = ctx.options
+        upstream = UpstreamGrads.from_autograd(grad_logprob, grad_entropy if options.entropy_grad else None)
+        if upstream is None:
+            return None, None, None, None
         logits, local_target, owned, lse, mean_logit = ctx.saved_tensors
-        temperature, chunk_size, entropy_grad = ctx.options
-        if not entropy_grad:
-            grad_entropy = None
-        if grad_logprob is None and grad_entropy is None:
-            return (None,) * 7
         grad_logits = torch.empty_like(logits)
-        grads = chunk_logit_grads(
-            _scaled(logits, temperature), logits.shape[0], chunk_size, local_target, owned, lse, mean_logit,
-            None if grad_logprob is None else grad_logprob.float(),
-            None if grad_entropy is None else grad_entropy.float(),
-            temperature,
+        logit_grads = chunk_logit_grads(
+            _scaled(logits, options.temperature), ShardTargets(local_target, owned), SavedStatistics(lse, mean_logit),
+            upstream, options.temperature, _chunk_rows(logits, options),
         )
-        for chunk, grad in grads:
+        for chunk, grad in logit_grads:
             grad_logits[chunk] = grad
-        return (grad_logits,) + (None,) * 6
+        return grad_logits, None, None, None
 
 
-def _scaled(logits: torch.Tensor, temperature: float):
+def _chunk_rows(logits: torch.Tensor, options: LogitsOptions) -> int:
+    return options.token_chunk or max(logits.shape[0], 1)
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> BlockLogits:
     # Out of place: logits.float() is logits itself when it is float32 already.
     return lambda chunk: logits[chunk].float() / temperature
 
@@ -77,25 +89,21 @@ def logits_logprob(
             columns: rank ``r`` owns global ids ``[r * vocab_shard, (r + 1) * vocab_shard)``.
         targets: ``[...]`` (``logits.shape[:-1]``) integer global vocabulary ids.
         tp_group, temperature, return_entropy, entropy_grad: as for ``fused_linear_logprob``.
-        chunk_size: tokens per chunk of the float32 softmax; ``None`` (or a size of at least the
-            number of tokens) runs one pass over all tokens.
+        chunk_size: rows per chunk of the float32 softmax; ``None`` (or a size of at least the
+            number of rows) runs one pass over all rows.
         mask: optional bool ``[...]``: only rows where it is True are computed; the others are 0
-            with zero gradient (as for ``fused_linear_logprob``).
+            with zero gradient and their targets are not read (as for ``fused_linear_logprob``).
 
     Returns:
-        ``logprob [...]`` float32, or ``(logprob, entropy)``. The gradient goes to ``logits``
-        (this rank's shard only; nothing is reduced across ranks).
+        ``logprob [...]`` float32, or ``(logprob, entropy)``. The gradient goes to ``logits`` in
+        their dtype (this rank's shard only; nothing is reduced across ranks).
     """
     check_float("logits", logits)
     if logits.dim() == 0 or logits.shape[-1] == 0:
         raise ValueError(f"logits must be [..., vocab_shard >= 1], got shape {tuple(logits.shape)}")
     check_options(temperature, chunk_size)
-    lead_shape = logits.shape[:-1]
-    selected_targets, rows = flatten_targets(targets, lead_shape, mask)
-    local_target, owned = shard_targets(selected_targets, logits.shape[-1], tp_group)
-    logits = logits.reshape(-1, logits.shape[-1])
-    if rows is not None:
-        logits = logits.index_select(0, rows)
-    logprob, entropy = LogitsLogprob.apply(logits, local_target, owned, float(temperature), tp_group, chunk_size, entropy_grad)
-    logprob = scatter_rows(logprob, rows, lead_shape)
-    return (logprob, scatter_rows(entropy, rows, lead_shape)) if return_entropy else logprob
+    selection = select_rows(targets, logits.shape[:-1], mask, logits.shape[-1], tp_group)
+    options = LogitsOptions(float(temperature), tp_group, chunk_size, entropy_grad)
+    logprob, entropy = LogitsLogprob.apply(selection.take(logits), *selection.targets, options)
+    logprob = selection.place(logprob)
+    return (logprob, selection.place(entropy)) if return_entropy else logprob

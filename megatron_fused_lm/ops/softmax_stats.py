@@ -24,6 +24,9 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from .contract import SavedStatistics, ShardTargets, UpstreamGrads
+from .distributed import all_gather_stacked, group_size
+
 # Column order of a statistics tensor [..., 4].
 MAX, SUMEXP, SUMEXP_Z, TARGET = range(4)
 NUM_STATISTICS = 4
@@ -36,6 +39,11 @@ class SoftmaxSummary(NamedTuple):
     entropy: torch.Tensor
     lse: torch.Tensor  # log sum exp z
     mean_logit: torch.Tensor  # sum p z, the mean logit under the softmax
+
+    @property
+    def saved(self) -> SavedStatistics:
+        """What the backward keeps."""
+        return SavedStatistics(self.lse, self.mean_logit)
 
 
 def block_statistics(logits: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
@@ -77,26 +85,12 @@ def merge_statistics(parts: torch.Tensor) -> torch.Tensor:
     return merged
 
 
-def group_size(group: Optional[dist.ProcessGroup]) -> int:
-    """Number of ranks in ``group``; 1 for ``None``."""
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def group_rank(group: Optional[dist.ProcessGroup]) -> int:
-    """This process's rank in ``group``; 0 for ``None``."""
-    return 0 if group is None else dist.get_rank(group)
-
-
 def merge_across_group(stats: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    """Merge every rank's shard statistics ``[n, 4]`` with a single all-gather."""
-    size = group_size(group)
-    if size == 1 or stats.shape[0] == 0:
+    """Merge every rank's shard statistics ``[n, 4]`` into the whole vocabulary's, with one
+    all-gather however many blocks each rank's own work used."""
+    if group_size(group) == 1 or stats.shape[0] == 0:
         return stats
-    gathered = torch.empty((size * stats.shape[0], NUM_STATISTICS), dtype=stats.dtype, device=stats.device)
-    # torch 2.13 renamed all_gather_into_tensor (and deprecated the old name).
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    all_gather(gathered, stats.contiguous(), group=group)
-    return merge_statistics(gathered.view(size, -1, NUM_STATISTICS))
+    return merge_statistics(all_gather_stacked(stats, group))
 
 
 def summarize(stats: torch.Tensor) -> SoftmaxSummary:
@@ -112,36 +106,25 @@ def summarize(stats: torch.Tensor) -> SoftmaxSummary:
 
 
 def logit_grad(
-    logits: torch.Tensor,
-    lse: torch.Tensor,
-    mean_logit: torch.Tensor,
-    local_target: torch.Tensor,
-    owned: torch.Tensor,
-    grad_logprob: Optional[torch.Tensor],
-    grad_entropy: Optional[torch.Tensor],
+    logits: torch.Tensor, targets: ShardTargets, saved: SavedStatistics, upstream: UpstreamGrads
 ) -> torch.Tensor:
     """Gradient ``[n, v]`` (float32) with respect to one block of float32 logits ``[n, v]``.
 
-    ``dz = g_lp * (1[v = y] - p) + g_H * p * (mean - z)``. Either upstream gradient may be
-    ``None`` (no contribution). The chosen-token term is added with a scatter, only on rows whose
-    target this block owns; every row keeps its ``-p`` term.
+    ``dz = g_lp * (1[v = y] - p) + g_H * p * (mean - z)``; a ``None`` upstream gradient contributes
+    nothing. ``targets`` index the block's columns; the chosen-token term is added with a scatter,
+    only on rows whose target the block owns, while every row keeps its ``-p`` term.
     """
+    grad_logprob, grad_entropy = upstream
     if grad_entropy is not None:
-        grad = torch.sub(mean_logit.unsqueeze(-1), logits).mul_(grad_entropy.unsqueeze(-1))
+        grad = torch.sub(saved.mean_logit.unsqueeze(-1), logits).mul_(grad_entropy.unsqueeze(-1))
         if grad_logprob is not None:
             grad.sub_(grad_logprob.unsqueeze(-1))
     elif grad_logprob is not None:
         grad = (-grad_logprob).unsqueeze(-1).expand_as(logits).clone()
     else:
         return torch.zeros_like(logits)
-    grad.mul_(torch.sub(logits, lse.unsqueeze(-1)).exp_())
+    grad.mul_(torch.sub(logits, saved.lse.unsqueeze(-1)).exp_())
     if grad_logprob is not None:
-        chosen = torch.where(owned, grad_logprob, torch.zeros_like(grad_logprob))
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), chosen.unsqueeze(-1))
+        chosen = torch.where(targets.owned, grad_logprob, torch.zeros_like(grad_logprob))
+        grad.scatter_add_(-1, targets.local.unsqueeze(-1), chosen.unsqueeze(-1))
     return grad
-
-
-def token_chunks(num_tokens: int, chunk_size: int):
-    """Slices of ``[0, num_tokens)`` of at most ``chunk_size`` rows each."""
-    for start in range(0, num_tokens, chunk_size):
-        yield slice(start, min(start + chunk_size, num_tokens))

@@ -17,13 +17,12 @@ measured 1 to 2 % (hidden 4096) and 6 % (hidden 2048) faster than one program pe
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
 
-from .descriptors import addressable, descriptor
+from ..contract import SavedStatistics, UpstreamGrads
+from .descriptors import descriptor
 from .tiles import Tiles
 
 
@@ -90,10 +89,8 @@ def logit_grad_block(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target_column: torch.Tensor,
-    lse: torch.Tensor,
-    mean_logit: torch.Tensor,
-    grad_logprob: Optional[torch.Tensor],
-    grad_entropy: Optional[torch.Tensor],
+    saved: SavedStatistics,
+    upstream: UpstreamGrads,
     inv_temperature: float,
     tiles: Tiles,
     num_programs: int,
@@ -103,20 +100,21 @@ def logit_grad_block(
     block ``weight [v >= 1, H]`` (both ``descriptors.addressable``).
 
     ``target_column [n]`` (int64) is the target's column in this block (any value outside
-    ``[0, v)`` when the block does not own it); ``lse``, ``mean_logit`` and the upstream grads
-    are ``[n]`` float32, contiguous; a ``None`` upstream grad contributes nothing.
-    The grid has ``num_programs`` programs (fewer if there are fewer tiles).
+    ``[0, v)`` when the block does not own it); ``saved`` and ``upstream`` hold ``[n]`` float32
+    contiguous tensors; a ``None`` upstream gradient contributes nothing. The grid has
+    ``num_programs`` programs (fewer if there are fewer tiles).
     """
     num_tokens, hidden_size = hidden.shape
     vocab = weight.shape[0]
     num_tiles = triton.cdiv(num_tokens, tiles.block_m) * triton.cdiv(vocab, tiles.block_n)
+    grad_logprob, grad_entropy = upstream
     logit_grad_kernel[(min(num_tiles, num_programs),)](
         descriptor(hidden, [tiles.block_m, tiles.block_k]),
         descriptor(weight, [tiles.block_n, tiles.block_k]),
         descriptor(out, [tiles.block_m, tiles.block_n]),
-        target_column, lse, mean_logit,
-        lse if grad_logprob is None else grad_logprob,  # unread placeholder when absent
-        lse if grad_entropy is None else grad_entropy,
+        target_column, saved.lse, saved.mean_logit,
+        saved.lse if grad_logprob is None else grad_logprob,  # unread placeholder when absent
+        saved.lse if grad_entropy is None else grad_entropy,
         num_tokens, vocab, hidden_size, inv_temperature,
         HAS_GRAD_LOGPROB=grad_logprob is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,

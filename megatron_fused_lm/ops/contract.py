@@ -1,0 +1,88 @@
+"""The backend contract: what the shared autograd plumbing hands a backend, and what it gets back.
+
+A backend computes, for this rank's vocabulary shard only, the softmax statistics of
+``hidden @ weight.T / temperature`` in the forward and the two gradients in the backward. The
+input checks, the collectives and the autograd plumbing are shared (``fused``), so a backend never
+communicates and never sees the public options.
+
+Shapes: ``n`` token rows, ``H`` hidden size, ``vocab_shard`` rows of this rank's weight shard.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Protocol
+
+import torch
+
+
+class ShardTargets(NamedTuple):
+    """Each row's target, seen from this rank's vocabulary shard."""
+
+    local: torch.Tensor  # [n] int64: the target's row in the shard, clamped into it so it always indexes
+    owned: torch.Tensor  # [n] bool: whether this shard holds the row's target
+
+    def columns(self) -> torch.Tensor:
+        """``[n]`` int64: the target's row in the shard, or -1 where another shard owns it."""
+        return torch.where(self.owned, self.local, -1).contiguous()
+
+
+class SavedStatistics(NamedTuple):
+    """What the backward needs per row, over the whole vocabulary (every rank's shard)."""
+
+    lse: torch.Tensor  # [n] float32: log sum exp z
+    mean_logit: torch.Tensor  # [n] float32: sum p z, the mean logit under the softmax
+
+
+class UpstreamGrads(NamedTuple):
+    """Gradients of the loss with respect to the per-row outputs; ``None``: no contribution."""
+
+    logprob: Optional[torch.Tensor]  # [n] float32
+    entropy: Optional[torch.Tensor]  # [n] float32
+
+    @classmethod
+    def from_autograd(
+        cls, grad_logprob: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]
+    ) -> Optional[UpstreamGrads]:
+        """The gradients autograd hands a backward (``None`` for an unused output) in float32;
+        ``None`` when nothing flows back."""
+        if grad_logprob is None and grad_entropy is None:
+            return None
+        return cls(*(None if grad is None else grad.float() for grad in (grad_logprob, grad_entropy)))
+
+
+class Gradients(NamedTuple):
+    """A backend's gradients; ``None`` where not asked for.
+
+    ``hidden [n, H]`` is in hidden's dtype and *partial*: this shard's vocabulary only (the caller
+    sums it over the tensor-parallel group, in that dtype, as Megatron's own column-parallel layer
+    does). ``weight [vocab_shard, H]`` is in the weight's dtype and complete for the shard.
+    """
+
+    hidden: Optional[torch.Tensor]
+    weight: Optional[torch.Tensor]
+
+
+class Backend(Protocol):
+    """One implementation behind ``backend=``; ``hidden [n, H]`` and ``weight [vocab_shard, H]``
+    share a dtype (float32, bfloat16 or float16), products accumulate in float32."""
+
+    def local_statistics(
+        self, hidden: torch.Tensor, weight: torch.Tensor, targets: ShardTargets, temperature: float
+    ) -> torch.Tensor:
+        """This shard's statistics ``[n, 4]`` float32 (``softmax_stats`` says what they are)."""
+        ...
+
+    def local_gradients(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: ShardTargets,
+        saved: SavedStatistics,
+        upstream: UpstreamGrads,
+        temperature: float,
+        *,
+        need_hidden: bool,
+        need_weight: bool,
+    ) -> Gradients:
+        """This shard's gradients for the upstream gradients ``upstream``."""
+        ...

@@ -1,0 +1,35 @@
+"""The tensor-parallel group as the ops see it: a plain process group, or ``None`` for no split."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    """Number of ranks in ``group``; 1 for ``None``."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Optional[dist.ProcessGroup]) -> int:
+    """This process's rank in ``group``; 0 for ``None``."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+def all_gather_stacked(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's ``tensor [m, ...]`` stacked in rank order: ``[group size, m, ...]``, one collective."""
+    size = group_size(group)
+    # Concatenated along the first dimension: the shape every backend (gloo too) accepts.
+    gathered = tensor.new_empty((size * tensor.shape[0], *tensor.shape[1:]))
+    # torch 2.13 renamed all_gather_into_tensor (and deprecated the old name).
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather(gathered, tensor.contiguous(), group=group)
+    return gathered.view(size, *tensor.shape)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
+    """Sum ``tensor`` over ``group`` in place (nothing to do for a group of one)."""
+    if group_size(group) > 1:
+        dist.all_reduce(tensor, group=group)

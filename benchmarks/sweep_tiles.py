@@ -18,6 +18,7 @@ import torch
 import triton.testing
 
 from megatron_fused_lm.ops import triton_backend
+from megatron_fused_lm.ops.contract import SavedStatistics, UpstreamGrads
 from megatron_fused_lm.ops.softmax_stats import merge_statistics
 from megatron_fused_lm.ops.triton_kernels.logit_grad_kernel import logit_grad_block
 from megatron_fused_lm.ops.triton_kernels.softmax_stats_kernel import split_statistics
@@ -67,13 +68,13 @@ def sweep(shape):
     report(name, "cublas logits", shape, lambda: torch.mm(hidden, weight.t(), out=logits))
     del logits
     for tiles in FORWARD_CANDIDATES:
-        best_split = triton_backend.choose_tiles_per_split(tokens, vocab, tiles, hidden.device)
+        best_split = triton_backend.choose_tiles_per_split(tokens, vocab, tiles, sms)
         for per_split in sorted({8, best_split}):
             report(name, f"forward {tuple(tiles[:6])} split {per_split}", shape, lambda: merge_statistics(
                 split_statistics(hidden, weight, target_column, 1.0, tiles, per_split)))
 
     rows = min(tokens, triton_backend.TOKEN_CHUNK)
-    block_bytes = triton_backend.dz_block_bytes(2 * (tokens + vocab) * hidden_size, rows * hidden_size * 4)
+    block_bytes = triton_backend.memory_target_dz_bytes(2 * (tokens + vocab) * hidden_size, rows * hidden_size * 4)
     cols = min(vocab, block_bytes // 2 // rows // 256 * 256)
     block_shape = (rows, hidden_size, cols)
     out = torch.empty(rows, -(-cols // 256) * 256, device="cuda", dtype=torch.bfloat16)[:, :cols]
@@ -82,8 +83,8 @@ def sweep(shape):
     for tiles in BACKWARD_CANDIDATES:
         for programs, grid in ((rows * cols, "one program per tile"), (sms, "persistent")):
             report(name, f"backward {tuple(tiles[:6])} {grid}", block_shape, lambda: logit_grad_block(
-                out, h, w, target_column[:rows], lse[:rows], mean_logit[:rows], grad_logprob[:rows],
-                grad_entropy[:rows], 1.0, tiles, programs))
+                out, h, w, target_column[:rows], SavedStatistics(lse[:rows], mean_logit[:rows]),
+                UpstreamGrads(grad_logprob[:rows], grad_entropy[:rows]), 1.0, tiles, programs))
 
 
 def main():

@@ -60,7 +60,7 @@ def split_responses(
     """Per-token results ``[total, ...]`` split into one tensor ``[R_i, ...]`` per sequence, holding
     the results for that sequence's response tokens in order (empty for an empty response)."""
     first, count = _response_spans(cu_seqlens, prompt_lengths, response_lengths)
-    return [values[start:start + length] for start, length in zip(first.tolist(), count.tolist())]
+    return [values[start:start + length] for start, length in zip(first.tolist(), count.tolist(), strict=True)]
 
 
 def next_token_targets(tokens: torch.Tensor, cu_seqlens: torch.Tensor, fill: int = 0) -> torch.Tensor:

@@ -28,7 +28,7 @@ def make_logits(scale: float, seed: int = 0):
 def blocks_statistics(logits, targets, edges):
     """Statistics ``[k, n, 4]`` of the column blocks ``[edges[i], edges[i + 1])``."""
     parts = []
-    for start, stop in zip(edges[:-1], edges[1:]):
+    for start, stop in zip(edges[:-1], edges[1:], strict=True):
         owned = (targets >= start) & (targets < stop)
         local = (targets - start).clamp(0, max(stop - start - 1, 0))
         parts.append(block_statistics(logits[:, start:stop].float(), local, owned))

@@ -62,27 +62,31 @@ class Gradients(NamedTuple):
     weight: Optional[torch.Tensor]
 
 
-class Backend(Protocol):
-    """One implementation behind ``backend=``; ``hidden [n, H]`` and ``weight [vocab_shard, H]``
-    share a dtype (float32, bfloat16 or float16), products accumulate in float32."""
+class ShardProblem(NamedTuple):
+    """One rank's share of the work: the rows, this rank's weight shard and the rows' targets."""
 
-    def local_statistics(
-        self, hidden: torch.Tensor, weight: torch.Tensor, targets: ShardTargets, temperature: float
-    ) -> torch.Tensor:
+    hidden: torch.Tensor  # [n, H] float32, bfloat16 or float16
+    weight: torch.Tensor  # [vocab_shard, H], hidden's dtype
+    targets: ShardTargets
+    temperature: float  # divides the logits
+
+
+class NeededGrads(NamedTuple):
+    """Which gradients autograd asks for."""
+
+    hidden: bool
+    weight: bool
+
+
+class Backend(Protocol):
+    """One implementation behind ``backend=``: products accumulate in float32."""
+
+    def local_statistics(self, problem: ShardProblem) -> torch.Tensor:
         """This shard's statistics ``[n, 4]`` float32 (``softmax_stats`` says what they are)."""
         ...
 
     def local_gradients(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        targets: ShardTargets,
-        saved: SavedStatistics,
-        upstream: UpstreamGrads,
-        temperature: float,
-        *,
-        need_hidden: bool,
-        need_weight: bool,
+        self, problem: ShardProblem, saved: SavedStatistics, upstream: UpstreamGrads, needed: NeededGrads
     ) -> Gradients:
         """This shard's gradients for the upstream gradients ``upstream``."""
         ...

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 from .backends import resolve_backend
-from .contract import Backend, SavedStatistics, ShardTargets, UpstreamGrads
+from .contract import Backend, NeededGrads, ShardProblem, ShardTargets
 from .distributed import all_reduce_sum
 from .inputs import check_float, check_options, select_rows
-from .softmax_stats import merge_across_group, summarize
+from .plumbing import finish_forward, open_backward
 
 
 @dataclass(frozen=True)
@@ -39,27 +39,19 @@ class FusedLinearLogprob(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, local_target, owned, options: FusedOptions):
-        targets = ShardTargets(local_target, owned)
-        stats = options.backend.local_statistics(hidden, weight, targets, options.temperature)
-        summary = summarize(merge_across_group(stats, options.tp_group))
-        ctx.save_for_backward(hidden, weight, local_target, owned, *summary.saved)
-        ctx.options = options
-        ctx.set_materialize_grads(False)
-        if not options.entropy_grad:
-            ctx.mark_non_differentiable(summary.entropy)
-        return summary.logprob, summary.entropy
+        problem = ShardProblem(hidden, weight, ShardTargets(local_target, owned), options.temperature)
+        stats = options.backend.local_statistics(problem)
+        return finish_forward(ctx, stats, options, hidden, weight, local_target, owned)
 
     @staticmethod
     def backward(ctx, grad_logprob: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]):
-        options: FusedOptions = ctx.options
-        upstream = UpstreamGrads.from_autograd(grad_logprob, grad_entropy if options.entropy_grad else None)
-        if upstream is None:
+        opened = open_backward(ctx, grad_logprob, grad_entropy)
+        if opened is None:
             return None, None, None, None, None
-        hidden, weight, local_target, owned, lse, mean_logit = ctx.saved_tensors
-        grads = options.backend.local_gradients(
-            hidden, weight, ShardTargets(local_target, owned), SavedStatistics(lse, mean_logit), upstream,
-            options.temperature, need_hidden=ctx.needs_input_grad[0], need_weight=ctx.needs_input_grad[1],
-        )
+        (hidden, weight, local_target, owned), saved, upstream = opened
+        options: FusedOptions = ctx.options
+        problem = ShardProblem(hidden, weight, ShardTargets(local_target, owned), options.temperature)
+        grads = options.backend.local_gradients(problem, saved, upstream, NeededGrads(*ctx.needs_input_grad[:2]))
         if grads.hidden is not None and options.reduce_hidden_grad:
             all_reduce_sum(grads.hidden, options.tp_group)
         return grads.hidden, grads.weight, None, None, None

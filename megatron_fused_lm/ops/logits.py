@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from .chunking import BlockLogits, chunk_logit_grads, chunk_statistics
-from .contract import SavedStatistics, ShardTargets, UpstreamGrads
+from .contract import ShardTargets
 from .inputs import check_float, check_options, select_rows
-from .softmax_stats import merge_across_group, summarize
+from .plumbing import finish_forward, open_backward
 
 
 @dataclass(frozen=True)
@@ -36,25 +36,19 @@ class LogitsLogprob(torch.autograd.Function):
     def forward(ctx, logits, local_target, owned, options: LogitsOptions):
         targets = ShardTargets(local_target, owned)
         stats = chunk_statistics(_scaled(logits, options.temperature), targets, _chunk_rows(logits, options))
-        summary = summarize(merge_across_group(stats, options.tp_group))
-        ctx.save_for_backward(logits, local_target, owned, *summary.saved)
-        ctx.options = options
-        ctx.set_materialize_grads(False)
-        if not options.entropy_grad:
-            ctx.mark_non_differentiable(summary.entropy)
-        return summary.logprob, summary.entropy
+        return finish_forward(ctx, stats, options, logits, local_target, owned)
 
     @staticmethod
     def backward(ctx, grad_logprob: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]):
-        options: LogitsOptions = ctx.options
-        upstream = UpstreamGrads.from_autograd(grad_logprob, grad_entropy if options.entropy_grad else None)
-        if upstream is None:
+        opened = open_backward(ctx, grad_logprob, grad_entropy)
+        if opened is None:
             return None, None, None, None
-        logits, local_target, owned, lse, mean_logit = ctx.saved_tensors
+        (logits, local_target, owned), saved, upstream = opened
+        options: LogitsOptions = ctx.options
         grad_logits = torch.empty_like(logits)
         logit_grads = chunk_logit_grads(
-            _scaled(logits, options.temperature), ShardTargets(local_target, owned), SavedStatistics(lse, mean_logit),
-            upstream, options.temperature, _chunk_rows(logits, options),
+            _scaled(logits, options.temperature), ShardTargets(local_target, owned), saved, upstream,
+            options.temperature, _chunk_rows(logits, options),
         )
         for chunk, grad in logit_grads:
             grad_logits[chunk] = grad

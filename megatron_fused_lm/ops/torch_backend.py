@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from .chunking import BlockLogits, chunk_logit_grads, chunk_statistics
-from .contract import Gradients, SavedStatistics, ShardTargets, UpstreamGrads
+from .contract import Gradients, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
 from .products import add_product, float32_product
 
 DEFAULT_BLOCK_BYTES = 256 * 2**20
@@ -30,30 +30,19 @@ class TorchBackend:
         """Rows per chunk for a shard of ``vocab_shard`` rows."""
         return self.token_chunk or max(1, DEFAULT_BLOCK_BYTES // (4 * vocab_shard))
 
-    def local_statistics(
-        self, hidden: torch.Tensor, weight: torch.Tensor, targets: ShardTargets, temperature: float
-    ) -> torch.Tensor:
+    def local_statistics(self, problem: ShardProblem) -> torch.Tensor:
         """This shard's statistics ``[n, 4]`` (float32)."""
-        block_logits = _block_logits(hidden, weight, temperature)
-        return chunk_statistics(block_logits, targets, self.chunk_rows(weight.shape[0]))
+        return chunk_statistics(_block_logits(problem), problem.targets, self.chunk_rows(problem.weight.shape[0]))
 
     def local_gradients(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        targets: ShardTargets,
-        saved: SavedStatistics,
-        upstream: UpstreamGrads,
-        temperature: float,
-        *,
-        need_hidden: bool,
-        need_weight: bool,
+        self, problem: ShardProblem, saved: SavedStatistics, upstream: UpstreamGrads, needed: NeededGrads
     ) -> Gradients:
         """This shard's gradients (``contract.Gradients`` gives their dtypes)."""
-        grad_hidden = hidden.new_empty(hidden.shape) if need_hidden else None
-        grad_weight = weight.new_zeros(weight.shape, dtype=torch.float32) if need_weight else None
+        hidden, weight = problem.hidden, problem.weight
+        grad_hidden = hidden.new_empty(hidden.shape) if needed.hidden else None
+        grad_weight = weight.new_zeros(weight.shape, dtype=torch.float32) if needed.weight else None
         logit_grads = chunk_logit_grads(
-            _block_logits(hidden, weight, temperature), targets, saved, upstream, temperature,
+            _block_logits(problem), problem.targets, saved, upstream, problem.temperature,
             self.chunk_rows(weight.shape[0]),
         )
         for chunk, grad in logit_grads:
@@ -67,6 +56,6 @@ class TorchBackend:
         return Gradients(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
 
 
-def _block_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> BlockLogits:
-    weight_t = weight.t()
+def _block_logits(problem: ShardProblem) -> BlockLogits:
+    hidden, weight_t, temperature = problem.hidden, problem.weight.t(), problem.temperature
     return lambda chunk: float32_product(hidden[chunk], weight_t).div_(temperature)

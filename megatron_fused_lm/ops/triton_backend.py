@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from .chunking import token_chunks
-from .contract import Gradients, SavedStatistics, ShardTargets, UpstreamGrads
+from .contract import Gradients, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
 from .products import add_product
 from .softmax_stats import NUM_STATISTICS, merge_statistics
 from .triton_kernels.descriptors import addressable
@@ -110,41 +110,34 @@ class TritonBackend:
     programs: Optional[int] = None
     dz_block_bytes: Optional[int] = None
 
-    def local_statistics(
-        self, hidden: torch.Tensor, weight: torch.Tensor, targets: ShardTargets, temperature: float
-    ) -> torch.Tensor:
+    def local_statistics(self, problem: ShardProblem) -> torch.Tensor:
         """This shard's statistics ``[n, 4]`` (float32)."""
+        hidden, weight = problem.hidden, problem.weight
         if hidden.shape[0] == 0:
             return hidden.new_empty(0, NUM_STATISTICS, dtype=torch.float32)
         tiles = self.forward_tiles or choose_tiles(weight.dtype)[0]
         tiles_per_split = self.tiles_per_split or choose_tiles_per_split(
             hidden.shape[0], weight.shape[0], tiles, self._programs(weight.device)
         )
-        parts = split_statistics(hidden, weight, targets.columns(), 1.0 / temperature, tiles, tiles_per_split)
+        parts = split_statistics(
+            hidden, weight, problem.targets.columns(), 1.0 / problem.temperature, tiles, tiles_per_split
+        )
         return merge_statistics(parts)
 
     def local_gradients(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        targets: ShardTargets,
-        saved: SavedStatistics,
-        upstream: UpstreamGrads,
-        temperature: float,
-        *,
-        need_hidden: bool,
-        need_weight: bool,
+        self, problem: ShardProblem, saved: SavedStatistics, upstream: UpstreamGrads, needed: NeededGrads
     ) -> Gradients:
         """This shard's gradients (``contract.Gradients`` gives their dtypes)."""
+        hidden, weight = problem.hidden, problem.weight
         num_tokens, hidden_size = hidden.shape
         vocab = weight.shape[0]
-        grad_hidden = hidden.new_empty(hidden.shape) if need_hidden else None
-        grad_weight = weight.new_empty(weight.shape) if need_weight else None
+        grad_hidden = hidden.new_empty(hidden.shape) if needed.hidden else None
+        grad_weight = weight.new_empty(weight.shape) if needed.weight else None
         if num_tokens == 0:
             return Gradients(grad_hidden, None if grad_weight is None else grad_weight.zero_())
 
         token_chunk = min(self.token_chunk or TOKEN_CHUNK, num_tokens)
-        accumulator_bytes = token_chunk * hidden_size * 4 if need_hidden else 0
+        accumulator_bytes = token_chunk * hidden_size * 4 if needed.hidden else 0
         dz_bytes = self.dz_block_bytes
         if dz_bytes is None:
             gradient_bytes = sum(grad.numel() * grad.element_size() for grad in (grad_hidden, grad_weight) if grad is not None)
@@ -154,11 +147,11 @@ class TritonBackend:
         vocab_chunk = min(vocab, max(multiple, vocab_chunk // multiple * multiple))
         # Row stride a multiple of VOCAB_CHUNK_MULTIPLE: the kernel stores through a tensor descriptor.
         logit_grads = weight.new_empty(token_chunk, -(-vocab_chunk // multiple) * multiple)
-        hidden_acc = hidden.new_empty(token_chunk, hidden_size, dtype=torch.float32) if need_hidden else None
+        hidden_acc = hidden.new_empty(token_chunk, hidden_size, dtype=torch.float32) if needed.hidden else None
         tiles = self.backward_tiles or choose_tiles(weight.dtype)[1]
         programs = self._programs(weight.device)
         hidden_operand, weight_operand = addressable(hidden), addressable(weight)
-        target_columns = targets.columns()
+        target_columns = problem.targets.columns()
         saved = SavedStatistics(*(part.contiguous() for part in saved))
         upstream = UpstreamGrads(*(None if part is None else part.contiguous() for part in upstream))
 
@@ -171,7 +164,7 @@ class TritonBackend:
                     logit_grads[:rows, : columns.stop - columns.start],
                     hidden_operand[tokens], weight_operand[columns],
                     target_columns[tokens] - columns.start, token_saved, token_upstream,
-                    1.0 / temperature, tiles, programs,
+                    1.0 / problem.temperature, tiles, programs,
                 )
                 if hidden_acc is not None:
                     add_product(hidden_acc[:rows], block, weight[columns], accumulate=columns.start > 0)

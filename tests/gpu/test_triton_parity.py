@@ -25,7 +25,7 @@ import torch
 
 from devkit.oracle import max_abs_error, reference, relative_error
 from megatron_fused_lm import fused_linear_logprob, logits_logprob
-from megatron_fused_lm.ops.contract import SavedStatistics, ShardTargets, UpstreamGrads
+from megatron_fused_lm.ops.contract import NeededGrads, ShardProblem, ShardTargets, UpstreamGrads
 from megatron_fused_lm.ops.fused import FusedOptions, fused_logprob_entropy
 from megatron_fused_lm.ops.softmax_stats import merge_statistics, summarize
 
@@ -138,17 +138,17 @@ def test_targets_on_other_ranks(backend):
     for rank in range(ranks):
         local = targets - rank * shard
         owned = (local >= 0) & (local < shard)
-        shards.append((weight[rank * shard:(rank + 1) * shard], ShardTargets(local.clamp(0, shard - 1), owned)))
-        stats.append(implementation.local_statistics(hidden, shards[-1][0], shards[-1][1], 1.0))
+        shard_targets = ShardTargets(local.clamp(0, shard - 1), owned)
+        shards.append(ShardProblem(hidden, weight[rank * shard:(rank + 1) * shard], shard_targets, 1.0))
+        stats.append(implementation.local_statistics(shards[-1]))
     summary = summarize(merge_statistics(torch.stack(stats)))
     expected = reference(hidden, weight, targets, 1.0, grad_logprob, grad_entropy)
     stock = run("stock", *inputs)
     grad_hidden = torch.zeros(num_tokens, hidden_size, device="cuda", dtype=torch.bfloat16)
     grad_weight = []
-    for shard_weight, shard_targets in shards:
+    for problem in shards:
         grads = implementation.local_gradients(
-            hidden, shard_weight, shard_targets, SavedStatistics(summary.lse, summary.mean_logit),
-            UpstreamGrads(grad_logprob, grad_entropy), 1.0, need_hidden=True, need_weight=True,
+            problem, summary.saved, UpstreamGrads(grad_logprob, grad_entropy), NeededGrads(hidden=True, weight=True)
         )
         assert grads.hidden.dtype == torch.bfloat16  # the contract: partials in hidden's dtype
         grad_hidden += grads.hidden

@@ -70,8 +70,14 @@ def sweep(shape):
     for tiles in FORWARD_CANDIDATES:
         best_split = triton_backend.choose_tiles_per_split(tokens, vocab, tiles, sms)
         for per_split in sorted({8, best_split}):
-            report(name, f"forward {tuple(tiles[:6])} split {per_split}", shape, lambda tiles=tiles, per_split=per_split:
-                   merge_statistics(split_statistics(hidden, weight, target_column, 1.0, tiles, per_split)))
+            report(
+                name,
+                f"forward {tuple(tiles[:6])} split {per_split}",
+                shape,
+                lambda tiles=tiles, per_split=per_split: merge_statistics(
+                    split_statistics(hidden, weight, target_column, 1.0, tiles, per_split)
+                ),
+            )
 
     rows = min(tokens, triton_backend.TOKEN_CHUNK)
     block_bytes = triton_backend.memory_target_dz_bytes(2 * (tokens + vocab) * hidden_size, rows * hidden_size * 4)
@@ -82,9 +88,22 @@ def sweep(shape):
     report(name, f"cublas bf16 block {rows}x{cols}", block_shape, lambda: torch.mm(h, w.t(), out=out))
     for tiles in BACKWARD_CANDIDATES:
         for programs, grid in ((rows * cols, "one program per tile"), (sms, "persistent")):
-            report(name, f"backward {tuple(tiles[:6])} {grid}", block_shape, lambda tiles=tiles, programs=programs: logit_grad_block(
-                out, h, w, target_column[:rows], SavedStatistics(lse[:rows], mean_logit[:rows]),
-                UpstreamGrads(grad_logprob[:rows], grad_entropy[:rows]), 1.0, tiles, programs))
+            report(
+                name,
+                f"backward {tuple(tiles[:6])} {grid}",
+                block_shape,
+                lambda tiles=tiles, programs=programs: logit_grad_block(
+                    out,
+                    h,
+                    w,
+                    target_column[:rows],
+                    SavedStatistics(lse[:rows], mean_logit[:rows]),
+                    UpstreamGrads(grad_logprob[:rows], grad_entropy[:rows]),
+                    1.0,
+                    tiles,
+                    programs,
+                ),
+            )
 
 
 def main():

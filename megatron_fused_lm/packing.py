@@ -25,13 +25,21 @@ def _response_spans(
     if int(cu_seqlens[0]) != 0 or bool((lengths < 0).any()):
         raise ValueError("cu_seqlens must start at 0 and never decrease")
     prompt_lengths = torch.as_tensor(prompt_lengths, device=cu_seqlens.device).long()
-    response_lengths = lengths - prompt_lengths if response_lengths is None else torch.as_tensor(response_lengths, device=cu_seqlens.device).long()
+    response_lengths = (
+        lengths - prompt_lengths
+        if response_lengths is None
+        else torch.as_tensor(response_lengths, device=cu_seqlens.device).long()
+    )
     if prompt_lengths.shape != lengths.shape or response_lengths.shape != lengths.shape:
         raise ValueError(f"prompt and response lengths must have one entry per sequence ({lengths.numel()})")
-    if bool((prompt_lengths < 0).any() | (response_lengths < 0).any() | (prompt_lengths + response_lengths > lengths).any()):
+    if bool(
+        (prompt_lengths < 0).any() | (response_lengths < 0).any() | (prompt_lengths + response_lengths > lengths).any()
+    ):
         raise ValueError("each sequence needs 0 <= prompt, 0 <= response and prompt + response <= its length")
     if bool(((prompt_lengths == 0) & (response_lengths > 0)).any()):
-        raise ValueError("a response needs a prompt of at least one token: its first token's log-prob is read before it")
+        raise ValueError(
+            "a response needs a prompt of at least one token: its first token's log-prob is read before it"
+        )
     return cu_seqlens[:-1] + prompt_lengths - 1, response_lengths
 
 
@@ -60,7 +68,7 @@ def split_responses(
     """Per-token results ``[total, ...]`` split into one tensor ``[R_i, ...]`` per sequence, holding
     the results for that sequence's response tokens in order (empty for an empty response)."""
     first, count = _response_spans(cu_seqlens, prompt_lengths, response_lengths)
-    return [values[start:start + length] for start, length in zip(first.tolist(), count.tolist(), strict=True)]
+    return [values[start : start + length] for start, length in zip(first.tolist(), count.tolist(), strict=True)]
 
 
 def next_token_targets(tokens: torch.Tensor, cu_seqlens: torch.Tensor, fill: int = 0) -> torch.Tensor:

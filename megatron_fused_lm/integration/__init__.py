@@ -1,5 +1,7 @@
 """Megatron-Core integration: a trainer config switch, ``wrap_model`` and the ``FusedLMHead``.
 
+Use::
+
     config = FusedLMConfig.from_trainer_config(trainer_config)
     head = wrap_model(model, config)                 # once, where the model is built
     logprob, entropy = head.logprobs(model(tokens, positions, mask), targets, return_entropy=True)

@@ -185,8 +185,14 @@ class FusedLMHead:
                 f"{tuple(hidden.shape)}; with the fused head on, the model returns hidden states, not logits"
             )
         return fused_linear_logprob(
-            hidden, call.weight, targets, tp_group=call.tp_group, backend=self.config.backend,
-            chunk_size=self.config.chunk_size, reduce_hidden_grad=call.reduce_hidden_grad, **options,
+            hidden,
+            call.weight,
+            targets,
+            tp_group=call.tp_group,
+            backend=self.config.backend,
+            chunk_size=self.config.chunk_size,
+            reduce_hidden_grad=call.reduce_hidden_grad,
+            **options,
         )
 
     def _logits_group(self, logits: torch.Tensor) -> Optional[dist.ProcessGroup]:

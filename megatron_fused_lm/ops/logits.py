@@ -47,8 +47,12 @@ class LogitsLogprob(torch.autograd.Function):
         options: LogitsOptions = ctx.options
         grad_logits = torch.empty_like(logits)
         logit_grads = chunk_logit_grads(
-            _scaled(logits, options.temperature), ShardTargets(local_target, owned), saved, upstream,
-            options.temperature, _chunk_rows(logits, options),
+            _scaled(logits, options.temperature),
+            ShardTargets(local_target, owned),
+            saved,
+            upstream,
+            options.temperature,
+            _chunk_rows(logits, options),
         )
         for chunk, grad in logit_grads:
             grad_logits[chunk] = grad

@@ -11,7 +11,9 @@ from .contract import SavedStatistics, UpstreamGrads
 from .softmax_stats import merge_across_group, summarize
 
 
-def finish_forward(ctx: Any, stats: torch.Tensor, options: Any, *inputs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def finish_forward(
+    ctx: Any, stats: torch.Tensor, options: Any, *inputs: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Merge this shard's statistics ``[n, 4]`` over ``options.tp_group``, save ``inputs`` and the
     O(n) statistics for the backward, and return ``(logprob [n], entropy [n])`` float32.
     ``options`` is the autograd function's options dataclass (``tp_group``, ``entropy_grad``)."""

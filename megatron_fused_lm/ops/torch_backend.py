@@ -42,7 +42,11 @@ class TorchBackend:
         grad_hidden = hidden.new_empty(hidden.shape) if needed.hidden else None
         grad_weight = weight.new_zeros(weight.shape, dtype=torch.float32) if needed.weight else None
         logit_grads = chunk_logit_grads(
-            _block_logits(problem), problem.targets, saved, upstream, problem.temperature,
+            _block_logits(problem),
+            problem.targets,
+            saved,
+            upstream,
+            problem.temperature,
             self.chunk_rows(weight.shape[0]),
         )
         for chunk, grad in logit_grads:

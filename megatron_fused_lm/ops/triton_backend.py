@@ -52,9 +52,15 @@ WORKING_SET_GRADIENT_SHARE = 0.1
 RESERVE_BYTES = 32 * 2**20
 VOCAB_CHUNK_MULTIPLE = 256  # keeps the cuBLAS products on whole tiles
 
-GPU_16BIT_TILES = Tiles(block_m=256, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3, dot_precision="tf32")
-GPU_16BIT_GRAD_TILES = Tiles(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, dot_precision="tf32")
-GPU_FLOAT32_TILES = Tiles(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=8, num_stages=3, dot_precision="ieee")
+GPU_16BIT_TILES = Tiles(
+    block_m=256, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3, dot_precision="tf32"
+)
+GPU_16BIT_GRAD_TILES = Tiles(
+    block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, dot_precision="tf32"
+)
+GPU_FLOAT32_TILES = Tiles(
+    block_m=64, block_n=64, block_k=32, group_m=8, num_warps=8, num_stages=3, dot_precision="ieee"
+)
 TILES_PER_SPLIT = range(6, 17)  # candidates; the rule picks the one that fills the last wave best
 
 
@@ -140,7 +146,9 @@ class TritonBackend:
         accumulator_bytes = token_chunk * hidden_size * 4 if needed.hidden else 0
         dz_bytes = self.dz_block_bytes
         if dz_bytes is None:
-            gradient_bytes = sum(grad.numel() * grad.element_size() for grad in (grad_hidden, grad_weight) if grad is not None)
+            gradient_bytes = sum(
+                grad.numel() * grad.element_size() for grad in (grad_hidden, grad_weight) if grad is not None
+            )
             dz_bytes = memory_target_dz_bytes(gradient_bytes, accumulator_bytes)
         multiple = VOCAB_CHUNK_MULTIPLE
         vocab_chunk = dz_bytes // weight.element_size() // token_chunk
@@ -162,9 +170,14 @@ class TritonBackend:
             for columns in token_chunks(vocab, vocab_chunk):
                 block = logit_grad_block(
                     logit_grads[:rows, : columns.stop - columns.start],
-                    hidden_operand[tokens], weight_operand[columns],
-                    target_columns[tokens] - columns.start, token_saved, token_upstream,
-                    1.0 / problem.temperature, tiles, programs,
+                    hidden_operand[tokens],
+                    weight_operand[columns],
+                    target_columns[tokens] - columns.start,
+                    token_saved,
+                    token_upstream,
+                    1.0 / problem.temperature,
+                    tiles,
+                    programs,
                 )
                 if hidden_acc is not None:
                     add_product(hidden_acc[:rows], block, weight[columns], accumulate=columns.start > 0)

@@ -106,14 +106,21 @@ def test_logit_grad_matches_autograd(with_logprob, with_entropy):
     for start, stop in ((0, 22), (22, VOCAB)):
         owned = (targets >= start) & (targets < stop)
         local = (targets - start).clamp(0, stop - start - 1)
-        grads.append(logit_grad(logits[:, start:stop].float(), ShardTargets(local, owned), saved,
-                                UpstreamGrads(grad_logprob, grad_entropy)))
+        grads.append(
+            logit_grad(
+                logits[:, start:stop].float(),
+                ShardTargets(local, owned),
+                saved,
+                UpstreamGrads(grad_logprob, grad_entropy),
+            )
+        )
     assert relative_error(torch.cat(grads, 1), expected.grad_hidden) <= 1e-5
 
 
 def test_logit_grad_without_upstream_is_zero():
     logits, targets = make_logits(1.0)
     saved = SavedStatistics(torch.zeros(ROWS), torch.zeros(ROWS))
-    grad = logit_grad(logits.float(), ShardTargets(targets, torch.ones(ROWS, dtype=torch.bool)), saved,
-                      UpstreamGrads(None, None))
+    grad = logit_grad(
+        logits.float(), ShardTargets(targets, torch.ones(ROWS, dtype=torch.bool)), saved, UpstreamGrads(None, None)
+    )
     assert torch.count_nonzero(grad) == 0

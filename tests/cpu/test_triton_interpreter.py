@@ -33,8 +33,12 @@ def run_case_here(case: dict) -> dict:
 
     small_tiles = Tiles(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1, dot_precision="ieee")
     backend = TritonBackend(
-        token_chunk=case.get("token_chunk"), forward_tiles=small_tiles, backward_tiles=small_tiles,
-        tiles_per_split=2, programs=2, dz_block_bytes=case.get("dz_block_bytes"),
+        token_chunk=case.get("token_chunk"),
+        forward_tiles=small_tiles,
+        backward_tiles=small_tiles,
+        tiles_per_split=2,
+        programs=2,
+        dz_block_bytes=case.get("dz_block_bytes"),
     )
     torch.manual_seed(case["seed"])
     dtype = getattr(torch, case["dtype"])
@@ -67,7 +71,9 @@ def run_case_here(case: dict) -> dict:
 
 def run_case(**case) -> dict:
     case = dict(dict(seed=0, temperature=1.0, hidden_scale=1.0, entropy_grad=True), **case)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
     done = subprocess.run(
         [sys.executable, __file__, json.dumps(case)], env=env, capture_output=True, text=True, timeout=300
     )

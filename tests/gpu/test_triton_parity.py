@@ -59,8 +59,14 @@ def run(method, hidden, weight, targets, grad_logprob, grad_entropy, temperature
         logprob, entropy = logits_logprob(hidden @ weight.t(), targets, temperature=temperature, return_entropy=True)
     else:
         logprob, entropy = fused_linear_logprob(
-            hidden, weight, targets, temperature=temperature, return_entropy=True, entropy_grad=entropy_grad,
-            backend=method, **options,
+            hidden,
+            weight,
+            targets,
+            temperature=temperature,
+            return_entropy=True,
+            entropy_grad=entropy_grad,
+            backend=method,
+            **options,
         )
     outputs, grads = [logprob], [grad_logprob]
     if entropy_grad:
@@ -91,8 +97,10 @@ def check_against(expected, results, bound, grad_bounds, label):
 
 def stock_grad_bounds(expected, stock, dtype):
     floor = FLOAT32_GRAD_FLOOR if dtype == torch.float32 else 0.0
-    return tuple(GRAD_SLACK * relative_error(mine, ref) + floor for mine, ref in
-                 ((stock[2], expected.grad_hidden), (stock[3], expected.grad_weight)))
+    return tuple(
+        GRAD_SLACK * relative_error(mine, ref) + floor
+        for mine, ref in ((stock[2], expected.grad_hidden), (stock[3], expected.grad_weight))
+    )
 
 
 SHAPES = [
@@ -118,7 +126,9 @@ def test_parity_with_float64_oracle(shape, dtype, logit_scale):
     for backend in BACKENDS:
         results = run(backend, *inputs, temperature=temperature)
         assert results[2].dtype == dtype and results[3].dtype == dtype
-        errors = check_against(expected, results, bound, grad_bounds, f"{backend} (stock log-prob error {stock_error:.2e})")
+        errors = check_against(
+            expected, results, bound, grad_bounds, f"{backend} (stock log-prob error {stock_error:.2e})"
+        )
         if dtype != torch.float32:
             assert errors["logprob"] <= stock_error / 10, (backend, errors, stock_error)
 
@@ -139,7 +149,7 @@ def test_targets_on_other_ranks(backend):
         local = targets - rank * shard
         owned = (local >= 0) & (local < shard)
         shard_targets = ShardTargets(local.clamp(0, shard - 1), owned)
-        shards.append(ShardProblem(hidden, weight[rank * shard:(rank + 1) * shard], shard_targets, 1.0))
+        shards.append(ShardProblem(hidden, weight[rank * shard : (rank + 1) * shard], shard_targets, 1.0))
         stats.append(implementation.local_statistics(shards[-1]))
     summary = summarize(merge_statistics(torch.stack(stats)))
     expected = reference(hidden, weight, targets, 1.0, grad_logprob, grad_entropy)
@@ -168,8 +178,13 @@ def test_float32_hidden_with_bfloat16_weight(backend):
     stock = run("stock", hidden_rounded, weight, targets, grad_logprob, grad_entropy)
     results = run(backend, hidden, weight, targets, grad_logprob, grad_entropy)
     assert results[2].dtype == torch.float32 and results[3].dtype == torch.bfloat16
-    check_against(expected, results, value_bound(hidden_rounded, weight),
-                  stock_grad_bounds(expected, stock, torch.bfloat16), backend)
+    check_against(
+        expected,
+        results,
+        value_bound(hidden_rounded, weight),
+        stock_grad_bounds(expected, stock, torch.bfloat16),
+        backend,
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -180,7 +195,9 @@ def test_entropy_as_metric_only(backend):
     stock = run("stock", *inputs, entropy_grad=False)
     results = run(backend, *inputs, entropy_grad=False)
     assert not results[1].requires_grad
-    check_against(expected, results, value_bound(hidden, weight), stock_grad_bounds(expected, stock, torch.bfloat16), backend)
+    check_against(
+        expected, results, value_bound(hidden, weight), stock_grad_bounds(expected, stock, torch.bfloat16), backend
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -192,7 +209,9 @@ def test_non_contiguous_inputs(backend):
     wide_hidden = torch.stack([hidden, torch.randn_like(hidden)], dim=-1)[..., 0]  # stride 2 along H
     weight_t = weight.t().contiguous().t()  # column-major storage
     results = run(backend, wide_hidden, weight_t, targets, grad_logprob, grad_entropy)
-    check_against(expected, results, value_bound(hidden, weight), stock_grad_bounds(expected, stock, torch.bfloat16), backend)
+    check_against(
+        expected, results, value_bound(hidden, weight), stock_grad_bounds(expected, stock, torch.bfloat16), backend
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -217,5 +236,6 @@ def test_backward_blocked_over_token_and_vocabulary_chunks():
     logprob, entropy = fused_logprob_entropy(hidden_leaf, weight_leaf, targets, FusedOptions(blocked))
     torch.autograd.backward([logprob, entropy], [grad_logprob, grad_entropy])
     results = (logprob.detach(), entropy.detach(), hidden_leaf.grad, weight_leaf.grad)
-    check_against(expected, results, value_bound(hidden, weight), stock_grad_bounds(expected, stock, torch.bfloat16), "blocked")
-
+    check_against(
+        expected, results, value_bound(hidden, weight), stock_grad_bounds(expected, stock, torch.bfloat16), "blocked"
+    )

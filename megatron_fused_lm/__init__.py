@@ -6,7 +6,7 @@ torch; the Megatron-Core integration (``FusedLMConfig``, ``wrap_model``, ...) is
 use, so the ops do not pay for importing megatron-core.
 """
 
-from .ops import BACKENDS, FusedLinearLogprob, fused_linear_logprob, logits_logprob
+from .ops import BACKENDS, fused_linear_logprob, logits_logprob
 from .packing import next_token_targets, response_mask, split_responses
 
 __version__ = "0.1.0"
@@ -15,7 +15,6 @@ _INTEGRATION_NAMES = ("FusedLMConfig", "FusedLMHead", "unwrap_model", "wrap_mode
 
 __all__ = [
     "BACKENDS",
-    "FusedLinearLogprob",
     "fused_linear_logprob",
     "logits_logprob",
     "next_token_targets",

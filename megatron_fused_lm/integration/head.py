@@ -147,6 +147,7 @@ class FusedLMHead:
         return_entropy: bool = False,
         entropy_grad: bool = True,
         mask: Optional[torch.Tensor] = None,
+        max_rows: Optional[int] = None,
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         """Log-probs (and entropy) of ``targets`` under the model's next-token distribution.
 
@@ -162,11 +163,19 @@ class FusedLMHead:
                 tokens, see ``megatron_fused_lm.packing``); the others are 0 with zero gradient.
                 With the fused head the hidden rows are selected before the projection, so the
                 head's cost follows the number of selected positions.
+            max_rows: with ``mask``, an upper bound on the positions it selects, for a static
+                shape (no host synchronization; see ``fused_linear_logprob``).
 
         Returns:
             ``logprob [b, s]`` float32, or ``(logprob, entropy)``, each ``[b, s]`` float32.
         """
-        options = dict(temperature=temperature, return_entropy=return_entropy, entropy_grad=entropy_grad, mask=mask)
+        options = dict(
+            temperature=temperature,
+            return_entropy=return_entropy,
+            entropy_grad=entropy_grad,
+            mask=mask,
+            max_rows=max_rows,
+        )
         if self.fused:
             return self._fused_logprobs(output, targets, **options)
         return logits_logprob(

@@ -4,7 +4,7 @@ They know nothing about Megatron: a tensor-parallel group, if any, is a plain pr
 """
 
 from .backends import BACKENDS
-from .fused import FusedLinearLogprob, fused_linear_logprob
+from .fused import fused_linear_logprob
 from .logits import logits_logprob
 
-__all__ = ["BACKENDS", "FusedLinearLogprob", "fused_linear_logprob", "logits_logprob"]
+__all__ = ["BACKENDS", "fused_linear_logprob", "logits_logprob"]

@@ -33,3 +33,13 @@ def all_reduce_sum(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> 
     """Sum ``tensor`` over ``group`` in place (nothing to do for a group of one)."""
     if group_size(group) > 1:
         dist.all_reduce(tensor, group=group)
+
+
+def group_name(group: Optional[dist.ProcessGroup]) -> Optional[str]:
+    """The name ``group`` is registered under (what custom operators carry instead of the group)."""
+    return None if group is None else group.group_name
+
+
+def group_by_name(name: Optional[str]) -> Optional[dist.ProcessGroup]:
+    """The process group registered as ``name``; ``None`` for ``None``."""
+    return None if name is None else dist.distributed_c10d._resolve_process_group(name)

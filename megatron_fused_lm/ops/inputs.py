@@ -34,12 +34,24 @@ def check_options(temperature: float, chunk_size: Optional[int]) -> None:
             raise ValueError(f"chunk_size must be a positive number of tokens or None, got {chunk_size}")
 
 
+def check_on_device(condition: torch.Tensor, message: str) -> None:
+    """``ValueError(message)`` unless the bool scalar ``condition`` holds, without a host sync: on
+    the CPU (outside compiled graphs) at once; on a GPU or in a compiled graph as an asynchronous
+    device-side assertion, which stops the program at its next synchronization."""
+    if condition.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not bool(condition):
+            raise ValueError(message)
+    else:
+        torch._assert_async(condition, message)
+
+
 class RowSelection(NamedTuple):
-    """The rows an op computes: the flattened leading shape, the selected row indices and their
-    targets on this rank's vocabulary shard."""
+    """The rows an op computes: the selected rows of the flattened leading shape, where each
+    result goes back, and the rows' targets on this rank's vocabulary shard."""
 
     lead_shape: torch.Size
     rows: Optional[torch.Tensor]  # [k] int64 indices into the flattened lead_shape; None: every row
+    slots: Optional[torch.Tensor]  # [k] int64 where each result goes; lead_shape.numel(): nowhere (padding)
     targets: ShardTargets  # of the selected rows, [k]
 
     def take(self, values: torch.Tensor) -> torch.Tensor:
@@ -51,19 +63,26 @@ class RowSelection(NamedTuple):
         """Per-row results ``[k]`` back in ``lead_shape``, 0 on unselected rows (differentiable)."""
         if self.rows is None:
             return values.view(self.lead_shape)
-        full = values.new_zeros(self.lead_shape.numel())
-        return full.index_copy(0, self.rows, values).view(self.lead_shape)
+        size = self.lead_shape.numel()
+        full = values.new_zeros(size + 1)  # the last slot takes the padding rows' results
+        return full.index_copy(0, self.slots, values)[:size].view(self.lead_shape)
 
 
 def select_rows(
     targets: torch.Tensor,
     lead_shape: torch.Size,
     mask: Optional[torch.Tensor],
+    max_rows: Optional[int],
     vocab_shard: int,
     tp_group: Optional[dist.ProcessGroup],
 ) -> RowSelection:
     """Check ``targets`` (and ``mask``) against ``lead_shape`` and select the rows to compute:
-    every row without a mask, else those where ``mask`` is True (their targets only are read)."""
+    every row without a mask, else those where ``mask`` is True (their targets only are read).
+
+    With ``max_rows`` the selection has a static shape, ``[max_rows]``: the selected rows padded
+    with rows whose results go nowhere (no host sync; more selected rows than ``max_rows`` is an
+    error). Without it the number of selected rows is read on the host.
+    """
     if not isinstance(targets, torch.Tensor):
         raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
@@ -71,31 +90,43 @@ def select_rows(
     if targets.shape != lead_shape:
         raise ValueError(f"targets.shape {tuple(targets.shape)} must equal the leading shape {tuple(lead_shape)}")
     flat = targets.reshape(-1)
-    rows = None
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-            raise TypeError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
-        if mask.shape != lead_shape:
-            raise ValueError(f"mask.shape {tuple(mask.shape)} must equal targets.shape {tuple(lead_shape)}")
-        rows = mask.reshape(-1).nonzero().squeeze(-1)
-        flat = flat[rows]
-    return RowSelection(lead_shape, rows, shard_targets(flat, vocab_shard, tp_group))
+    if mask is None:
+        if max_rows is not None:
+            raise ValueError("max_rows bounds the rows a mask selects; it needs a mask")
+        return RowSelection(lead_shape, None, None, shard_targets(flat, vocab_shard, tp_group))
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
+    if mask.shape != lead_shape:
+        raise ValueError(f"mask.shape {tuple(mask.shape)} must equal targets.shape {tuple(lead_shape)}")
+    flat_mask = mask.reshape(-1)
+    if max_rows is None:
+        rows = flat_mask.nonzero().squeeze(-1)
+        return RowSelection(lead_shape, rows, rows, shard_targets(flat[rows], vocab_shard, tp_group))
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0:
+        raise ValueError(f"max_rows must be a non-negative int or None, got {max_rows!r}")
+    size = flat.numel()
+    max_rows = min(max_rows, size)
+    check_on_device(flat_mask.sum() <= max_rows, f"mask selects more than max_rows={max_rows} rows")
+    slots = torch.nonzero_static(flat_mask, size=max_rows, fill_value=size).squeeze(-1)
+    padding = slots == size
+    rows = slots.clamp(max=max(size - 1, 0))  # padding rows compute a real row, their results go nowhere
+    selected_targets = torch.where(padding, 0, flat[rows])  # a padding row's target is never read
+    return RowSelection(lead_shape, rows, slots, shard_targets(selected_targets, vocab_shard, tp_group))
 
 
 def shard_targets(targets: torch.Tensor, vocab_shard: int, tp_group: Optional[dist.ProcessGroup]) -> ShardTargets:
     """Map flat global ``targets [n]`` onto this rank's vocabulary shard: rank ``r`` owns global
-    ids ``[r * vocab_shard, (r + 1) * vocab_shard)``. ``ValueError`` for an id outside the
-    vocabulary."""
+    ids ``[r * vocab_shard, (r + 1) * vocab_shard)``. An id outside the vocabulary is an error
+    (``check_on_device``: at once on the CPU, asynchronous on a GPU)."""
     vocab = vocab_shard * group_size(tp_group)
     targets = targets.long()
     if targets.numel() > 0:
-        low, high = torch.stack([targets.min(), targets.max()]).tolist()  # one host sync
-        if low < 0 or high >= vocab:
-            bad = low if low < 0 else high
-            raise ValueError(
-                f"target id {bad} is outside the vocabulary [0, {vocab}) "
-                f"({vocab_shard} rows per rank x {group_size(tp_group)} ranks)"
-            )
+        in_range = ((targets >= 0) & (targets < vocab)).all()
+        check_on_device(
+            in_range,
+            f"a target id is outside the vocabulary [0, {vocab}) ({vocab_shard} rows per rank x "
+            f"{group_size(tp_group)} ranks)",
+        )
     local = targets - group_rank(tp_group) * vocab_shard
     owned = (local >= 0) & (local < vocab_shard)
     return ShardTargets(local.clamp(0, vocab_shard - 1), owned)

@@ -169,6 +169,11 @@ class LargestAllocation(TorchDispatchMode):
         self.sizes = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "megatron_fused_lm":  # a custom operator: record what it runs too
+            from torch._library.custom_ops import _maybe_get_opdef
+
+            with self:
+                return _maybe_get_opdef(func)._init_fn(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         if not func.is_view:
             for tensor in out if isinstance(out, (tuple, list)) else [out]:

@@ -27,7 +27,8 @@ def run_case_here(case: dict) -> dict:
     import torch
 
     from devkit.oracle import max_abs_error, reference, relative_error
-    from megatron_fused_lm.ops.fused import FusedOptions, fused_logprob_entropy
+    from megatron_fused_lm.ops.contract import NeededGrads, ShardProblem, ShardTargets, UpstreamGrads
+    from megatron_fused_lm.ops.softmax_stats import summarize
     from megatron_fused_lm.ops.triton_backend import TritonBackend
     from megatron_fused_lm.ops.triton_kernels.tiles import Tiles
 
@@ -48,24 +49,27 @@ def run_case_here(case: dict) -> dict:
     if case.get("strided"):
         hidden = torch.stack([hidden, torch.randn_like(hidden)], -1)[..., 0]
         weight = weight.t().contiguous().t()
-    hidden = hidden.to(dtype).requires_grad_()
-    weight = weight.to(dtype).requires_grad_()
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
     targets = torch.randint(0, vocab, (tokens,))
-    grad_logprob, grad_entropy = torch.randn(tokens), torch.randn(tokens)
-    options = FusedOptions(backend, temperature=case["temperature"], entropy_grad=case["entropy_grad"])
-    logprob, entropy = fused_logprob_entropy(hidden, weight, targets, options)
-    (logprob * grad_logprob + entropy * (grad_entropy if case["entropy_grad"] else 0)).sum().backward()
-
-    expected = reference(
-        hidden, weight, targets, case["temperature"], grad_logprob, grad_entropy if case["entropy_grad"] else None
+    grad_logprob = torch.randn(tokens)
+    grad_entropy = torch.randn(tokens) if case["entropy_grad"] else None
+    # The backend alone, as the ops call it (one rank: every target in this shard).
+    problem = ShardProblem(
+        hidden, weight, ShardTargets(targets, torch.ones(tokens, dtype=torch.bool)), case["temperature"]
     )
+    summary = summarize(backend.local_statistics(problem))
+    grads = backend.local_gradients(
+        problem, summary.saved, UpstreamGrads(grad_logprob, grad_entropy), NeededGrads(hidden=True, weight=True)
+    )
+    logprob, entropy = summary.logprob, summary.entropy
+    expected = reference(hidden, weight, targets, case["temperature"], grad_logprob, grad_entropy)
     return {
         "logprob": max_abs_error(logprob, expected.logprob),
         "entropy": max_abs_error(entropy, expected.entropy),
-        "grad_hidden": relative_error(hidden.grad, expected.grad_hidden),
-        "grad_weight": relative_error(weight.grad, expected.grad_weight),
-        "grad_weight_zero": not weight.grad.any().item(),
-        "grad_dtypes": [str(hidden.grad.dtype), str(weight.grad.dtype)],
+        "grad_hidden": relative_error(grads.hidden, expected.grad_hidden),
+        "grad_weight": relative_error(grads.weight, expected.grad_weight),
+        "grad_weight_zero": not grads.weight.any().item(),
+        "grad_dtypes": [str(grads.hidden.dtype), str(grads.weight.dtype)],
     }
 
 

@@ -26,7 +26,6 @@ import torch
 from devkit.oracle import max_abs_error, reference, relative_error
 from megatron_fused_lm import fused_linear_logprob, logits_logprob
 from megatron_fused_lm.ops.contract import NeededGrads, ShardProblem, ShardTargets, UpstreamGrads
-from megatron_fused_lm.ops.fused import FusedOptions, fused_logprob_entropy
 from megatron_fused_lm.ops.softmax_stats import merge_statistics, summarize
 
 pytestmark = [
@@ -224,7 +223,8 @@ def test_zero_tokens(backend):
 
 
 def test_backward_blocked_over_token_and_vocabulary_chunks():
-    """Partial token chunks and partial vocabulary chunks of the Triton backward."""
+    """Partial token chunks and partial vocabulary chunks of the Triton backward (the backend
+    itself, as the ops call it, with a small dz block)."""
     from megatron_fused_lm.ops.triton_backend import TritonBackend
 
     inputs = make_inputs(2500, 1000, 129920, torch.bfloat16, 5.0, seed=5)
@@ -232,10 +232,12 @@ def test_backward_blocked_over_token_and_vocabulary_chunks():
     expected = reference(hidden, weight, targets, 1.0, grad_logprob, grad_entropy)
     stock = run("stock", *inputs)
     blocked = TritonBackend(token_chunk=1000, dz_block_bytes=1000 * 20000 * 2)  # 3 x 7 blocks
-    hidden_leaf, weight_leaf = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
-    logprob, entropy = fused_logprob_entropy(hidden_leaf, weight_leaf, targets, FusedOptions(blocked))
-    torch.autograd.backward([logprob, entropy], [grad_logprob, grad_entropy])
-    results = (logprob.detach(), entropy.detach(), hidden_leaf.grad, weight_leaf.grad)
+    problem = ShardProblem(hidden, weight, ShardTargets(targets, torch.ones_like(targets, dtype=torch.bool)), 1.0)
+    summary = summarize(blocked.local_statistics(problem))
+    grads = blocked.local_gradients(
+        problem, summary.saved, UpstreamGrads(grad_logprob, grad_entropy), NeededGrads(hidden=True, weight=True)
+    )
+    results = (summary.logprob, summary.entropy, grads.hidden, grads.weight)
     check_against(
         expected, results, value_bound(hidden, weight), stock_grad_bounds(expected, stock, torch.bfloat16), "blocked"
     )

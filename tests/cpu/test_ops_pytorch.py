@@ -1,0 +1,165 @@
+"""The ops as PyTorch citizens on the CPU: ``torch.compile(fullgraph=True)``, autocast, no host
+reads of tensor data, static-shape row selection, inference mode and ``no_grad``.
+(CUDA graphs and the CUDA sync check are in ``tests/gpu/test_cuda_graphs.py``.)"""
+
+import pytest
+import torch
+
+from devkit.oracle import make_case, reference, relative_error
+from megatron_fused_lm import fused_linear_logprob, logits_logprob
+
+HIDDEN, VOCAB, ROWS = 24, 97, 19
+
+
+def inputs(dtype=torch.float32, seed=0):
+    hidden, weight, targets = make_case((ROWS,), HIDDEN, VOCAB, dtype, peaky=True, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    upstream = torch.randn(2, ROWS, generator=generator)
+    mask = torch.rand(ROWS, generator=generator) < 0.5
+    return hidden, weight, targets, upstream, mask
+
+
+def fused_loss(hidden, weight, targets, upstream, **options):
+    """``(logprob, entropy, loss)``: the loss a weighted sum of both outputs."""
+    logprob, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, chunk_size=7, **options)
+    return logprob, entropy, (logprob * upstream[0]).sum() + (entropy * upstream[1]).sum()
+
+
+def logits_loss(logits, targets, upstream, **options):
+    logprob, entropy = logits_logprob(logits, targets, return_entropy=True, chunk_size=7, **options)
+    return logprob, entropy, (logprob * upstream[0]).sum() + (entropy * upstream[1]).sum()
+
+
+def with_grads(loss_fn, leaves, *args, **options):
+    """``loss_fn``'s outputs followed by the gradients of its loss w.r.t. ``leaves`` (the
+    backward runs outside ``loss_fn``, as a compiled training step runs it)."""
+    *outputs, loss = loss_fn(*leaves, *args, **options)
+    return (*outputs, *torch.autograd.grad(loss, leaves))
+
+
+def fused_step(hidden, weight, targets, upstream, loss_fn=fused_loss, **options):
+    return with_grads(loss_fn, (hidden, weight), targets, upstream, **options)
+
+
+def logits_step(logits, targets, upstream, loss_fn=logits_loss, **options):
+    return with_grads(loss_fn, (logits,), targets, upstream, **options)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["all rows", "mask with max_rows"])
+def test_fullgraph_compile_of_forward_and_backward_equals_eager(masked):
+    hidden, weight, targets, upstream, mask = inputs()
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    options = dict(mask=mask, max_rows=ROWS) if masked else {}
+    eager = fused_step(hidden, weight, targets, upstream, **options)
+    compiled_loss = torch.compile(fused_loss, fullgraph=True)
+    compiled = fused_step(hidden, weight, targets, upstream, loss_fn=compiled_loss, **options)
+    for expected, actual in zip(eager, compiled, strict=True):
+        # The ops run whole inside the graph, so the same kernels compute the same numbers; the
+        # few fused elementwise ops around them may round differently in the last place.
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_fullgraph_compile_of_the_logits_path_equals_eager():
+    hidden, weight, targets, upstream, _ = inputs()
+    logits = (hidden @ weight.t()).requires_grad_()
+    eager = logits_step(logits, targets, upstream)
+    compiled = logits_step(logits, targets, upstream, loss_fn=torch.compile(logits_loss, fullgraph=True))
+    for expected, actual in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_graph_still_rejects_an_out_of_range_target():
+    hidden, weight, targets, upstream, _ = inputs()
+    compiled = torch.compile(lambda h, w, y: fused_linear_logprob(h, w, y), fullgraph=True)
+    compiled(hidden, weight, targets)
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        compiled(hidden, weight, torch.where(targets == targets[3], VOCAB, targets))
+
+
+@pytest.mark.parametrize("path", ["fused", "logits"])
+def test_autocast_gives_the_float32_numbers(path):
+    # float32 inputs under bf16 autocast: the ops opt out, so nothing inside runs in bf16.
+    hidden, weight, targets, upstream, _ = inputs()
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    logits = (hidden @ weight.t()).detach().requires_grad_()
+
+    def step():
+        if path == "fused":
+            return fused_step(hidden, weight, targets, upstream)
+        return logits_step(logits, targets, upstream)
+
+    plain = step()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = step()
+    for expected, actual in zip(plain, autocast, strict=True):
+        assert actual.dtype == expected.dtype
+        assert torch.equal(actual, expected)
+    # And the float32 numbers are the right ones (bf16 reductions would be off by ~1e-3).
+    expected = reference(hidden, weight, targets, 1.0, *upstream)
+    if path == "fused":
+        assert relative_error(autocast[1], expected.entropy) <= 2e-6
+        assert relative_error(autocast[2], expected.grad_hidden) <= 2e-5
+
+
+def test_no_host_read_of_tensor_data_without_a_mask():
+    # Meta tensors carry no data: any .item(), .tolist(), bool() or nonzero on the way would
+    # raise. So the whole forward and backward is free of host synchronizations on a GPU.
+    hidden = torch.randn(ROWS, HIDDEN, device="meta", requires_grad=True)
+    weight = torch.randn(VOCAB, HIDDEN, device="meta", requires_grad=True)
+    targets = torch.randint(0, VOCAB, (ROWS,), device="meta")
+    upstream = torch.randn(2, ROWS, device="meta")
+    _, _, grad_hidden, grad_weight = fused_step(hidden, weight, targets, upstream)
+    assert grad_hidden.shape == hidden.shape and grad_weight.shape == weight.shape
+    logits = torch.randn(ROWS, VOCAB, device="meta", requires_grad=True)
+    assert logits_step(logits, targets, upstream)[2].shape == logits.shape
+    mask = torch.ones(ROWS, dtype=torch.bool, device="meta")
+    fused_step(hidden, weight, targets, upstream, mask=mask, max_rows=ROWS // 2)  # static shape: no read
+    with pytest.raises(NotImplementedError, match="nonzero"):  # a bare mask reads its row count
+        fused_step(hidden, weight, targets, upstream, mask=mask)
+
+
+def test_max_rows_pads_without_changing_the_results():
+    hidden, weight, targets, upstream, mask = inputs(seed=3)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    targets = torch.where(mask, targets, -100)  # unselected targets are never read
+    exact = fused_step(hidden, weight, targets, upstream, mask=mask)
+    for max_rows in (int(mask.sum()), int(mask.sum()) + 5, 10 * ROWS):
+        padded = fused_step(hidden, weight, targets, upstream, mask=mask, max_rows=max_rows)
+        for expected, actual in zip(exact, padded, strict=True):
+            torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="more than max_rows"):
+        fused_linear_logprob(hidden, weight, targets, mask=mask, max_rows=int(mask.sum()) - 1)
+    with pytest.raises(ValueError, match="needs a mask"):
+        fused_linear_logprob(hidden, weight, targets, max_rows=3)
+
+
+def test_no_grad_results_carry_no_graph():
+    hidden, weight, targets, _, _ = inputs()
+    hidden.requires_grad_()
+    with torch.no_grad():
+        logprob, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True)
+    assert logprob.grad_fn is None and not logprob.requires_grad and not entropy.requires_grad
+
+
+def test_inference_mode_then_training_behaves_like_the_stock_path():
+    # Old log-probs under inference mode, then the training forward + backward outside it.
+    hidden, weight, targets, upstream, _ = inputs()
+    with torch.inference_mode():
+        old_fused = fused_linear_logprob(hidden, weight, targets)
+        old_stock = logits_logprob(hidden @ weight.t(), targets)
+    assert old_fused.is_inference() and old_stock.is_inference()
+    torch.testing.assert_close(old_fused, old_stock, rtol=1e-5, atol=1e-5)
+    hidden.requires_grad_()
+    ratio = (fused_linear_logprob(hidden, weight, targets) - old_fused).exp()
+    (ratio * upstream[0]).sum().backward()
+    assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
+    # Saving an inference tensor for a backward is refused alike, with torch's own message.
+    with torch.inference_mode():
+        inference_weight = weight.clone()
+    for compute in (lambda: fused_linear_logprob(hidden, inference_weight, targets),
+                    lambda: logits_logprob(hidden @ inference_weight.t(), targets)):  # fmt: skip
+        with pytest.raises(RuntimeError, match="Inference tensors"):
+            compute().sum().backward()

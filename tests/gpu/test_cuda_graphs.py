@@ -1,0 +1,164 @@
+"""The ops as PyTorch citizens on CUDA: CUDA-graph capture (forward only, and forward + backward)
+with replays bitwise equal to eager, ``torch.compile(fullgraph=True)``, no host synchronization
+under ``torch.cuda.set_sync_debug_mode``, autocast, and an out-of-range target caught on the device."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from megatron_fused_lm import fused_linear_logprob
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+BACKENDS = ("triton", "torch")
+TOKENS, HIDDEN, VOCAB = 1024, 1024, 32003
+
+
+def make_inputs(seed, dtype=torch.bfloat16):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(TOKENS, HIDDEN, device="cuda", generator=gen).to(dtype)
+    weight = (torch.randn(VOCAB, HIDDEN, device="cuda", generator=gen) * (4 / HIDDEN**0.5)).to(dtype)
+    targets = torch.randint(0, VOCAB, (TOKENS,), device="cuda", generator=gen)
+    upstream = torch.randn(2, TOKENS, device="cuda", generator=gen)
+    mask = torch.rand(TOKENS, device="cuda", generator=gen) < 0.3
+    return hidden, weight, targets, upstream, mask
+
+
+def step(hidden, weight, targets, upstream, backend, backward=True, **options):
+    """Log-prob and entropy, then (``backward``) the gradients of their weighted sum into
+    ``hidden.grad`` and ``weight.grad``."""
+    logprob, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, backend=backend, **options)
+    if backward:
+        ((logprob * upstream[0]).sum() + (entropy * upstream[1]).sum()).backward()
+    return logprob, entropy
+
+
+def eager_results(inputs, backend, backward, **options):
+    hidden, weight, targets, upstream, _ = inputs
+    hidden, weight = hidden.clone().requires_grad_(backward), weight.clone().requires_grad_(backward)
+    outputs = step(hidden, weight, targets, upstream, backend, backward, **options)
+    return [*outputs, hidden.grad, weight.grad] if backward else list(outputs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backward", [False, True], ids=["forward only", "forward and backward"])
+@pytest.mark.parametrize("masked", [False, True], ids=["all rows", "mask with max_rows"])
+def test_cuda_graph_replay_equals_eager(backend, backward, masked):
+    first, second = make_inputs(0), make_inputs(1)
+    options = dict(mask=first[4], max_rows=TOKENS // 2) if masked else {}
+    static = [tensor.clone() for tensor in first[:4]]
+    static_hidden, static_weight = static[0].requires_grad_(backward), static[1].requires_grad_(backward)
+    if masked:
+        options["mask"] = first[4].clone()  # a static input too
+    context = contextlib.nullcontext() if backward else torch.no_grad()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), context:
+        for _ in range(2):  # warm up (Triton compiles) outside the capture
+            step(*static, backend, backward, **options)
+    torch.cuda.current_stream().wait_stream(side)
+    static_hidden.grad = static_weight.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), context:
+        outputs = step(*static, backend, backward, **options)
+    for inputs in (first, second):  # replay on new data copied into the captured inputs
+        with torch.no_grad():
+            for target, source in zip(static, inputs[:4], strict=True):
+                target.copy_(source)
+            if masked:
+                options["mask"].copy_(inputs[4])
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = [*outputs, static_hidden.grad, static_weight.grad] if backward else list(outputs)
+        eager_options = dict(options, mask=inputs[4]) if masked else {}
+        expected = eager_results(inputs, backend, backward, **eager_options)
+        for got, want in zip(replayed, expected, strict=True):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_host_synchronization(backend):
+    inputs = make_inputs(2)
+    for options in ({}, dict(mask=inputs[4], max_rows=TOKENS // 2)):
+        eager_results(inputs, backend, True, **options)  # warm up: Triton compiles, cuBLAS loads
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eager_results(inputs, backend, True, **options)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    # A bare mask reads its row count on the host, as documented.
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            eager_results(inputs, backend, True, mask=inputs[4])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fullgraph_compile_equals_eager(backend):
+    inputs = make_inputs(3)
+    hidden, weight, targets, upstream, _ = inputs
+
+    def loss_fn(hidden, weight):
+        logprob, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, backend=backend)
+        return logprob, entropy, (logprob * upstream[0]).sum() + (entropy * upstream[1]).sum()
+
+    compiled_fn = torch.compile(loss_fn, fullgraph=True)
+    results = {}
+    for name, function in (("eager", loss_fn), ("compiled", compiled_fn)):
+        leaves = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logprob, entropy, loss = function(*leaves)
+        loss.backward()
+        results[name] = (logprob, entropy, *(leaf.grad for leaf in leaves))
+    for got, want in zip(results["compiled"], results["eager"], strict=True):
+        # The ops run whole in the graph; only the small sums around them may be fused differently.
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_autocast_gives_the_float32_numbers(backend):
+    inputs = make_inputs(4, dtype=torch.float32)
+    plain = eager_results(inputs, backend, True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        autocast = eager_results(inputs, backend, True)
+    for got, want in zip(autocast, plain, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+DEVICE_ASSERT_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from megatron_fused_lm import fused_linear_logprob
+    hidden = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16)
+    targets = torch.randint(0, 1000, (64,), device="cuda")
+    targets[5] = 1000
+    logprob = fused_linear_logprob(hidden, weight, targets, backend="{backend}")
+    torch.cuda.synchronize()
+    print("NOT CAUGHT", logprob[5].item())
+    """
+)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_of_range_target_trips_a_device_assertion(backend):
+    # A device-side assertion ends the CUDA context, so the call runs in its own process.
+    done = subprocess.run(
+        [sys.executable, "-c", DEVICE_ASSERT_SCRIPT.format(backend=backend)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0 and "NOT CAUGHT" not in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert "device-side assert" in done.stderr, done.stderr[-2000:]

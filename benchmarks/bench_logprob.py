@@ -28,21 +28,43 @@ import argparse
 import json
 
 import torch
-
 from harness import (
-    GIB, REFERENCE_SHAPES, environment, make_inputs, max_abs_error, oracle, parse_shapes,
-    release_memory, result_row, sample_rows, shape_name, try_measure,
+    GIB,
+    REFERENCE_SHAPES,
+    environment,
+    make_inputs,
+    oracle,
+    parse_shapes,
+    release_memory,
+    result_row,
+    sample_error,
+    sample_rows,
+    shape_name,
+    try_measure,
 )
 from methods import (
-    RL_METHODS, SFT_METHODS, floor_step, import_competitors, rl_step, sft_logprob, sft_step,
+    RL_METHODS,
+    SFT_METHODS,
+    floor_step,
+    import_competitors,
+    rl_step,
+    sft_logprob,
+    sft_step,
 )
+
 from megatron_fused_lm import response_mask
 
 SECTIONS = ("rl", "sft", "scaling", "fractions")
 # (use, method) pairs of the scaling section: every SFT method that can run out of memory, and
 # the RL stock path next to our Triton backend.
-SCALING_SERIES = (("sft", "stock"), ("sft", "ours"), ("sft", "liger"), ("sft", "cce"),
-                  ("rl", "stock"), ("rl", "triton"))
+SCALING_SERIES = (
+    ("sft", "stock"),
+    ("sft", "ours"),
+    ("sft", "liger"),
+    ("sft", "cce"),
+    ("rl", "stock"),
+    ("rl", "triton"),
+)
 FRACTION_METHODS = ("stock", "triton")
 
 
@@ -79,20 +101,26 @@ class Benchmark:
         name = shape_name(shape)
         first = len(self.rows)
         if "floor" in self.args.rl_methods:
-            self.measure_row(lambda: floor_step(inputs, recompute=True), inputs,
-                             section="rl", shape=name, method="floor")
+            self.measure_row(
+                lambda: floor_step(inputs, recompute=True), inputs, section="rl", shape=name, method="floor"
+            )
         for temperature in self.args.temperatures:
             ref_logprob, ref_entropy = oracle(inputs, sample, temperature)
             for method in self.args.rl_methods:
                 if method == "floor":
                     continue
                 row, measurement = self.measure_row(
-                    lambda: rl_step(method, inputs, temperature), inputs,
-                    section="rl", shape=name, method=method, temperature=temperature)
+                    lambda: rl_step(method, inputs, temperature),
+                    inputs,
+                    section="rl",
+                    shape=name,
+                    method=method,
+                    temperature=temperature,
+                )
                 if measurement is not None:
                     logprob, entropy = measurement.outputs
-                    row["logprob_max_error"] = max_abs_error(logprob, sample, ref_logprob)
-                    row["entropy_max_error"] = max_abs_error(entropy, sample, ref_entropy)
+                    row["logprob_max_error"] = sample_error(logprob, sample, ref_logprob)
+                    row["entropy_max_error"] = sample_error(entropy, sample, ref_entropy)
         add_floor_ratios(self.rows[first:])
 
     def sft(self, shape, inputs, sample):
@@ -103,12 +131,13 @@ class Benchmark:
             if method in self.missing:
                 self.missing_row(method, section="sft", shape=name)
             elif method == "floor":
-                self.measure_row(lambda: floor_step(inputs, recompute=False), inputs,
-                                 section="sft", shape=name, method="floor")
+                self.measure_row(
+                    lambda: floor_step(inputs, recompute=False), inputs, section="sft", shape=name, method="floor"
+                )
             else:
                 row, measurement = self.measure_row(
-                    lambda: sft_step(method, self.competitors, inputs), inputs,
-                    section="sft", shape=name, method=method)
+                    lambda: sft_step(method, self.competitors, inputs), inputs, section="sft", shape=name, method=method
+                )
                 if measurement is not None:
                     self.record_sft_error(row, method, inputs, sample, ref_logprob)
         add_floor_ratios(self.rows[first:])
@@ -116,7 +145,7 @@ class Benchmark:
     def record_sft_error(self, row, method, inputs, sample, ref_logprob):
         try:
             logprob = sft_logprob(method, self.competitors, inputs)
-            row["logprob_max_error"] = max_abs_error(logprob, sample, ref_logprob)
+            row["logprob_max_error"] = sample_error(logprob, sample, ref_logprob)
         except Exception as error:  # keep the timing; say why the error check is absent
             row["note"] = f"error check failed: {type(error).__name__}: {error}"
         release_memory()
@@ -128,13 +157,18 @@ class Benchmark:
             ref_logprob, ref_entropy = oracle(inputs, sample)
             for method in FRACTION_METHODS:
                 row, measurement = self.measure_row(
-                    lambda: rl_step(method, inputs, 1.0, mask=mask), inputs,
-                    section="fractions", shape=shape_name(shape), method=method, fraction=fraction,
-                    selected_tokens=int(mask.sum()))
+                    lambda: rl_step(method, inputs, 1.0, mask=mask),
+                    inputs,
+                    section="fractions",
+                    shape=shape_name(shape),
+                    method=method,
+                    fraction=fraction,
+                    selected_tokens=int(mask.sum()),
+                )
                 if measurement is not None:
                     logprob, entropy = measurement.outputs
-                    row["logprob_max_error"] = max_abs_error(logprob, sample, ref_logprob)
-                    row["entropy_max_error"] = max_abs_error(entropy, sample, ref_entropy)
+                    row["logprob_max_error"] = sample_error(logprob, sample, ref_logprob)
+                    row["entropy_max_error"] = sample_error(entropy, sample, ref_entropy)
 
     def scaling(self):
         hidden_size, vocab = self.args.scaling_shape
@@ -155,10 +189,11 @@ class Benchmark:
                 if use == "rl":
                     row, measurement = self.measure_row(lambda: rl_step(method, inputs, 1.0), inputs, timing, **fields)
                     if measurement is not None:
-                        row["logprob_max_error"] = max_abs_error(measurement.outputs[0], sample, ref_logprob)
+                        row["logprob_max_error"] = sample_error(measurement.outputs[0], sample, ref_logprob)
                 else:
                     row, measurement = self.measure_row(
-                        lambda: sft_step(method, self.competitors, inputs), inputs, timing, **fields)
+                        lambda: sft_step(method, self.competitors, inputs), inputs, timing, **fields
+                    )
                     if measurement is not None:
                         self.record_sft_error(row, method, inputs, sample, ref_logprob)
                 if measurement is None:
@@ -178,8 +213,10 @@ class Benchmark:
         fraction_shapes = args.fraction_shapes if "fractions" in sections else []
         meta = environment(self.device, self.dtype)
         # The settings, less where this run's files went and the device kind (meta names the device).
-        meta.update({key: value for key, value in vars(args).items() if key not in ("json", "plots", "device")},
-                    missing=self.missing)
+        meta.update(
+            {key: value for key, value in vars(args).items() if key not in ("json", "plots", "device")},
+            missing=self.missing,
+        )
         for shape in dict.fromkeys(shapes + fraction_shapes):  # each shape's inputs made once
             inputs = make_inputs(*shape, self.dtype, self.device)
             sample = sample_rows(torch.arange(shape[0], device=self.device), args.sample)
@@ -215,16 +252,20 @@ def write_json(path, meta, rows):
 
 
 def print_table(rows):
-    print(f"{'section':>9} {'shape':>22} {'detail':>8} {'method':>7} {'ms':>9} {'x floor':>8} "
-          f"{'peak GiB':>9} {'lp err':>9}  note")
+    print(
+        f"{'section':>9} {'shape':>22} {'detail':>8} {'method':>7} {'ms':>9} {'x floor':>8} "
+        f"{'peak GiB':>9} {'lp err':>9}  note"
+    )
     for row in rows:
         detail = next((f"{key[0]}={row[key]}" for key in ("temperature", "fraction", "use") if key in row), "")
         ms = f"{row['ms']:9.2f}" if "ms" in row else f"{row['status']:>9}"
         ratio = f"{row['vs_floor']:.3f}" if "vs_floor" in row else ""
         peak = f"{row['peak_extra_bytes'] / GIB:9.3f}" if row.get("peak_extra_bytes") is not None else ""
         error = f"{row['logprob_max_error']:.2e}" if "logprob_max_error" in row else ""
-        print(f"{row['section']:>9} {row.get('shape', ''):>22} {detail:>8} {row['method']:>7} {ms} "
-              f"{ratio:>8} {peak:>9} {error:>9}  {row.get('note', '')[:60]}")
+        print(
+            f"{row['section']:>9} {row.get('shape', ''):>22} {detail:>8} {row['method']:>7} {ms} "
+            f"{ratio:>8} {peak:>9} {error:>9}  {row.get('note', '')[:60]}"
+        )
 
 
 def comma_list(kind):
@@ -234,21 +275,30 @@ def comma_list(kind):
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", type=comma_list(str), default=",".join(SECTIONS))
-    parser.add_argument("--shapes", type=parse_shapes, default=REFERENCE_SHAPES,
-                        help="comma-separated TOKENSxHIDDENxVOCAB of the rl and sft sections")
+    parser.add_argument(
+        "--shapes",
+        type=parse_shapes,
+        default=REFERENCE_SHAPES,
+        help="comma-separated TOKENSxHIDDENxVOCAB of the rl and sft sections",
+    )
     parser.add_argument("--temperatures", type=comma_list(float), default="1.0,0.7")
     parser.add_argument("--rl-methods", type=comma_list(str), default=",".join(RL_METHODS))
     parser.add_argument("--sft-methods", type=comma_list(str), default=",".join(SFT_METHODS))
-    parser.add_argument("--scaling-shape", type=lambda text: tuple(map(int, text.split("x"))),
-                        default="4096x151936", help="HIDDENxVOCAB")
+    parser.add_argument(
+        "--scaling-shape",
+        type=lambda text: tuple(map(int, text.split("x"))),
+        default="4096x151936",
+        help="HIDDENxVOCAB",
+    )
     parser.add_argument("--scaling-start", type=int, default=2048)
     parser.add_argument("--scaling-max-tokens", type=int, default=131072)
     parser.add_argument("--scaling-warmup", type=int, default=1)
     parser.add_argument("--scaling-repeats", type=int, default=3)
     parser.add_argument("--fraction-shapes", type=parse_shapes, default="32768x4096x151936,16384x3072x262144")
     parser.add_argument("--fractions", type=comma_list(float), default="1,0.5,0.25")
-    parser.add_argument("--sequence-length", type=int, default=4096,
-                        help="tokens per packed sequence in the fractions section")
+    parser.add_argument(
+        "--sequence-length", type=int, default=4096, help="tokens per packed sequence in the fractions section"
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the logic on tiny shapes")
     parser.add_argument("--warmup", type=int, default=2)

@@ -24,20 +24,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
-
 from harness import (
-    GIB, REFERENCE_SHAPES, BenchInputs, make_inputs, max_abs_error, oracle, parse_shapes, release_memory,
-    result_row, sample_rows, shape_name, try_measure,
+    GIB,
+    REFERENCE_SHAPES,
+    BenchInputs,
+    make_inputs,
+    oracle,
+    parse_shapes,
+    release_memory,
+    result_row,
+    sample_error,
+    sample_rows,
+    shape_name,
+    try_measure,
 )
-from megatron_fused_lm import fused_linear_logprob, logits_logprob
 
-# The multi-GPU tests' process setup (NCCL with NVLink multicast off, Megatron's groups).
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "gpu"))
-import distributed_gpt  # noqa: E402
+from devkit import distributed  # NCCL with NVLink multicast off, Megatron's groups
+from megatron_fused_lm import fused_linear_logprob, logits_logprob
 
 METHODS = ("stock", "triton")
 
@@ -45,7 +51,7 @@ METHODS = ("stock", "triton")
 def shard_inputs(inputs: BenchInputs, rank: int, size: int) -> BenchInputs:
     """The same inputs with this rank's vocabulary rows of the weight, as a leaf of its own."""
     rows = inputs.weight.shape[0] // size
-    shard = inputs.weight.detach()[rank * rows:(rank + 1) * rows].clone().requires_grad_()
+    shard = inputs.weight.detach()[rank * rows : (rank + 1) * rows].clone().requires_grad_()
     return BenchInputs(inputs.hidden, shard, inputs.targets, inputs.grad_logprob, inputs.grad_entropy)
 
 
@@ -58,11 +64,13 @@ def step_function(method: str, inputs: BenchInputs, tp_group):
             hidden = inputs.hidden
             if tp_group is not None:  # as the stock layer: the backward all-reduces the hidden gradient
                 hidden = copy_to_tensor_model_parallel_region(hidden, tp_group)
-            logprob, entropy = logits_logprob(hidden @ inputs.weight.t(), inputs.targets, tp_group=tp_group,
-                                              return_entropy=True)
+            logprob, entropy = logits_logprob(
+                hidden @ inputs.weight.t(), inputs.targets, tp_group=tp_group, return_entropy=True
+            )
         else:
-            logprob, entropy = fused_linear_logprob(inputs.hidden, inputs.weight, inputs.targets, tp_group=tp_group,
-                                                    return_entropy=True, backend=method)
+            logprob, entropy = fused_linear_logprob(
+                inputs.hidden, inputs.weight, inputs.targets, tp_group=tp_group, return_entropy=True, backend=method
+            )
         torch.autograd.backward([logprob, entropy], [inputs.grad_logprob, inputs.grad_entropy])
         return logprob.detach(), entropy.detach()
 
@@ -80,13 +88,14 @@ def benchmark_shape(shape, args, device, tp_group) -> list:
         measured_inputs = inputs if tp == 1 else shard_inputs(inputs, rank, size)
         group = None if tp == 1 else tp_group
         dist.barrier()
-        measurement, failure = try_measure(lambda: step_function(method, measured_inputs, group), measured_inputs,
-                                           args.warmup, args.repeats)
+        measurement, failure = try_measure(
+            lambda: step_function(method, measured_inputs, group), measured_inputs, args.warmup, args.repeats
+        )
         row = result_row(measurement, failure, shape=shape_name(shape), tp=tp, rank=rank, method=method)
         if measurement is not None:
             logprob, entropy = measurement.outputs
-            row["logprob_max_error"] = max_abs_error(logprob, sample, ref_logprob)
-            row["entropy_max_error"] = max_abs_error(entropy, sample, ref_entropy)
+            row["logprob_max_error"] = sample_error(logprob, sample, ref_logprob)
+            row["entropy_max_error"] = sample_error(entropy, sample, ref_entropy)
         rows.append(row)
     del inputs
     release_memory()
@@ -95,18 +104,25 @@ def benchmark_shape(shape, args, device, tp_group) -> list:
 
 def print_table(rows) -> None:
     """Per shape and method: each rank's ms / peak GiB at TP=1 and TP=N, and the TP=N / TP=1 ratios."""
-    print(f"{'shape':>22} {'method':>7} {'rank':>4} {'TP=1 ms':>9} {'TP=N ms':>9} {'ratio':>6} "
-          f"{'TP=1 GiB':>9} {'TP=N GiB':>9} {'ratio':>6} {'lp err TP=N':>11}")
+    print(
+        f"{'shape':>22} {'method':>7} {'rank':>4} {'TP=1 ms':>9} {'TP=N ms':>9} {'ratio':>6} "
+        f"{'TP=1 GiB':>9} {'TP=N GiB':>9} {'ratio':>6} {'lp err TP=N':>11}"
+    )
     keyed = {(row["shape"], row["method"], row["rank"], row["tp"]): row for row in rows}
     for (shape, method, rank, tp), row in keyed.items():
         single = keyed.get((shape, method, rank, 1))
         if tp == 1 or single is None or "ms" not in row or "ms" not in single:
             continue
         memory = (single["peak_extra_bytes"], row["peak_extra_bytes"])
-        memory_text = (f"{memory[0] / GIB:9.3f} {memory[1] / GIB:9.3f} {memory[1] / memory[0]:6.3f}"
-                       if None not in memory else f"{'':>9} {'':>9} {'':>6}")
-        print(f"{shape:>22} {method:>7} {rank:>4} {single['ms']:9.2f} {row['ms']:9.2f} {row['ms'] / single['ms']:6.3f} "
-              f"{memory_text} {row.get('logprob_max_error', float('nan')):11.2e}")
+        memory_text = (
+            f"{memory[0] / GIB:9.3f} {memory[1] / GIB:9.3f} {memory[1] / memory[0]:6.3f}"
+            if None not in memory
+            else f"{'':>9} {'':>9} {'':>6}"
+        )
+        print(
+            f"{shape:>22} {method:>7} {rank:>4} {single['ms']:9.2f} {row['ms']:9.2f} {row['ms'] / single['ms']:6.3f} "
+            f"{memory_text} {row.get('logprob_max_error', float('nan')):11.2e}"
+        )
 
 
 def main() -> None:
@@ -121,7 +137,7 @@ def main() -> None:
 
     from megatron.core import parallel_state
 
-    device = distributed_gpt.init_distributed(tensor_parallel=int(os.environ["WORLD_SIZE"]))
+    device = distributed.init_distributed(tensor_parallel=int(os.environ["WORLD_SIZE"]))
     tp_group = parallel_state.get_tensor_model_parallel_group()
     try:
         rows = []
@@ -131,14 +147,14 @@ def main() -> None:
         dist.gather_object(rows, gathered, dst=0)
         if dist.get_rank() == 0:
             rows = [row for rank_rows in gathered for row in rank_rows]
-            meta = distributed_gpt.environment(device)
+            meta = distributed.environment(device)
             meta.update(vars(args), dtype=args.dtype)
             with open(args.json, "w") as handle:
                 json.dump({"meta": meta, "rows": rows}, handle, indent=1)
             print(json.dumps({key: meta[key] for key in ("device", "date", "versions")}))
             print_table(rows)
     finally:
-        distributed_gpt.shutdown()
+        distributed.shutdown()
 
 
 if __name__ == "__main__":

@@ -9,10 +9,6 @@ times come from the host clock and there is no memory figure.
 
 from __future__ import annotations
 
-import datetime
-import gc
-import importlib.metadata
-import platform
 import statistics
 import time
 import traceback
@@ -21,11 +17,11 @@ from typing import Callable, Optional
 
 import torch
 
-import megatron_fused_lm
+from devkit.measure import environment, release_memory  # noqa: F401  (the benchmarks' record and cleanup)
+from devkit.oracle import logprob_entropy, max_abs_error
 
 REFERENCE_SHAPES = (
-    "4096x2048x151936,8192x4096x151936,16384x2048x151936,"
-    "16384x5120x152064,16384x3072x262144,32768x4096x151936"
+    "4096x2048x151936,8192x4096x151936,16384x2048x151936,16384x5120x152064,16384x3072x262144,32768x4096x151936"
 )
 GIB = 2**30
 
@@ -73,15 +69,13 @@ def sample_rows(candidates, size, seed=1):
 
 def oracle(inputs, sample, temperature=1.0):
     """Float64 log-prob and entropy of the rows ``sample``."""
-    logits = inputs.hidden.detach()[sample].double() @ inputs.weight.detach().double().t() / temperature
-    log_probs = logits.log_softmax(-1)
-    logprob = log_probs.gather(1, inputs.targets[sample][:, None]).squeeze(1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return logprob, entropy
+    hidden = inputs.hidden.detach()[sample].double()
+    return logprob_entropy(hidden @ inputs.weight.detach().double().t(), inputs.targets[sample], temperature)
 
 
-def max_abs_error(values, sample, reference):
-    return (values[sample].double() - reference).abs().max().item()
+def sample_error(values, sample, reference):
+    """Largest |error| of ``values`` on the rows ``sample`` against the oracle's ``reference``."""
+    return max_abs_error(values[sample], reference)
 
 
 @dataclass
@@ -125,12 +119,6 @@ def measure(step, inputs, warmup, repeats):
     return Measurement(statistics.median(times), torch.cuda.max_memory_allocated() - baseline, outputs)
 
 
-def release_memory():
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def try_measure(make_step: Callable[[], Callable], inputs, warmup, repeats):
     """``(Measurement, None)``, or ``(None, "oom")`` / ``(None, "error: ...")`` when the method
     ran out of memory or failed; the memory it held is released either way."""
@@ -154,30 +142,3 @@ def result_row(measurement, failure, **fields):
     elif failure != "oom":
         row["note"] = failure
     return row
-
-
-def package_version(name):
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def environment(device, dtype):
-    """Device, date and versions for the JSON's ``meta``."""
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "dtype": str(dtype).removeprefix("torch."),
-        "versions": {name: package_version(name) for name in
-                     ("torch", "triton", "liger-kernel", "cut-cross-entropy")},
-    }
-    # Run from a checkout (PYTHONPATH), so the package's own version, not an installed one's.
-    meta["versions"]["megatron-fused-lm"] = megatron_fused_lm.__version__
-    if device.type == "cuda":
-        properties = torch.cuda.get_device_properties(device)
-        meta.update(device=properties.name, device_memory_bytes=properties.total_memory,
-                    multiprocessors=properties.multi_processor_count, cuda=torch.version.cuda)
-    else:
-        meta["device"] = f"cpu ({platform.processor() or platform.machine()})"
-    return meta

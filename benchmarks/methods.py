@@ -58,12 +58,22 @@ def rl_step(method, inputs, temperature, mask=None):
     def step():
         if method == "stock":
             logprob, entropy = logits_logprob(
-                inputs.hidden @ inputs.weight.t(), inputs.targets, temperature=temperature,
-                return_entropy=True, mask=mask)
+                inputs.hidden @ inputs.weight.t(),
+                inputs.targets,
+                temperature=temperature,
+                return_entropy=True,
+                mask=mask,
+            )
         else:
             logprob, entropy = fused_linear_logprob(
-                inputs.hidden, inputs.weight, inputs.targets, temperature=temperature,
-                return_entropy=True, backend=method, mask=mask)
+                inputs.hidden,
+                inputs.weight,
+                inputs.targets,
+                temperature=temperature,
+                return_entropy=True,
+                backend=method,
+                mask=mask,
+            )
         torch.autograd.backward([logprob, entropy], [inputs.grad_logprob, inputs.grad_entropy])
         return logprob.detach(), entropy.detach()
 
@@ -93,5 +103,4 @@ def sft_logprob(method, competitors, inputs):
     """Per-token log-prob as the method computes it (forward only, for the error check): the
     timed step returns only the mean."""
     with torch.no_grad():
-        return -sft_loss(method, competitors, inputs.hidden.detach(), inputs.weight.detach(),
-                         inputs.targets, "none")
+        return -sft_loss(method, competitors, inputs.hidden.detach(), inputs.weight.detach(), inputs.targets, "none")

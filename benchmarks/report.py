@@ -13,12 +13,21 @@ import os
 GIB = 2**30
 HEADLINE_SHAPE = "32768x4096x151936"
 LABELS = {
-    "stock": "stock (logits + fp32 softmax)", "torch": "ours, torch backend", "triton": "ours, Triton backend",
-    "ours": "ours (Triton backend)", "liger": "liger-kernel", "cce": "cut-cross-entropy", "floor": "GEMM floor",
+    "stock": "stock (logits + fp32 softmax)",
+    "torch": "ours, torch backend",
+    "triton": "ours, Triton backend",
+    "ours": "ours (Triton backend)",
+    "liger": "liger-kernel",
+    "cce": "cut-cross-entropy",
+    "floor": "GEMM floor",
 }
 SCALING_LABELS = {
-    ("sft", "stock"): "SFT stock", ("sft", "ours"): "SFT ours", ("sft", "liger"): "SFT liger-kernel",
-    ("sft", "cce"): "SFT cut-cross-entropy", ("rl", "stock"): "RL stock", ("rl", "triton"): "RL ours",
+    ("sft", "stock"): "SFT stock",
+    ("sft", "ours"): "SFT ours",
+    ("sft", "liger"): "SFT liger-kernel",
+    ("sft", "cce"): "SFT cut-cross-entropy",
+    ("rl", "stock"): "RL stock",
+    ("rl", "triton"): "RL ours",
 }
 
 
@@ -47,7 +56,8 @@ def peak_gib(row):
 def log_scale(axis):
     """Log y scale where the axis shows some positive value (a CPU dry run measures no memory)."""
     if any(value > 0 for line in axis.lines for value in line.get_ydata()) or any(
-            patch.get_height() > 0 for patch in axis.patches):
+        patch.get_height() > 0 for patch in axis.patches
+    ):
         axis.set_yscale("log")
 
 
@@ -62,8 +72,7 @@ def cell(row, memory=True):
 
 
 def error_cell(rows):
-    return " / ".join(f"{row['logprob_max_error']:.1e}" if row and "logprob_max_error" in row else "-"
-                      for row in rows)
+    return " / ".join(f"{row['logprob_max_error']:.1e}" if row and "logprob_max_error" in row else "-" for row in rows)
 
 
 def floor_table(rows, section, methods, ours, header, **filters):
@@ -74,43 +83,58 @@ def floor_table(rows, section, methods, ours, header, **filters):
         measured = [find(rows, section=section, shape=shape, method=method, **filters) for method in methods]
         ours_row = measured[methods.index(ours)]
         ratio = f"{ours_row['vs_floor']:.3f}" if ours_row and "vs_floor" in ours_row else "-"
-        lines.append(f"| {pretty(shape)} | {cell(floor, memory=False)} | "
-                     + " | ".join(cell(row) for row in measured) + f" | {ratio} | {error_cell(measured)} |")
+        lines.append(
+            f"| {pretty(shape)} | {cell(floor, memory=False)} | "
+            + " | ".join(cell(row) for row in measured)
+            + f" | {ratio} | {error_cell(measured)} |"
+        )
     return "\n".join(lines)
 
 
 def rl_table(rows, temperature):
-    header = ("| tokens x hidden x vocab | floor (4 GEMMs) | stock | torch backend | Triton backend | Triton / floor "
-              "| log-prob err stock / torch / Triton |")
+    header = (
+        "| tokens x hidden x vocab | floor (4 GEMMs) | stock | torch backend | Triton backend | Triton / floor "
+        "| log-prob err stock / torch / Triton |"
+    )
     return floor_table(rows, "rl", ("stock", "torch", "triton"), "triton", header, temperature=temperature)
 
 
 def sft_table(rows):
-    header = ("| tokens x hidden x vocab | floor (3 GEMMs) | stock | ours (Triton) | liger-kernel | cut-cross-entropy "
-              "| ours / floor | log-prob err stock / ours / liger / cce |")
+    header = (
+        "| tokens x hidden x vocab | floor (3 GEMMs) | stock | ours (Triton) | liger-kernel | cut-cross-entropy "
+        "| ours / floor | log-prob err stock / ours / liger / cce |"
+    )
     return floor_table(rows, "sft", ("stock", "ours", "liger", "cce"), "ours", header)
 
 
 def scaling_table(rows):
     series = list(SCALING_LABELS)
     scaling = select(rows, section="scaling")
-    lines = ["| tokens | " + " | ".join(SCALING_LABELS[key] for key in series) + " |",
-             "|---" * (len(series) + 1) + "|"]
+    lines = ["| tokens | " + " | ".join(SCALING_LABELS[key] for key in series) + " |", "|---" * (len(series) + 1) + "|"]
     for tokens in sorted({row["tokens"] for row in scaling if "tokens" in row}):
-        cells = [cell(find(scaling, tokens=tokens, use=use, method=method)
-                      or find(scaling, use=use, method=method, status="missing")) for use, method in series]
+        cells = [
+            cell(
+                find(scaling, tokens=tokens, use=use, method=method)
+                or find(scaling, use=use, method=method, status="missing")
+            )
+            for use, method in series
+        ]
         lines.append(f"| {tokens} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def fractions_table(rows):
-    lines = ["| tokens x hidden x vocab | response fraction | selected tokens | Triton backend | stock "
-             "| log-prob err Triton / stock |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| tokens x hidden x vocab | response fraction | selected tokens | Triton backend | stock "
+        "| log-prob err Triton / stock |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in select(rows, section="fractions", method="triton"):
         stock = find(rows, section="fractions", shape=row["shape"], fraction=row["fraction"], method="stock")
-        lines.append(f"| {pretty(row['shape'])} | {row['fraction']:g} | {row['selected_tokens']} | {cell(row)} "
-                     f"| {cell(stock)} | {error_cell([row, stock])} |")
+        lines.append(
+            f"| {pretty(row['shape'])} | {row['fraction']:g} | {row['selected_tokens']} | {cell(row)} "
+            f"| {cell(stock)} | {error_cell([row, stock])} |"
+        )
     return "\n".join(lines)
 
 
@@ -133,18 +157,23 @@ def summary_table(results):
             return cell(find(rows, section="scaling", use="sft", method=method))
         return f"{largest}" if stopped else f">= {largest} (cap, no OOM)"
 
-    rl = [find(rows, section="rl", shape=HEADLINE_SHAPE, method=method, temperature=1.0) if method else None
-          for method, _ in columns]
+    rl = [
+        find(rows, section="rl", shape=HEADLINE_SHAPE, method=method, temperature=1.0) if method else None
+        for method, _ in columns
+    ]
     sft = [find(rows, section="sft", shape=HEADLINE_SHAPE, method=method) for _, method in columns]
-    return "\n".join([
-        f"| {pretty(HEADLINE_SHAPE)}, forward + backward, ms / peak extra GiB | stock | ours (Triton) "
-        "| liger-kernel | cut-cross-entropy |",
-        "|---|---|---|---|---|",
-        "| RL: per-token log-prob + entropy | " + " | ".join(cell(row) if row else "n/a" for row in rl) + " |",
-        "| SFT: mean cross-entropy | " + " | ".join(cell(row) for row in sft) + " |",
-        f"| SFT: most tokens that fit (hidden 4096, vocab 151936; cap {cap}) | "
-        + " | ".join(fit_cell(method) for _, method in columns) + " |",
-    ])
+    return "\n".join(
+        [
+            f"| {pretty(HEADLINE_SHAPE)}, forward + backward, ms / peak extra GiB | stock | ours (Triton) "
+            "| liger-kernel | cut-cross-entropy |",
+            "|---|---|---|---|---|",
+            "| RL: per-token log-prob + entropy | " + " | ".join(cell(row) if row else "n/a" for row in rl) + " |",
+            "| SFT: mean cross-entropy | " + " | ".join(cell(row) for row in sft) + " |",
+            f"| SFT: most tokens that fit (hidden 4096, vocab 151936; cap {cap}) | "
+            + " | ".join(fit_cell(method) for _, method in columns)
+            + " |",
+        ]
+    )
 
 
 def markdown(results):
@@ -152,8 +181,16 @@ def markdown(results):
     parts = []
     for temperature in results["meta"]["temperatures"]:
         parts += [f"### RL, temperature {temperature:g}", rl_table(rows, temperature)]
-    parts += ["### SFT", sft_table(rows), "### Scaling", scaling_table(rows),
-              "### Response fractions", fractions_table(rows), "### README summary", summary_table(results)]
+    parts += [
+        "### SFT",
+        sft_table(rows),
+        "### Scaling",
+        scaling_table(rows),
+        "### Response fractions",
+        fractions_table(rows),
+        "### README summary",
+        summary_table(results),
+    ]
     return "\n\n".join(parts)
 
 
@@ -197,18 +234,30 @@ def scaling_plot(pyplot, results, path):
             continue
         style = "-o" if use == "sft" else "--s"
         tokens = [row["tokens"] for row in measured]
-        for axis, values in ((time_axis, [row["ms"] for row in measured]),
-                             (memory_axis, [peak_gib(row) for row in measured])):
-            line, = axis.plot(tokens, values, style, label=label, markersize=4)
+        for axis, values in (
+            (time_axis, [row["ms"] for row in measured]),
+            (memory_axis, [peak_gib(row) for row in measured]),
+        ):
+            (line,) = axis.plot(tokens, values, style, label=label, markersize=4)
             stop = next((row for row in series if row["status"] == "oom"), None)
             if stop is not None:
                 axis.plot([stop["tokens"]], [values[-1]], "X", color=line.get_color(), markersize=12)
-                axis.annotate(f"OOM at {stop['tokens']}", (stop["tokens"], values[-1]), fontsize=7,
-                              xytext=(4, 4), textcoords="offset points")
+                axis.annotate(
+                    f"OOM at {stop['tokens']}",
+                    (stop["tokens"], values[-1]),
+                    fontsize=7,
+                    xytext=(4, 4),
+                    textcoords="offset points",
+                )
     if "device_memory_bytes" in meta:
         memory_axis.axhline(meta["device_memory_bytes"] / GIB, linestyle=":", color="gray")
-        memory_axis.annotate("device memory", (meta["scaling_start"], meta["device_memory_bytes"] / GIB),
-                             fontsize=7, xytext=(0, -10), textcoords="offset points")
+        memory_axis.annotate(
+            "device memory",
+            (meta["scaling_start"], meta["device_memory_bytes"] / GIB),
+            fontsize=7,
+            xytext=(0, -10),
+            textcoords="offset points",
+        )
     for axis, label in ((time_axis, "forward + backward, ms (median)"), (memory_axis, "peak extra memory, GiB")):
         axis.set_xscale("log", base=2)
         log_scale(axis)
@@ -217,8 +266,10 @@ def scaling_plot(pyplot, results, path):
         axis.grid(alpha=0.3, which="both")
     time_axis.legend(fontsize=8)
     hidden_size, vocab = meta["scaling_shape"]
-    figure.suptitle(f"Scaling, hidden {hidden_size}, vocab {vocab}, {meta['device']} "
-                    f"(X: out of memory; run capped at {meta['scaling_max_tokens']} tokens)")
+    figure.suptitle(
+        f"Scaling, hidden {hidden_size}, vocab {vocab}, {meta['device']} "
+        f"(X: out of memory; run capped at {meta['scaling_max_tokens']} tokens)"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     pyplot.close(figure)
@@ -261,13 +312,21 @@ def write_plots(results, folder):
     if "rl" in sections:
         temperature = results["meta"]["temperatures"][0]
         path = os.path.join(folder, "bench_rl.png")
-        bar_panels(pyplot, rows, "rl", ("stock", "torch", "triton", "floor"),
-                   f"Per-token log-prob + entropy, temperature {temperature:g}, {device}", path, temperature)
+        bar_panels(
+            pyplot,
+            rows,
+            "rl",
+            ("stock", "torch", "triton", "floor"),
+            f"Per-token log-prob + entropy, temperature {temperature:g}, {device}",
+            path,
+            temperature,
+        )
         written.append(path)
     if "sft" in sections:
         path = os.path.join(folder, "bench_sft.png")
-        bar_panels(pyplot, rows, "sft", ("stock", "ours", "liger", "cce", "floor"),
-                   f"Mean cross-entropy (SFT), {device}", path)
+        bar_panels(
+            pyplot, rows, "sft", ("stock", "ours", "liger", "cce", "floor"), f"Mean cross-entropy (SFT), {device}", path
+        )
         written.append(path)
     if "scaling" in sections:
         path = os.path.join(folder, "bench_scaling.png")

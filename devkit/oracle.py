@@ -17,6 +17,11 @@ class Reference(NamedTuple):
     grad_hidden: Optional[torch.Tensor] = None  # [..., H] (or the logits' gradient [..., V])
     grad_weight: Optional[torch.Tensor] = None  # [V, H] (None for a logits reference)
 
+    @property
+    def grad_logits(self) -> Optional[torch.Tensor]:
+        """The gradient with respect to the logits, for a ``reference_from_logits``."""
+        return self.grad_hidden
+
 
 def logprob_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
     """Float64 ``(logprob [...], entropy [...])`` of ``targets`` under ``softmax(logits / T)``."""
@@ -88,6 +93,10 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
         return 0.0
     scale = expected.double().abs().max().clamp_min(1e-30)
     return float((actual.detach().double() - expected.double()).abs().max() / scale)
+
+
+# Leading shapes of 1 to 3 dimensions, each with a prime vocabulary (not a multiple of any tile).
+LEAD_SHAPES = [((29,), 97), ((3, 11), 251), ((2, 3, 5), 97)]
 
 
 def make_case(lead_shape, hidden_size: int, vocab: int, dtype: torch.dtype, peaky: bool, seed: int = 0, device=None):

@@ -17,8 +17,8 @@ import socket
 
 import torch
 import torch.distributed as dist
-
 from quickstart import SEQ, build_model, run_megatron_on_cpu
+
 from megatron_fused_lm import FusedLMConfig, next_token_targets, response_mask, wrap_model
 
 GROUPS, GROUP_SIZE = 2, 4  # prompts, and sampled responses per prompt
@@ -81,7 +81,11 @@ def train(device: torch.device, backend: str) -> None:
     print(f"{'step':>4}{'policy loss':>14}{'clip fraction':>15}{'entropy':>10}{'approx KL':>12}")
     for step in range(STEPS):
         logprob, entropy = head.logprobs(
-            model(tokens, position_ids, causal), targets, return_entropy=True, entropy_grad=ENTROPY_COEFF != 0, mask=mask
+            model(tokens, position_ids, causal),
+            targets,
+            return_entropy=True,
+            entropy_grad=ENTROPY_COEFF != 0,
+            mask=mask,
         )
         ratio = torch.exp(logprob - old_logprob)
         surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - CLIP, 1 + CLIP) * advantages)
@@ -92,7 +96,9 @@ def train(device: torch.device, backend: str) -> None:
         optimizer.step()
         clipped = ((ratio - 1).abs() > CLIP)[mask].float().mean()
         kl = (old_logprob - logprob)[mask].mean()
-        print(f"{step:>4}{loss.item():>14.4f}{clipped.item():>15.2f}{entropy[mask].mean().item():>10.3f}{kl.item():>12.2e}")
+        print(
+            f"{step:>4}{loss.item():>14.4f}{clipped.item():>15.2f}{entropy[mask].mean().item():>10.3f}{kl.item():>12.2e}"
+        )
 
 
 if __name__ == "__main__":

@@ -174,11 +174,21 @@ def compare_one_batch(fused_config: FusedLMConfig, device: torch.device, rank: i
     if rank != 0:
         return
     size = dist.get_world_size()
-    print(f"\nOne batch: {BATCH}x{SEQ} tokens, vocabulary {VOCAB} over TP={size} ({device.type}), temperature {TEMPERATURE}")
+    print(
+        f"\nOne batch: {BATCH}x{SEQ} tokens, vocabulary {VOCAB} over TP={size} ({device.type}), temperature {TEMPERATURE}"
+    )
     print(f"{'':38}{'stock':>14}{'fused':>14}")
     rows = [
-        ("log-prob max error vs float64", f"{error(stock[0], want_logprob):.2e}", f"{error(fused[0], want_logprob):.2e}"),
-        ("entropy max error vs float64", f"{error(stock[1], want_entropy):.2e}", f"{error(fused[1], want_entropy):.2e}"),
+        (
+            "log-prob max error vs float64",
+            f"{error(stock[0], want_logprob):.2e}",
+            f"{error(fused[0], want_logprob):.2e}",
+        ),
+        (
+            "entropy max error vs float64",
+            f"{error(stock[1], want_entropy):.2e}",
+            f"{error(fused[1], want_entropy):.2e}",
+        ),
         ("largest param-grad difference", "-", f"{grad_difference:.2e}"),
         ("  (largest gradient entry)", f"{largest_grad:.2e}", ""),
         ("logits tensor per rank", f"{logits_mib:.1f} MiB", "never built"),

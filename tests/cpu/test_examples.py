@@ -19,7 +19,11 @@ def test_quickstart_fused_matches_the_oracle_and_trains_like_stock():
     stock_error, fused_error = map(float, re.search(r"log-prob max error vs float64\s+(\S+)\s+(\S+)", output).groups())
     assert fused_error <= max(stock_error, 1e-5), output
     assert "never built" in output
-    curve = [tuple(map(float, line.split()[1:3])) for line in output.splitlines() if re.match(r"\s+\d+\s+\d+\.\d+\s+\d+\.\d+", line)]
+    curve = [
+        tuple(map(float, line.split()[1:3]))
+        for line in output.splitlines()
+        if re.match(r"\s+\d+\s+\d+\.\d+\s+\d+\.\d+", line)
+    ]
     assert len(curve) >= 5 and curve[-1][0] < 0.5 * curve[0][0], output  # the loss falls...
     assert all(abs(stock - fused) <= 1e-3 * stock for stock, fused in curve), output  # ...together
 

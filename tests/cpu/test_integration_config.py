@@ -61,6 +61,7 @@ def test_absent_keys_take_the_defaults(trainer_config):
 
 def test_example_yaml_enables_the_fused_head():
     import yaml
+
     path = Path(__file__).resolve().parents[2] / "examples" / "trainer_config.yaml"
     config = FusedLMConfig.from_trainer_config(yaml.safe_load(path.read_text()))
     assert config.enabled
@@ -90,7 +91,10 @@ def test_bad_values_raise(settings, error, words):
 def test_conflicting_places_raise():
     with pytest.raises(ValueError, match="both at the top level"):
         FusedLMConfig.from_trainer_config({"logprobs_chunk_size": 8, "trainer": {"logprobs_chunk_size": 16}})
-    assert FusedLMConfig.from_trainer_config({"logprobs_chunk_size": 8, "trainer": {"logprobs_chunk_size": 8}}).chunk_size == 8
+    assert (
+        FusedLMConfig.from_trainer_config({"logprobs_chunk_size": 8, "trainer": {"logprobs_chunk_size": 8}}).chunk_size
+        == 8
+    )
 
 
 def test_not_a_config_raises():

@@ -24,7 +24,7 @@ import itertools
 
 import torch
 
-import megatron_harness as harness
+from devkit import megatron_gpt as harness
 from megatron_fused_lm.integration import FusedLMConfig, unwrap_model, wrap_model
 
 TEMPERATURE = 0.7
@@ -96,7 +96,9 @@ def check_case(sequence_parallel: bool, tied: bool, chunk_size, label: str) -> N
     unwrap_model(model)
     assert "forward" not in vars(layer) and "compute_language_model_loss" not in vars(model), label
     assert torch.equal(harness.forward(model, batch), stock_logits), f"{label}: unwrap did not restore the logits"
-    assert torch.equal(harness.forward(model, batch, labels=targets), stock_loss), f"{label}: unwrap did not restore the loss"
+    assert torch.equal(harness.forward(model, batch, labels=targets), stock_loss), (
+        f"{label}: unwrap did not restore the loss"
+    )
 
 
 def parity_worker() -> None:

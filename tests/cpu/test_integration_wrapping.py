@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-import megatron_harness as harness
+from devkit import megatron_gpt as harness
 from megatron_fused_lm.integration import FusedLMConfig, unwrap_model, wrap_model
 
 TEMPERATURE = 0.7
@@ -68,7 +68,9 @@ def _check_head(model, head, batch, reference, label, with_backward=True):
     """The head's log-probs/entropy from the model's output match the oracle (and the gradients
     the stock ones); the labels path gives the stock loss and gradients."""
     targets = batch[3]
-    logprob, entropy = head.logprobs(harness.forward(model, batch), targets, temperature=TEMPERATURE, return_entropy=True)
+    logprob, entropy = head.logprobs(
+        harness.forward(model, batch), targets, temperature=TEMPERATURE, return_entropy=True
+    )
     harness.assert_max_error(logprob, reference["logprob"], VALUE_ATOL, f"{label} logprob")
     harness.assert_max_error(entropy, reference["entropy"], VALUE_ATOL, f"{label} entropy")
     if not with_backward:
@@ -78,7 +80,9 @@ def _check_head(model, head, batch, reference, label, with_backward=True):
     loss = harness.forward(model, batch, labels=targets)
     harness.assert_max_error(loss, reference["loss"], VALUE_ATOL, f"{label} labels loss")
     harness.labels_loss(loss).backward()
-    harness.assert_grads_close(harness.parameter_grads(model), reference["loss_grads"], GRAD_RTOL, f"{label} labels grads")
+    harness.assert_grads_close(
+        harness.parameter_grads(model), reference["loss_grads"], GRAD_RTOL, f"{label} labels grads"
+    )
 
 
 def _check_fallback(model, batch, expected_words, warnings, label, with_backward=True):
@@ -115,7 +119,11 @@ def fallback_cases(warnings) -> None:
 
     # TransformerEngine's MXFP8 head, recognized by its name; a stand-in that computes like
     # the stock layer, so the comparison is with known logits.
-    te_head = type("TELMHeadColumnParallelLinear", (ColumnParallelLinear,), {"__module__": "megatron.core.extensions.transformer_engine"})
+    te_head = type(
+        "TELMHeadColumnParallelLinear",
+        (ColumnParallelLinear,),
+        {"__module__": "megatron.core.extensions.transformer_engine"},
+    )
     model = harness.build_gpt(tied=True)
     model.output_layer.__class__ = te_head
     _check_fallback(model, batch, ["TransformerEngine", "TELMHeadColumnParallelLinear"], warnings, "TE head")
@@ -243,7 +251,9 @@ def mtp_and_mup_cases() -> None:
         return  # megatron-core < 0.19 has no MuP output scaling
     for tied in (False, True):
         label = f"MuP tied={tied}"
-        model = harness.build_gpt(sequence_parallel=True, tied=tied, config_overrides=dict(use_mup=True, mup_output_mult=2.5))
+        model = harness.build_gpt(
+            sequence_parallel=True, tied=tied, config_overrides=dict(use_mup=True, mup_output_mult=2.5)
+        )
         reference = _stock_reference(model, batch)
         head = wrap_model(model, FUSED)
         assert head.fused, label

@@ -5,14 +5,13 @@ import logging
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
+from devkit.allocations import LargestAllocation
+from devkit.oracle import LEAD_SHAPES, make_case, reference, relative_error
 from megatron_fused_lm import fused_linear_logprob
-from oracle import fused_reference, make_case, relative_error
 
 HIDDEN = 40  # not a multiple of any tile
-LEAD_SHAPES = [((29,), 97), ((3, 11), 251), ((2, 3, 5), 97)]  # prime vocabulary sizes
 TOLERANCE = {  # (outputs, gradients): fp32 end to end; bf16 inputs with fp32 accumulation
     torch.float32: (2e-5, 2e-5),
     torch.bfloat16: (1e-4, 1e-2),
@@ -39,26 +38,28 @@ def test_matches_float64_oracle(dtype, temperature, peaky, chunk_size, case):
     logprob, entropy, grad_hidden, grad_weight = run_fused(
         hidden, weight, targets, grad_logprob, grad_entropy, temperature=temperature, chunk_size=chunk_size
     )
-    expected = fused_reference(hidden, weight, targets, temperature, grad_logprob, grad_entropy)
+    expected = reference(hidden, weight, targets, temperature, grad_logprob, grad_entropy)
     output_tol, grad_tol = TOLERANCE[dtype]
     assert logprob.dtype == entropy.dtype == torch.float32
     assert logprob.shape == entropy.shape == lead_shape
-    assert relative_error(logprob, expected["logprob"]) <= output_tol
-    assert relative_error(entropy, expected["entropy"]) <= output_tol
+    assert relative_error(logprob, expected.logprob) <= output_tol
+    assert relative_error(entropy, expected.entropy) <= output_tol
     assert grad_hidden.dtype == dtype and grad_weight.dtype == dtype
-    assert relative_error(grad_hidden, expected["grad_hidden"]) <= grad_tol
-    assert relative_error(grad_weight, expected["grad_weight"]) <= grad_tol
+    assert relative_error(grad_hidden, expected.grad_hidden) <= grad_tol
+    assert relative_error(grad_weight, expected.grad_weight) <= grad_tol
 
 
 def test_float16_inputs():
     hidden, weight, targets = make_case((33,), HIDDEN, 97, torch.float16, peaky=True)
     grad_logprob, grad_entropy = torch.randn(33), torch.randn(33)
-    logprob, entropy, grad_hidden, grad_weight = run_fused(hidden, weight, targets, grad_logprob, grad_entropy, chunk_size=8)
-    expected = fused_reference(hidden, weight, targets, 1.0, grad_logprob, grad_entropy)
-    assert relative_error(logprob, expected["logprob"]) <= 1e-4
-    assert relative_error(entropy, expected["entropy"]) <= 1e-4
-    assert relative_error(grad_hidden, expected["grad_hidden"]) <= 1e-2
-    assert relative_error(grad_weight, expected["grad_weight"]) <= 1e-2
+    logprob, entropy, grad_hidden, grad_weight = run_fused(
+        hidden, weight, targets, grad_logprob, grad_entropy, chunk_size=8
+    )
+    expected = reference(hidden, weight, targets, 1.0, grad_logprob, grad_entropy)
+    assert relative_error(logprob, expected.logprob) <= 1e-4
+    assert relative_error(entropy, expected.entropy) <= 1e-4
+    assert relative_error(grad_hidden, expected.grad_hidden) <= 1e-2
+    assert relative_error(grad_weight, expected.grad_weight) <= 1e-2
 
 
 def test_peaky_entropy_keeps_its_relative_precision():
@@ -66,7 +67,7 @@ def test_peaky_entropy_keeps_its_relative_precision():
     hidden, weight, targets = make_case((16,), HIDDEN, 97, torch.float32, peaky=True)
     hidden = hidden * 8
     _, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True)
-    expected = fused_reference(hidden, weight, targets, 1.0)["entropy"]
+    expected = reference(hidden, weight, targets, 1.0).entropy
     assert expected.min() < 1e-3
     assert torch.allclose(entropy.double(), expected, rtol=1e-3, atol=1e-9)
 
@@ -77,11 +78,11 @@ def test_float32_hidden_with_bfloat16_weight():
     grad_logprob, grad_entropy = torch.randn(21), torch.randn(21)
     logprob, entropy, grad_hidden, grad_weight = run_fused(hidden, weight, targets, grad_logprob, grad_entropy)
     # The product runs in the weight's dtype: the oracle sees hidden rounded to bf16.
-    expected = fused_reference(hidden.to(torch.bfloat16), weight, targets, 1.0, grad_logprob, grad_entropy)
+    expected = reference(hidden.to(torch.bfloat16), weight, targets, 1.0, grad_logprob, grad_entropy)
     assert grad_hidden.dtype == torch.float32 and grad_weight.dtype == torch.bfloat16
-    assert relative_error(logprob, expected["logprob"]) <= 1e-4
-    assert relative_error(grad_hidden, expected["grad_hidden"]) <= 1e-2
-    assert relative_error(grad_weight, expected["grad_weight"]) <= 1e-2
+    assert relative_error(logprob, expected.logprob) <= 1e-4
+    assert relative_error(grad_hidden, expected.grad_hidden) <= 1e-2
+    assert relative_error(grad_weight, expected.grad_weight) <= 1e-2
 
 
 def test_entropy_does_not_depend_on_targets():
@@ -99,9 +100,9 @@ def test_entropy_without_grad_has_no_graph_and_no_backward_term():
     assert logprob.requires_grad
     grad_logprob = torch.randn(25)
     (logprob * grad_logprob).sum().backward()
-    expected = fused_reference(hidden, weight, targets, 1.0, grad_logprob=grad_logprob)
-    assert relative_error(hidden.grad, expected["grad_hidden"]) <= 2e-5
-    assert relative_error(entropy, expected["entropy"]) <= 2e-5
+    expected = reference(hidden, weight, targets, 1.0, grad_logprob=grad_logprob)
+    assert relative_error(hidden.grad, expected.grad_hidden) <= 2e-5
+    assert relative_error(entropy, expected.entropy) <= 2e-5
 
 
 def test_logprob_only_returns_a_tensor():
@@ -115,8 +116,8 @@ def test_frozen_weight_gets_no_gradient():
     hidden.requires_grad_()
     fused_linear_logprob(hidden, weight, targets).sum().backward()
     assert weight.grad is None
-    expected = fused_reference(hidden, weight, targets, 1.0, grad_logprob=torch.ones(9))
-    assert relative_error(hidden.grad, expected["grad_hidden"]) <= 2e-5
+    expected = reference(hidden, weight, targets, 1.0, grad_logprob=torch.ones(9))
+    assert relative_error(hidden.grad, expected.grad_hidden) <= 2e-5
 
 
 def test_non_contiguous_inputs():
@@ -128,11 +129,13 @@ def test_non_contiguous_inputs():
     targets_t = targets.t().contiguous().t()
     assert not hidden_t.is_contiguous() and not weight_strided.is_contiguous() and not targets_t.is_contiguous()
     grad_logprob, grad_entropy = torch.randn(12, 5), torch.randn(12, 5)
-    logprob, entropy, grad_hidden, grad_weight = run_fused(hidden_t, weight_strided, targets_t, grad_logprob, grad_entropy, chunk_size=7)
-    expected = fused_reference(hidden, weight, targets, 1.0, grad_logprob, grad_entropy)
-    assert relative_error(logprob, expected["logprob"]) <= 2e-5
-    assert relative_error(grad_hidden, expected["grad_hidden"]) <= 2e-5
-    assert relative_error(grad_weight, expected["grad_weight"]) <= 2e-5
+    logprob, entropy, grad_hidden, grad_weight = run_fused(
+        hidden_t, weight_strided, targets_t, grad_logprob, grad_entropy, chunk_size=7
+    )
+    expected = reference(hidden, weight, targets, 1.0, grad_logprob, grad_entropy)
+    assert relative_error(logprob, expected.logprob) <= 2e-5
+    assert relative_error(grad_hidden, expected.grad_hidden) <= 2e-5
+    assert relative_error(grad_weight, expected.grad_weight) <= 2e-5
 
 
 def test_empty_input_gives_empty_outputs_and_zero_gradients():
@@ -156,30 +159,9 @@ def test_works_under_non_reentrant_checkpoint():
         return (logprob * grad_logprob).sum() + (entropy * grad_entropy).sum()
 
     checkpoint(loss_of, hidden, weight, use_reentrant=False).backward()
-    expected = fused_reference(hidden * 1.5, weight, targets, 1.0, grad_logprob, grad_entropy)
-    assert relative_error(hidden.grad, 1.5 * expected["grad_hidden"]) <= 2e-5
-    assert relative_error(weight.grad, expected["grad_weight"]) <= 2e-5
-
-
-class LargestAllocation(TorchDispatchMode):
-    """Records the element count of every tensor an op allocates (views excluded)."""
-
-    def __init__(self):
-        super().__init__()
-        self.sizes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "megatron_fused_lm":  # a custom operator: record what it runs too
-            from torch._library.custom_ops import _maybe_get_opdef
-
-            with self:
-                return _maybe_get_opdef(func)._init_fn(*args, **(kwargs or {}))
-        out = func(*args, **(kwargs or {}))
-        if not func.is_view:
-            for tensor in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(tensor, torch.Tensor):
-                    self.sizes.append((tensor.numel(), str(func), tensor.dtype))
-        return out
+    expected = reference(hidden * 1.5, weight, targets, 1.0, grad_logprob, grad_entropy)
+    assert relative_error(hidden.grad, 1.5 * expected.grad_hidden) <= 2e-5
+    assert relative_error(weight.grad, expected.grad_weight) <= 2e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -194,7 +176,7 @@ def test_never_allocates_tokens_by_vocab(dtype):
         (logprob.sum() + entropy.sum()).backward()
     too_big = [entry for entry in recorder.sizes if entry[0] >= tokens * vocab]
     assert not too_big, too_big
-    assert max(size for size, _, _ in recorder.sizes) >= 32 * vocab  # the recorder saw the chunk blocks
+    assert recorder.largest() >= 32 * vocab  # the recorder saw the chunk blocks
 
 
 @pytest.mark.parametrize("backend", ["triton", "auto"])
@@ -208,5 +190,5 @@ def test_triton_and_auto_fall_back_on_the_cpu_with_one_warning(backend, monkeypa
         second = fused_linear_logprob(hidden, weight, targets, backend=backend)
     warnings = [record.getMessage() for record in caplog.records]
     assert len(warnings) == 1 and backend in warnings[0] and "CUDA" in warnings[0], warnings
-    expected = fused_reference(hidden, weight, targets, 1.0)["logprob"]
+    expected = reference(hidden, weight, targets, 1.0).logprob
     assert relative_error(first, expected) <= 2e-5 and torch.equal(first, second)

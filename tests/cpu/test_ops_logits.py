@@ -5,9 +5,9 @@ import itertools
 import pytest
 import torch
 
+from devkit.allocations import LargestAllocation
+from devkit.oracle import LEAD_SHAPES, make_case, reference_from_logits, relative_error
 from megatron_fused_lm import logits_logprob
-from oracle import logits_reference, make_case, relative_error
-from test_ops_fused import LEAD_SHAPES, LargestAllocation
 
 TOLERANCE = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (1e-4, 1e-2)}
 
@@ -26,15 +26,17 @@ def test_matches_float64_oracle(dtype, temperature, peaky, chunk_size, case):
     logits, targets = make_logits(lead_shape, vocab, dtype, peaky, case)
     logits.requires_grad_()
     grad_logprob, grad_entropy = torch.randn(lead_shape), torch.randn(lead_shape)
-    logprob, entropy = logits_logprob(logits, targets, temperature=temperature, return_entropy=True, chunk_size=chunk_size)
+    logprob, entropy = logits_logprob(
+        logits, targets, temperature=temperature, return_entropy=True, chunk_size=chunk_size
+    )
     ((logprob * grad_logprob).sum() + (entropy * grad_entropy).sum()).backward()
-    expected = logits_reference(logits, targets, temperature, grad_logprob, grad_entropy)
+    expected = reference_from_logits(logits, targets, temperature, grad_logprob, grad_entropy)
     output_tol, grad_tol = TOLERANCE[dtype]
     assert logprob.dtype == torch.float32 and logprob.shape == lead_shape
-    assert relative_error(logprob, expected["logprob"]) <= output_tol
-    assert relative_error(entropy, expected["entropy"]) <= output_tol
+    assert relative_error(logprob, expected.logprob) <= output_tol
+    assert relative_error(entropy, expected.entropy) <= output_tol
     assert logits.grad.dtype == dtype
-    assert relative_error(logits.grad, expected["grad_logits"]) <= grad_tol
+    assert relative_error(logits.grad, expected.grad_logits) <= grad_tol
 
 
 def test_backward_when_another_function_saved_the_same_logits():
@@ -47,8 +49,8 @@ def test_backward_when_another_function_saved_the_same_logits():
     grad_logprob, grad_entropy = torch.randn(19), torch.randn(19)
     logprob, entropy = logits_logprob(shared, targets, return_entropy=True, chunk_size=4)
     ((logprob * grad_logprob).sum() + (entropy * grad_entropy).sum() + squares.sum()).backward()
-    expected = logits_reference(logits, targets, 1.0, grad_logprob, grad_entropy)
-    assert relative_error(logits.grad, expected["grad_logits"] + 2 * logits.detach().double()) <= 2e-5
+    expected = reference_from_logits(logits, targets, 1.0, grad_logprob, grad_entropy)
+    assert relative_error(logits.grad, expected.grad_logits + 2 * logits.detach().double()) <= 2e-5
 
 
 def test_input_logits_are_left_unchanged():
@@ -80,8 +82,8 @@ def test_entropy_without_grad():
     assert entropy.grad_fn is None and not entropy.requires_grad
     grad_logprob = torch.randn(13)
     (logprob * grad_logprob).sum().backward()
-    expected = logits_reference(logits, targets, 1.0, grad_logprob, torch.zeros(13))
-    assert relative_error(logits.grad, expected["grad_logits"]) <= 2e-5
+    expected = reference_from_logits(logits, targets, 1.0, grad_logprob, torch.zeros(13))
+    assert relative_error(logits.grad, expected.grad_logits) <= 2e-5
 
 
 def test_empty_input():

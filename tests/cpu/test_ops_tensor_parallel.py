@@ -6,9 +6,9 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from devkit.oracle import make_case, reference, reference_from_logits, relative_error
+from devkit.spawn import run_ranks
 from megatron_fused_lm import fused_linear_logprob, logits_logprob
-from oracle import fused_reference, logits_reference, make_case, relative_error
-from spawn import run_ranks
 
 H, V_LOCAL, TOKENS = 24, 53, 31
 ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
@@ -43,7 +43,7 @@ def check_fused(rank, group, dtype, chunk_size, targets_on_rank_1_only):
         targets = V_LOCAL + targets % V_LOCAL
     else:  # alternate rows' targets in alternate shards: each rank owns half of them
         targets = targets % V_LOCAL + V_LOCAL * (torch.arange(TOKENS) % world)
-    shard = weight[rank * V_LOCAL:(rank + 1) * V_LOCAL].clone().requires_grad_()
+    shard = weight[rank * V_LOCAL : (rank + 1) * V_LOCAL].clone().requires_grad_()
     hidden_leaf = hidden.clone().requires_grad_()
     grad_logprob, grad_entropy = torch.randn(TOKENS), torch.randn(TOKENS)
     with counted_collectives() as counts:
@@ -54,23 +54,23 @@ def check_fused(rank, group, dtype, chunk_size, targets_on_rank_1_only):
         ((logprob * grad_logprob).sum() + (entropy * grad_entropy).sum()).backward()
     assert forward_counts == {ALL_GATHER: 1, "all_reduce": 0}, forward_counts
     assert counts == {ALL_GATHER: 1, "all_reduce": 1}, counts
-    expected = fused_reference(hidden, weight, targets, 0.7, grad_logprob, grad_entropy)
+    expected = reference(hidden, weight, targets, 0.7, grad_logprob, grad_entropy)
     output_tol, grad_tol = (2e-5, 2e-5) if dtype == torch.float32 else (1e-4, 1e-2)
-    assert relative_error(logprob, expected["logprob"]) <= output_tol
-    assert relative_error(entropy, expected["entropy"]) <= output_tol
-    assert relative_error(hidden_leaf.grad, expected["grad_hidden"]) <= grad_tol
-    expected_shard_grad = expected["grad_weight"][rank * V_LOCAL:(rank + 1) * V_LOCAL]
+    assert relative_error(logprob, expected.logprob) <= output_tol
+    assert relative_error(entropy, expected.entropy) <= output_tol
+    assert relative_error(hidden_leaf.grad, expected.grad_hidden) <= grad_tol
+    expected_shard_grad = expected.grad_weight[rank * V_LOCAL : (rank + 1) * V_LOCAL]
     assert relative_error(shard.grad, expected_shard_grad) <= grad_tol
 
 
 def check_partial_hidden_grad(rank, group):
     hidden, weight, targets = make_case((TOKENS,), H, 2 * V_LOCAL, torch.float32, peaky=False, seed=3)
-    shard = weight[rank * V_LOCAL:(rank + 1) * V_LOCAL]
+    shard = weight[rank * V_LOCAL : (rank + 1) * V_LOCAL]
     hidden_leaf = hidden.clone().requires_grad_()
     with counted_collectives() as counts:
         fused_linear_logprob(hidden_leaf, shard, targets, tp_group=group, reduce_hidden_grad=False).sum().backward()
     assert counts["all_reduce"] == 0
-    full = fused_reference(hidden, weight, targets, 1.0, grad_logprob=torch.ones(TOKENS))["grad_hidden"]
+    full = reference(hidden, weight, targets, 1.0, grad_logprob=torch.ones(TOKENS)).grad_hidden
     partial = hidden_leaf.grad.clone()
     assert relative_error(partial, full) > 1e-2  # really only this rank's share
     dist.all_reduce(partial, group=group)
@@ -80,30 +80,32 @@ def check_partial_hidden_grad(rank, group):
 def check_logits(rank, group, chunk_size):
     hidden, weight, targets = make_case((TOKENS,), H, 2 * V_LOCAL, torch.float64, peaky=False, seed=5)
     logits = (hidden @ weight.t()).float()
-    shard = logits[:, rank * V_LOCAL:(rank + 1) * V_LOCAL].clone().requires_grad_()
+    shard = logits[:, rank * V_LOCAL : (rank + 1) * V_LOCAL].clone().requires_grad_()
     grad_logprob, grad_entropy = torch.randn(TOKENS), torch.randn(TOKENS)
     with counted_collectives() as counts:
-        logprob, entropy = logits_logprob(shard, targets, tp_group=group, temperature=1.3, return_entropy=True, chunk_size=chunk_size)
+        logprob, entropy = logits_logprob(
+            shard, targets, tp_group=group, temperature=1.3, return_entropy=True, chunk_size=chunk_size
+        )
         ((logprob * grad_logprob).sum() + (entropy * grad_entropy).sum()).backward()
     assert counts == {ALL_GATHER: 1, "all_reduce": 0}, counts
-    expected = logits_reference(logits, targets, 1.3, grad_logprob, grad_entropy)
-    assert relative_error(logprob, expected["logprob"]) <= 2e-5
-    assert relative_error(entropy, expected["entropy"]) <= 2e-5
-    assert relative_error(shard.grad, expected["grad_logits"][:, rank * V_LOCAL:(rank + 1) * V_LOCAL]) <= 2e-5
+    expected = reference_from_logits(logits, targets, 1.3, grad_logprob, grad_entropy)
+    assert relative_error(logprob, expected.logprob) <= 2e-5
+    assert relative_error(entropy, expected.entropy) <= 2e-5
+    assert relative_error(shard.grad, expected.grad_logits[:, rank * V_LOCAL : (rank + 1) * V_LOCAL]) <= 2e-5
 
 
 def check_masked(rank, group):
     hidden, weight, targets = make_case((TOKENS,), H, 2 * V_LOCAL, torch.float32, peaky=False, seed=9)
     mask = torch.arange(TOKENS) % 3 == 0
-    shard = weight[rank * V_LOCAL:(rank + 1) * V_LOCAL].clone().requires_grad_()
+    shard = weight[rank * V_LOCAL : (rank + 1) * V_LOCAL].clone().requires_grad_()
     hidden_leaf = hidden.clone().requires_grad_()
     logprob = fused_linear_logprob(hidden_leaf, shard, targets, tp_group=group, mask=mask)
     logprob.sum().backward()
-    expected = fused_reference(hidden, weight, targets, 1.0, grad_logprob=mask.double())
-    assert relative_error(logprob[mask], expected["logprob"][mask]) <= 2e-5
+    expected = reference(hidden, weight, targets, 1.0, grad_logprob=mask.double())
+    assert relative_error(logprob[mask], expected.logprob[mask]) <= 2e-5
     assert torch.count_nonzero(logprob[~mask]) == 0
-    assert relative_error(hidden_leaf.grad, expected["grad_hidden"]) <= 2e-5
-    assert relative_error(shard.grad, expected["grad_weight"][rank * V_LOCAL:(rank + 1) * V_LOCAL]) <= 2e-5
+    assert relative_error(hidden_leaf.grad, expected.grad_hidden) <= 2e-5
+    assert relative_error(shard.grad, expected.grad_weight[rank * V_LOCAL : (rank + 1) * V_LOCAL]) <= 2e-5
 
 
 def tensor_parallel_cases(rank, world_size):

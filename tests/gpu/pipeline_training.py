@@ -40,9 +40,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import statistics
-import sys
 import time
 import zlib
 from typing import Dict, List
@@ -50,15 +48,14 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import distributed_gpt as dgpt  # noqa: E402
-from harness import release_memory  # noqa: E402  (benchmarks/, on the path since distributed_gpt)
-
-from megatron_fused_lm.integration import FusedLMConfig, wrap_model  # noqa: E402
+from devkit import distributed
+from devkit.measure import release_memory
+from devkit.megatron_gpt import GPTShape
+from megatron_fused_lm.integration import FusedLMConfig, wrap_model
 
 TENSOR_PARALLEL, PIPELINE_PARALLEL = 2, 2
-GPU_SHAPE = dgpt.GPTShape(hidden=1024, heads=16, layers=4, vocab=151936, seq=2048, micro_batch=2)
-CPU_SHAPE = dgpt.GPTShape(hidden=64, heads=4, layers=2, vocab=1000, seq=16, micro_batch=2)
+GPU_SHAPE = GPTShape(hidden=1024, heads=16, layers=4, vocab=151936, seq=2048, micro_batch=2)
+CPU_SHAPE = GPTShape(hidden=64, heads=4, layers=2, vocab=1000, seq=16, micro_batch=2)
 MICRO_BATCHES = 4
 SFT_STEPS, RL_STEPS, UPDATES_PER_ROLLOUT = 30, 30, 3
 WARMUP_STEPS = 3
@@ -76,7 +73,7 @@ NOISE_FACTOR, NOISE_FLOOR = 3.0, 0.01
 RUNS = (("stock", False, False), ("fused", True, False), ("reference", False, True))
 
 
-def make_dataset(shape: dgpt.GPTShape, steps: int, seed: int) -> torch.Tensor:
+def make_dataset(shape: GPTShape, steps: int, seed: int) -> torch.Tensor:
     """Token walks ``[steps, MICRO_BATCHES, micro_batch, seq + 1]`` of a fixed random bigram map
     over DATA_VOCAB tokens (each from a random start), the same on every rank."""
     vocab = min(DATA_VOCAB, shape.vocab)
@@ -89,7 +86,7 @@ def make_dataset(shape: dgpt.GPTShape, steps: int, seed: int) -> torch.Tensor:
     return torch.stack(walks, dim=-1)
 
 
-def step_microbatches(shape: dgpt.GPTShape, tokens: torch.Tensor, device: torch.device) -> List[Dict]:
+def step_microbatches(shape: GPTShape, tokens: torch.Tensor, device: torch.device) -> List[Dict]:
     """One step's micro-batches from its ``tokens [MICRO_BATCHES, micro_batch, seq + 1]``: the
     inputs, the next-token labels, positions, the causal mask, the response mask (second half of
     each sequence, for RL) and the micro-batch's index."""
@@ -98,8 +95,13 @@ def step_microbatches(shape: dgpt.GPTShape, tokens: torch.Tensor, device: torch.
     response = (torch.arange(shape.seq) >= shape.seq // 2).expand(shape.micro_batch, shape.seq).contiguous()
     batches = []
     for index, walk in enumerate(tokens):
-        batch = dict(input_ids=walk[:, :-1], labels=walk[:, 1:], position_ids=position_ids, attention_mask=mask,
-                     response=response)
+        batch = dict(
+            input_ids=walk[:, :-1],
+            labels=walk[:, 1:],
+            position_ids=position_ids,
+            attention_mask=mask,
+            response=response,
+        )
         batch = {key: value.to(device) for key, value in batch.items()}
         batch["index"] = index
         batches.append(batch)
@@ -121,10 +123,12 @@ class Run:
     """One training run (fused head on or off; for the noise reference, initial weights moved by a
     rounding): the model, its DDP and optimizer, the schedule."""
 
-    def __init__(self, shape: dgpt.GPTShape, device: torch.device, name: str, fused: bool, perturbed: bool):
+    def __init__(self, shape: GPTShape, device: torch.device, name: str, fused: bool, perturbed: bool):
         from megatron.core import parallel_state
         from megatron.core.distributed import (
-            DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads,
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -133,8 +137,15 @@ class Run:
         self.shape, self.device, self.name, self.fused = shape, device, name, fused
         self.first_stage = parallel_state.is_pipeline_first_stage()
         self.last_stage = parallel_state.is_pipeline_last_stage()
-        gpt = dgpt.build_gpt(shape, device, tied=True, sequence_parallel=True, seed=1234,
-                             pre_process=self.first_stage, post_process=self.last_stage)
+        gpt = distributed.build_bf16_gpt(
+            shape,
+            device,
+            tied=True,
+            sequence_parallel=True,
+            seed=1234,
+            pre_process=self.first_stage,
+            post_process=self.last_stage,
+        )
         if perturbed:
             move_by_one_rounding(gpt)
         self.gpt = gpt
@@ -146,8 +157,15 @@ class Run:
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=on_gpu, use_distributed_optimizer=on_gpu)
         self.model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=Float16Module(config, gpt))
         self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=SFT_LEARNING_RATE, weight_decay=0.0, adam_beta2=0.95,
-                            clip_grad=1.0 if on_gpu else 0.0, bf16=on_gpu, use_distributed_optimizer=on_gpu),
+            OptimizerConfig(
+                optimizer="adam",
+                lr=SFT_LEARNING_RATE,
+                weight_decay=0.0,
+                adam_beta2=0.95,
+                clip_grad=1.0 if on_gpu else 0.0,
+                bf16=on_gpu,
+                use_distributed_optimizer=on_gpu,
+            ),
             [self.model],
         )
         config.finalize_model_grads_func = finalize_model_grads
@@ -165,9 +183,14 @@ class Run:
 
     def schedule(self, forward_step, batches, forward_only=False, collect_non_loss_data=False):
         return self.forward_backward(
-            forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
-            num_microbatches=len(batches), seq_length=self.shape.seq, micro_batch_size=self.shape.micro_batch,
-            forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+            forward_step_func=forward_step,
+            data_iterator=iter(batches),
+            model=[self.model],
+            num_microbatches=len(batches),
+            seq_length=self.shape.seq,
+            micro_batch_size=self.shape.micro_batch,
+            forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data,
         )
 
     def train_step(self, forward_step, batches) -> Dict[str, float]:
@@ -206,16 +229,20 @@ class Run:
     def policy_loss(self, batch, output):
         """PPO-style clipped policy loss on the response tokens minus an entropy bonus."""
         response = batch["response"]
-        logprob, entropy = self.head.logprobs(output, batch["labels"], temperature=TEMPERATURE, return_entropy=True,
-                                              mask=response)
+        logprob, entropy = self.head.logprobs(
+            output, batch["labels"], temperature=TEMPERATURE, return_entropy=True, mask=response
+        )
         ratio = torch.exp(logprob - self.old_logprobs[batch["index"]])
         advantage = self.advantages[batch["index"]].unsqueeze(-1)
         surrogate = torch.minimum(ratio * advantage, ratio.clamp(1 - CLIP_EPSILON, 1 + CLIP_EPSILON) * advantage)
         per_token = -surrogate - ENTROPY_COEFFICIENT * entropy
         loss = per_token[response].mean()
         clipped = (ratio - 1).abs() > CLIP_EPSILON
-        return loss, {"loss": loss.detach().clone(), "entropy": entropy.detach()[response].mean(),
-                      "clipped_fraction": clipped[response].float().mean()}
+        return loss, {
+            "loss": loss.detach().clone(),
+            "entropy": entropy.detach()[response].mean(),
+            "clipped_fraction": clipped[response].float().mean(),
+        }
 
     def rollout(self, batches, iteration: int) -> None:
         """Old log-probs of the response tokens (a forward-only schedule) and advantages (+-1 per
@@ -243,16 +270,22 @@ class Run:
         return bool(equal.item())
 
     def train(self) -> dict:
-        record = {"name": self.name, "fused": self.fused, "head_fused": self.head.fused,
-                  "tied_equal": {"start": self.tied_copies_equal()}}
-        phases = (("sft", SFT_STEPS, self.sft_step, 0, SFT_LEARNING_RATE),
-                  ("rl", RL_STEPS, self.rl_step, 1, RL_LEARNING_RATE))
+        record = {
+            "name": self.name,
+            "fused": self.fused,
+            "head_fused": self.head.fused,
+            "tied_equal": {"start": self.tied_copies_equal()},
+        }
+        phases = (
+            ("sft", SFT_STEPS, self.sft_step, 0, SFT_LEARNING_RATE),
+            ("rl", RL_STEPS, self.rl_step, 1, RL_LEARNING_RATE),
+        )
         for phase, steps, step_function, data_seed, learning_rate in phases:
             for group in self.optimizer.param_groups:  # as Megatron's learning-rate scheduler sets it
                 group["lr"] = learning_rate
             dataset = make_dataset(self.shape, steps, data_seed)
             reported, times = [], []
-            dgpt.reset_peak_memory(self.device)
+            distributed.reset_peak_memory(self.device)
             allocated_before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
             for step in range(steps):
                 batches = step_microbatches(self.shape, dataset[step], self.device)
@@ -261,7 +294,7 @@ class Run:
                 reported.append(step_function(step, batches))
                 synchronize(self.device)
                 times.append((time.perf_counter() - start) * 1e3)
-            peak = dgpt.peak_memory_bytes(self.device)
+            peak = distributed.peak_memory_bytes(self.device)
             record[phase] = {
                 "curves": {name: [values[name] for values in reported] for name in reported[0]},
                 "median_step_ms": statistics.median(times[WARMUP_STEPS:]),
@@ -300,7 +333,10 @@ def compare_runs(ranks: List[dict]) -> tuple:
     curves and their differences, and a sentence for each check that failed."""
     failures = [
         f"rank {record['rank']} run {run['name']}: tied copies differ at {moment}"
-        for record in ranks for run in record["runs"] for moment, equal in run["tied_equal"].items() if not equal
+        for record in ranks
+        for run in record["runs"]
+        for moment, equal in run["tied_equal"].items()
+        if not equal
     ]
     last_stage = [record for record in ranks if record["last_stage"]]
     curves = {run["name"]: {phase: run[phase]["curves"] for phase in ("sft", "rl")} for run in last_stage[0]["runs"]}
@@ -317,7 +353,8 @@ def compare_runs(ranks: List[dict]) -> tuple:
             {run: value.tolist() for run, value in values.items()},
             fused_max_difference=fused_difference.max().item(),
             reference_max_difference=reference_difference.max().item(),
-            step0_difference=fused_difference[0].item(), tolerance=tolerance,
+            step0_difference=fused_difference[0].item(),
+            tolerance=tolerance,
         )
         if name == "clipped_fraction":  # reported, not checked: a count of tokens past the clip
             continue
@@ -337,7 +374,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="where rank 0 writes curves, times and memory")
     args = parser.parse_args()
-    device = dgpt.init_distributed(TENSOR_PARALLEL, PIPELINE_PARALLEL)
+    device = distributed.init_distributed(TENSOR_PARALLEL, PIPELINE_PARALLEL)
     shape = GPU_SHAPE if device.type == "cuda" else CPU_SHAPE
     from megatron.core import parallel_state
 
@@ -346,32 +383,54 @@ def main() -> None:
         for name, fused, perturbed in RUNS:
             run = Run(shape, device, name, fused, perturbed)
             runs.append(run.train())
-            dgpt.log(f"{name}: " + ", ".join(
-                f"{phase} {runs[-1][phase]['median_step_ms']:.1f} ms/step, peak {runs[-1][phase]['peak_bytes']} B"
-                + (f", loss {runs[-1][phase]['curves']['loss'][0]:.4f} -> {runs[-1][phase]['curves']['loss'][-1]:.4f}"
-                   if runs[-1][phase]["curves"] else "")
-                for phase in ("sft", "rl")))
+            distributed.log(
+                f"{name}: "
+                + ", ".join(
+                    f"{phase} {runs[-1][phase]['median_step_ms']:.1f} ms/step, peak {runs[-1][phase]['peak_bytes']} B"
+                    + (
+                        f", loss {runs[-1][phase]['curves']['loss'][0]:.4f} -> {runs[-1][phase]['curves']['loss'][-1]:.4f}"
+                        if runs[-1][phase]["curves"]
+                        else ""
+                    )
+                    for phase in ("sft", "rl")
+                )
+            )
             del run
             release_memory()
-        record = {"rank": dist.get_rank(), "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
-                  "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
-                  "last_stage": parallel_state.is_pipeline_last_stage(), "runs": runs}
-        ranks = dgpt.gather_to_rank0(record)
+        record = {
+            "rank": dist.get_rank(),
+            "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+            "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+            "last_stage": parallel_state.is_pipeline_last_stage(),
+            "runs": runs,
+        }
+        ranks = distributed.gather_to_rank0(record)
         failures = []
         if dist.get_rank() == 0:
             summary, failures = compare_runs(ranks)
-            dgpt.write_json(args.json, {"shape": dgpt.shape_record(shape), "tensor_parallel": TENSOR_PARALLEL,
-                                        "pipeline_parallel": PIPELINE_PARALLEL, "micro_batches": MICRO_BATCHES,
-                                        "summary": summary, "ranks": ranks, "environment": dgpt.environment(device)})
+            distributed.write_json(
+                args.json,
+                {
+                    "shape": distributed.shape_record(shape),
+                    "tensor_parallel": TENSOR_PARALLEL,
+                    "pipeline_parallel": PIPELINE_PARALLEL,
+                    "micro_batches": MICRO_BATCHES,
+                    "summary": summary,
+                    "ranks": ranks,
+                    "environment": distributed.environment(device),
+                },
+            )
             for key, value in summary.items():
                 if isinstance(value, dict):
-                    dgpt.log(f"{key}: fused-stock max {value['fused_max_difference']:.3g}, reference-stock max "
-                             f"{value['reference_max_difference']:.3g}, tolerance {value['tolerance']:.3g}, "
-                             f"step 0 {value['step0_difference']:.3g}")
+                    distributed.log(
+                        f"{key}: fused-stock max {value['fused_max_difference']:.3g}, reference-stock max "
+                        f"{value['reference_max_difference']:.3g}, tolerance {value['tolerance']:.3g}, "
+                        f"step 0 {value['step0_difference']:.3g}"
+                    )
             assert not failures, "pipeline_training: FAIL: " + "; ".join(failures)
-            dgpt.log("pipeline_training: PASS")
+            distributed.log("pipeline_training: PASS")
     finally:
-        dgpt.shutdown()
+        distributed.shutdown()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ import sys
 
 import pytest
 import torch
-from distributed_gpt import MULTICAST_OFF  # this folder's process setup
+
+from devkit.distributed import MULTICAST_OFF
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -32,10 +33,22 @@ def run_torchrun(script: str, processes: int, json_path) -> dict:
     """Run ``script`` under torchrun on the first ``processes`` GPUs; fail with its output's tail
     if any rank fails; return the JSON it wrote."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
-    env = dict(os.environ, **MULTICAST_OFF, CUDA_VISIBLE_DEVICES=",".join(visible.split(",")[:processes]),
-               PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-               os.path.join(HERE, script), "--json", str(json_path)]
+    env = dict(
+        os.environ,
+        **MULTICAST_OFF,
+        CUDA_VISIBLE_DEVICES=",".join(visible.split(",")[:processes]),
+        PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={processes}",
+        os.path.join(HERE, script),
+        "--json",
+        str(json_path),
+    ]
     result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, f"{script} failed:\n{(result.stdout + result.stderr)[-6000:]}"
     with open(json_path) as handle:

@@ -33,21 +33,17 @@ Without CUDA it runs on two gloo CPU ranks at a tiny size (a dry run of the logi
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import distributed_gpt as dgpt  # noqa: E402
-import megatron_harness  # noqa: E402  (tests/cpu, on the path since distributed_gpt)
-import oracle  # noqa: E402
-
-from megatron_fused_lm.integration import FusedLMConfig, unwrap_model, wrap_model  # noqa: E402
+from devkit import distributed, megatron_gpt
+from devkit.megatron_gpt import GPTShape
+from devkit.oracle import logprob_entropy, max_abs_error
+from megatron_fused_lm.integration import FusedLMConfig, unwrap_model, wrap_model
 
 TENSOR_PARALLEL = 2
-GPU_SHAPE = dgpt.GPTShape(hidden=1024, heads=16, layers=4, vocab=151936, seq=512, micro_batch=2)
-CPU_SHAPE = dgpt.GPTShape(hidden=64, heads=4, layers=2, vocab=1000, seq=16, micro_batch=2)
+GPU_SHAPE = GPTShape(hidden=1024, heads=16, layers=4, vocab=151936, seq=512, micro_batch=2)
+CPU_SHAPE = GPTShape(hidden=64, heads=4, layers=2, vocab=1000, seq=16, micro_batch=2)
 TEMPERATURE = 0.7
 EXACT_ATOL = 2e-3
 GRAD_RELATIVE_L2 = 0.15
@@ -58,7 +54,7 @@ def exact_oracle(hidden: torch.Tensor, weight_shard: torch.Tensor, targets: torc
     """Float64 log-probs and entropy from the pre-projection ``hidden [b, s, h]`` (the same on
     every rank) and the whole weight, gathered from the ranks' shards."""
     weight_t = gather_vocabulary(weight_shard.detach().t())
-    return oracle.logprob_entropy_from_logits(hidden.detach().double() @ weight_t.double(), targets, TEMPERATURE)
+    return logprob_entropy(hidden.detach().double() @ weight_t.double(), targets, TEMPERATURE)
 
 
 def gather_vocabulary(shard: torch.Tensor) -> torch.Tensor:
@@ -81,10 +77,6 @@ def stock_rounding_tolerances(stock_logits: torch.Tensor, temperature: float):
     return 2 * (2 * half_spacing) + EXACT_ATOL, 2 * half_spacing * spread + EXACT_ATOL
 
 
-def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return (actual.double() - expected.double()).abs().max().item()
-
-
 def relative_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
     expected = expected.double()
     return ((actual.double() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
@@ -103,24 +95,24 @@ def worst_excess(errors: torch.Tensor, tolerances: torch.Tensor) -> float:
     return (errors / tolerances).max().item()
 
 
-def check_embedding_mode(shape: dgpt.GPTShape, device: torch.device, tied: bool) -> dict:
+def check_embedding_mode(shape: GPTShape, device: torch.device, tied: bool) -> dict:
     """Stock, then each backend fused, on one model; returns the measured errors (asserted here)."""
     label = f"tied={tied}"
-    model = dgpt.build_gpt(shape, device, tied=tied, sequence_parallel=True, seed=1234, peaky=True)
+    model = distributed.build_bf16_gpt(shape, device, tied=tied, sequence_parallel=True, seed=1234, peaky=True)
     vocab = model.vocab_size
-    batch = dgpt.causal_batch(shape, vocab, seed=7, device=device)
+    batch = distributed.causal_batch(shape, vocab, seed=7, device=device)
     targets = batch[3]
     # shared_embedding_or_output_weight() is the embedding on a first stage, tied or not.
     weight_shard = model.shared_embedding_or_output_weight() if tied else model.output_layer.weight
 
-    stock_logits = megatron_harness.forward(model, batch)
+    stock_logits = megatron_gpt.forward(model, batch)
     assert stock_logits.dtype == torch.bfloat16 and stock_logits.shape[-1] == weight_shard.shape[0], label
-    oracle_logprob, oracle_entropy = megatron_harness.oracle_logprob_entropy(stock_logits, targets, TEMPERATURE)
-    megatron_harness.head_loss(oracle_logprob, oracle_entropy).backward()
-    stock_grads = megatron_harness.parameter_grads(model)
-    stock_loss = megatron_harness.forward(model, batch, labels=targets)
-    megatron_harness.labels_loss(stock_loss).backward()
-    stock_loss_grads = megatron_harness.parameter_grads(model)
+    oracle_logprob, oracle_entropy = megatron_gpt.oracle_logprob_entropy(stock_logits, targets, TEMPERATURE)
+    megatron_gpt.head_loss(oracle_logprob, oracle_entropy).backward()
+    stock_grads = megatron_gpt.parameter_grads(model)
+    stock_loss = megatron_gpt.forward(model, batch, labels=targets)
+    megatron_gpt.labels_loss(stock_loss).backward()
+    stock_loss_grads = megatron_gpt.parameter_grads(model)
     stock_logits = stock_logits.detach()
     oracle_logprob, oracle_entropy = oracle_logprob.detach(), oracle_entropy.detach()
     logprob_tolerance, entropy_tolerance = stock_rounding_tolerances(stock_logits, TEMPERATURE)
@@ -143,36 +135,38 @@ def check_embedding_mode(shape: dgpt.GPTShape, device: torch.device, tied: bool)
         where = f"{label} backend={backend}"
         head = wrap_model(model, FusedLMConfig(enabled=True, backend=backend))
         assert head.fused and head.fallback_reason is None, where
-        hidden = megatron_harness.forward(model, batch)
+        hidden = megatron_gpt.forward(model, batch)
         assert hidden.shape == (shape.micro_batch, shape.seq, shape.hidden), f"{where}: {tuple(hidden.shape)}"
         if "stock_vs_exact" not in record:
             exact_logprob, exact_entropy = exact_oracle(hidden, weight_shard, targets)
-            record["stock_vs_exact"] = {"logprob": max_error(stock_logprob, exact_logprob),
-                                        "entropy": max_error(stock_entropy, exact_entropy)}
+            record["stock_vs_exact"] = {
+                "logprob": max_abs_error(stock_logprob, exact_logprob),
+                "entropy": max_abs_error(stock_entropy, exact_entropy),
+            }
         logprob, entropy = head.logprobs(hidden, targets, temperature=TEMPERATURE, return_entropy=True)
-        megatron_harness.head_loss(logprob, entropy).backward()
-        head_grads = grad_errors(megatron_harness.parameter_grads(model), stock_grads)
-        loss = megatron_harness.forward(model, batch, labels=targets)
-        megatron_harness.labels_loss(loss).backward()
-        loss_grads = grad_errors(megatron_harness.parameter_grads(model), stock_loss_grads)
+        megatron_gpt.head_loss(logprob, entropy).backward()
+        head_grads = grad_errors(megatron_gpt.parameter_grads(model), stock_grads)
+        loss = megatron_gpt.forward(model, batch, labels=targets)
+        megatron_gpt.labels_loss(loss).backward()
+        loss_grads = grad_errors(megatron_gpt.parameter_grads(model), stock_loss_grads)
         assert logprob.dtype == entropy.dtype == loss.dtype == torch.float32, where
         logprob, entropy, loss = logprob.detach(), entropy.detach(), loss.detach()
         result = {
-            "logprob_vs_stock_oracle": max_error(logprob, oracle_logprob),
-            "entropy_vs_stock_oracle": max_error(entropy, oracle_entropy),
-            "labels_loss_vs_stock": max_error(loss, stock_loss),
+            "logprob_vs_stock_oracle": max_abs_error(logprob, oracle_logprob),
+            "entropy_vs_stock_oracle": max_abs_error(entropy, oracle_entropy),
+            "labels_loss_vs_stock": max_abs_error(loss, stock_loss),
             "logprob_vs_stock_oracle_per_tolerance": worst_excess((logprob - oracle_logprob).abs(), logprob_tolerance),
             "entropy_vs_stock_oracle_per_tolerance": worst_excess((entropy - oracle_entropy).abs(), entropy_tolerance),
             "labels_loss_vs_stock_per_tolerance": worst_excess((loss - stock_loss).abs(), loss_tolerance),
-            "logprob_vs_exact": max_error(logprob, exact_logprob),
-            "entropy_vs_exact": max_error(entropy, exact_entropy),
+            "logprob_vs_exact": max_abs_error(logprob, exact_logprob),
+            "entropy_vs_exact": max_abs_error(entropy, exact_entropy),
             "head_grad_relative_l2_max": max(head_grads.values()),
             "worst_head_grad": max(head_grads, key=head_grads.get),
             "labels_grad_relative_l2_max": max(loss_grads.values()),
             "worst_labels_grad": max(loss_grads, key=loss_grads.get),
         }
         record["backends"][backend] = result
-        dgpt.log(f"{where}: {result}")
+        distributed.log(f"{where}: {result}")
         for key in ("logprob_vs_stock_oracle", "entropy_vs_stock_oracle", "labels_loss_vs_stock"):
             excess = result[f"{key}_per_tolerance"]
             assert excess <= 1, f"{where}: {key} {result[key]:.3g} exceeds its rounding tolerance ({excess:.3g}x)"
@@ -190,16 +184,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="where rank 0 writes the measured errors")
     args = parser.parse_args()
-    device = dgpt.init_distributed(TENSOR_PARALLEL)
+    device = distributed.init_distributed(TENSOR_PARALLEL)
     shape = GPU_SHAPE if device.type == "cuda" else CPU_SHAPE
     try:
         records = [check_embedding_mode(shape, device, tied) for tied in (False, True)]
-        ranks = dgpt.gather_to_rank0({"rank": torch.distributed.get_rank(), "modes": records})
-        dgpt.write_json(args.json, {"shape": dgpt.shape_record(shape), "tensor_parallel": TENSOR_PARALLEL,
-                                    "sequence_parallel": True, "temperature": TEMPERATURE, "ranks": ranks})
-        dgpt.log("tp_parity: PASS")
+        ranks = distributed.gather_to_rank0({"rank": torch.distributed.get_rank(), "modes": records})
+        distributed.write_json(
+            args.json,
+            {
+                "shape": distributed.shape_record(shape),
+                "tensor_parallel": TENSOR_PARALLEL,
+                "sequence_parallel": True,
+                "temperature": TEMPERATURE,
+                "ranks": ranks,
+            },
+        )
+        distributed.log("tp_parity: PASS")
     finally:
-        dgpt.shutdown()
+        distributed.shutdown()
 
 
 if __name__ == "__main__":

@@ -1,23 +1,44 @@
-"""Test helpers: real Megatron-Core GPTModels on CPU, run on gloo ranks.
+"""Real Megatron-Core GPTModels for the tests and the multi-GPU scripts: one builder, the CPU
+patches that let a GPTModel run on gloo ranks, batches, losses and gradient comparisons.
 
-One spawned process costs seconds (torch + megatron imports), so a test spawns its ranks once with
-``spawn`` and runs many cases inside; ``tensor_parallel(size)`` re-initializes Megatron's groups
-between cases (TP=1 cases run on every rank of a two-rank world, each rank on its own).
+One spawned process costs seconds (torch + megatron imports), so a CPU test spawns its ranks once
+with ``spawn`` and runs many cases inside; ``tensor_parallel(size)`` re-initializes Megatron's
+groups between cases (TP=1 cases run on every rank of a two-rank world, each rank on its own).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
 import torch
 
-from spawn import run_ranks
+from devkit.oracle import logprob_entropy
+from devkit.spawn import run_ranks
 
 VOCAB_SHARD = 53  # a prime, so shards are not tile multiples
 SEQ, BATCH = 12, 2  # SEQ divisible by 2 for sequence parallelism
 HIDDEN, HEADS, LAYERS = 32, 4, 2
+# Megatron-LM pads the vocabulary to a multiple of this times the tensor-parallel size.
+MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """Sizes of a test GPTModel and of its micro-batches."""
+
+    hidden: int
+    heads: int
+    layers: int
+    vocab: int  # before any padding
+    seq: int
+    micro_batch: int
+
+
+# The CPU tests' model: tiny, float32, a prime vocabulary shard per rank.
+CPU_TEST_SHAPE = GPTShape(hidden=HIDDEN, heads=HEADS, layers=LAYERS, vocab=VOCAB_SHARD, seq=SEQ, micro_batch=BATCH)
 
 
 def spawn(worker: Callable, world_size: int, *args) -> None:
@@ -81,52 +102,99 @@ def tp_size() -> int:
     return parallel_state.get_tensor_model_parallel_world_size()
 
 
+def padded_vocab_size(vocab: int, tensor_parallel: int) -> int:
+    """The vocabulary size Megatron-LM trains with (``_vocab_size_with_padding``)."""
+    multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tensor_parallel
+    return -(-vocab // multiple) * multiple
+
+
+def seed_all(seed: int) -> None:
+    """Seed torch and, on CUDA, Megatron's model-parallel RNG tracker (weight init on the GPU)."""
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+
+
 def build_gpt(
+    shape: GPTShape = CPU_TEST_SHAPE,
     *,
+    vocab_size: Optional[int] = None,
+    dtype: torch.dtype = torch.float32,
+    device: Optional[torch.device] = None,
     sequence_parallel: bool = False,
     tied: bool = False,
     seed: int = 1234,
+    init_method_std: float = 0.7,
+    logit_std: Optional[float] = None,
     config_overrides: Optional[Dict] = None,
     mtp_num_layers: Optional[int] = None,
     model_class: Optional[type] = None,
+    pre_process: bool = True,
     post_process: bool = True,
 ):
-    """A small float32 GPTModel (local spec, rotary positions, no dropout), identical on every rank
-    for the same ``seed``. Weights are large enough (std 0.7) that the next-token distributions are
-    peaky, where log-prob and entropy errors show."""
+    """A GPTModel of the local spec (no TransformerEngine) in ``dtype`` on ``device``: rotary
+    positions, no dropout, Megatron's groups as initialized. The same ``seed`` gives the same
+    weights on every rank.
+
+    ``vocab_size`` defaults to ``shape.vocab`` rows per tensor-parallel rank (the CPU tests' prime
+    shards). The CPU tests' default ``init_method_std=0.7`` makes the next-token distributions
+    peaky, where log-prob and entropy errors show; ``logit_std`` instead scales the embedding and
+    output weights so that the logits' standard deviation is about that (the multi-GPU scripts).
+    ``device`` defaults to the CPU.
+    """
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    device = device or torch.device("cpu")
     size = tp_size()
     config = TransformerConfig(
-        num_layers=LAYERS,
-        hidden_size=HIDDEN,
-        num_attention_heads=HEADS,
+        num_layers=shape.layers,
+        hidden_size=shape.hidden,
+        num_attention_heads=shape.heads,
         tensor_model_parallel_size=size,
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         sequence_parallel=sequence_parallel and size > 1,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
+        use_cpu_initialization=device.type == "cpu",
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
         attention_dropout=0.0,
         hidden_dropout=0.0,
-        init_method_std=0.7,
+        init_method_std=init_method_std,
         mtp_num_layers=mtp_num_layers,
+        # gloo has no batched point-to-point sends (the CPU dry run of the pipeline schedule).
+        batch_p2p_comm=device.type == "cuda",
         **(config_overrides or {}),
     )
     layer_spec = get_gpt_layer_local_spec()
     mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False) if mtp_num_layers else None
-    torch.manual_seed(seed)
-    return (model_class or GPTModel)(
+    seed_all(seed)
+    model = (model_class or GPTModel)(
         config=config,
         transformer_layer_spec=layer_spec,
-        vocab_size=VOCAB_SHARD * size,
-        max_sequence_length=SEQ,
+        vocab_size=vocab_size or shape.vocab * size,
+        max_sequence_length=shape.seq,
         share_embeddings_and_output_weights=tied,
         position_embedding_type="rope",
         mtp_block_spec=mtp_spec,
+        pre_process=pre_process,
         post_process=post_process,
     )
+    # One dtype throughout, as Float16Module makes it (the local spec's torch norms start in float32).
+    model = model.to(device=device, dtype=dtype)
+    if logit_std is not None:
+        head_weight_scale = logit_std / (init_method_std * shape.hidden**0.5)  # the final norm has unit scale
+        with torch.no_grad():
+            # Every copy of a tied weight is scaled alike, so the copies stay identical.
+            if pre_process:
+                model.embedding.word_embeddings.weight.mul_(head_weight_scale)
+            if post_process and model.output_layer.weight is not None:
+                model.output_layer.weight.mul_(head_weight_scale)
+    return model
 
 
 def make_batch(seed: int = 7):
@@ -173,11 +241,10 @@ def oracle_logprob_entropy(logits_shard: torch.Tensor, targets: torch.Tensor, te
 
     full = logits_shard
     if tp_size() > 1:
-        full = gather_from_tensor_model_parallel_region(logits_shard, group=parallel_state.get_tensor_model_parallel_group())
-    log_probs = torch.log_softmax(full.double() / temperature, dim=-1)
-    logprob = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return logprob, entropy
+        full = gather_from_tensor_model_parallel_region(
+            logits_shard, group=parallel_state.get_tensor_model_parallel_group()
+        )
+    return logprob_entropy(full, targets, temperature)
 
 
 def parameter_grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
@@ -190,7 +257,9 @@ def parameter_grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return grads
 
 
-def assert_grads_close(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], rtol: float, label: str) -> None:
+def assert_grads_close(
+    actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], rtol: float, label: str
+) -> None:
     """Each gradient within ``rtol`` of the largest entry of the stock one (elementwise relative
     tolerances are meaningless for entries near zero)."""
     assert actual.keys() == expected.keys(), label

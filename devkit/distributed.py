@@ -1,18 +1,16 @@
 """Shared setup of the multi-GPU tests and benchmarks, which torchrun starts with one process per GPU.
 
-On CUDA: NCCL, one GPU per process, NVLink multicast off in NCCL, PyTorch and NVSHMEM (the lent
-hosts' GPUs are shared and multicast can take them out of service). Without CUDA the same scripts
-run on gloo CPU ranks at tiny sizes: a dry run of their logic, with the CPU patches of
-``tests/cpu/megatron_harness.py``.
+On CUDA: NCCL, one GPU per process, NVLink multicast off in NCCL, PyTorch and NVSHMEM (on shared
+hosts multicast can take the GPUs out of service). Without CUDA the same scripts run on gloo CPU
+ranks at tiny sizes: a dry run of their logic, with ``megatron_gpt``'s CPU patches.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Optional
 
 # Megatron warns about every missing GPU extension (Apex, TransformerEngine); they are absent on purpose.
@@ -21,15 +19,11 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 import torch
 import torch.distributed as dist
 
-_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The CPU tests' helpers (megatron_harness, oracle) and the benchmarks' (harness) are reused.
-sys.path[:0] = [os.path.join(_TESTS, "cpu"), os.path.join(os.path.dirname(_TESTS), "benchmarks")]
-import megatron_harness  # noqa: E402
-from harness import environment as benchmark_environment  # noqa: E402
+from devkit import megatron_gpt
+from devkit.measure import environment as measurement_environment
+from devkit.megatron_gpt import GPTShape, padded_vocab_size
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-# Megatron-LM pads the vocabulary to a multiple of this times the tensor-parallel size.
-MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 # Initial weights of a ``peaky`` model: the embedding / output weights are scaled so that the
 # logits' standard deviation is about LOGIT_STD (the final norm's output has unit scale), giving
 # peaky next-token distributions, where log-prob and entropy errors show; the layers' weights have
@@ -37,18 +31,6 @@ MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 # dominate the residual stream (else a tied model predicts its input token with certainty).
 LOGIT_STD = 6.0
 PEAKY_INIT_STD = 0.2
-
-
-@dataclass(frozen=True)
-class GPTShape:
-    """Sizes of a test GPTModel and of its micro-batches."""
-
-    hidden: int
-    heads: int
-    layers: int
-    vocab: int  # before Megatron's padding
-    seq: int
-    micro_batch: int
 
 
 def init_distributed(tensor_parallel: int, pipeline_parallel: int = 1) -> torch.device:
@@ -59,11 +41,11 @@ def init_distributed(tensor_parallel: int, pipeline_parallel: int = 1) -> torch.
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
-        megatron_harness.allow_torch_norm_under_sequence_parallel()
+        megatron_gpt.allow_torch_norm_under_sequence_parallel()
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)
-        megatron_harness.patch_megatron_for_cpu()
+        megatron_gpt.patch_megatron_for_cpu()
         run_cuda_placements_on_cpu()
         dist.init_process_group("gloo")
     from megatron.core import parallel_state
@@ -105,22 +87,7 @@ def shutdown() -> None:
     dist.destroy_process_group()
 
 
-def seed_all(seed: int) -> None:
-    """Seed torch and, on CUDA, Megatron's model-parallel RNG tracker (weight init on the GPU)."""
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(seed)
-
-
-def padded_vocab_size(vocab: int, tensor_parallel: int) -> int:
-    """The vocabulary size Megatron-LM trains with (``_vocab_size_with_padding``)."""
-    multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tensor_parallel
-    return -(-vocab // multiple) * multiple
-
-
-def build_gpt(
+def build_bf16_gpt(
     shape: GPTShape,
     device: torch.device,
     *,
@@ -131,57 +98,24 @@ def build_gpt(
     pre_process: bool = True,
     post_process: bool = True,
 ):
-    """A bf16 GPTModel of the local spec (no TransformerEngine) on ``device``: rotary positions,
-    no dropout, the vocabulary padded as Megatron-LM pads it. Megatron's default initialization,
-    or with ``peaky`` one that gives peaky next-token distributions. The same ``seed`` gives the
-    same weights."""
+    """The multi-GPU scripts' model: ``megatron_gpt.build_gpt`` in bf16 on ``device``, the
+    vocabulary padded as Megatron-LM pads it, Megatron's default initialization or, with
+    ``peaky``, one that gives peaky next-token distributions."""
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
-    pipeline_parallel = parallel_state.get_pipeline_model_parallel_world_size()
-    config = TransformerConfig(
-        num_layers=shape.layers,
-        hidden_size=shape.hidden,
-        num_attention_heads=shape.heads,
-        tensor_model_parallel_size=tensor_parallel,
-        pipeline_model_parallel_size=pipeline_parallel,
-        sequence_parallel=sequence_parallel and tensor_parallel > 1,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16,
-        use_cpu_initialization=device.type == "cpu",
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
+    return megatron_gpt.build_gpt(
+        shape,
+        vocab_size=padded_vocab_size(shape.vocab, parallel_state.get_tensor_model_parallel_world_size()),
+        dtype=torch.bfloat16,
+        device=device,
+        tied=tied,
+        sequence_parallel=sequence_parallel,
+        seed=seed,
         init_method_std=PEAKY_INIT_STD if peaky else 0.02,
-        # gloo has no batched point-to-point sends (the CPU dry run of the pipeline schedule).
-        batch_p2p_comm=device.type == "cuda",
-    )
-    seed_all(seed)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=padded_vocab_size(shape.vocab, tensor_parallel),
-        max_sequence_length=shape.seq,
+        logit_std=LOGIT_STD if peaky else None,
         pre_process=pre_process,
         post_process=post_process,
-        share_embeddings_and_output_weights=tied,
-        position_embedding_type="rope",
     )
-    # bf16 throughout, as Float16Module makes it (the local spec's torch norms start in float32).
-    model = model.to(device).bfloat16()
-    if not peaky:
-        return model
-    head_weight_scale = LOGIT_STD / (config.init_method_std * shape.hidden**0.5)
-    with torch.no_grad():
-        # Every copy of a tied weight is scaled alike, so the copies stay identical.
-        if pre_process:
-            model.embedding.word_embeddings.weight.mul_(head_weight_scale)
-        if post_process and model.output_layer.weight is not None:
-            model.output_layer.weight.mul_(head_weight_scale)
-    return model
 
 
 def causal_batch(shape: GPTShape, vocab: int, seed: int, device: torch.device):
@@ -230,7 +164,7 @@ def environment(device: torch.device) -> dict:
     number of processes."""
     import megatron.core
 
-    meta = benchmark_environment(device, torch.bfloat16)
+    meta = measurement_environment(device, torch.bfloat16)
     meta["versions"]["megatron-core"] = megatron.core.__version__  # the one imported, wherever it lies
     meta["world_size"] = dist.get_world_size()
     if device.type == "cuda":

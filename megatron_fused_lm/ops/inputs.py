@@ -81,7 +81,7 @@ def select_rows(
 
     With ``max_rows`` the selection has a static shape, ``[max_rows]``: the selected rows padded
     with rows whose results go nowhere (no host sync; more selected rows than ``max_rows`` is an
-    error). Without it the number of selected rows is read on the host.
+    error). Without it the number of selected rows is read on the host (``nonzero``).
     """
     if not isinstance(targets, torch.Tensor):
         raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
@@ -107,7 +107,13 @@ def select_rows(
     size = flat.numel()
     max_rows = min(max_rows, size)
     check_on_device(flat_mask.sum() <= max_rows, f"mask selects more than max_rows={max_rows} rows")
-    slots = torch.nonzero_static(flat_mask, size=max_rows, fill_value=size).squeeze(-1)
+    # The selected rows in order, then padding, by a scatter (no host sync, no data-dependent
+    # shape): the i-th selected row goes to slot i; every other row to a slot past max_rows.
+    rank = flat_mask.long().cumsum(0) - 1
+    row_ids = torch.arange(size, device=flat_mask.device)
+    destination = torch.where(flat_mask & (rank < max_rows), rank, max_rows + row_ids)
+    slots = flat_mask.new_full((max_rows + size,), size, dtype=torch.long).scatter_(0, destination, row_ids)
+    slots = slots[:max_rows]
     padding = slots == size
     rows = slots.clamp(max=max(size - 1, 0))  # padding rows compute a real row, their results go nowhere
     selected_targets = torch.where(padding, 0, flat[rows])  # a padding row's target is never read

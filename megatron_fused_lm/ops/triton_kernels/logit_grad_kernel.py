@@ -136,12 +136,6 @@ def logit_grad_block(
         inv_temperature,
         HAS_GRAD_LOGPROB=grad_logprob is not None,
         HAS_GRAD_ENTROPY=grad_entropy is not None,
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
-        GROUP_M=tiles.group_m,
-        DOT_PRECISION=tiles.dot_precision,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
+        **tiles.launch_options(),
     )
     return out

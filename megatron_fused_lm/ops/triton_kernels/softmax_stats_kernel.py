@@ -134,12 +134,6 @@ def split_statistics(
         parts.stride(0),
         parts.stride(1),
         inv_temperature,
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
-        GROUP_M=tiles.group_m,
-        DOT_PRECISION=tiles.dot_precision,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
+        **tiles.launch_options(),
     )
     return parts

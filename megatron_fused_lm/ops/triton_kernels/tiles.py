@@ -22,3 +22,15 @@ class Tiles(NamedTuple):
     num_warps: int
     num_stages: int
     dot_precision: str
+
+    def launch_options(self) -> dict:
+        """The kernels' tile constants and Triton launch options, as keyword arguments."""
+        return dict(
+            BLOCK_M=self.block_m,
+            BLOCK_N=self.block_n,
+            BLOCK_K=self.block_k,
+            GROUP_M=self.group_m,
+            DOT_PRECISION=self.dot_precision,
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+        )

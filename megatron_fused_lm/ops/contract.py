@@ -2,8 +2,8 @@
 
 A backend computes, for this rank's vocabulary shard only, the softmax statistics of
 ``hidden @ weight.T / temperature`` in the forward and the two gradients in the backward. The
-input checks, the collectives and the autograd plumbing are shared (``fused``), so a backend never
-communicates and never sees the public options.
+input checks (``inputs``), the collectives and the custom operators with their autograd formulas
+(``library``) are shared, so a backend never communicates and never sees the public options.
 
 Shapes: ``n`` token rows, ``H`` hidden size, ``vocab_shard`` rows of this rank's weight shard.
 """

@@ -1,7 +1,10 @@
 """Plots and Markdown tables from the JSON that bench_logprob.py writes, so that the figures in
-docs/ and the numbers in README.md come from one file.
+docs/ and the numbers in README.md and docs/BENCHMARKS.md come from one file.
 
-    python3 benchmarks/report.py docs/bench_results.json --plots docs/ --markdown
+    python benchmarks/report.py docs/bench_results.json --plots docs/ --markdown
+
+The torch backend's rows are left out of every table and figure: on a GPU it is only the fallback
+for a machine without Triton, and the committed rows predate a change to its backward.
 """
 
 from __future__ import annotations
@@ -12,23 +15,32 @@ import os
 
 GIB = 2**30
 HEADLINE_SHAPE = "32768x4096x151936"
-LABELS = {
-    "stock": "stock (logits + fp32 softmax)",
-    "torch": "ours, torch backend",
-    "triton": "ours, Triton backend",
-    "ours": "ours (Triton backend)",
-    "liger": "liger-kernel",
-    "cce": "cut-cross-entropy",
-    "floor": "GEMM floor",
+SHAPE_AXIS_LABEL = "tokens x hidden x vocabulary"
+TIME_AXIS_LABEL = "forward + backward, ms (median)"
+MEMORY_AXIS_LABEL = "peak extra memory, GiB"
+
+# The JSON calls the Triton backend "triton" in the RL rows and "ours" in the SFT rows (there it
+# runs through the SFT loss); both are drawn as one method.
+SAME_METHOD = {"triton": "ours"}
+# One label, colour and marker per method, the same in every figure.
+METHOD_STYLES = {
+    "stock": ("stock (bf16 logits)", "tab:blue", "s"),
+    "ours": ("ours (Triton)", "tab:orange", "o"),
+    "liger": ("liger-kernel", "tab:purple", "^"),
+    "cce": ("cut-cross-entropy", "tab:brown", "D"),
+    "floor": ("GEMM floor (cuBLAS products alone)", "0.35", None),
 }
-SCALING_LABELS = {
-    ("sft", "stock"): "SFT stock",
-    ("sft", "ours"): "SFT ours",
-    ("sft", "liger"): "SFT liger-kernel",
-    ("sft", "cce"): "SFT cut-cross-entropy",
-    ("rl", "stock"): "RL stock",
-    ("rl", "triton"): "RL ours",
+SCALING_SERIES = {  # use -> the methods measured for it, in table and legend order
+    "sft": ("stock", "ours", "liger", "cce"),
+    "rl": ("stock", "triton"),
 }
+USE_TITLES = {"sft": "SFT: mean cross-entropy", "rl": "RL: per-token log-prob + entropy"}
+SHORT_NAMES = {"stock": "stock", "ours": "ours", "liger": "liger-kernel", "cce": "cut-cross-entropy"}
+
+
+def style(method):
+    """``(label, colour, marker)`` of ``method`` (``"triton"`` and ``"ours"`` are one method)."""
+    return METHOD_STYLES[SAME_METHOD.get(method, method)]
 
 
 def select(rows, **fields):
@@ -53,14 +65,6 @@ def peak_gib(row):
     return float("nan") if row["peak_extra_bytes"] is None else row["peak_extra_bytes"] / GIB
 
 
-def log_scale(axis):
-    """Log y scale where the axis shows some positive value (a CPU dry run measures no memory)."""
-    if any(value > 0 for line in axis.lines for value in line.get_ydata()) or any(
-        patch.get_height() > 0 for patch in axis.patches
-    ):
-        axis.set_yscale("log")
-
-
 def cell(row, memory=True):
     """``"ms / GiB"`` of a measured row, else its status."""
     if row is None:
@@ -75,14 +79,14 @@ def error_cell(rows):
     return " / ".join(f"{row['logprob_max_error']:.1e}" if row and "logprob_max_error" in row else "-" for row in rows)
 
 
-def floor_table(rows, section, methods, ours, header, **filters):
-    """One row per shape: the floor, each method's cell, ours against the floor, the errors."""
+def floor_table(rows, section, methods, header, **filters):
+    """One row per shape: the floor, each method's cell, ours (the last method) against the floor,
+    the log-prob errors."""
     lines = [header, "|" + "---|" * (len(methods) + 4)]
     for shape in shapes_of(rows, section):
         floor = find(rows, section=section, shape=shape, method="floor")
         measured = [find(rows, section=section, shape=shape, method=method, **filters) for method in methods]
-        ours_row = measured[methods.index(ours)]
-        ratio = f"{ours_row['vs_floor']:.3f}" if ours_row and "vs_floor" in ours_row else "-"
+        ratio = f"{measured[-1]['vs_floor']:.3f}" if measured[-1] and "vs_floor" in measured[-1] else "-"
         lines.append(
             f"| {pretty(shape)} | {cell(floor, memory=False)} | "
             + " | ".join(cell(row) for row in measured)
@@ -93,24 +97,29 @@ def floor_table(rows, section, methods, ours, header, **filters):
 
 def rl_table(rows, temperature):
     header = (
-        "| tokens x hidden x vocab | floor (4 GEMMs) | stock | torch backend | Triton backend | Triton / floor "
-        "| log-prob err stock / torch / Triton |"
+        "| tokens x hidden x vocab | floor (4 GEMMs) | stock | ours (Triton) | ours / floor "
+        "| log-prob err stock / ours |"
     )
-    return floor_table(rows, "rl", ("stock", "torch", "triton"), "triton", header, temperature=temperature)
+    return floor_table(rows, "rl", ("stock", "triton"), header, temperature=temperature)
 
 
 def sft_table(rows):
     header = (
-        "| tokens x hidden x vocab | floor (3 GEMMs) | stock | ours (Triton) | liger-kernel | cut-cross-entropy "
-        "| ours / floor | log-prob err stock / ours / liger / cce |"
+        "| tokens x hidden x vocab | floor (3 GEMMs) | stock | liger-kernel | cut-cross-entropy | ours (Triton) "
+        "| ours / floor | log-prob err stock / liger / cce / ours |"
     )
-    return floor_table(rows, "sft", ("stock", "ours", "liger", "cce"), "ours", header)
+    return floor_table(rows, "sft", ("stock", "liger", "cce", "ours"), header)
 
 
 def scaling_table(rows):
-    series = list(SCALING_LABELS)
+    series = [(use, method) for use, methods in SCALING_SERIES.items() for method in methods]
     scaling = select(rows, section="scaling")
-    lines = ["| tokens | " + " | ".join(SCALING_LABELS[key] for key in series) + " |", "|---" * (len(series) + 1) + "|"]
+    lines = [
+        "| tokens | "
+        + " | ".join(f"{use.upper()} {SHORT_NAMES[SAME_METHOD.get(method, method)]}" for use, method in series)
+        + " |",
+        "|---" * (len(series) + 1) + "|",
+    ]
     for tokens in sorted({row["tokens"] for row in scaling if "tokens" in row}):
         cells = [
             cell(
@@ -125,52 +134,49 @@ def scaling_table(rows):
 
 def fractions_table(rows):
     lines = [
-        "| tokens x hidden x vocab | response fraction | selected tokens | Triton backend | stock "
-        "| log-prob err Triton / stock |",
+        "| tokens x hidden x vocab | response fraction | selected tokens | stock | ours (Triton) "
+        "| log-prob err stock / ours |",
         "|---|---|---|---|---|---|",
     ]
     for row in select(rows, section="fractions", method="triton"):
         stock = find(rows, section="fractions", shape=row["shape"], fraction=row["fraction"], method="stock")
         lines.append(
-            f"| {pretty(row['shape'])} | {row['fraction']:g} | {row['selected_tokens']} | {cell(row)} "
-            f"| {cell(stock)} | {error_cell([row, stock])} |"
+            f"| {pretty(row['shape'])} | {row['fraction']:g} | {row['selected_tokens']} | {cell(stock)} "
+            f"| {cell(row)} | {error_cell([stock, row])} |"
         )
     return "\n".join(lines)
 
 
-def largest_fit(rows, use, method):
-    """``(largest token count measured, whether the method ran out of memory after it)``."""
+def fit_cell(rows, use, method):
+    """The most tokens ``method`` ran in the scaling section, and where it ran out of memory."""
     series = select(rows, section="scaling", use=use, method=method)
     fitted = [row["tokens"] for row in series if row["status"] == "ok"]
-    return (max(fitted) if fitted else None), any(row["status"] == "oom" for row in series)
+    stopped = [row["tokens"] for row in series if row["status"] == "oom"]
+    if not fitted:
+        return cell(series[0] if series else None)
+    return f"{max(fitted)} (OOM at {min(stopped)})" if stopped else f">= {max(fitted)} (no OOM)"
 
 
 def summary_table(results):
     """The README's three rows, all read from the JSON."""
     rows, meta = results["rows"], results["meta"]
     cap = meta["scaling_max_tokens"]
+    # (RL method, SFT method) per column; the loss-only libraries have no RL method.
     columns = (("stock", "stock"), ("triton", "ours"), (None, "liger"), (None, "cce"))
-
-    def fit_cell(method):
-        largest, stopped = largest_fit(rows, "sft", method)
-        if largest is None:
-            return cell(find(rows, section="scaling", use="sft", method=method))
-        return f"{largest}" if stopped else f">= {largest} (cap, no OOM)"
-
     rl = [
-        find(rows, section="rl", shape=HEADLINE_SHAPE, method=method, temperature=1.0) if method else None
+        cell(find(rows, section="rl", shape=HEADLINE_SHAPE, method=method, temperature=1.0)) if method else "n/a"
         for method, _ in columns
     ]
     sft = [find(rows, section="sft", shape=HEADLINE_SHAPE, method=method) for _, method in columns]
     return "\n".join(
         [
-            f"| {pretty(HEADLINE_SHAPE)}, forward + backward, ms / peak extra GiB | stock | ours (Triton) "
+            f"| {pretty(HEADLINE_SHAPE)}, ms / peak extra GiB | stock | ours (Triton) "
             "| liger-kernel | cut-cross-entropy |",
             "|---|---|---|---|---|",
-            "| RL: per-token log-prob + entropy | " + " | ".join(cell(row) if row else "n/a" for row in rl) + " |",
+            "| RL: per-token log-prob + entropy | " + " | ".join(rl) + " |",
             "| SFT: mean cross-entropy | " + " | ".join(cell(row) for row in sft) + " |",
-            f"| SFT: most tokens that fit (hidden 4096, vocab 151936; cap {cap}) | "
-            + " | ".join(fit_cell(method) for _, method in columns)
+            f"| SFT: most tokens that fit (run stopped at {cap}) | "
+            + " | ".join(fit_cell(rows, "sft", method) for _, method in columns)
             + " |",
         ]
     )
@@ -194,108 +200,172 @@ def markdown(results):
     return "\n\n".join(parts)
 
 
-def bar_panels(pyplot, rows, section, methods, title, path, temperature=None):
-    """Time and peak extra memory per shape, one bar per method (the floor has no memory bar)."""
+# Plots.
+
+
+def log_y_axis(axis, label):
+    """Label the y axis and make it a log scale with plain-number ticks at 1, 2 and 5 times each
+    power of 10; where the axis shows no positive value (a CPU dry run measures no memory), say so
+    instead."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    values = [value for line in axis.lines for value in line.get_ydata()]
+    values += [patch.get_height() for patch in axis.patches]
+    if not any(value > 0 for value in values):
+        axis.set_ylabel(label)
+        axis.text(0.5, 0.5, "not measured on this device", transform=axis.transAxes, ha="center", va="center")
+        return
+    axis.set_yscale("log")
+    axis.yaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
+    axis.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.yaxis.set_minor_formatter(NullFormatter())
+    axis.set_ylabel(label + " (log scale)")
+
+
+def mark_out_of_memory(axis, points, where):
+    """An ``x`` on the top edge of ``axis``, off the data, at each ``(x, method)`` of ``points`` in
+    the method's colour, with one legend entry per method: ``where(xs)`` says at which x."""
+    by_method = {}
+    for x, method in points:
+        by_method.setdefault(SAME_METHOD.get(method, method), []).append(x)
+    edge = axis.get_xaxis_transform()  # x in data, y in axes fraction: 1 is the top edge
+    for method, xs in by_method.items():
+        axis.plot(
+            xs,
+            [1.0] * len(xs),
+            "x",
+            transform=edge,
+            clip_on=False,
+            color=style(method)[1],
+            markersize=10,
+            markeredgewidth=2.5,
+            label=f"{SHORT_NAMES.get(method, method)}: out of memory{where(xs)}\n(marked on the top edge)",
+        )
+
+
+def provenance(meta):
+    """The second title line of every figure: where and when the JSON was measured."""
+    return f"{meta['device']}, {meta['dtype']}, measured {meta['date'][:10]}"
+
+
+def save(pyplot, figure, path):
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    pyplot.close(figure)
+
+
+def bar_panels(pyplot, results, section, methods, title, path, temperature=None):
+    """Time and peak extra memory per shape, one bar per method that ran (the floor's buffers are
+    allocated beforehand, so it has no memory bar)."""
+    rows, meta = results["rows"], results["meta"]
     shapes = shapes_of(rows, section)
-    figure, (time_axis, memory_axis) = pyplot.subplots(1, 2, figsize=(14, 4.8))
-    width = 0.8 / len(methods)
-    for index, method in enumerate(methods):
+
+    def rows_of(method):
         fields = dict(section=section, method=method)
         if temperature is not None and method != "floor":
             fields["temperature"] = temperature
-        measured = [find(rows, shape=shape, **fields) for shape in shapes]
-        positions = [number + (index - (len(methods) - 1) / 2) * width for number in range(len(shapes))]
-        times = [row["ms"] if row and row["status"] == "ok" else 0 for row in measured]
-        time_axis.bar(positions, times, width, label=LABELS[method])
-        if method != "floor":
-            memory = [peak_gib(row) if row and row["status"] == "ok" else 0 for row in measured]
-            memory_axis.bar(positions, memory, width, label=LABELS[method])
-    for axis, label in ((time_axis, "forward + backward, ms (median)"), (memory_axis, "peak extra memory, GiB")):
-        axis.set_xticks(range(len(shapes)), [pretty(shape) for shape in shapes], rotation=20, fontsize=8)
-        axis.set_ylabel(label)
-        axis.grid(axis="y", alpha=0.3)
-    log_scale(memory_axis)
-    time_axis.legend(fontsize=8)
-    figure.suptitle(title)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    pyplot.close(figure)
+        return [find(rows, shape=shape, **fields) for shape in shapes]
+
+    # A method that is not installed gets no bars, no slot and no legend entry.
+    ran = {method: rows_of(method) for method in methods}
+    ran = {method: found for method, found in ran.items() if any(row and row["status"] != "missing" for row in found)}
+    figure, (time_axis, memory_axis) = pyplot.subplots(1, 2, figsize=(14, 5.2))
+    for axis, shown, value in (
+        (time_axis, list(ran), lambda row: row["ms"]),
+        (memory_axis, [method for method in ran if method != "floor"], peak_gib),
+    ):
+        width = 0.8 / len(shown)
+        out_of_memory = []
+        for index, method in enumerate(shown):
+            positions = [number + (index - (len(shown) - 1) / 2) * width for number in range(len(shapes))]
+            placed = list(zip(positions, ran[method], strict=True))
+            ok = [(x, value(row)) for x, row in placed if row and row["status"] == "ok"]
+            label, colour, _ = style(method)
+            axis.bar(
+                [x for x, _ in ok],
+                [height for _, height in ok],
+                width,
+                label=label,
+                color=colour,
+                hatch="//" if method == "floor" else None,
+                edgecolor="white" if method == "floor" else None,
+            )
+            out_of_memory += [(x, method) for x, row in placed if row and row["status"] == "oom"]
+        mark_out_of_memory(axis, out_of_memory, lambda xs: "")
+        axis.set_xticks(range(len(shapes)), [pretty(shape) for shape in shapes], fontsize=8)
+        pyplot.setp(axis.get_xticklabels(), rotation=20, ha="right", rotation_mode="anchor")
+        axis.set_xlabel(SHAPE_AXIS_LABEL)
+        axis.grid(axis="y", alpha=0.3, which="major")
+        axis.legend(fontsize=8, loc="upper left")
+    time_axis.set_ylabel(TIME_AXIS_LABEL)
+    log_y_axis(memory_axis, MEMORY_AXIS_LABEL)
+    figure.suptitle(f"{title}\n{provenance(meta)}")
+    save(pyplot, figure, path)
 
 
 def scaling_plot(pyplot, results, path):
-    """Time and memory against tokens; an X where a method ran out of memory (drawn at its last
-    measured value), and the device's memory as a dashed line."""
+    """Time and memory against tokens, one row of panels per use (SFT, RL); an ``x`` on the top
+    edge where a method ran out of memory, and the device's memory as a dotted line."""
     rows, meta = select(results["rows"], section="scaling"), results["meta"]
-    figure, (time_axis, memory_axis) = pyplot.subplots(1, 2, figsize=(14, 5))
-    for (use, method), label in SCALING_LABELS.items():
-        series = [row for row in select(rows, use=use, method=method) if "tokens" in row]
-        measured = [row for row in series if row["status"] == "ok"]
-        if not measured:
-            continue
-        style = "-o" if use == "sft" else "--s"
-        tokens = [row["tokens"] for row in measured]
-        for axis, values in (
-            (time_axis, [row["ms"] for row in measured]),
-            (memory_axis, [peak_gib(row) for row in measured]),
-        ):
-            (line,) = axis.plot(tokens, values, style, label=label, markersize=4)
-            stop = next((row for row in series if row["status"] == "oom"), None)
-            if stop is not None:
-                axis.plot([stop["tokens"]], [values[-1]], "X", color=line.get_color(), markersize=12)
-                axis.annotate(
-                    f"OOM at {stop['tokens']}",
-                    (stop["tokens"], values[-1]),
-                    fontsize=7,
-                    xytext=(4, 4),
-                    textcoords="offset points",
-                )
-    if "device_memory_bytes" in meta:
-        memory_axis.axhline(meta["device_memory_bytes"] / GIB, linestyle=":", color="gray")
-        memory_axis.annotate(
-            "device memory",
-            (meta["scaling_start"], meta["device_memory_bytes"] / GIB),
-            fontsize=7,
-            xytext=(0, -10),
-            textcoords="offset points",
-        )
-    for axis, label in ((time_axis, "forward + backward, ms (median)"), (memory_axis, "peak extra memory, GiB")):
-        axis.set_xscale("log", base=2)
-        log_scale(axis)
-        axis.set_xlabel("tokens")
-        axis.set_ylabel(label)
-        axis.grid(alpha=0.3, which="both")
-    time_axis.legend(fontsize=8)
+    uses = [use for use in SCALING_SERIES if select(rows, use=use)]
+    figure, axes = pyplot.subplots(len(uses), 2, figsize=(13, 4.6 * len(uses)), squeeze=False)
+    tokens_measured = sorted({row["tokens"] for row in rows if "tokens" in row})
+    device_gib = meta.get("device_memory_bytes", 0) / GIB
+    for (time_axis, memory_axis), use in zip(axes, uses, strict=True):
+        out_of_memory = []
+        for method in SCALING_SERIES[use]:
+            series = [row for row in select(rows, use=use, method=method) if "tokens" in row]
+            measured = [row for row in series if row["status"] == "ok"]
+            out_of_memory += [(row["tokens"], method) for row in series if row["status"] == "oom"]
+            if not measured:
+                continue  # not installed, or out of memory from the first size on: no line, no legend entry
+            label, colour, marker = style(method)
+            tokens = [row["tokens"] for row in measured]
+            time_axis.plot(tokens, [row["ms"] for row in measured], "-", marker=marker, color=colour, label=label)
+            memory_axis.plot(tokens, [peak_gib(row) for row in measured], "-", marker=marker, color=colour, label=label)
+        if device_gib:
+            memory_axis.axhline(device_gib, linestyle=":", color="0.4", label=f"device memory ({device_gib:.1f} GiB)")
+        for axis, label in ((time_axis, TIME_AXIS_LABEL), (memory_axis, MEMORY_AXIS_LABEL)):
+            axis.set_xscale("log", base=2)
+            axis.set_xticks(tokens_measured, [str(tokens) for tokens in tokens_measured], fontsize=8)
+            axis.minorticks_off()
+            log_y_axis(axis, label)
+            mark_out_of_memory(axis, out_of_memory, lambda xs: f" at {', '.join(map(str, xs))} tokens")
+            axis.set_xlabel("tokens (log scale)")
+            axis.set_title(USE_TITLES[use], fontsize=10, pad=12)  # room for the out-of-memory marks
+            axis.grid(alpha=0.3)
+            axis.legend(fontsize=8, loc="center right" if axis is memory_axis else "upper left")
     hidden_size, vocab = meta["scaling_shape"]
     figure.suptitle(
-        f"Scaling, hidden {hidden_size}, vocab {vocab}, {meta['device']} "
-        f"(X: out of memory; run capped at {meta['scaling_max_tokens']} tokens)"
+        f"Tokens doubling at hidden {hidden_size}, vocabulary {vocab}; "
+        f"the run stops at {meta['scaling_max_tokens']} tokens\n{provenance(meta)}"
     )
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    pyplot.close(figure)
+    save(pyplot, figure, path)
 
 
 def fractions_plot(pyplot, results, path):
-    rows = select(results["rows"], section="fractions")
-    figure, (time_axis, memory_axis) = pyplot.subplots(1, 2, figsize=(12, 4.5))
-    for index, shape in enumerate(shapes_of(rows, "fractions")):  # one color per shape, one style per method
-        for method, style in (("triton", "-o"), ("stock", "--s")):
+    """Time and memory against the fraction of rows selected with ``mask=``; colour and marker
+    name the method, the line style the shape."""
+    rows, meta = select(results["rows"], section="fractions"), results["meta"]
+    figure, (time_axis, memory_axis) = pyplot.subplots(1, 2, figsize=(13, 5))
+    fractions = sorted({row["fraction"] for row in rows})
+    for shape, linestyle in zip(shapes_of(rows, "fractions"), ("-", "--", ":", "-."), strict=False):
+        for method in ("stock", "triton"):
             measured = [row for row in select(rows, shape=shape, method=method) if row["status"] == "ok"]
-            fractions = [row["fraction"] for row in measured]
-            label = f"{LABELS[method]}, {pretty(shape)}"
-            time_axis.plot(fractions, [row["ms"] for row in measured], style, color=f"C{index}", label=label)
-            memory_axis.plot(fractions, [peak_gib(row) for row in measured], style, color=f"C{index}", label=label)
-    for axis, label in ((time_axis, "forward + backward, ms (median)"), (memory_axis, "peak extra memory, GiB")):
+            name, colour, marker = style(method)
+            options = dict(linestyle=linestyle, marker=marker, color=colour, label=f"{name}, {pretty(shape)}")
+            time_axis.plot([row["fraction"] for row in measured], [row["ms"] for row in measured], **options)
+            memory_axis.plot([row["fraction"] for row in measured], [peak_gib(row) for row in measured], **options)
+    for axis, legend_place in ((time_axis, "upper left"), (memory_axis, "center right")):
+        axis.set_xticks(fractions, [f"{fraction:g}" for fraction in fractions])
         axis.set_xlabel("response fraction (rows selected with mask=)")
-        axis.set_ylabel(label)
         axis.grid(alpha=0.3)
+        axis.legend(fontsize=8, loc=legend_place)
+    time_axis.set_ylabel(TIME_AXIS_LABEL)
     time_axis.set_ylim(bottom=0)
-    log_scale(memory_axis)
-    time_axis.legend(fontsize=7)
-    figure.suptitle(f"Log-prob + entropy of the response tokens only, {results['meta']['device']}")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    pyplot.close(figure)
+    log_y_axis(memory_axis, MEMORY_AXIS_LABEL)
+    figure.suptitle(f"Log-prob + entropy of the response rows only, temperature 1\n{provenance(meta)}")
+    save(pyplot, figure, path)
 
 
 def write_plots(results, folder):
@@ -306,27 +376,18 @@ def write_plots(results, folder):
     from matplotlib import pyplot
 
     os.makedirs(folder, exist_ok=True)
-    rows, device = results["rows"], results["meta"]["device"]
-    sections = {row["section"] for row in rows}
+    sections = {row["section"] for row in results["rows"]}
     written = []
     if "rl" in sections:
         temperature = results["meta"]["temperatures"][0]
         path = os.path.join(folder, "bench_rl.png")
-        bar_panels(
-            pyplot,
-            rows,
-            "rl",
-            ("stock", "torch", "triton", "floor"),
-            f"Per-token log-prob + entropy, temperature {temperature:g}, {device}",
-            path,
-            temperature,
-        )
+        title = f"RL: per-token log-prob + entropy, temperature {temperature:g}"
+        bar_panels(pyplot, results, "rl", ("stock", "triton", "floor"), title, path, temperature)
         written.append(path)
     if "sft" in sections:
         path = os.path.join(folder, "bench_sft.png")
-        bar_panels(
-            pyplot, rows, "sft", ("stock", "ours", "liger", "cce", "floor"), f"Mean cross-entropy (SFT), {device}", path
-        )
+        title = "SFT: mean cross-entropy"
+        bar_panels(pyplot, results, "sft", ("stock", "liger", "cce", "ours", "floor"), title, path)
         written.append(path)
     if "scaling" in sections:
         path = os.path.join(folder, "bench_scaling.png")
@@ -339,17 +400,41 @@ def write_plots(results, folder):
     return written
 
 
+def compare_table(after, before):
+    """RL rows of two runs of the same command on one machine (``before`` from an earlier commit):
+    per shape and method, time against the floor of the same run and peak memory, before -> after."""
+    lines = [
+        "| tokens x hidden x vocab | method | x floor, before -> after | peak extra GiB, before -> after "
+        "| log-prob err, after |",
+        "|---|---|---|---|---|",
+    ]
+    for shape in shapes_of(after["rows"], "rl"):
+        for method in ("triton", "torch"):
+            old, new = (find(run["rows"], section="rl", shape=shape, method=method) for run in (before, after))
+            if not (old and new and old["status"] == new["status"] == "ok"):
+                continue
+            lines.append(
+                f"| {pretty(shape)} | {method} | {old['vs_floor']:.3f} -> {new['vs_floor']:.3f} "
+                f"| {peak_gib(old):.2f} -> {peak_gib(new):.2f} | {new['logprob_max_error']:.1e} |"
+            )
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json")
     parser.add_argument("--plots", default=None, help="folder to draw the PNGs into")
     parser.add_argument("--markdown", action="store_true", help="print the tables of docs/BENCHMARKS.md")
+    parser.add_argument("--compare", default=None, help="an earlier run's JSON: print the RL rows before -> after")
     args = parser.parse_args()
     with open(args.json) as handle:
         results = json.load(handle)
     if args.plots:
         for path in write_plots(results, args.plots):
             print("wrote", path)
+    if args.compare:
+        with open(args.compare) as handle:
+            print(compare_table(results, json.load(handle)))
     if args.markdown:
         print(markdown(results))
 

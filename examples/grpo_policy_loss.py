@@ -77,8 +77,11 @@ def train(device: torch.device, backend: str) -> None:
     with torch.no_grad():  # the behaviour policy's log-probs, as recorded at sampling time
         old_logprob = head.logprobs(model(tokens, position_ids, causal), targets, mask=mask)
     optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
-    print(f"fused head: {head.fused}; rows computed: {int(mask.sum())} of {mask.numel()} ({mask.float().mean():.0%})")
-    print(f"{'step':>4}{'policy loss':>14}{'clip fraction':>15}{'entropy':>10}{'approx KL':>12}")
+    print(
+        f"fused head: {head.fused}; rows computed: {int(mask.sum())} of {mask.numel()} ({mask.float().mean():.0%})",
+        flush=True,
+    )
+    print(f"{'step':>4}{'policy loss':>14}{'clip fraction':>15}{'entropy':>10}{'approx KL':>12}", flush=True)
     for step in range(STEPS):
         logprob, entropy = head.logprobs(
             model(tokens, position_ids, causal),
@@ -97,7 +100,8 @@ def train(device: torch.device, backend: str) -> None:
         clipped = ((ratio - 1).abs() > CLIP)[mask].float().mean()
         kl = (old_logprob - logprob)[mask].mean()
         print(
-            f"{step:>4}{loss.item():>14.4f}{clipped.item():>15.2f}{entropy[mask].mean().item():>10.3f}{kl.item():>12.2e}"
+            f"{step:>4}{loss.item():>14.4f}{clipped.item():>15.2f}{entropy[mask].mean().item():>10.3f}{kl.item():>12.2e}",
+            flush=True,  # each step takes a moment on a CPU
         )
 
 

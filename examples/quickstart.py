@@ -2,15 +2,17 @@
 
     python examples/quickstart.py
 
-On CPU it spawns two gloo ranks (TP=2); with CUDA GPUs, one NCCL rank per GPU (up to two) and
-``backend="auto"`` (Triton when available). It prints
+On CPU it spawns two gloo ranks (TP=2) and takes about half a minute; with CUDA GPUs, one NCCL
+rank per GPU (up to two) and ``backend="auto"`` (Triton when available). It announces each phase
+as it starts and prints
 
 1. one batch through the stock and the fused head: log-prob and entropy error against a float64
-   oracle, the largest parameter-gradient difference, the logits tensor the fused path never
-   allocated, and the time of each path;
-2. a short SFT run through ``model(..., labels=labels)`` with the fused head off and on, from the
-   same seed: the two loss curves fall together.
+   oracle, the largest parameter-gradient difference, and the logits tensor the fused path never
+   allocated;
+2. a short SFT run through ``model(..., labels=labels)``, a stock and a fused copy of the model
+   trained side by side from the same seed, one line per step: the two loss curves fall together.
 
+The model is far too small to time; docs/BENCHMARKS.md has the speed and memory figures.
 The integration itself is three lines (see ``run``): a config, ``wrap_model``, ``head.logprobs``.
 """
 
@@ -19,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import time
 import warnings
 
 # On CPU, Megatron warns that GPU extensions (Apex, TransformerEngine) are missing; quiet them.
@@ -39,9 +40,18 @@ SFT_STEPS, LEARNING_RATE = 30, 1e-2
 TOY_TOKENS = 512
 
 
+def say(text: str = "") -> None:
+    """Print from the first rank only (or the launching process), at once: on a CPU the phases
+    between two lines take seconds."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(text, flush=True)
+
+
 def main() -> None:
     use_cuda = torch.cuda.is_available()
     world_size = min(torch.cuda.device_count(), 2) if use_cuda else 2
+    transport = f"NCCL on {world_size} GPU(s)" if use_cuda else "gloo on the CPU, about 30 s in all"
+    say(f"Starting {world_size} tensor-parallel rank(s) ({transport})...")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -66,8 +76,9 @@ def run(rank: int, world_size: int, port: int, use_cuda: bool) -> None:
     trainer_config = {"fused_linear_logprob": True, "fused_linear_logprob_backend": "auto" if use_cuda else "torch"}
     fused_config = FusedLMConfig.from_trainer_config(trainer_config)
     try:
-        compare_one_batch(fused_config, device, rank)
-        compare_training(fused_config, device, rank)
+        compare_one_batch(fused_config, device)
+        compare_training(fused_config, device)
+        say("\nSpeed and memory at real sizes: docs/BENCHMARKS.md (this model is too small to time).")
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
@@ -134,50 +145,43 @@ def oracle(logits_shard: torch.Tensor, targets: torch.Tensor):
     return log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(log_probs.exp() * log_probs).sum(-1)
 
 
-def timed_step(model, head, batch, weights, device):
+def rl_step(model, head, batch, weights):
     """One RL-style step: forward, log-probs and entropy from the head, backward of a weighted sum.
-    Returns (logprob, entropy, model output, seconds, parameter gradients)."""
+    Returns (logprob, entropy, model output, parameter gradients)."""
     input_ids, position_ids, mask, targets = batch
     model.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
     output = model(input_ids, position_ids, mask)
     logprob, entropy = head.logprobs(output, targets, temperature=TEMPERATURE, return_entropy=True)
     (weights[0] * logprob + weights[1] * entropy).sum().backward()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-    return logprob.detach(), entropy.detach(), output.detach(), seconds, grads
+    return logprob.detach(), entropy.detach(), output.detach(), grads
 
 
-def compare_one_batch(fused_config: FusedLMConfig, device: torch.device, rank: int) -> None:
+def compare_one_batch(fused_config: FusedLMConfig, device: torch.device) -> None:
+    """One RL-style step through the stock head, then the fused head, on one model and batch;
+    prints both against a float64 oracle and the gradient difference."""
+    say(f"Building a {LAYERS}-layer GPTModel (hidden {HIDDEN}, vocabulary {VOCAB})...")
     model = build_model(device)
     batch = make_batch(device, step=10_000)
     weights = torch.rand(2, BATCH, SEQ, generator=torch.Generator().manual_seed(1)).to(device)
-    stock_head = wrap_model(model, FusedLMConfig(enabled=False))
-    timed_step(model, stock_head, batch, weights, device)  # warm-up
-    stock = timed_step(model, stock_head, batch, weights, device)
-    fused_head = wrap_model(model, fused_config)
-    timed_step(model, fused_head, batch, weights, device)  # warm-up
-    fused = timed_step(model, fused_head, batch, weights, device)
+    say("One batch through the stock head (the model returns logits)...")
+    stock = rl_step(model, wrap_model(model, FusedLMConfig(enabled=False)), batch, weights)
+    say("The same batch through the fused head (the model returns hidden states)...")
+    fused = rl_step(model, wrap_model(model, fused_config), batch, weights)
     want_logprob, want_entropy = oracle(stock[2], batch[3])
 
     def error(got, want):
         return (got.double() - want).abs().max().item()
 
-    grad_difference = max((fused[4][name] - grad).abs().max().item() for name, grad in stock[4].items())
-    largest_grad = max(grad.abs().max().item() for grad in stock[4].values())
+    grad_difference = max((fused[3][name] - grad).abs().max().item() for name, grad in stock[3].items())
+    largest_grad = max(grad.abs().max().item() for grad in stock[3].values())
     logits = stock[2]
     logits_mib = logits.numel() * logits.element_size() / 2**20
-    if rank != 0:
-        return
     size = dist.get_world_size()
-    print(
+    say(
         f"\nOne batch: {BATCH}x{SEQ} tokens, vocabulary {VOCAB} over TP={size} ({device.type}), temperature {TEMPERATURE}"
     )
-    print(f"{'':38}{'stock':>14}{'fused':>14}")
+    say(f"{'':38}{'stock':>14}{'fused':>14}")
     rows = [
         (
             "log-prob max error vs float64",
@@ -193,37 +197,37 @@ def compare_one_batch(fused_config: FusedLMConfig, device: torch.device, rank: i
         ("  (largest gradient entry)", f"{largest_grad:.2e}", ""),
         ("logits tensor per rank", f"{logits_mib:.1f} MiB", "never built"),
         ("  shape", "x".join(map(str, logits.shape)), ""),
-        ("forward + backward time", f"{stock[3] * 1e3:.0f} ms", f"{fused[3] * 1e3:.0f} ms"),
     ]
     for name, stock_value, fused_value in rows:
-        print(f"{name:38}{stock_value:>14}{fused_value:>14}")
+        say(f"{name:38}{stock_value:>14}{fused_value:>14}")
 
 
-def sft_losses(config: FusedLMConfig, device: torch.device):
-    """Mean SFT loss per step, training from seed 0 through the labels path."""
+def sft_trainee(config: FusedLMConfig, device: torch.device):
+    """A model from seed 0 wrapped with ``config``, and its optimizer."""
     model = build_model(device, seed=0)
     wrap_model(model, config)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
-    losses = []
+    return model, torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
+
+
+def sft_step(model, optimizer, batch) -> float:
+    """One SFT step through the labels path; returns the mean loss."""
+    input_ids, position_ids, mask, labels = batch
+    loss = model(input_ids, position_ids, mask, labels=labels).mean()  # per-token loss [b, s]
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def compare_training(fused_config: FusedLMConfig, device: torch.device) -> None:
+    """Train a stock and a fused copy side by side from one seed; prints both losses each step."""
+    say(f"\nSFT through model(..., labels=labels): a stock and a fused copy from one seed, Adam lr {LEARNING_RATE}")
+    stock, fused = sft_trainee(FusedLMConfig(enabled=False), device), sft_trainee(fused_config, device)
+    say(f"{'step':>6}{'stock loss':>14}{'fused loss':>14}{'difference':>14}")
     for step in range(SFT_STEPS):
-        input_ids, position_ids, mask, labels = make_batch(device, step)
-        loss = model(input_ids, position_ids, mask, labels=labels).mean()  # per-token loss [b, s]
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
-
-
-def compare_training(fused_config: FusedLMConfig, device: torch.device, rank: int) -> None:
-    stock = sft_losses(FusedLMConfig(enabled=False), device)
-    fused = sft_losses(fused_config, device)
-    if rank != 0:
-        return
-    print(f"\nSFT through model(..., labels=labels), Adam lr {LEARNING_RATE}, same seed")
-    print(f"{'step':>6}{'stock loss':>14}{'fused loss':>14}{'difference':>14}")
-    for step in list(range(0, SFT_STEPS, 5)) + [SFT_STEPS - 1]:
-        print(f"{step:>6}{stock[step]:>14.4f}{fused[step]:>14.4f}{fused[step] - stock[step]:>14.2e}")
+        batch = make_batch(device, step)
+        stock_loss, fused_loss = sft_step(*stock, batch), sft_step(*fused, batch)
+        say(f"{step:>6}{stock_loss:>14.4f}{fused_loss:>14.4f}{fused_loss - stock_loss:>14.2e}")
 
 
 if __name__ == "__main__":

@@ -31,13 +31,16 @@ def logprob_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
     return logprob, entropy
 
 
-def _upstream_loss(logprob, entropy, grad_logprob, grad_entropy):
-    loss = logprob.new_zeros(())
-    if grad_logprob is not None:
-        loss = loss + (logprob * grad_logprob.double()).sum()
-    if grad_entropy is not None:
-        loss = loss + (entropy * grad_entropy.double()).sum()
-    return loss
+def _reference(logits_of, inputs, targets, temperature, grad_logprob, grad_entropy) -> Reference:
+    """``logits_of(*leaves)`` on float64 leaves made from ``inputs``; the gradients of the upstream
+    loss with respect to those leaves, given any upstream gradient."""
+    leaves = [tensor.detach().double().requires_grad_() for tensor in inputs]
+    logprob, entropy = logprob_entropy(logits_of(*leaves), targets, temperature)
+    upstream = [(value, grad) for value, grad in ((logprob, grad_logprob), (entropy, grad_entropy)) if grad is not None]
+    if not upstream:
+        return Reference(logprob.detach(), entropy.detach())
+    loss = sum((value * grad.double()).sum() for value, grad in upstream)
+    return Reference(logprob.detach(), entropy.detach(), *torch.autograd.grad(loss, leaves))
 
 
 def reference(
@@ -51,15 +54,7 @@ def reference(
     """Log-probs and entropy of ``targets [...]`` under ``softmax(hidden [..., H] @ weight.T / T)``
     over the whole vocabulary ``weight [V, H]``; given upstream gradients, the gradients of
     ``sum(logprob * grad_logprob + entropy * grad_entropy)`` with respect to hidden and weight."""
-    hidden64 = hidden.detach().double().requires_grad_()
-    weight64 = weight.detach().double().requires_grad_()
-    logprob, entropy = logprob_entropy(hidden64 @ weight64.t(), targets, temperature)
-    if grad_logprob is None and grad_entropy is None:
-        return Reference(logprob.detach(), entropy.detach())
-    grad_hidden, grad_weight = torch.autograd.grad(
-        _upstream_loss(logprob, entropy, grad_logprob, grad_entropy), (hidden64, weight64)
-    )
-    return Reference(logprob.detach(), entropy.detach(), grad_hidden, grad_weight)
+    return _reference(lambda h, w: h @ w.t(), (hidden, weight), targets, temperature, grad_logprob, grad_entropy)
 
 
 def reference_from_logits(
@@ -69,14 +64,9 @@ def reference_from_logits(
     grad_logprob: Optional[torch.Tensor] = None,
     grad_entropy: Optional[torch.Tensor] = None,
 ) -> Reference:
-    """As ``reference`` from materialized logits ``[..., V]``; ``grad_hidden`` holds the gradient
-    with respect to the logits."""
-    logits64 = logits.detach().double().requires_grad_()
-    logprob, entropy = logprob_entropy(logits64, targets, temperature)
-    if grad_logprob is None and grad_entropy is None:
-        return Reference(logprob.detach(), entropy.detach())
-    (grad_logits,) = torch.autograd.grad(_upstream_loss(logprob, entropy, grad_logprob, grad_entropy), (logits64,))
-    return Reference(logprob.detach(), entropy.detach(), grad_logits)
+    """As ``reference`` from materialized logits ``[..., V]``; ``grad_logits`` (``grad_hidden``)
+    holds the gradient with respect to the logits."""
+    return _reference(lambda logits: logits, (logits,), targets, temperature, grad_logprob, grad_entropy)
 
 
 def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

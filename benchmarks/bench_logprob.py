@@ -31,11 +31,9 @@ import torch
 from harness import (
     GIB,
     REFERENCE_SHAPES,
-    environment,
     make_inputs,
     oracle,
     parse_shapes,
-    release_memory,
     result_row,
     sample_error,
     sample_rows,
@@ -52,6 +50,7 @@ from methods import (
     sft_step,
 )
 
+from devkit.measure import environment, release_memory
 from megatron_fused_lm import response_mask
 
 SECTIONS = ("rl", "sft", "scaling", "fractions")

@@ -34,7 +34,6 @@ from harness import (
     make_inputs,
     oracle,
     parse_shapes,
-    release_memory,
     result_row,
     sample_error,
     sample_rows,
@@ -43,6 +42,7 @@ from harness import (
 )
 
 from devkit import distributed  # NCCL with NVLink multicast off, Megatron's groups
+from devkit.measure import release_memory
 from megatron_fused_lm import fused_linear_logprob, logits_logprob
 
 METHODS = ("stock", "triton")
@@ -143,14 +143,12 @@ def main() -> None:
         rows = []
         for shape in args.shapes:
             rows += benchmark_shape(shape, args, device, tp_group)
-        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(rows, gathered, dst=0)
-        if dist.get_rank() == 0:
-            rows = [row for rank_rows in gathered for row in rank_rows]
+        ranks_rows = distributed.gather_to_rank0(rows)
+        if ranks_rows is not None:
+            rows = [row for rank_rows in ranks_rows for row in rank_rows]
             meta = distributed.environment(device)
             meta.update(vars(args), dtype=args.dtype)
-            with open(args.json, "w") as handle:
-                json.dump({"meta": meta, "rows": rows}, handle, indent=1)
+            distributed.write_json(args.json, {"meta": meta, "rows": rows})
             print(json.dumps({key: meta[key] for key in ("device", "date", "versions")}))
             print_table(rows)
     finally:

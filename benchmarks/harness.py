@@ -10,14 +10,13 @@ times come from the host clock and there is no memory figure.
 from __future__ import annotations
 
 import statistics
-import time
 import traceback
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from devkit.measure import environment, release_memory  # noqa: F401  (the benchmarks' record and cleanup)
+from devkit.measure import elapsed_ms, peak_memory_bytes, release_memory, reset_peak_memory
 from devkit.oracle import logprob_entropy, max_abs_error
 
 REFERENCE_SHAPES = (
@@ -85,19 +84,6 @@ class Measurement:
     outputs: object  # what the step returned on its last (memory-measuring) call
 
 
-def elapsed_ms(step, device):
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end)
-    begin = time.perf_counter()
-    step()
-    return (time.perf_counter() - begin) * 1e3
-
-
 def measure(step, inputs, warmup, repeats):
     """Median milliseconds of ``step()`` and its peak extra memory."""
     device = inputs.hidden.device
@@ -109,14 +95,10 @@ def measure(step, inputs, warmup, repeats):
         inputs.clear_grads()
         times.append(elapsed_ms(step, device))
     inputs.clear_grads()
-    if device.type != "cuda":
-        return Measurement(statistics.median(times), None, step())
-    torch.cuda.synchronize()
-    baseline = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    allocated_before = reset_peak_memory(device)
     outputs = step()
-    torch.cuda.synchronize()
-    return Measurement(statistics.median(times), torch.cuda.max_memory_allocated() - baseline, outputs)
+    peak = peak_memory_bytes(device)
+    return Measurement(statistics.median(times), None if peak is None else peak - allocated_before, outputs)
 
 
 def try_measure(make_step: Callable[[], Callable], inputs, warmup, repeats):

@@ -21,16 +21,9 @@ import torch.distributed as dist
 
 from devkit import megatron_gpt
 from devkit.measure import environment as measurement_environment
-from devkit.megatron_gpt import GPTShape, padded_vocab_size
+from devkit.megatron_gpt import GPTShape
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-# Initial weights of a ``peaky`` model: the embedding / output weights are scaled so that the
-# logits' standard deviation is about LOGIT_STD (the final norm's output has unit scale), giving
-# peaky next-token distributions, where log-prob and entropy errors show; the layers' weights have
-# standard deviation PEAKY_INIT_STD so that the layers' outputs, not the input token's embedding,
-# dominate the residual stream (else a tied model predicts its input token with certainty).
-LOGIT_STD = 6.0
-PEAKY_INIT_STD = 0.2
 
 
 def init_distributed(tensor_parallel: int, pipeline_parallel: int = 1) -> torch.device:
@@ -81,67 +74,16 @@ class _HostStream:
 
 
 def shutdown() -> None:
+    """Destroy Megatron's process groups, then leave the job."""
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
 
-def build_bf16_gpt(
-    shape: GPTShape,
-    device: torch.device,
-    *,
-    tied: bool,
-    sequence_parallel: bool,
-    seed: int,
-    peaky: bool = False,
-    pre_process: bool = True,
-    post_process: bool = True,
-):
-    """The multi-GPU scripts' model: ``megatron_gpt.build_gpt`` in bf16 on ``device``, the
-    vocabulary padded as Megatron-LM pads it, Megatron's default initialization or, with
-    ``peaky``, one that gives peaky next-token distributions."""
-    from megatron.core import parallel_state
-
-    return megatron_gpt.build_gpt(
-        shape,
-        vocab_size=padded_vocab_size(shape.vocab, parallel_state.get_tensor_model_parallel_world_size()),
-        dtype=torch.bfloat16,
-        device=device,
-        tied=tied,
-        sequence_parallel=sequence_parallel,
-        seed=seed,
-        init_method_std=PEAKY_INIT_STD if peaky else 0.02,
-        logit_std=LOGIT_STD if peaky else None,
-        pre_process=pre_process,
-        post_process=post_process,
-    )
-
-
-def causal_batch(shape: GPTShape, vocab: int, seed: int, device: torch.device):
-    """``(input_ids, position_ids, attention_mask, targets)``, the same on every rank: ids and
-    targets ``[micro_batch, seq]`` int64 over ``vocab``, a causal mask ``[1, 1, seq, seq]``
-    (True = masked)."""
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, vocab, (shape.micro_batch, shape.seq), generator=generator)
-    targets = torch.randint(0, vocab, (shape.micro_batch, shape.seq), generator=generator)
-    position_ids = torch.arange(shape.seq).unsqueeze(0).expand(shape.micro_batch, shape.seq)
-    mask = torch.triu(torch.ones(1, 1, shape.seq, shape.seq, dtype=torch.bool), diagonal=1)
-    return tuple(tensor.to(device) for tensor in (input_ids, position_ids, mask, targets))
-
-
-def peak_memory_bytes(device: torch.device) -> Optional[int]:
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def gather_to_rank0(record: dict) -> Optional[list]:
-    """Every rank's ``record`` (a JSON-able dict) as a list on global rank 0; ``None`` elsewhere."""
+def gather_to_rank0(record: object) -> Optional[list]:
+    """Every rank's ``record`` (picklable; JSON-able for ``write_json``) as a list in rank order on
+    global rank 0; ``None`` elsewhere."""
     records = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(record, records, dst=0)
     return records
@@ -156,6 +98,7 @@ def write_json(path: Optional[str], payload: dict) -> None:
 
 
 def shape_record(shape: GPTShape) -> dict:
+    """The model's and micro-batches' sizes for the JSON."""
     return asdict(shape)
 
 

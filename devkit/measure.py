@@ -1,5 +1,6 @@
 """What the benchmarks and the multi-GPU scripts share: the record of the device and versions,
-and releasing memory between methods."""
+timing, peak memory, and releasing memory between methods. On the CPU (a dry run of the scripts'
+logic) times come from the host clock and there is no memory figure."""
 
 from __future__ import annotations
 
@@ -7,26 +8,70 @@ import datetime
 import gc
 import importlib.metadata
 import platform
+import time
+from typing import Callable, Optional
 
 import torch
 
 import megatron_fused_lm
 
 
-def release_memory():
+def release_memory() -> None:
+    """Free what is no longer referenced, and return the CUDA caching allocator's free blocks."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
-def package_version(name):
+def synchronize(device: torch.device) -> None:
+    """Wait for all the work queued on ``device`` (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def elapsed_ms(step: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds of one ``step()``: CUDA events around it on CUDA, else the host clock."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+    begin = time.perf_counter()
+    step()
+    return (time.perf_counter() - begin) * 1e3
+
+
+def reset_peak_memory(device: torch.device) -> Optional[int]:
+    """Start a peak-memory measurement on ``device`` once its queued work is done; returns the
+    bytes allocated then (subtract them from ``peak_memory_bytes`` for the extra), ``None`` on the
+    CPU."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def peak_memory_bytes(device: torch.device) -> Optional[int]:
+    """The most bytes allocated on ``device`` since ``reset_peak_memory`` once its queued work is
+    done; ``None`` on the CPU."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device)
+
+
+def package_version(name: str) -> Optional[str]:
+    """The installed distribution's version, ``None`` when it is not installed."""
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
 
 
-def environment(device, dtype):
+def environment(device: torch.device, dtype: torch.dtype) -> dict:
     """Device, date and versions for the JSON's ``meta``."""
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -15,7 +15,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from devkit.oracle import logprob_entropy
+from devkit.oracle import logprob_entropy, max_abs_error
 from devkit.spawn import run_ranks
 
 VOCAB_SHARD = 53  # a prime, so shards are not tile multiples
@@ -23,6 +23,13 @@ SEQ, BATCH = 12, 2  # SEQ divisible by 2 for sequence parallelism
 HIDDEN, HEADS, LAYERS = 32, 4, 2
 # Megatron-LM pads the vocabulary to a multiple of this times the tensor-parallel size.
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
+# Initial weights of a ``peaky`` bf16 model: the embedding / output weights are scaled so that the
+# logits' standard deviation is about LOGIT_STD (the final norm's output has unit scale), giving
+# peaky next-token distributions, where log-prob and entropy errors show; the layers' weights have
+# standard deviation PEAKY_INIT_STD so that the layers' outputs, not the input token's embedding,
+# dominate the residual stream (else a tied model predicts its input token with certainty).
+LOGIT_STD = 6.0
+PEAKY_INIT_STD = 0.2
 
 
 @dataclass(frozen=True)
@@ -197,17 +204,51 @@ def build_gpt(
     return model
 
 
-def make_batch(seed: int = 7):
-    """``(input_ids, position_ids, attention_mask, targets)``, the same on every rank: ids
-    ``[BATCH, SEQ]`` int64, a causal mask ``[1, 1, SEQ, SEQ]`` (True = masked), targets ``[BATCH, SEQ]``
-    over the whole vocabulary."""
+def build_bf16_gpt(
+    shape: GPTShape,
+    device: torch.device,
+    *,
+    tied: bool,
+    sequence_parallel: bool,
+    seed: int,
+    peaky: bool = False,
+    pre_process: bool = True,
+    post_process: bool = True,
+):
+    """The multi-GPU scripts' model: ``build_gpt`` in bf16 on ``device``, the vocabulary padded as
+    Megatron-LM pads it, Megatron's default initialization or, with ``peaky``, one that gives
+    peaky next-token distributions."""
+    return build_gpt(
+        shape,
+        vocab_size=padded_vocab_size(shape.vocab, tp_size()),
+        dtype=torch.bfloat16,
+        device=device,
+        tied=tied,
+        sequence_parallel=sequence_parallel,
+        seed=seed,
+        init_method_std=PEAKY_INIT_STD if peaky else 0.02,
+        logit_std=LOGIT_STD if peaky else None,
+        pre_process=pre_process,
+        post_process=post_process,
+    )
+
+
+def causal_batch(shape: GPTShape, vocab: int, seed: int, device: Optional[torch.device] = None):
+    """``(input_ids, position_ids, attention_mask, targets)`` on ``device`` (default the CPU), the
+    same on every rank: ids and targets ``[micro_batch, seq]`` int64 over ``vocab``, positions
+    ``[micro_batch, seq]``, a causal mask ``[1, 1, seq, seq]`` bool (True = masked)."""
     generator = torch.Generator().manual_seed(seed)
-    vocab = VOCAB_SHARD * tp_size()
-    input_ids = torch.randint(0, vocab, (BATCH, SEQ), generator=generator)
-    targets = torch.randint(0, vocab, (BATCH, SEQ), generator=generator)
-    position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
-    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
-    return input_ids, position_ids, mask, targets
+    input_ids = torch.randint(0, vocab, (shape.micro_batch, shape.seq), generator=generator)
+    targets = torch.randint(0, vocab, (shape.micro_batch, shape.seq), generator=generator)
+    position_ids = torch.arange(shape.seq).unsqueeze(0).expand(shape.micro_batch, shape.seq)
+    mask = torch.triu(torch.ones(1, 1, shape.seq, shape.seq, dtype=torch.bool), diagonal=1)
+    return tuple(tensor.to(device or torch.device("cpu")) for tensor in (input_ids, position_ids, mask, targets))
+
+
+def make_batch(seed: int = 7):
+    """The CPU tests' ``causal_batch``: ``[BATCH, SEQ]`` on the CPU, targets over the whole
+    vocabulary of ``build_gpt``'s default model (VOCAB_SHARD rows per tensor-parallel rank)."""
+    return causal_batch(CPU_TEST_SHAPE, VOCAB_SHARD * tp_size(), seed)
 
 
 def random_weights(*shape, seed: int, device=None) -> torch.Tensor:
@@ -232,19 +273,23 @@ def labels_loss(loss: torch.Tensor) -> torch.Tensor:
     return (random_weights(*loss.shape, seed=12, device=loss.device) * loss).sum()
 
 
-def oracle_logprob_entropy(logits_shard: torch.Tensor, targets: torch.Tensor, temperature: float):
-    """Float64 log-probs and entropy ``[b, s]`` from a logits shard ``[b, s, vocab/TP]``: the shards
-    are gathered across the TP group (with autograd: the backward hands each rank its own slice),
-    then plain torch does the math."""
+def gather_vocabulary(shard: torch.Tensor) -> torch.Tensor:
+    """``[..., vocab/TP]`` -> ``[..., vocab]``, the tensor-parallel ranks' shards side by side in
+    rank order, with autograd (the backward hands each rank its own slice); ``shard`` itself when
+    TP=1."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-    full = logits_shard
-    if tp_size() > 1:
-        full = gather_from_tensor_model_parallel_region(
-            logits_shard, group=parallel_state.get_tensor_model_parallel_group()
-        )
-    return logprob_entropy(full, targets, temperature)
+    if tp_size() == 1:
+        return shard
+    group = parallel_state.get_tensor_model_parallel_group()
+    return gather_from_tensor_model_parallel_region(shard.contiguous(), group=group)
+
+
+def oracle_logprob_entropy(logits_shard: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """Float64 log-probs and entropy ``[b, s]`` of ``targets [b, s]`` from a logits shard
+    ``[b, s, vocab/TP]``, gathered across the TP group first (``gather_vocabulary``)."""
+    return logprob_entropy(gather_vocabulary(logits_shard), targets, temperature)
 
 
 def parameter_grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
@@ -271,5 +316,6 @@ def assert_grads_close(
 
 
 def assert_max_error(actual: torch.Tensor, expected: torch.Tensor, atol: float, label: str) -> None:
-    error = (actual.double() - expected.double()).abs().max().item()
+    """The largest absolute difference is at most ``atol``."""
+    error = max_abs_error(actual, expected)
     assert error <= atol, f"{label}: max error {error:.3g} > {atol:.3g}"

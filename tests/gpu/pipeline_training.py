@@ -48,9 +48,8 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from devkit import distributed
-from devkit.measure import release_memory
-from devkit.megatron_gpt import GPTShape
+from devkit import distributed, measure
+from devkit.megatron_gpt import GPTShape, build_bf16_gpt
 from megatron_fused_lm.integration import FusedLMConfig, wrap_model
 
 TENSOR_PARALLEL, PIPELINE_PARALLEL = 2, 2
@@ -137,7 +136,7 @@ class Run:
         self.shape, self.device, self.name, self.fused = shape, device, name, fused
         self.first_stage = parallel_state.is_pipeline_first_stage()
         self.last_stage = parallel_state.is_pipeline_last_stage()
-        gpt = distributed.build_bf16_gpt(
+        gpt = build_bf16_gpt(
             shape,
             device,
             tied=True,
@@ -285,16 +284,15 @@ class Run:
                 group["lr"] = learning_rate
             dataset = make_dataset(self.shape, steps, data_seed)
             reported, times = [], []
-            distributed.reset_peak_memory(self.device)
-            allocated_before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
+            allocated_before = measure.reset_peak_memory(self.device)
             for step in range(steps):
                 batches = step_microbatches(self.shape, dataset[step], self.device)
-                synchronize(self.device)
+                measure.synchronize(self.device)
                 start = time.perf_counter()
                 reported.append(step_function(step, batches))
-                synchronize(self.device)
+                measure.synchronize(self.device)
                 times.append((time.perf_counter() - start) * 1e3)
-            peak = distributed.peak_memory_bytes(self.device)
+            peak = measure.peak_memory_bytes(self.device)
             record[phase] = {
                 "curves": {name: [values[name] for values in reported] for name in reported[0]},
                 "median_step_ms": statistics.median(times[WARMUP_STEPS:]),
@@ -320,11 +318,6 @@ def sft_loss(per_token_loss: torch.Tensor):
     loss = per_token_loss.float().mean()
     # A copy: the schedule divides the returned loss in place by the number of micro-batches.
     return loss, {"loss": loss.detach().clone()}
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def compare_runs(ranks: List[dict]) -> tuple:
@@ -396,7 +389,7 @@ def main() -> None:
                 )
             )
             del run
-            release_memory()
+            measure.release_memory()
         record = {
             "rank": dist.get_rank(),
             "tp_rank": parallel_state.get_tensor_model_parallel_rank(),

@@ -51,25 +51,16 @@ BACKENDS = ("triton", "torch")
 
 
 def exact_oracle(hidden: torch.Tensor, weight_shard: torch.Tensor, targets: torch.Tensor):
-    """Float64 log-probs and entropy from the pre-projection ``hidden [b, s, h]`` (the same on
-    every rank) and the whole weight, gathered from the ranks' shards."""
-    weight_t = gather_vocabulary(weight_shard.detach().t())
+    """Float64 log-probs and entropy ``[b, s]`` from the pre-projection ``hidden [b, s, h]`` (the
+    same on every rank) and the whole weight, gathered from the ranks' shards ``[vocab/TP, h]``."""
+    weight_t = megatron_gpt.gather_vocabulary(weight_shard.detach().t())
     return logprob_entropy(hidden.detach().double() @ weight_t.double(), targets, TEMPERATURE)
-
-
-def gather_vocabulary(shard: torch.Tensor) -> torch.Tensor:
-    """``[..., vocab/TP]`` -> ``[..., vocab]``, the ranks' shards side by side in rank order."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-
-    group = parallel_state.get_tensor_model_parallel_group()
-    return gather_from_tensor_model_parallel_region(shard.contiguous(), group=group)
 
 
 def stock_rounding_tolerances(stock_logits: torch.Tensor, temperature: float):
     """Per-token tolerances ``[b, s]`` (log-prob, entropy) for the difference between a path that
     rounds its logits to bf16 (stock) and one that does not (fused), from the stock logits."""
-    scaled = gather_vocabulary(stock_logits.detach()).double() / temperature
+    scaled = megatron_gpt.gather_vocabulary(stock_logits.detach()).double() / temperature
     half_spacing = scaled.abs().amax(-1) * 2.0**-8
     probs = torch.softmax(scaled, dim=-1)
     mean = (probs * scaled).sum(-1, keepdim=True)
@@ -98,9 +89,9 @@ def worst_excess(errors: torch.Tensor, tolerances: torch.Tensor) -> float:
 def check_embedding_mode(shape: GPTShape, device: torch.device, tied: bool) -> dict:
     """Stock, then each backend fused, on one model; returns the measured errors (asserted here)."""
     label = f"tied={tied}"
-    model = distributed.build_bf16_gpt(shape, device, tied=tied, sequence_parallel=True, seed=1234, peaky=True)
+    model = megatron_gpt.build_bf16_gpt(shape, device, tied=tied, sequence_parallel=True, seed=1234, peaky=True)
     vocab = model.vocab_size
-    batch = distributed.causal_batch(shape, vocab, seed=7, device=device)
+    batch = megatron_gpt.causal_batch(shape, vocab, seed=7, device=device)
     targets = batch[3]
     # shared_embedding_or_output_weight() is the embedding on a first stage, tied or not.
     weight_shard = model.shared_embedding_or_output_weight() if tied else model.output_layer.weight
@@ -124,7 +115,7 @@ def check_embedding_mode(shape: GPTShape, device: torch.device, tied: bool) -> d
     record = {
         "tied": tied,
         "padded_vocab": vocab,
-        "max_abs_logit": gather_vocabulary(stock_logits).abs().max().item(),
+        "max_abs_logit": megatron_gpt.gather_vocabulary(stock_logits).abs().max().item(),
         "min_entropy": oracle_entropy.min().item(),
         "median_entropy": oracle_entropy.median().item(),
         "backends": {},

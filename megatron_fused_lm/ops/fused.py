@@ -10,19 +10,8 @@ import torch.distributed as dist
 
 from .backends import check_backend
 from .distributed import group_name
-from .inputs import check_float, check_options, select_rows
+from .inputs import check_linear_inputs, check_options, select_rows
 from .library import fused_forward
-
-
-def check_linear_inputs(hidden: torch.Tensor, weight: torch.Tensor) -> None:
-    """``TypeError`` / ``ValueError`` unless ``hidden [..., H]`` and ``weight [vocab_shard >= 1, H]``
-    are float32, bfloat16 or float16 tensors of matching hidden size."""
-    check_float("hidden", hidden)
-    check_float("weight", weight)
-    if weight.dim() != 2 or weight.shape[0] == 0:
-        raise ValueError(f"weight must be 2-D [vocab_shard >= 1, H], got shape {tuple(weight.shape)}")
-    if hidden.dim() == 0 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"hidden size {tuple(hidden.shape)[-1:]} does not match weight's {weight.shape[1]}")
 
 
 def fused_linear_logprob(

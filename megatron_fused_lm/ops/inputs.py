@@ -21,6 +21,17 @@ def check_float(name: str, tensor: torch.Tensor) -> None:
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {tensor.dtype}")
 
 
+def check_linear_inputs(hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    """``TypeError`` / ``ValueError`` unless ``hidden [..., H]`` and ``weight [vocab_shard >= 1, H]``
+    are float32, bfloat16 or float16 tensors of matching hidden size."""
+    check_float("hidden", hidden)
+    check_float("weight", weight)
+    if weight.dim() != 2 or weight.shape[0] == 0:
+        raise ValueError(f"weight must be 2-D [vocab_shard >= 1, H], got shape {tuple(weight.shape)}")
+    if hidden.dim() == 0 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden size {tuple(hidden.shape)[-1:]} does not match weight's {weight.shape[1]}")
+
+
 def check_options(temperature: float, chunk_size: Optional[int]) -> None:
     """``ValueError`` for a non-positive temperature or chunk size."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):

@@ -1,12 +1,21 @@
 """megatron-fused-lm: per-token log-probs, entropy and cross-entropy straight from the LM head's
 hidden states and weight shard, without materializing the ``[tokens, vocab/TP]`` logits.
 
-The ops (``fused_linear_logprob``, ``logits_logprob``) and the packed-sequence helpers need only
+The ops (``fused_linear_logprob``, ``fused_linear_loss``, ``logits_logprob``, ...) and the packed-sequence helpers need only
 torch; the Megatron-Core integration (``FusedLMConfig``, ``wrap_model``, ...) is imported on first
 use, so the ops do not pay for importing megatron-core.
 """
 
-from .ops import BACKENDS, fused_linear_logprob, logits_logprob
+from .ops import (
+    BACKENDS,
+    FusedLoss,
+    fused_linear_cross_entropy,
+    fused_linear_logprob,
+    fused_linear_loss,
+    logits_logprob,
+    logits_loss,
+    losses,
+)
 from .packing import next_token_targets, response_mask, split_responses
 
 __version__ = "0.1.0"
@@ -15,8 +24,13 @@ _INTEGRATION_NAMES = ("FusedLMConfig", "FusedLMHead", "unwrap_model", "wrap_mode
 
 __all__ = [
     "BACKENDS",
+    "FusedLoss",
+    "fused_linear_cross_entropy",
     "fused_linear_logprob",
+    "fused_linear_loss",
     "logits_logprob",
+    "logits_loss",
+    "losses",
     "next_token_targets",
     "response_mask",
     "split_responses",

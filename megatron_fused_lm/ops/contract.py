@@ -1,16 +1,18 @@
 """The backend contract: what the shared autograd plumbing hands a backend, and what it gets back.
 
 A backend computes, for this rank's vocabulary shard only, the softmax statistics of
-``hidden @ weight.T / temperature`` in the forward and the two gradients in the backward. The
-input checks (``inputs``), the collectives and the custom operators with their autograd formulas
-(``library``) are shared, so a backend never communicates and never sees the public options.
+``hidden @ weight.T / temperature`` in the forward and the two gradients in the backward (four
+GEMMs: the backward recomputes the logits), or, when the loss is known in the forward, both at once
+(three GEMMs: ``loss_gradients``). The input checks (``inputs``), the collectives and the autograd
+formulas (``library``, ``loss``) are shared, so a backend never communicates and never sees the
+public options.
 
 Shapes: ``n`` token rows, ``H`` hidden size, ``vocab_shard`` rows of this rank's weight shard.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Protocol
+from typing import Callable, NamedTuple, Optional, Protocol
 
 import torch
 
@@ -78,6 +80,13 @@ class NeededGrads(NamedTuple):
     weight: bool
 
 
+# ``chunk_upstream(rows, local_statistics [k, 4]) -> (saved, upstream)`` for the token chunk ``rows``
+# (a slice of the problem's rows): turns this shard's statistics of the chunk into what its logits'
+# gradient needs. It may communicate (every rank calls it once per chunk, chunks in order, with the
+# same chunk boundaries), so a backend calls it exactly once per chunk it walks.
+ChunkUpstream = Callable[[slice, torch.Tensor], "tuple[SavedStatistics, UpstreamGrads]"]
+
+
 class Backend(Protocol):
     """One implementation behind ``backend=``: products accumulate in float32."""
 
@@ -89,4 +98,11 @@ class Backend(Protocol):
         self, problem: ShardProblem, saved: SavedStatistics, upstream: UpstreamGrads, needed: NeededGrads
     ) -> Gradients:
         """This shard's gradients for the upstream gradients ``upstream``."""
+        ...
+
+    def loss_gradients(self, problem: ShardProblem, chunk_upstream: ChunkUpstream, needed: NeededGrads) -> Gradients:
+        """Both gradients from one visit per token chunk (three GEMMs, for a loss known in the
+        forward): the chunk's logits, their statistics, ``chunk_upstream`` for the chunk's upstream
+        gradients, then the chunk's ``dz`` and its two products. The chunks cover the rows in
+        order; their boundaries depend on the problem's shapes only, so they match across ranks."""
         ...

@@ -55,7 +55,7 @@ class LogitsOptions:
     entropy_grad: bool
 
 
-def _autocast_off(device: torch.device):
+def autocast_off(device: torch.device):
     # The statistics are float32 by contract: autocast must not turn products or reductions
     # inside the ops into 16-bit ones.
     if device.type in ("cpu", "cuda"):
@@ -115,7 +115,7 @@ def fused_forward(
 ) -> Statistics:
     """Log-prob, entropy and the saved statistics of each row, over the whole vocabulary."""
     problem = ShardProblem(hidden, weight, ShardTargets(local_target, owned), temperature)
-    with _autocast_off(hidden.device):
+    with autocast_off(hidden.device):
         stats = resolve_backend(backend, hidden.device, token_chunk).local_statistics(problem)
         return _summary(stats, tp_group_name)
 
@@ -146,7 +146,7 @@ def fused_backward(
     """``(grad_hidden, grad_weight)``; an unneeded one is empty. The hidden gradient is summed
     over the group when ``reduce_hidden_grad``, else this rank's partial."""
     problem = ShardProblem(hidden, weight, ShardTargets(local_target, owned), temperature)
-    with _autocast_off(hidden.device):
+    with autocast_off(hidden.device):
         grads = resolve_backend(backend, hidden.device, token_chunk).local_gradients(
             problem,
             SavedStatistics(lse, mean_logit),
@@ -212,7 +212,7 @@ def logits_forward(
     entropy_grad: bool,
 ) -> Statistics:
     """Log-prob, entropy and the saved statistics of each row of a logits shard."""
-    with _autocast_off(logits.device):
+    with autocast_off(logits.device):
         targets = ShardTargets(local_target, owned)
         stats = chunk_statistics(_scaled(logits, temperature), targets, _chunk_rows(logits, token_chunk))
         return _summary(stats, tp_group_name)
@@ -238,7 +238,7 @@ def logits_backward(
     """The gradient with respect to the logits shard, in its dtype (the float32 softmax is
     recomputed one chunk at a time; the saved logits are never modified)."""
     grad_logits = torch.empty_like(logits)
-    with _autocast_off(logits.device):
+    with autocast_off(logits.device):
         logit_grads = chunk_logit_grads(
             _scaled(logits, temperature), ShardTargets(local_target, owned), SavedStatistics(lse, mean_logit),
             UpstreamGrads(grad_logprob, grad_entropy), temperature, _chunk_rows(logits, token_chunk),

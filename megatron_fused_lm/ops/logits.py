@@ -1,8 +1,8 @@
-"""The unfused path: log-probs and entropy from a materialized logits shard."""
+"""The unfused path: log-probs, entropy and per-token losses from a materialized logits shard."""
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -10,6 +10,7 @@ import torch.distributed as dist
 from .distributed import group_name
 from .inputs import check_float, check_options, select_rows
 from .library import logits_forward
+from .loss import FusedLoss, LossFn, check_loss_inputs, per_token_losses
 
 
 def logits_logprob(
@@ -51,3 +52,30 @@ def logits_logprob(
     )
     logprob = selection.place(logprob)
     return (logprob, selection.place(entropy)) if return_entropy else logprob
+
+
+def logits_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    loss_fn: LossFn,
+    *,
+    loss_inputs: Optional[Dict[str, torch.Tensor]] = None,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    temperature: float = 1.0,
+    mask: Optional[torch.Tensor] = None,
+    chunk_size: Optional[int] = None,
+) -> FusedLoss:
+    """``fused_linear_loss`` on a materialized logits shard: the same loss, the same contract for
+    ``loss_fn`` and ``loss_inputs``, the gradient (to ``logits``) by the usual backward."""
+    logprob, entropy = logits_logprob(
+        logits, targets, tp_group=tp_group, temperature=temperature, return_entropy=True,
+        chunk_size=chunk_size, mask=mask,
+    )  # fmt: skip
+    inputs = check_loss_inputs(loss_fn, loss_inputs, logits.shape[:-1], logits.device)
+    logprob_rows, entropy_rows = logprob.reshape(-1), entropy.reshape(-1)
+    if mask is not None:
+        rows = mask.reshape(-1).nonzero().squeeze(-1)
+        logprob_rows, entropy_rows = logprob_rows[rows], entropy_rows[rows]
+        inputs = {name: value[rows] for name, value in inputs.items()}
+    loss = per_token_losses(loss_fn, logprob_rows, entropy_rows, inputs).sum()
+    return FusedLoss(loss, logprob.detach(), entropy.detach())

@@ -1,4 +1,6 @@
 """The torch backend: walk the rows in chunks, each chunk's logits a float32 block in memory.
+The three-GEMM path (``loss_gradients``) keeps a chunk's block from its statistics to its
+gradient, so it computes the logits once.
 
 Peak working set per call, besides the inputs and the returned gradients: about three float32
 ``[token_chunk, vocab_shard]`` blocks (the logits, their exponentials and the gradient) and, for a
@@ -13,9 +15,10 @@ from typing import Optional
 
 import torch
 
-from .chunking import BlockLogits, chunk_logit_grads, chunk_statistics
-from .contract import Gradients, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
+from .chunking import BlockLogits, chunk_logit_grads, chunk_statistics, token_chunks
+from .contract import ChunkUpstream, Gradients, NeededGrads, SavedStatistics, ShardProblem, ShardTargets, UpstreamGrads
 from .products import add_product, float32_product
+from .softmax_stats import block_statistics, logit_grad
 
 DEFAULT_BLOCK_BYTES = 256 * 2**20
 
@@ -38,26 +41,53 @@ class TorchBackend:
         self, problem: ShardProblem, saved: SavedStatistics, upstream: UpstreamGrads, needed: NeededGrads
     ) -> Gradients:
         """This shard's gradients (``contract.Gradients`` gives their dtypes)."""
-        hidden, weight = problem.hidden, problem.weight
-        grad_hidden = hidden.new_empty(hidden.shape) if needed.hidden else None
-        grad_weight = weight.new_zeros(weight.shape, dtype=torch.float32) if needed.weight else None
+        products = _GradientProducts(problem, needed)
         logit_grads = chunk_logit_grads(
             _block_logits(problem),
             problem.targets,
             saved,
             upstream,
             problem.temperature,
-            self.chunk_rows(weight.shape[0]),
+            self.chunk_rows(problem.weight.shape[0]),
         )
         for chunk, grad in logit_grads:
-            # The products run in the weight's dtype, as the stock path's logits gradient does;
-            # each accumulates in float32, and a chunk's hidden gradient is rounded once.
-            grad = grad.to(weight.dtype)
-            if grad_hidden is not None:
-                add_product(grad_hidden[chunk], grad, weight, accumulate=False)
-            if grad_weight is not None:
-                add_product(grad_weight, grad.t(), hidden[chunk], accumulate=True)
-        return Gradients(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
+            products.add(chunk, grad)
+        return products.result()
+
+    def loss_gradients(self, problem: ShardProblem, chunk_upstream: ChunkUpstream, needed: NeededGrads) -> Gradients:
+        """Both gradients, each chunk's float32 logits computed once (``contract.Backend``)."""
+        products = _GradientProducts(problem, needed)
+        block_logits = _block_logits(problem)
+        for chunk in token_chunks(problem.hidden.shape[0], self.chunk_rows(problem.weight.shape[0])):
+            logits = block_logits(chunk)
+            targets = ShardTargets(*(part[chunk] for part in problem.targets))
+            saved, upstream = chunk_upstream(chunk, block_statistics(logits, *targets))
+            if needed.hidden or needed.weight:
+                products.add(chunk, logit_grad(logits, targets, saved, upstream).div_(problem.temperature))
+        return products.result()
+
+
+class _GradientProducts:
+    """The two gradient products, summed over chunks of the logits' gradient."""
+
+    def __init__(self, problem: ShardProblem, needed: NeededGrads):
+        self.hidden, self.weight = problem.hidden, problem.weight
+        self.grad_hidden = self.hidden.new_empty(self.hidden.shape) if needed.hidden else None
+        self.grad_weight = self.weight.new_zeros(self.weight.shape, dtype=torch.float32) if needed.weight else None
+
+    def add(self, chunk: slice, grad: torch.Tensor) -> None:
+        """Add the products of ``grad [chunk rows, vocab_shard]`` (float32, w.r.t. the unscaled logits)."""
+        # The products run in the weight's dtype, as the stock path's logits gradient does;
+        # each accumulates in float32, and a chunk's hidden gradient is rounded once.
+        grad = grad.to(self.weight.dtype)
+        if self.grad_hidden is not None:
+            add_product(self.grad_hidden[chunk], grad, self.weight, accumulate=False)
+        if self.grad_weight is not None:
+            add_product(self.grad_weight, grad.t(), self.hidden[chunk], accumulate=True)
+
+    def result(self) -> Gradients:
+        grad_weight = None if self.grad_weight is None else self.grad_weight.to(self.weight.dtype)
+        return Gradients(self.grad_hidden, grad_weight)
 
 
 def _block_logits(problem: ShardProblem) -> BlockLogits:

@@ -1,0 +1,108 @@
+"""Ready-made per-token losses for ``fused_linear_loss`` (and ``FusedLMHead.loss``).
+
+Each is a ``loss_fn(logprob, entropy, **inputs) -> [rows]``: one loss per token, computed from
+that token's float32 log-prob ``logprob_t`` and entropy ``H_t`` and its per-token inputs. The
+loss of a batch is their sum, so any normalization (a token mean, a per-sequence mean) is a
+per-token weight ``w_t`` passed among the inputs (``token_mean_weights`` makes the usual one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+Tensor = torch.Tensor
+
+# The log-ratio against the old policy is clamped to +-LOG_RATIO_LIMIT before exp, so that one
+# far off-policy token cannot overflow the ratio (its gradient is then 0, as in common trainers).
+LOG_RATIO_LIMIT = 20.0
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def token_mean_weights(loss_mask: Tensor) -> Tensor:
+    """Per-token weights ``w_t = mask_t / max(1, sum(mask))`` (float32, ``loss_mask``'s shape): the
+    sum of ``w_t * loss_t`` is the mean over the masked tokens. No host synchronization."""
+    mask = loss_mask.float()
+    return mask / mask.sum().clamp(min=1.0)
+
+
+def cross_entropy(logprob: Tensor, entropy: Tensor, *, weight: Tensor) -> Tensor:
+    """SFT token cross-entropy: ``loss_t = -w_t * logprob_t``.
+
+    ``weight [rows]``: per-token weights, e.g. ``token_mean_weights(loss_mask)`` for the mean
+    cross-entropy over the masked tokens, or the loss mask itself for their sum.
+    """
+    return -weight * logprob
+
+
+def kl_penalty(logprob: Tensor, ref_logprob: Tensor, estimator: str) -> Tensor:
+    """Per-token estimate of ``KL(policy || reference)`` from the sampled token, with
+    ``d_t = ref_logprob_t - logprob_t``: ``k1 = -d``, ``k2 = d**2 / 2``, ``k3 = exp(d) - d - 1``."""
+    log_ratio = ref_logprob - logprob
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "k3":
+        return torch.expm1(log_ratio) - log_ratio
+    raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+@dataclass(frozen=True)
+class ClippedPolicyLoss:
+    """The PPO / GRPO / DAPO clipped policy loss with optional entropy bonus and KL penalty.
+
+    Per token, with ``r_t = exp(logprob_t - old_logprob_t)`` and advantage ``A_t``::
+
+        pg_t   = max(-A_t * r_t, -A_t * clip(r_t, 1 - clip_low, 1 + clip_high))
+        pg_t   = min(pg_t, -A_t * dual_clip)            where A_t < 0, if dual_clip is set
+        loss_t = w_t * (pg_t - entropy_coef * H_t + kl_coef * KL_t)
+
+    ``KL_t`` is ``kl_penalty(logprob_t, ref_logprob_t, kl_estimator)``. DAPO's asymmetric clip is
+    ``clip_high > clip_low``; its token-level mean is ``w_t = token_mean_weights(response_mask)``.
+
+    Call it as ``loss_fn(logprob, entropy, old_logprob=..., advantages=..., weight=...,
+    ref_logprob=...)``: every input ``[rows]``; ``ref_logprob`` is needed when ``kl_coef != 0``.
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: Optional[float] = None
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+
+    def __post_init__(self):
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            raise ValueError(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+
+    def __call__(
+        self,
+        logprob: Tensor,
+        entropy: Tensor,
+        *,
+        old_logprob: Tensor,
+        advantages: Tensor,
+        weight: Tensor,
+        ref_logprob: Optional[Tensor] = None,
+    ) -> Tensor:
+        log_ratio = (logprob - old_logprob).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+        ratio = log_ratio.exp()
+        unclipped = -advantages * ratio
+        clipped = -advantages * ratio.clamp(1 - self.clip_low, 1 + self.clip_high)
+        loss = torch.maximum(unclipped, clipped)
+        if self.dual_clip is not None:
+            loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * self.dual_clip), loss)
+        if self.entropy_coef:
+            loss = loss - self.entropy_coef * entropy
+        if self.kl_coef:
+            if ref_logprob is None:
+                raise ValueError("ClippedPolicyLoss with kl_coef != 0 needs ref_logprob among the loss inputs")
+            loss = loss + self.kl_coef * kl_penalty(logprob, ref_logprob, self.kl_estimator)
+        return weight * loss

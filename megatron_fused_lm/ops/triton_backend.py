@@ -15,6 +15,13 @@ from its epilogue, and cuBLAS adds ``dz @ w`` into a float32 ``[token chunk, H]`
 to the weight's dtype once per token chunk). Working set besides the returned gradients: the
 ``dz`` block plus the float32 ``[token chunk, H]`` accumulator.
 
+Three GEMMs (``loss_gradients``, for a loss known in the forward): per token chunk of
+``loss_token_chunk`` rows, the forward kernel computes the statistics and keeps the chunk's
+logits as scaled float16 exponentials (``stored_exp``; float32 for float32 operands); once the
+caller has turned the statistics into upstream gradients, ``stored_logit_grads`` rewrites them
+as ``dz`` in place and cuBLAS runs the two products. ``grad_weight`` sums over the chunks in a
+float32 accumulator, so it is rounded once however many chunks there are.
+
 Both kernels read their operands through tensor descriptors (TMA on Hopper), which need unit last
 strides and 16-byte aligned rows: other layouts are copied once per call (``addressable``).
 
@@ -34,12 +41,13 @@ from typing import Optional
 import torch
 
 from .chunking import token_chunks
-from .contract import Gradients, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
+from .contract import ChunkUpstream, Gradients, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
 from .products import add_product
 from .softmax_stats import NUM_STATISTICS, merge_statistics
 from .triton_kernels.descriptors import addressable
 from .triton_kernels.logit_grad_kernel import logit_grad_block
 from .triton_kernels.softmax_stats_kernel import split_statistics
+from .triton_kernels.stored_grad_kernel import stored_logit_grads
 from .triton_kernels.tiles import Tiles
 
 TOKEN_CHUNK = 8192
@@ -51,6 +59,9 @@ WORKING_SET_BYTES = 256 * 2**20
 WORKING_SET_GRADIENT_SHARE = 0.1
 RESERVE_BYTES = 32 * 2**20
 VOCAB_CHUNK_MULTIPLE = 256  # keeps the cuBLAS products on whole tiles
+# The three-GEMM path keeps one token chunk's logits: STORED_LOGITS_BYTES of them at most.
+STORED_LOGITS_BYTES = 512 * 2**20
+NARROWING_ROWS = 4096  # rows per step when the float32 weight gradient is narrowed in place
 
 GPU_16BIT_TILES = Tiles(
     block_m=256, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3, dot_precision="tf32"
@@ -88,6 +99,12 @@ def choose_tiles_per_split(num_tokens: int, vocab: int, tiles: Tiles, programs: 
 
     candidates = {min(per_split, col_tiles) for per_split in TILES_PER_SPLIT}
     return min(candidates, key=lambda per_split: (column_tiles_per_slot(per_split), -per_split))
+
+
+def loss_token_chunk(vocab: int, element_size: int, tiles: Tiles) -> int:
+    """Rows per three-GEMM chunk: as many whole token tiles as ``STORED_LOGITS_BYTES`` holds."""
+    rows = STORED_LOGITS_BYTES // (element_size * vocab)
+    return max(tiles.block_m, rows // tiles.block_m * tiles.block_m)
 
 
 def memory_target_dz_bytes(gradient_bytes: int, accumulator_bytes: int) -> int:
@@ -187,5 +204,92 @@ class TritonBackend:
                 grad_hidden[tokens] = hidden_acc[:rows]
         return Gradients(grad_hidden, grad_weight)
 
+    def loss_gradients(self, problem: ShardProblem, chunk_upstream: ChunkUpstream, needed: NeededGrads) -> Gradients:
+        """Both gradients, each chunk's logits computed once (``contract.Backend``)."""
+        hidden, weight = problem.hidden, problem.weight
+        num_tokens, hidden_size = hidden.shape
+        vocab = weight.shape[0]
+        grad_hidden = hidden.new_empty(hidden.shape) if needed.hidden else None
+        accumulator = _WeightGradient(weight) if needed.weight else None
+        tiles = self.forward_tiles or choose_tiles(weight.dtype)[0]
+        stored_dtype = torch.float32 if weight.dtype == torch.float32 else torch.float16
+        element_size = torch.finfo(stored_dtype).bits // 8
+        token_chunk = min(self.token_chunk or loss_token_chunk(vocab, element_size, tiles), max(num_tokens, 1))
+        # Rows padded to 16 bytes: the kernel stores through a tensor descriptor.
+        padded_vocab = -(-vocab * element_size // 16) * 16 // element_size
+        stored = hidden.new_empty(token_chunk, padded_vocab, dtype=stored_dtype)[:, :vocab]
+        tile_max = hidden.new_empty(token_chunk, -(-vocab // tiles.block_n), dtype=torch.float32)
+        hidden_operand, weight_operand = addressable(hidden), addressable(weight)
+        target_columns = problem.targets.columns()
+        for tokens in token_chunks(num_tokens, token_chunk):
+            rows = tokens.stop - tokens.start
+            tiles_per_split = self.tiles_per_split or choose_tiles_per_split(
+                rows, vocab, tiles, self._programs(weight.device)
+            )
+            parts = split_statistics(
+                hidden_operand[tokens], weight_operand, target_columns[tokens], 1.0 / problem.temperature,
+                tiles, tiles_per_split, stored[:rows], tile_max[:rows],
+            )  # fmt: skip
+            saved, upstream = chunk_upstream(tokens, merge_statistics(parts))
+            if grad_hidden is None and accumulator is None:
+                continue
+            logit_grads = stored_logit_grads(
+                stored[:rows], tile_max[:rows], weight.dtype, target_columns[tokens],
+                SavedStatistics(*(part.contiguous() for part in saved)),
+                UpstreamGrads(*(None if part is None else part.contiguous() for part in upstream)),
+                1.0 / problem.temperature, tiles.block_n,
+            )  # fmt: skip
+            if grad_hidden is not None:
+                add_product(grad_hidden[tokens], logit_grads, weight, accumulate=False)
+            if accumulator is not None:
+                accumulator.add(logit_grads, hidden[tokens], accumulate=tokens.start > 0)
+        if grad_hidden is not None and num_tokens == 0:
+            grad_hidden.zero_()
+        return Gradients(grad_hidden, None if accumulator is None else accumulator.result(num_tokens > 0))
+
     def _programs(self, device: torch.device) -> int:
         return self.programs or multiprocessors(device)
+
+
+class _WeightGradient:
+    """``grad_weight [V, H]`` summed over token chunks in float32, returned in the weight's dtype.
+
+    For a 16-bit weight the accumulator is two float32 halves, and the result is narrowed into the
+    first half's memory (exactly the result's size), so the peak is the float32 accumulator alone
+    rather than the accumulator plus a 16-bit copy.
+    """
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        vocab = weight.shape[0]
+        if weight.dtype == torch.float32:
+            self.halves = [(slice(0, vocab), torch.empty_like(weight))]
+        else:
+            middle = -(-vocab // 2)
+            self.halves = [
+                (rows, weight.new_empty(rows.stop - rows.start, weight.shape[1], dtype=torch.float32))
+                for rows in (slice(0, middle), slice(middle, vocab))
+            ]
+
+    def add(self, logit_grads: torch.Tensor, hidden: torch.Tensor, accumulate: bool) -> None:
+        """Add ``logit_grads.T @ hidden`` for one token chunk (``logit_grads [rows, V]``)."""
+        for rows, half in self.halves:
+            add_product(half, logit_grads[:, rows].t(), hidden, accumulate=accumulate)
+
+    def result(self, nonempty: bool) -> torch.Tensor:
+        """The gradient in the weight's dtype; zeros when no chunk was added."""
+        if not nonempty:
+            return torch.zeros_like(self.weight)
+        (_, first), *rest = self.halves
+        if not rest:
+            return first
+        ((second_rows, second),) = rest
+        out = torch.empty(0, dtype=self.weight.dtype, device=first.device)
+        out.set_(first.untyped_storage(), 0, self.weight.shape, (self.weight.shape[1], 1))
+        # Narrowed row r lands in bytes [2rH, 2(r+1)H) of the first half, below the float32 rows not
+        # yet read (>= 4rH): each step reads its rows into a temporary before writing them.
+        for rows in token_chunks(first.shape[0], NARROWING_ROWS):
+            out[rows] = first[rows].to(out.dtype)
+        out[second_rows] = second  # lands on float32 rows of the first half read above
+        self.halves = []
+        return out

@@ -4,7 +4,8 @@ against the float64 oracle.
 The interpreter is chosen when Triton first loads, so each case runs in a subprocess: this file,
 run as a script with the case as JSON. The backend is built here with small tiles (the CUDA tiles
 would take minutes to interpret), two vocabulary splits and a two-program backward grid, so that
-every case crosses several tiles, splits and programs.
+every case crosses several tiles, splits and programs. Each case runs the four-GEMM path
+(statistics, then the recomputing backward) or the three-GEMM one (``loss_gradients``).
 """
 
 from __future__ import annotations
@@ -57,11 +58,25 @@ def run_case_here(case: dict) -> dict:
     problem = ShardProblem(
         hidden, weight, ShardTargets(targets, torch.ones(tokens, dtype=torch.bool)), case["temperature"]
     )
-    summary = summarize(backend.local_statistics(problem))
-    grads = backend.local_gradients(
-        problem, summary.saved, UpstreamGrads(grad_logprob, grad_entropy), NeededGrads(hidden=True, weight=True)
-    )
-    logprob, entropy = summary.logprob, summary.entropy
+    needed = NeededGrads(hidden=True, weight=True)
+    if case.get("three_gemm"):
+        # The loss path: the caller's step sees each chunk's statistics once, in order.
+        logprob, entropy = torch.empty(tokens), torch.empty(tokens)
+        chunk_starts = []
+
+        def chunk_upstream(rows, local_statistics):
+            chunk_starts.append(rows.start)
+            summary = summarize(local_statistics)
+            logprob[rows], entropy[rows] = summary.logprob, summary.entropy
+            upstream = [None if grad is None else grad[rows] for grad in (grad_logprob, grad_entropy)]
+            return summary.saved, UpstreamGrads(*upstream)
+
+        grads = backend.loss_gradients(problem, chunk_upstream, needed)
+        assert chunk_starts == sorted(chunk_starts) and len(set(chunk_starts)) == len(chunk_starts)
+    else:
+        summary = summarize(backend.local_statistics(problem))
+        grads = backend.local_gradients(problem, summary.saved, UpstreamGrads(grad_logprob, grad_entropy), needed)
+        logprob, entropy = summary.logprob, summary.entropy
     expected = reference(hidden, weight, targets, case["temperature"], grad_logprob, grad_entropy)
     return {
         "logprob": max_abs_error(logprob, expected.logprob),
@@ -99,16 +114,18 @@ def check(result: dict, dtype: str) -> None:
     assert result["grad_hidden"] <= grad_tol and result["grad_weight"] <= grad_tol, result
 
 
+@pytest.mark.parametrize("three_gemm", [False, True], ids=["recompute", "three_gemm"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_odd_sizes_and_temperature(dtype):
+def test_odd_sizes_and_temperature(dtype, three_gemm):
     # Prime vocabulary (not a multiple of the tile) and hidden size (not a multiple of block_k).
-    result = run_case(dtype=dtype, shape=[37, 45, 211], temperature=0.7, hidden_scale=2.0)
+    result = run_case(dtype=dtype, shape=[37, 45, 211], temperature=0.7, hidden_scale=2.0, three_gemm=three_gemm)
     check(result, dtype)
     assert result["grad_dtypes"] == [f"torch.{dtype}"] * 2
 
 
-def test_peaky_logits():
-    result = run_case(dtype="float32", shape=[20, 48, 97], hidden_scale=30.0, seed=1)
+@pytest.mark.parametrize("three_gemm", [False, True], ids=["recompute", "three_gemm"])
+def test_peaky_logits(three_gemm):
+    result = run_case(dtype="float32", shape=[20, 48, 97], hidden_scale=30.0, seed=1, three_gemm=three_gemm)
     # Logits reach about 200 here: float32 rounding of the logits themselves is ~1e-5 (measured
     # log-prob error 1.4e-5), so the value bound scales with them.
     assert result["logprob"] <= 1e-4 and result["entropy"] <= 1e-4, result
@@ -121,13 +138,24 @@ def test_backward_blocked_over_tokens_and_vocabulary():
     check(result, "float32")
 
 
-def test_entropy_grad_false_and_strided_inputs():
-    result = run_case(dtype="float16", shape=[24, 40, 131], entropy_grad=False, strided=True, seed=3)
+@pytest.mark.parametrize("three_gemm", [False, True], ids=["recompute", "three_gemm"])
+def test_entropy_grad_false_and_strided_inputs(three_gemm):
+    result = run_case(
+        dtype="float16", shape=[24, 40, 131], entropy_grad=False, strided=True, seed=3, three_gemm=three_gemm
+    )
     check(result, "float16")
 
 
-def test_zero_tokens():
-    result = run_case(dtype="float32", shape=[0, 16, 50])
+def test_three_gemm_token_chunks():
+    # 3 token chunks (the last partial), each one forward, one dz pass and its products; the
+    # float32 weight gradient summed over them.
+    result = run_case(dtype="float16", shape=[40, 33, 601], token_chunk=16, seed=4, three_gemm=True)
+    check(result, "float16")
+
+
+@pytest.mark.parametrize("three_gemm", [False, True], ids=["recompute", "three_gemm"])
+def test_zero_tokens(three_gemm):
+    result = run_case(dtype="float32", shape=[0, 16, 50], three_gemm=three_gemm)
     assert result["grad_weight_zero"]
 
 

@@ -8,12 +8,20 @@ per-token statistics (max, sum-exp, exp-weighted logits measured from the max, t
 ``softmax_stats``). A program writes one ``[block_m, 4]`` slice of ``parts [num_splits, n, 4]``;
 ``merge_statistics`` combines the splits.
 
+For the three-GEMM path (a loss known in the forward) the kernel also keeps the logits for the
+gradient, as each tile's exponentials ``exp(z - m) * EXP_SCALE`` (``m``: the running maximum when
+the tile was folded in, stored per row and tile in ``tile_max``), in float16 for 16-bit operands:
+exponentials in ``[0, 1]`` keep float16's full relative precision (2^-11, finer than the bfloat16
+``dz`` they become), and the scale lifts them clear of its subnormal range.
+
 Splitting the vocabulary gives ``token tiles x splits`` programs, so a few thousand tokens still
 fill the GPU, while each program reuses its hidden tile over many weight tiles. (A persistent grid
 measured no faster: each program already runs several whole tiles back to back.)
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -22,6 +30,10 @@ import triton.language as tl
 from ..softmax_stats import NUM_STATISTICS
 from .descriptors import addressable, descriptor
 from .tiles import Tiles
+
+# Stored exponentials are scaled by EXP_SCALE (a power of two, so exactly): values in [0, 1] then
+# use float16's normal range down to 2^-29.
+EXP_SCALE = 32768.0
 
 
 @triton.jit
@@ -38,6 +50,11 @@ def softmax_stats_kernel(
     stride_parts_split,
     stride_parts_token,
     inv_temperature,
+    exp_desc,
+    tile_max_ptr,
+    stride_tile_max,
+    STORE_EXP: tl.constexpr,
+    EXP_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -93,6 +110,10 @@ def softmax_stats_kernel(
             running_max = new_max
             is_target = tl.arange(0, BLOCK_N)[None, :] == (target_column - col0)[:, None]
             target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)
+            if STORE_EXP:
+                exp_desc.store([row0, col0], (weights * EXP_SCALE).to(exp_desc.dtype))
+                tile_max_out = tile_max_ptr + rows.to(tl.int64) * stride_tile_max + col0 // BLOCK_N
+                tl.store(tile_max_out, new_max, mask=row_valid)
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
 
     out = parts_ptr + split.to(tl.int64) * stride_parts_split + rows.to(tl.int64) * stride_parts_token
@@ -109,12 +130,18 @@ def split_statistics(
     inv_temperature: float,
     tiles: Tiles,
     tiles_per_split: int,
+    stored_exp: Optional[torch.Tensor] = None,
+    tile_max: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Statistics ``[num_splits, n, 4]`` (float32) of each vocabulary split.
 
     ``hidden [n >= 1, H]`` and ``weight [V, H]`` share a dtype (any strides); ``target_column
     [n]`` (int64, contiguous) is the target's row in ``weight``, or -1 where this shard does not
     own it. Columns are the ``softmax_stats`` order (MAX, SUMEXP, SUMEXP_Z, TARGET).
+
+    With ``stored_exp [n, V]`` (unit last stride, 16-byte aligned rows; float16 or float32) and
+    ``tile_max [n, cdiv(V, block_n)]`` (float32, unit last stride), the kernel also stores every
+    logit as ``exp(z - tile_max[row, z's column tile]) * EXP_SCALE``.
     """
     num_tokens, hidden_size = hidden.shape
     vocab = weight.shape[0]
@@ -134,6 +161,11 @@ def split_statistics(
         parts.stride(0),
         parts.stride(1),
         inv_temperature,
+        None if stored_exp is None else descriptor(stored_exp, [tiles.block_m, tiles.block_n]),
+        tile_max,
+        0 if tile_max is None else tile_max.stride(0),
+        STORE_EXP=stored_exp is not None,
+        EXP_SCALE=EXP_SCALE,
         **tiles.launch_options(),
     )
     return parts

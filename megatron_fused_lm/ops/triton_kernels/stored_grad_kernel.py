@@ -23,7 +23,9 @@ import triton.language as tl
 from ..contract import SavedStatistics, UpstreamGrads
 from .softmax_stats_kernel import EXP_SCALE
 
-ROWS_PER_PROGRAM = 32
+# Launch shape measured on an H100 (2026-11-22, 2048 x 151936 block): 16 rows x 128 columns with 4
+# warps moved 2.5 TB/s, 32 rows 1.8 TB/s, 64 rows 1.2 TB/s.
+ROWS_PER_PROGRAM = 16
 NUM_WARPS = 4
 
 
@@ -84,6 +86,8 @@ def stored_logit_grads(
     upstream: UpstreamGrads,
     inv_temperature: float,
     tile_width: int,
+    rows_per_program: int = ROWS_PER_PROGRAM,
+    num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     """``dz / T`` ``[n, V]`` in ``grad_dtype``, written over ``stored_exp [n, V]`` (unit last
     stride; ``grad_dtype`` of its element size) and returned as a view of the same memory.
@@ -91,11 +95,12 @@ def stored_logit_grads(
     ``tile_max [n, cdiv(V, tile_width)]`` float32 and ``tile_width`` are the forward's;
     ``target_column [n]`` (int64) is the target's column, -1 where this shard does not own it;
     ``saved`` and ``upstream`` hold ``[n]`` float32 contiguous tensors (``None``: no term).
+    ``rows_per_program`` and ``num_warps`` shape the launch.
     """
     num_tokens, vocab = stored_exp.shape
     grad = stored_exp.view(grad_dtype)
     grad_logprob, grad_entropy = upstream
-    grid = (triton.cdiv(vocab, tile_width), triton.cdiv(num_tokens, ROWS_PER_PROGRAM))
+    grid = (triton.cdiv(vocab, tile_width), triton.cdiv(num_tokens, rows_per_program))
     stored_grad_kernel[grid](
         stored_exp,
         grad,
@@ -114,8 +119,8 @@ def stored_logit_grads(
         HAS_GRAD_ENTROPY=grad_entropy is not None,
         EXP_SCALE=EXP_SCALE,
         LOG_EXP_SCALE=math.log(EXP_SCALE),
-        BLOCK_M=ROWS_PER_PROGRAM,
+        BLOCK_M=rows_per_program,
         BLOCK_N=tile_width,
-        num_warps=NUM_WARPS,
+        num_warps=num_warps,
     )
     return grad

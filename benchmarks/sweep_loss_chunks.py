@@ -1,0 +1,133 @@
+"""Time the Triton backend's three-GEMM pass (``loss_gradients``) over token chunks and forward
+tiles, against the three cuBLAS GEMMs, and split one chunk's time into its phases.
+
+Each variant runs the backend directly (a fixed upstream gradient per chunk, no autograd), so the
+figures isolate the pass from the op around it. Phases of one chunk: the forward kernel without
+and with the stored exponentials, the ``dz`` kernel, and the two cuBLAS products.
+
+    python benchmarks/sweep_loss_chunks.py [--shapes 8192x4096x151936] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton.testing
+from harness import parse_shapes
+
+from megatron_fused_lm.ops.contract import NeededGrads, ShardProblem, ShardTargets, UpstreamGrads
+from megatron_fused_lm.ops.products import add_product
+from megatron_fused_lm.ops.softmax_stats import merge_statistics, summarize
+from megatron_fused_lm.ops.triton_backend import TritonBackend, choose_tiles, choose_tiles_per_split, multiprocessors
+from megatron_fused_lm.ops.triton_kernels.softmax_stats_kernel import split_statistics
+from megatron_fused_lm.ops.triton_kernels.stored_grad_kernel import stored_logit_grads
+from megatron_fused_lm.ops.triton_kernels.tiles import Tiles
+
+TOKEN_CHUNKS = (None, 1024, 2048, 3072, 4096)
+FORWARD_CANDIDATES = (
+    None,
+    Tiles(256, 128, 64, 8, 8, 2, "tf32"),
+    Tiles(128, 256, 64, 8, 8, 3, "tf32"),
+    Tiles(128, 128, 64, 8, 4, 4, "tf32"),
+)
+
+
+def median_ms(fn):
+    return triton.testing.do_bench(fn, warmup=2, rep=20, return_mode="median")
+
+
+def make_problem(tokens, hidden_size, vocab):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, device="cuda", generator=gen).bfloat16()
+    weight = (torch.randn(vocab, hidden_size, device="cuda", generator=gen) * (4.0 / hidden_size**0.5)).bfloat16()
+    targets = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
+    upstream = torch.randn(tokens, device="cuda", generator=gen), torch.randn(tokens, device="cuda", generator=gen)
+    owned = torch.ones(tokens, dtype=torch.bool, device="cuda")
+    return ShardProblem(hidden, weight, ShardTargets(targets, owned), 1.0), upstream
+
+
+def three_gemms(problem):
+    hidden, weight = problem.hidden, problem.weight
+    logits = hidden.new_empty(hidden.shape[0], weight.shape[0])
+    grad_hidden, grad_weight = torch.empty_like(hidden), torch.empty_like(weight)
+
+    def run():
+        torch.mm(hidden, weight.t(), out=logits)
+        torch.mm(logits, weight, out=grad_hidden)
+        torch.mm(logits.t(), hidden, out=grad_weight)
+
+    return run
+
+
+def backend_pass(backend, problem, upstream):
+    grad_logprob, grad_entropy = upstream
+
+    def chunk_upstream(rows, local_statistics):
+        return summarize(local_statistics).saved, UpstreamGrads(grad_logprob[rows], grad_entropy[rows])
+
+    return lambda: backend.loss_gradients(problem, chunk_upstream, NeededGrads(True, True))
+
+
+def chunk_phases(problem, upstream, token_chunk):
+    """Milliseconds of each phase of one chunk of ``token_chunk`` rows (default tiles)."""
+    hidden, weight = problem.hidden[:token_chunk], problem.weight
+    vocab = weight.shape[0]
+    tiles = choose_tiles(weight.dtype)[0]
+    per_split = choose_tiles_per_split(token_chunk, vocab, tiles, multiprocessors(weight.device))
+    columns = problem.targets.local[:token_chunk]
+    stored = hidden.new_empty(token_chunk, -(-vocab // 8) * 8, dtype=torch.float16)[:, :vocab]
+    tile_max = hidden.new_empty(token_chunk, -(-vocab // tiles.block_n), dtype=torch.float32)
+    parts = split_statistics(hidden, weight, columns, 1.0, tiles, per_split, stored, tile_max)
+    saved = summarize(merge_statistics(parts)).saved
+    chunk_upstream = UpstreamGrads(*(grad[:token_chunk].contiguous() for grad in upstream))
+    grads = stored_logit_grads(stored, tile_max, weight.dtype, columns, saved, chunk_upstream, 1.0, tiles.block_n)
+    grad_hidden = torch.empty_like(hidden, dtype=torch.float32)
+    accumulator = weight.new_empty(weight.shape, dtype=torch.float32)
+    return {
+        "forward": median_ms(lambda: split_statistics(hidden, weight, columns, 1.0, tiles, per_split)),
+        "forward_storing": median_ms(
+            lambda: split_statistics(hidden, weight, columns, 1.0, tiles, per_split, stored, tile_max)
+        ),
+        "dz": median_ms(
+            lambda: stored_logit_grads(
+                stored, tile_max, weight.dtype, columns, saved, chunk_upstream, 1.0, tiles.block_n
+            )
+        ),
+        "grad_hidden_gemm_fp32": median_ms(lambda: add_product(grad_hidden, grads, weight, accumulate=False)),
+        "grad_weight_gemm_fp32": median_ms(lambda: add_product(accumulator, grads.t(), hidden, accumulate=True)),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", type=parse_shapes, default="8192x4096x151936,32768x4096x151936")
+    parser.add_argument("--json", default="sweep_loss_chunks.json")
+    args = parser.parse_args()
+    results = []
+    for shape in args.shapes:
+        problem, upstream = make_problem(*shape)
+        floor_ms = median_ms(three_gemms(problem))
+        print(f"{shape}: three GEMMs {floor_ms:.2f} ms")
+        for token_chunk in TOKEN_CHUNKS:
+            for tiles in FORWARD_CANDIDATES:
+                backend = TritonBackend(token_chunk=token_chunk, forward_tiles=tiles)
+                try:
+                    ms = median_ms(backend_pass(backend, problem, upstream))
+                except Exception as error:  # a tile shape that does not fit the shared memory
+                    print(f"  chunk {token_chunk} tiles {tiles}: {type(error).__name__}: {str(error)[:120]}")
+                    continue
+                results.append(dict(shape=shape, token_chunk=token_chunk, tiles=tiles, ms=ms, floor_ms=floor_ms))
+                print(f"  chunk {token_chunk} tiles {tiles and tiles[:6]}: {ms:.2f} ms = {ms / floor_ms:.3f}x floor")
+        phases = chunk_phases(problem, upstream, 2048)
+        print("  one 2048-row chunk:", {name: round(ms, 3) for name, ms in phases.items()})
+        results.append(dict(shape=shape, phases_2048=phases))
+        del problem, upstream
+        torch.cuda.empty_cache()
+    with open(args.json, "w") as handle:
+        json.dump(results, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()

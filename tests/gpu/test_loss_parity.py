@@ -1,0 +1,104 @@
+"""The three-GEMM loss path (``fused_linear_loss``) on CUDA against the float64 oracle, next to the
+four-GEMM recompute path (``fused_linear_logprob`` with the same loss taken outside) on the same
+inputs.
+
+Bounds:
+- log-prob and entropy metrics: the same float32 statistics as the recompute path, so the same
+  bound, ``VALUE_BOUND * |z|max`` (test_triton_parity.py says how it was measured).
+- gradients, as relative L2 errors against the float64 oracle: at most ``GRAD_RATIO`` times the
+  recompute path's own on the same inputs (both round ``dz`` and the results to bf16; the
+  three-GEMM path also rounds the stored exponentials to float16, 2^-11, finer than bf16's 2^-8,
+  and sums the weight gradient over its token chunks in float32). A dropped or misplaced term
+  is off by O(1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from devkit.oracle import logprob_entropy, max_abs_error
+from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, losses
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+VALUE_BOUND = 2e-5  # times the largest |logit|
+GRAD_RATIO = 1.2
+# (tokens, hidden, vocab): one chunk; several 1536-row chunks of a real vocabulary; a prime vocabulary.
+SHAPES = [(1024, 4096, 151936), (4096, 2048, 151936), (1000, 1000, 30011)]
+
+
+def make_case(tokens, hidden_size, vocab, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(tokens, hidden_size, device="cuda", generator=gen).bfloat16()
+    weight = (torch.randn(vocab, hidden_size, device="cuda", generator=gen) * (4.0 / hidden_size**0.5)).bfloat16()
+    targets = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
+    return hidden, weight, targets, gen
+
+
+def loss_cases(hidden, weight, targets, gen):
+    """``{name: (loss_fn, loss_inputs)}``: SFT mean cross-entropy and a GRPO-style policy loss."""
+    tokens = targets.shape[0]
+    mask = torch.rand(tokens, device="cuda", generator=gen) < 0.8
+    with torch.no_grad():
+        current = fused_linear_logprob(hidden, weight, targets, backend="triton")
+    policy_inputs = dict(
+        old_logprob=current + 0.1 * torch.randn(tokens, device="cuda", generator=gen),
+        ref_logprob=current + 0.1 * torch.randn(tokens, device="cuda", generator=gen),
+        advantages=torch.randn(tokens, device="cuda", generator=gen),
+        weight=losses.token_mean_weights(mask),
+    )
+    policy = losses.ClippedPolicyLoss(clip_high=0.28, entropy_coef=0.01, kl_coef=0.05)
+    return {
+        "sft": (losses.cross_entropy, dict(weight=losses.token_mean_weights(mask))),
+        "policy": (policy, policy_inputs),
+    }
+
+
+def float64_reference(hidden, weight, targets, loss_fn, loss_inputs):
+    """``(logprob, entropy, grad_hidden, grad_weight)`` in float64."""
+    leaves = [tensor.detach().double().requires_grad_() for tensor in (hidden, weight)]
+    logprob, entropy = logprob_entropy(leaves[0] @ leaves[1].t(), targets)
+    loss = loss_fn(logprob, entropy, **{name: value.double() for name, value in loss_inputs.items()}).sum()
+    return (logprob.detach(), entropy.detach(), *torch.autograd.grad(loss, leaves))
+
+
+def recompute_path(hidden, weight, targets, loss_fn, loss_inputs, backend):
+    hidden, weight = (tensor.detach().requires_grad_() for tensor in (hidden, weight))
+    logprob, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, backend=backend)
+    loss_fn(logprob, entropy, **loss_inputs).sum().backward()
+    return logprob.detach(), entropy.detach(), hidden.grad, weight.grad
+
+
+def three_gemm_path(hidden, weight, targets, loss_fn, loss_inputs, backend):
+    hidden, weight = (tensor.detach().requires_grad_() for tensor in (hidden, weight))
+    result = fused_linear_loss(hidden, weight, targets, loss_fn, loss_inputs=loss_inputs, backend=backend)
+    result.loss.backward()
+    return result.logprob, result.entropy, hidden.grad, weight.grad
+
+
+def relative_l2(actual, expected):
+    return float((actual.double() - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("loss_name", ["sft", "policy"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda shape: "x".join(map(str, shape)))
+def test_three_gemm_path_against_float64(shape, loss_name, backend):
+    hidden, weight, targets, gen = make_case(*shape)
+    loss_fn, loss_inputs = loss_cases(hidden, weight, targets, gen)[loss_name]
+    expected = float64_reference(hidden, weight, targets, loss_fn, loss_inputs)
+    ours = three_gemm_path(hidden, weight, targets, loss_fn, loss_inputs, backend)
+    recompute = recompute_path(hidden, weight, targets, loss_fn, loss_inputs, backend)
+    largest_logit = (hidden.double() @ weight.double().t()).abs().max().item()
+    for name, index in (("logprob", 0), ("entropy", 1)):
+        error = max_abs_error(ours[index], expected[index])
+        assert error <= VALUE_BOUND * largest_logit, (name, error)
+    for name, index in (("grad_hidden", 2), ("grad_weight", 3)):
+        ours_error = relative_l2(ours[index], expected[index])
+        recompute_error = relative_l2(recompute[index], expected[index])
+        assert ours[index].dtype == torch.bfloat16
+        assert ours_error <= GRAD_RATIO * recompute_error, (name, ours_error, recompute_error)

@@ -139,6 +139,11 @@ def _forward_gradients(
     return grads
 
 
+def _needed_grads(ctx, grad_enabled: bool) -> NeededGrads:
+    # needs_input_grad ignores grad mode; under no_grad the forward computes no gradients.
+    return NeededGrads(*(grad_enabled and needed for needed in ctx.needs_input_grad[:2]))
+
+
 def _scaled(grad: Optional[Tensor], scale: Tensor) -> Optional[Tensor]:
     # One rounding of the product (a 0-dim float32 scale keeps the gradient's dtype).
     return None if grad is None else grad.mul_(scale)
@@ -146,9 +151,9 @@ def _scaled(grad: Optional[Tensor], scale: Tensor) -> Optional[Tensor]:
 
 class _FusedLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, local_target, owned, loss_fn, inputs, options: LossOptions):
+    def forward(ctx, hidden, weight, local_target, owned, loss_fn, inputs, options: LossOptions, grad_enabled):
         chunk_loss = _ChunkLoss(loss_fn, inputs, hidden.shape[0], hidden.device, options.tp_group)
-        needed = NeededGrads(*ctx.needs_input_grad[:2])
+        needed = _needed_grads(ctx, grad_enabled)
         grads = _forward_gradients(hidden, weight, ShardTargets(local_target, owned), chunk_loss, options, needed)
         ctx.grads = grads
         ctx.mark_non_differentiable(chunk_loss.logprob, chunk_loss.entropy)
@@ -159,7 +164,7 @@ class _FusedLossFunction(torch.autograd.Function):
         grads, ctx.grads = ctx.grads, None  # a second backward through this graph has nothing left
         if grads is None:
             raise RuntimeError("fused_linear_loss: its gradients were used by an earlier backward")
-        return _scaled(grads.hidden, grad_loss), _scaled(grads.weight, grad_loss), None, None, None, None, None
+        return _scaled(grads.hidden, grad_loss), _scaled(grads.weight, grad_loss), None, None, None, None, None, None
 
 
 def fused_linear_loss(
@@ -217,7 +222,13 @@ def fused_linear_loss(
         inputs = {name: value.index_select(0, selection.rows) for name, value in inputs.items()}
     options = LossOptions(float(temperature), backend, chunk_size, tp_group, reduce_hidden_grad)
     loss, logprob, entropy = _FusedLossFunction.apply(
-        selection.take(hidden).to(weight.dtype), weight, *selection.targets, loss_fn, inputs, options
+        selection.take(hidden).to(weight.dtype),
+        weight,
+        *selection.targets,
+        loss_fn,
+        inputs,
+        options,
+        torch.is_grad_enabled(),
     )
     return FusedLoss(loss, selection.place(logprob), selection.place(entropy))
 
@@ -247,10 +258,10 @@ def proportional_scale(upstream: Tensor, declared: Tensor) -> Optional[Tensor]:
 
 class _DeclaredCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, local_target, owned, declared, options: LossOptions):
+    def forward(ctx, hidden, weight, local_target, owned, declared, options: LossOptions, grad_enabled):
         inputs = {"declared_weight": declared}
         chunk_loss = _ChunkLoss(_declared_cross_entropy, inputs, hidden.shape[0], hidden.device, options.tp_group)
-        needed = NeededGrads(*ctx.needs_input_grad[:2])
+        needed = _needed_grads(ctx, grad_enabled)
         ctx.grads = _forward_gradients(hidden, weight, ShardTargets(local_target, owned), chunk_loss, options, needed)
         ctx.options = options
         ctx.save_for_backward(hidden, weight, local_target, owned, declared, chunk_loss.lse, chunk_loss.mean_logit)
@@ -264,7 +275,7 @@ class _DeclaredCrossEntropyFunction(torch.autograd.Function):
             raise RuntimeError("fused_linear_cross_entropy: its gradients were used by an earlier backward")
         scale = proportional_scale(grad_losses, declared)
         if scale is not None:
-            return _scaled(grads.hidden, scale), _scaled(grads.weight, scale), None, None, None, None
+            return _scaled(grads.hidden, scale), _scaled(grads.weight, scale), None, None, None, None, None
         # Not the declared loss: the exact gradient of this upstream, by the recompute path.
         options: LossOptions = ctx.options
         need_hidden, need_weight = ctx.needs_input_grad[:2]
@@ -273,7 +284,8 @@ class _DeclaredCrossEntropyFunction(torch.autograd.Function):
             options.temperature, options.backend, options.token_chunk, group_name(options.tp_group),
             options.reduce_hidden_grad, need_hidden, need_weight,
         )  # fmt: skip
-        return grad_hidden if need_hidden else None, grad_weight if need_weight else None, None, None, None, None
+        grad_hidden, grad_weight = (grad_hidden if need_hidden else None), (grad_weight if need_weight else None)
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -314,6 +326,11 @@ def fused_linear_cross_entropy(
         raise TypeError(f"declared_weights must be float or bool, got {declared.dtype}")
     options = LossOptions(float(temperature), backend, chunk_size, tp_group, reduce_hidden_grad)
     losses = _DeclaredCrossEntropyFunction.apply(
-        selection.take(hidden).to(weight.dtype), weight, *selection.targets, declared.float(), options
+        selection.take(hidden).to(weight.dtype),
+        weight,
+        *selection.targets,
+        declared.float(),
+        options,
+        torch.is_grad_enabled(),
     )
     return selection.place(losses)

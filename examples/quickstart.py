@@ -85,11 +85,16 @@ def run(rank: int, world_size: int, port: int, use_cuda: bool) -> None:
 
 
 def run_megatron_on_cpu() -> None:
-    """Megatron's GPTModel forward assumes a GPU in two places that matter nowhere else."""
+    """Megatron's GPTModel forward assumes a GPU in two places that matter nowhere else, and its
+    schedule (``get_forward_backward_func``) in one more."""
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 
     torch.cuda.current_device = lambda: "cpu"  # the attention scratch buffer's device
     CudaRNGStatesTracker.fork = lambda self, *args, **kwargs: contextlib.nullcontext()  # no dropout here
+    cuda_zeros = torch.zeros  # the schedule counts tokens in torch.zeros(..., device="cuda")
+    torch.zeros = lambda *args, device=None, **kwargs: cuda_zeros(
+        *args, device="cpu" if device == "cuda" else device, **kwargs
+    )
 
 
 def build_model(device: torch.device, seed: int = 0):

@@ -10,7 +10,9 @@ While a model is wrapped with the fused head on:
   ``hidden [b, s, h]`` where the stock model returns ``logits [b, s, vocab/TP]``.
 - ``compute_language_model_loss(labels [b, s], hidden [s, b, h])`` returns the stock per-token
   cross-entropy ``[b, s]`` (float32) computed by ``fused_linear_logprob``, so
-  ``model(..., labels=labels)`` and multi-token-prediction heads keep working.
+  ``model(..., labels=labels)`` and multi-token-prediction heads keep working. After
+  ``head.declare_loss_weights(loss_mask)`` it is ``fused_linear_cross_entropy`` instead: the
+  gradients are finished in the forward (three GEMMs) for a loss ``c * sum(losses * loss_mask)``.
 
 Both patches are instance attributes; ``unwrap_model`` deletes them and the class methods apply
 again.
@@ -19,14 +21,22 @@ again.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from .._logging import warn_once
-from ..ops import fused_linear_logprob, logits_logprob
+from ..ops import (
+    FusedLoss,
+    fused_linear_cross_entropy,
+    fused_linear_logprob,
+    fused_linear_loss,
+    logits_logprob,
+    logits_loss,
+)
+from ..ops.loss import LossFn
 from .config import FusedLMConfig
 from .megatron_compat import (
     derives_mtp_metrics_from_logits,
@@ -115,8 +125,23 @@ class _Patch:
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """``labels [b, s]`` global ids, ``logits``: what the patched output layer returned,
         ``hidden [s, b, h]`` (possibly scaled by MuP) -> per-token cross-entropy ``[b, s]`` float32."""
-        logprob = self.head._fused_logprobs(logits, labels.transpose(0, 1), temperature=1.0)
-        return (-logprob).transpose(0, 1).contiguous()
+        head, targets = self.head, labels.transpose(0, 1)
+        declared = head._declared_weights
+        if declared is None:
+            losses = -head._fused_logprobs(logits, targets, temperature=1.0)
+        else:
+            if declared.shape != labels.shape:
+                raise ValueError(
+                    f"the declared loss weights have shape {tuple(declared.shape)} but the labels {tuple(labels.shape)}; "
+                    "declare this batch's weights before its forward, or clear them with declare_loss_weights(None)"
+                )
+            call = head._call_for(logits)
+            losses = fused_linear_cross_entropy(
+                logits, call.weight, targets, declared.transpose(0, 1), tp_group=call.tp_group,
+                backend=head.config.backend, chunk_size=head.config.chunk_size,
+                reduce_hidden_grad=call.reduce_hidden_grad,
+            )  # fmt: skip
+        return losses.transpose(0, 1).contiguous()
 
 
 class FusedLMHead:
@@ -136,6 +161,7 @@ class FusedLMHead:
         self._patches: List[_Patch] = []
         self._stock_layers: List[Tuple[torch.nn.Module, torch.nn.Module]] = []
         self._last_call: Optional[_HeadCall] = None
+        self._declared_weights: Optional[torch.Tensor] = None
         self._detached = False
 
     def logprobs(
@@ -182,7 +208,71 @@ class FusedLMHead:
             output, targets, tp_group=self._logits_group(output), chunk_size=self.config.chunk_size, **options
         )
 
-    def _fused_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, **options):
+    def loss(
+        self,
+        output: torch.Tensor,
+        targets: torch.Tensor,
+        loss_fn: LossFn,
+        *,
+        loss_inputs: Optional[Dict[str, torch.Tensor]] = None,
+        mask: Optional[torch.Tensor] = None,
+        temperature: float = 1.0,
+    ) -> FusedLoss:
+        """The summed per-token loss ``sum_t loss_fn(logprob_t, entropy_t, inputs_t)``, with the
+        gradients finished in the forward when the head is fused (``fused_linear_loss``: three
+        GEMMs) and by the usual backward on the logits when it is not (``logits_loss``): the same
+        loss code either way.
+
+        Args:
+            output: what the wrapped model returned, as for ``logprobs``.
+            targets: ``[b, s]`` integer global vocabulary ids.
+            loss_fn: a per-token loss ``loss_fn(logprob [rows], entropy [rows], **inputs) ->
+                [rows]``; it must not reduce across rows (``fused_linear_loss`` says why). Ready-made:
+                ``megatron_fused_lm.losses``.
+            loss_inputs: per-token inputs of ``loss_fn``, a dict of ``[b, s]`` tensors.
+            mask: optional bool ``[b, s]``: only these positions are computed and summed.
+            temperature: divides the logits.
+
+        Returns:
+            ``FusedLoss(loss, logprob, entropy)``: ``loss`` a float32 scalar to call
+            ``backward`` on (once); ``logprob`` and ``entropy`` detached ``[b, s]`` float32 metrics.
+        """
+        if self.fused:
+            call = self._call_for(output)
+            return fused_linear_loss(
+                output, call.weight, targets, loss_fn, loss_inputs=loss_inputs, tp_group=call.tp_group,
+                temperature=temperature, mask=mask, backend=self.config.backend, chunk_size=self.config.chunk_size,
+                reduce_hidden_grad=call.reduce_hidden_grad,
+            )  # fmt: skip
+        return logits_loss(
+            output, targets, loss_fn, loss_inputs=loss_inputs, tp_group=self._logits_group(output),
+            temperature=temperature, mask=mask, chunk_size=self.config.chunk_size,
+        )  # fmt: skip
+
+    def declare_loss_weights(self, weights: Optional[torch.Tensor]) -> None:
+        """Declare the per-token weights of the labels-path loss, so that ``model(...,
+        labels=labels)`` finishes the gradients in its forward (three GEMMs instead of four).
+
+        Megatron's SFT loss is ``c * sum(losses * loss_mask)`` with a scale ``c`` known only later
+        (a token count, the number of micro-batches): declare ``loss_mask [b, s]`` (float or bool,
+        the labels' shape, the same on every tensor-parallel rank) before the forward. The
+        declaration holds for every labels-path loss until it is replaced or cleared with
+        ``None``. Nothing can go silently wrong: the backward checks that the upstream gradient it
+        receives is ``c * weights``, and for any other upstream gradient (another mask, a
+        multi-token-prediction loss) it recomputes the exact gradient (four GEMMs, one warning).
+        While a forward's gradients wait for its backward they hold one extra copy of the hidden
+        gradient and the weight-shard gradient. A stock (unfused) head ignores the declaration.
+        """
+        if weights is not None:
+            if not isinstance(weights, torch.Tensor):
+                raise TypeError(f"loss weights must be a tensor or None, got {type(weights).__name__}")
+            if weights.dim() != 2:
+                raise ValueError(f"loss weights must be [b, s] like the labels, got shape {tuple(weights.shape)}")
+            weights = weights.detach()
+        self._declared_weights = weights
+
+    def _call_for(self, hidden: torch.Tensor) -> _HeadCall:
+        """The last output-layer call, after checking ``hidden`` is what it returned."""
         if self._detached:
             raise RuntimeError("this FusedLMHead's model was unwrapped or wrapped again; use the newest head")
         call = self._last_call
@@ -193,6 +283,10 @@ class FusedLMHead:
                 f"expected the wrapped model's hidden states [..., {call.weight.shape[1]}], got shape "
                 f"{tuple(hidden.shape)}; with the fused head on, the model returns hidden states, not logits"
             )
+        return call
+
+    def _fused_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, **options):
+        call = self._call_for(hidden)
         return fused_linear_logprob(
             hidden,
             call.weight,

@@ -27,6 +27,7 @@ from typing import Callable, Dict, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from .._logging import warn_once
 from .backends import check_backend, resolve_backend
 from .contract import NeededGrads, SavedStatistics, ShardProblem, ShardTargets, UpstreamGrads
 from .distributed import all_reduce_sum, group_name
@@ -277,6 +278,10 @@ class _DeclaredCrossEntropyFunction(torch.autograd.Function):
         if scale is not None:
             return _scaled(grads.hidden, scale), _scaled(grads.weight, scale), None, None, None, None, None
         # Not the declared loss: the exact gradient of this upstream, by the recompute path.
+        warn_once(
+            "megatron_fused_lm: the upstream gradient of fused_linear_cross_entropy is not proportional to the "
+            "declared weights; its gradients are recomputed exactly (four GEMMs instead of three)"
+        )
         options: LossOptions = ctx.options
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         grad_hidden, grad_weight = fused_backward(

@@ -35,3 +35,20 @@ def test_grpo_example_computes_only_response_rows():
     assert 0 < computed < total / 2
     first_step = next(line for line in output.splitlines() if line.strip().startswith("0 "))
     assert float(first_step.split()[-1]) == 0.0  # old and new policy agree before the first update
+
+
+def test_loss_in_forward_example_trains_like_stock_without_recompute():
+    output = run_example("loss_in_forward.py")
+    difference, largest = map(
+        float, re.search(r"largest gradient difference (\S+) \(largest entry (\S+)\)", output).groups()
+    )
+    assert difference <= 1e-5 * largest, output  # float32 on both sides: summation order only
+    curves = [
+        tuple(map(float, line.split()[1:3]))
+        for line in output.splitlines()
+        if re.match(r"\s+\d+\s+-?\d+\.\d+\s+-?\d+\.\d+$", line)
+    ]
+    assert len(curves) == 9, output  # six SFT steps, three GRPO steps
+    assert all(abs(stock - fused) <= 1e-4 * max(1.0, abs(stock)) for stock, fused in curves), output
+    assert curves[5][0] < 0.8 * curves[0][0], output  # SFT learns
+    assert "recomputed the logits: 0" in output

@@ -1,0 +1,155 @@
+"""The three-GEMM loss path through the integration, against the stock Megatron-Core GPTModel:
+TP=1 and TP=2, sequence parallel on and off, tied and untied embeddings.
+
+For each case, on one float32 model:
+1. ``head.loss`` with a clipped policy loss (entropy bonus, KL penalty, a response mask): the loss
+   and every parameter's gradient equal those of the same loss taken in float64 on the stock
+   model's gathered logits; a disabled head (logits) gives the same through the same call.
+2. The labels path: ``declare_loss_weights(loss_mask)`` then ``model(..., labels=labels)`` and
+   Megatron's SFT reduction ``sum(losses * loss_mask) / count`` give the stock per-token loss and
+   the stock gradients, without the recompute; an upstream gradient that does not match the
+   declaration (another mask) still gets the stock gradients, by the recompute, with a warning;
+   declared weights of another shape are an error.
+
+Tolerances as in test_integration_parity (float32 on both sides, measured errors about 2e-6): 2e-5
+absolute on per-token values and 5e-5 of the largest entry of each stock gradient.
+"""
+
+import itertools
+import logging
+
+import pytest
+import torch
+
+from devkit import megatron_gpt as harness
+from megatron_fused_lm import _logging, losses
+from megatron_fused_lm.integration import FusedLMConfig, wrap_model
+
+VALUE_ATOL = 2e-5
+GRAD_RTOL = 5e-5
+TEMPERATURE = 0.9
+POLICY_LOSS = losses.ClippedPolicyLoss(clip_low=0.2, clip_high=0.28, entropy_coef=0.01, kl_coef=0.05)
+
+
+class RecordedWarnings(logging.Handler):
+    """The package logger's warnings, recorded (spawned ranks have no pytest capture)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def policy_inputs(oracle_logprob: torch.Tensor, response: torch.Tensor):
+    """Old and reference log-probs near the current ones (the KL estimator is exp-sensitive),
+    advantages, and token-mean weights over the response; the same on every rank."""
+    noise = harness.random_weights(2, *oracle_logprob.shape, seed=21) * 0.3
+    advantages = harness.random_weights(*oracle_logprob.shape, seed=22)
+    return {
+        "old_logprob": (oracle_logprob + noise[0]).float(),
+        "ref_logprob": (oracle_logprob + noise[1]).float(),
+        "advantages": advantages,
+        "weight": losses.token_mean_weights(response),
+    }
+
+
+def oracle_policy_loss(logits_shard, targets, inputs, response):
+    """The policy loss in float64 on the stock logits (vocabulary gathered), and its value."""
+    logprob, entropy = harness.oracle_logprob_entropy(logits_shard, targets, TEMPERATURE)
+    doubles = {name: value.double() for name, value in inputs.items()}
+    per_token = POLICY_LOSS(logprob, entropy, **doubles)
+    return per_token[response].sum()
+
+
+def check_policy_loss(model, batch, response, label):
+    targets = batch[3]
+    with torch.no_grad():
+        current, _ = harness.oracle_logprob_entropy(harness.forward(model, batch), targets, TEMPERATURE)
+    inputs = policy_inputs(current, response)
+    want = oracle_policy_loss(harness.forward(model, batch), targets, inputs, response)
+    want.backward()
+    stock_grads = harness.parameter_grads(model)
+
+    for enabled in (False, True):
+        head = wrap_model(model, FusedLMConfig(enabled=enabled, chunk_size=5))
+        assert head.fused == enabled, label
+        result = head.loss(
+            harness.forward(model, batch), targets, POLICY_LOSS, loss_inputs=inputs, mask=response,
+            temperature=TEMPERATURE,
+        )  # fmt: skip
+        case = f"{label} {'fused' if enabled else 'stock'} head.loss"
+        assert result.loss.dtype == torch.float32 and result.loss.dim() == 0, case
+        assert abs(result.loss.item() - want.item()) <= VALUE_ATOL, f"{case}: {result.loss.item()} vs {want.item()}"
+        assert not result.logprob.requires_grad and result.logprob.shape == targets.shape, case
+        assert torch.count_nonzero(result.logprob[~response]) == 0, case
+        result.loss.backward()
+        harness.assert_grads_close(harness.parameter_grads(model), stock_grads, GRAD_RTOL, case)
+
+
+def megatron_sft_loss(per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Megatron's SFT reduction of the labels-path loss: masked sum over the token count."""
+    return (per_token * loss_mask).sum() / loss_mask.sum()
+
+
+def check_labels_path(model, batch, loss_mask, label):
+    targets = batch[3]
+    other_mask = torch.roll(loss_mask, 1, dims=1)
+    stock = {}
+    for name, mask in (("declared", loss_mask), ("other", other_mask)):
+        per_token = harness.forward(model, batch, labels=targets)
+        megatron_sft_loss(per_token, mask).backward()
+        stock[name] = (per_token.detach(), harness.parameter_grads(model))
+
+    head = wrap_model(model, FusedLMConfig(enabled=True))
+    _logging._already_warned.clear()  # each case must warn again
+    recorded = RecordedWarnings()
+    logging.getLogger("megatron_fused_lm").addHandler(recorded)
+    try:
+        head.declare_loss_weights(loss_mask)
+        for name, mask in (("declared", loss_mask), ("other", other_mask)):
+            case = f"{label} labels path, {name} mask"
+            per_token = harness.forward(model, batch, labels=targets)
+            harness.assert_max_error(per_token, stock[name][0], VALUE_ATOL, case)
+            megatron_sft_loss(per_token, mask).backward()
+            harness.assert_grads_close(harness.parameter_grads(model), stock[name][1], GRAD_RTOL, case)
+            recomputed = any("recomputed exactly" in message for message in recorded.messages)
+            assert recomputed == (name == "other"), f"{case}: recompute warning {recorded.messages}"
+    finally:
+        logging.getLogger("megatron_fused_lm").removeHandler(recorded)
+
+    head.declare_loss_weights(loss_mask[:, :-1])
+    with pytest.raises(ValueError, match="declared loss weights have shape"):
+        harness.forward(model, batch, labels=targets)
+    head.declare_loss_weights(None)
+    per_token = harness.forward(model, batch, labels=targets)
+    megatron_sft_loss(per_token, loss_mask).backward()
+    harness.assert_grads_close(harness.parameter_grads(model), stock["declared"][1], GRAD_RTOL, f"{label} cleared")
+
+
+def loss_worker() -> None:
+    for size in (2, 1):
+        harness.tensor_parallel(size)
+        parallel_options = (False, True) if size > 1 else (False,)
+        for sequence_parallel, tied in itertools.product(parallel_options, (False, True)):
+            label = f"TP={size} sequence_parallel={sequence_parallel} tied={tied}"
+            model = harness.build_gpt(sequence_parallel=sequence_parallel, tied=tied)
+            batch = harness.make_batch()
+            positions = torch.arange(harness.SEQ).expand(harness.BATCH, harness.SEQ)
+            response = positions >= harness.SEQ // 3
+            check_policy_loss(model, batch, response, label)
+            loss_mask = (harness.random_weights(harness.BATCH, harness.SEQ, seed=23) > -0.4).float()
+            check_labels_path(model, batch, loss_mask, label)
+
+
+def test_head_loss_and_declared_labels_path_match_stock_megatron():
+    harness.spawn(loss_worker, 2)
+
+
+def test_declare_loss_weights_rejects_bad_input():
+    head = wrap_model(torch.nn.Module(), FusedLMConfig(enabled=True))
+    with pytest.raises(TypeError, match="tensor or None"):
+        head.declare_loss_weights([1.0, 0.0])
+    with pytest.raises(ValueError, match=r"\[b, s\]"):
+        head.declare_loss_weights(torch.ones(4))

@@ -5,7 +5,11 @@ Each variant runs the backend directly (a fixed upstream gradient per chunk, no 
 figures isolate the pass from the op around it. Phases of one chunk: the forward kernel without
 and with the stored exponentials, the ``dz`` kernel, and the two cuBLAS products.
 
-    python benchmarks/sweep_loss_chunks.py [--shapes 8192x4096x151936] [--json out.json]
+    python benchmarks/sweep_loss_chunks.py [--shapes 8192x4096x151936] [--json out.json] [--gaps]
+
+``--gaps`` instead profiles one default pass per shape and prints the GPU's kernel time, its
+idle time between kernels, the longest idle intervals with the kernels around them, and the time
+by kernel.
 """
 
 from __future__ import annotations
@@ -100,14 +104,50 @@ def chunk_phases(problem, upstream, token_chunk):
     }
 
 
+def idle_gaps(run, shown=12):
+    """GPU busy and idle milliseconds of one ``run()`` (after a warm-up), its longest idle
+    intervals as ``(ms, kernel before, kernel after)`` and ``(kernel, ms)`` longest first."""
+    run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        run()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (event.time_range.start, event.time_range.end, event.name)
+        for event in profile.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+    )
+    busy = sum(end - start for start, end, _ in kernels) / 1e3
+    gaps = [
+        ((after[0] - before[1]) / 1e3, before[2][:60], after[2][:60])
+        for before, after in zip(kernels, kernels[1:], strict=False)
+        if after[0] > before[1]
+    ]
+    idle = sum(gap for gap, _, _ in gaps)
+    by_kernel = {}
+    for start, end, name in kernels:
+        by_kernel[name[:60]] = by_kernel.get(name[:60], 0.0) + (end - start) / 1e3
+    return busy, idle, sorted(gaps, reverse=True)[:shown], sorted(by_kernel.items(), key=lambda item: -item[1])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", type=parse_shapes, default="8192x4096x151936,32768x4096x151936")
     parser.add_argument("--json", default="sweep_loss_chunks.json")
+    parser.add_argument("--gaps", action="store_true", help="profile the idle time of one default pass instead")
     args = parser.parse_args()
     results = []
     for shape in args.shapes:
         problem, upstream = make_problem(*shape)
+        if args.gaps:
+            busy, idle, longest, by_kernel = idle_gaps(backend_pass(TritonBackend(), problem, upstream))
+            print(f"{shape}: kernels {busy:.2f} ms, idle between them {idle:.2f} ms; longest idle intervals:")
+            for gap, before, after in longest:
+                print(f"  {gap:7.3f} ms after {before} before {after}")
+            print("  kernel time by kernel:")
+            for name, ms in by_kernel[:10]:
+                print(f"  {ms:8.2f} ms {name}")
+            continue
         floor_ms = median_ms(three_gemms(problem))
         print(f"{shape}: three GEMMs {floor_ms:.2f} ms")
         for token_chunk in TOKEN_CHUNKS:

@@ -173,6 +173,7 @@ def build_gpt(
         hidden_dropout=0.0,
         init_method_std=init_method_std,
         mtp_num_layers=mtp_num_layers,
+        mtp_loss_scaling_factor=0.1 if mtp_num_layers else None,  # megatron-core < 0.14 has no default
         # gloo has no batched point-to-point sends (the CPU dry run of the pipeline schedule).
         batch_p2p_comm=device.type == "cuda",
         **(config_overrides or {}),

@@ -1,4 +1,4 @@
-"""What the integration needs to know about a Megatron-Core model, across megatron-core 0.16-0.19:
+"""What the integration needs to know about a Megatron-Core model, across megatron-core 0.13-0.19:
 its model chunks, their output layers, the tensor-parallel group, and whether the fused head is
 provably exact for a chunk (or why not)."""
 
@@ -59,13 +59,8 @@ def fallback_reason(chunk: torch.nn.Module, layer: torch.nn.Module) -> Optional[
     class_name = f"{layer_class.__module__}.{layer_class.__qualname__}"
     if _looks_like_transformer_engine(layer_class):
         return f"the output layer is a TransformerEngine layer ({class_name}), not Megatron's ColumnParallelLinear"
-    is_stock_layer = (
-        isinstance(layer, ColumnParallelLinear)
-        and layer_class.forward is ColumnParallelLinear.forward
-        and layer_class._forward_impl is ColumnParallelLinear._forward_impl
-    )
-    if not is_stock_layer:
-        return f"the output layer ({class_name}) is not Megatron's ColumnParallelLinear or changes its forward"
+    if not isinstance(layer, ColumnParallelLinear):
+        return f"the output layer ({class_name}) is not Megatron's ColumnParallelLinear"
     if getattr(layer, "bias", None) is not None:
         return "the output layer has a bias"
     configs = (getattr(layer, "config", None), getattr(chunk, "config", None))
@@ -77,7 +72,67 @@ def fallback_reason(chunk: torch.nn.Module, layer: torch.nn.Module) -> Optional[
         return f"the model ({type(chunk).__name__}) has no compute_language_model_loss"
     if not _scale_logits_is_stock(chunk):
         return f"the model ({type(chunk).__name__}) overrides _scale_logits, so its logit scaling may not be a scalar multiply"
+    return _probe_projection(chunk, layer)
+
+
+# The probe's logits reach PROBE_LOGIT with a float32 product; each may differ from it by a few
+# roundings in the weight's dtype (float32 allows for TF32 products), far less than a soft cap,
+# a scale or a bias changes them at that size.
+PROBE_LOGIT = 64.0
+PROBE_ROUNDING = {torch.float32: 2.0**-8, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+def _probe_projection(chunk: torch.nn.Module, layer: torch.nn.Module) -> Optional[str]:
+    """Run the layer's own forward on a small random input and check that it returns this rank's
+    vocabulary shard of ``input @ weight.T`` (the sequence gathered first when the layer is
+    sequence parallel): the layouts of megatron-core releases differ in private methods, so what
+    the fused head replaces is checked by what it computes. Every rank of the tensor-parallel
+    group runs it (it communicates under sequence parallelism); ``None`` when it matches."""
+    weight = layer.weight
+    if weight is None:
+        shared = getattr(chunk, "shared_embedding_or_output_weight", None)
+        weight = shared() if callable(shared) else None
+        if weight is None:
+            return "the output layer owns no weight and the model shares none with it"
+    if weight.device.type == "meta" or weight.dtype not in PROBE_ROUNDING:
+        return (
+            f"the output weight ({weight.dtype} on {weight.device.type}) cannot be probed; wrap the materialized model"
+        )
+    group = tensor_parallel_group(chunk, layer)
+    world, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
+    sequence_parallel = bool(getattr(layer, "sequence_parallel", False)) and world > 1
+    # The same probe on every rank (a fixed seed); under sequence parallelism each passes its part.
+    probe = torch.randn(
+        world if sequence_parallel else 1, 1, weight.shape[1], generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        probe = probe.to(device=weight.device, dtype=torch.float32)
+        largest = _float32_logits(probe, weight).abs().max().clamp(min=torch.finfo(torch.float32).tiny)
+        if world > 1:  # one scale for the whole vocabulary: the ranks' probe rows must agree
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+        probe = (probe * (PROBE_LOGIT / largest)).to(weight.dtype)
+        expected = _float32_logits(probe, weight)
+        local = probe[rank : rank + 1] if sequence_parallel else probe
+        output = type(layer).forward(layer, local, weight=None if layer.weight is not None else weight)
+        logits = output[0] if isinstance(output, tuple) else output
+        if not isinstance(logits, torch.Tensor) or logits.shape != expected.shape:
+            got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+            return (
+                f"the output layer ({type(layer).__qualname__}) returned {got} for a probe where a vocabulary shard "
+                f"{tuple(expected.shape)} was expected"
+            )
+        tolerance = 4 * PROBE_ROUNDING[weight.dtype] * (expected.abs() + PROBE_LOGIT / 16)
+        if bool(((logits.float() - expected).abs() > tolerance).any()):
+            return (
+                f"the output layer ({type(layer).__qualname__}) does not compute input @ weight.T on its vocabulary "
+                "shard (a probe differed)"
+            )
     return None
+
+
+def _float32_logits(probe: torch.Tensor, weight: torch.Tensor, rows: int = 8192) -> torch.Tensor:
+    # A float32 copy of a whole weight shard can take gigabytes; a few thousand rows at a time do not.
+    return torch.cat([probe.float() @ part.float().t() for part in weight.split(rows)], dim=-1)
 
 
 def _scale_logits_is_stock(chunk: torch.nn.Module) -> bool:

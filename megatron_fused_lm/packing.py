@@ -5,56 +5,147 @@ token ``t + 1`` is read at position ``t`` (``targets[t] = tokens[t + 1]``). A se
 ``[start, end)`` made of a prompt of ``P`` tokens followed by ``R`` response tokens has its response
 log-probs at positions ``[start + P - 1, start + P + R - 1)``; the last position of a sequence
 predicts nothing. A response therefore needs a prompt of at least one token.
+
+Shapes and dtypes, checked by every helper with its own error:
+
+- ``cu_seqlens``: 1-D integer tensor ``[S + 1]`` (Megatron's ``PackedSeqParams`` holds int32),
+  starting at 0 and never decreasing; sequence ``i`` is ``[cu_seqlens[i], cu_seqlens[i + 1])`` and
+  ``T = cu_seqlens[-1]`` is the number of tokens. When the sequences are padded (context
+  parallelism), pass the padded ``cu_seqlens``: the one that delimits the per-token tensors.
+- ``prompt_lengths`` / ``response_lengths``: one integer per sequence, ``[S]`` (a 1-D integer
+  tensor, or a list of ints).
+- Per-token tensors: ``[T]``, or ``[1, T]`` as Megatron's model returns them for a packed
+  micro-batch (its batch dimension is 1).
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import numbers
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
+Lengths = Union[torch.Tensor, Sequence[int]]
+
+
+def _is_integer(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def _checked_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``cu_seqlens`` as int64 ``[S + 1]``, after checking it delimits sequences."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor [num_sequences + 1], got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() == 0:
+        raise ValueError(f"cu_seqlens must be 1-D [num_sequences + 1], got shape {tuple(cu_seqlens.shape)}")
+    if not _is_integer(cu_seqlens.dtype):
+        raise TypeError(f"cu_seqlens must hold integers (int32 or int64), got {cu_seqlens.dtype}")
+    cu_seqlens = cu_seqlens.long()
+    if int(cu_seqlens[0]) != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {int(cu_seqlens[0])}")
+    if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+        raise ValueError(f"cu_seqlens must never decrease, got {cu_seqlens.tolist()}")
+    return cu_seqlens
+
+
+def _checked_lengths(name: str, lengths: Lengths, num_sequences: int, device: torch.device) -> torch.Tensor:
+    """``lengths`` as int64 ``[S]`` on ``device``, after checking its shape, dtype and sign."""
+    tensor = torch.as_tensor(lengths, device=device)
+    if not isinstance(lengths, torch.Tensor) and tensor.numel() == 0:
+        tensor = tensor.long()  # an empty list has no dtype of its own (torch makes it float32)
+    if tensor.dim() != 1 or tensor.numel() != num_sequences:
+        raise ValueError(f"{name} must have one entry per sequence ({num_sequences}), got shape {tuple(tensor.shape)}")
+    if not _is_integer(tensor.dtype):
+        raise TypeError(f"{name} must hold integers, got {tensor.dtype}")
+    tensor = tensor.long()
+    negative = (tensor < 0).nonzero()
+    if negative.numel():
+        index = int(negative[0])
+        raise ValueError(f"{name}[{index}] = {int(tensor[index])} is negative")
+    return tensor
+
 
 def _response_spans(
-    cu_seqlens: torch.Tensor, prompt_lengths: torch.Tensor, response_lengths: Optional[torch.Tensor]
+    cu_seqlens: torch.Tensor, prompt_lengths: Lengths, response_lengths: Optional[Lengths]
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Checked ``(first position, count)`` of every sequence's response log-probs, int64 ``[S]``."""
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype.is_floating_point:
-        raise ValueError("cu_seqlens must be a 1-D integer tensor [num_sequences + 1]")
-    cu_seqlens = cu_seqlens.long()
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    if int(cu_seqlens[0]) != 0 or bool((lengths < 0).any()):
-        raise ValueError("cu_seqlens must start at 0 and never decrease")
-    prompt_lengths = torch.as_tensor(prompt_lengths, device=cu_seqlens.device).long()
-    response_lengths = (
-        lengths - prompt_lengths
-        if response_lengths is None
-        else torch.as_tensor(response_lengths, device=cu_seqlens.device).long()
-    )
-    if prompt_lengths.shape != lengths.shape or response_lengths.shape != lengths.shape:
-        raise ValueError(f"prompt and response lengths must have one entry per sequence ({lengths.numel()})")
-    if bool(
-        (prompt_lengths < 0).any() | (response_lengths < 0).any() | (prompt_lengths + response_lengths > lengths).any()
-    ):
-        raise ValueError("each sequence needs 0 <= prompt, 0 <= response and prompt + response <= its length")
-    if bool(((prompt_lengths == 0) & (response_lengths > 0)).any()):
+    """Checked ``(first position, count)`` of every sequence's response log-probs, int64 ``[S]``.
+
+    ``cu_seqlens`` is already checked (int64).
+    """
+    sequence_lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    num_sequences, device = sequence_lengths.numel(), cu_seqlens.device
+    prompt = _checked_lengths("prompt_lengths", prompt_lengths, num_sequences, device)
+    too_long = (prompt > sequence_lengths).nonzero()
+    if too_long.numel():
+        index = int(too_long[0])
         raise ValueError(
-            "a response needs a prompt of at least one token: its first token's log-prob is read before it"
+            f"prompt_lengths[{index}] = {int(prompt[index])} is longer than sequence {index} "
+            f"({int(sequence_lengths[index])} tokens)"
         )
-    return cu_seqlens[:-1] + prompt_lengths - 1, response_lengths
+    if response_lengths is None:
+        response = sequence_lengths - prompt
+    else:
+        response = _checked_lengths("response_lengths", response_lengths, num_sequences, device)
+        overflow = (prompt + response > sequence_lengths).nonzero()
+        if overflow.numel():
+            index = int(overflow[0])
+            length, room = int(sequence_lengths[index]), int(sequence_lengths[index] - prompt[index])
+            raise ValueError(
+                f"response_lengths[{index}] = {int(response[index])} does not fit in sequence {index}: "
+                f"prompt + response must be at most its {length} tokens, so the response at most {room}"
+            )
+    no_prompt = ((prompt == 0) & (response > 0)).nonzero()
+    if no_prompt.numel():
+        raise ValueError(
+            f"sequence {int(no_prompt[0])}: a response needs a prompt of at least one token: "
+            "its first token's log-prob is read before it"
+        )
+    return cu_seqlens[:-1] + prompt - 1, response
+
+
+def _token_major(name: str, values: torch.Tensor, total: int, trailing_dims: bool) -> torch.Tensor:
+    """``values`` ``[T, ...]`` from ``[T]`` or ``[1, T, ...]`` (trailing dims only if allowed)."""
+    layouts = "[T] or [1, T, ...]" if trailing_dims else "[T] or [1, T]"
+    if not isinstance(values, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {layouts}, got {type(values).__name__}")
+    if values.dim() == 1:
+        flat = values
+    elif values.dim() == 2 or (trailing_dims and values.dim() > 2):
+        if values.shape[0] != 1:
+            raise ValueError(
+                f"{name} of shape {tuple(values.shape)}: expected {layouts}, the packed micro-batch "
+                f"having a batch dimension of 1, got a leading dimension of {values.shape[0]}"
+            )
+        flat = values[0]
+    else:
+        raise ValueError(f"{name} of shape {tuple(values.shape)}: expected {layouts}")
+    if flat.shape[0] != total:
+        raise ValueError(
+            f"cu_seqlens[-1] = {total} must be the number of tokens of {name}, which has {flat.shape[0]} tokens "
+            f"(shape {tuple(values.shape)})"
+        )
+    return flat
 
 
 def response_mask(
-    cu_seqlens: torch.Tensor, prompt_lengths: torch.Tensor, response_lengths: Optional[torch.Tensor] = None
+    cu_seqlens: torch.Tensor, prompt_lengths: Lengths, response_lengths: Optional[Lengths] = None
 ) -> torch.Tensor:
-    """Bool ``[cu_seqlens[-1]]``: True at the positions whose log-probs score response tokens.
+    """Bool ``[T]`` (``T = cu_seqlens[-1]``): True at the positions whose log-probs score response
+    tokens.
 
-    ``prompt_lengths`` and ``response_lengths`` hold one entry per sequence; without
-    ``response_lengths`` everything after the prompt is response.
+    Args:
+        cu_seqlens: integer ``[S + 1]``.
+        prompt_lengths: integer ``[S]``: tokens of each sequence's prompt.
+        response_lengths: integer ``[S]``: response tokens after the prompt; without it, everything
+            after the prompt is response, with it the rest of the sequence (padding) is left out.
+
+    Returns:
+        bool ``[T]`` on ``cu_seqlens``' device; ``.unsqueeze(0)`` gives Megatron's ``[1, T]``.
     """
+    cu_seqlens = _checked_cu_seqlens(cu_seqlens)
     first, count = _response_spans(cu_seqlens, prompt_lengths, response_lengths)
-    total = int(cu_seqlens[-1])
-    positions = torch.arange(total, device=first.device)
-    sequence = torch.searchsorted(cu_seqlens.long()[1:], positions, right=True)
+    positions = torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device)
+    sequence = torch.searchsorted(cu_seqlens[1:], positions, right=True)
     offset = positions - first[sequence]
     return (offset >= 0) & (offset < count[sequence])
 
@@ -62,20 +153,53 @@ def response_mask(
 def split_responses(
     values: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    prompt_lengths: torch.Tensor,
-    response_lengths: Optional[torch.Tensor] = None,
+    prompt_lengths: Lengths,
+    response_lengths: Optional[Lengths] = None,
 ) -> List[torch.Tensor]:
-    """Per-token results ``[total, ...]`` split into one tensor ``[R_i, ...]`` per sequence, holding
-    the results for that sequence's response tokens in order (empty for an empty response)."""
+    """Per-token results split into one tensor per sequence, holding the results at the positions
+    that score that sequence's response tokens, in order.
+
+    Args:
+        values: ``[T]``, or ``[1, T, ...]`` as Megatron returns per-token results of a packed
+            micro-batch (log-probs ``[1, T]``, logits ``[1, T, V]``); any dtype.
+        cu_seqlens, prompt_lengths, response_lengths: as in ``response_mask``.
+
+    Returns:
+        ``S`` views of ``values``, each ``[R_i, ...]`` (``[0, ...]`` for an empty response), for
+        either layout of ``values``: the leading 1 is the packed micro-batch's batch dimension, not a
+        dimension of one sequence's results, so the pieces are ready for per-sequence reductions
+        or ``torch.nn.utils.rnn.pad_sequence`` whichever layout came in.
+    """
+    cu_seqlens = _checked_cu_seqlens(cu_seqlens)
+    flat = _token_major("values", values, int(cu_seqlens[-1]), trailing_dims=True)
     first, count = _response_spans(cu_seqlens, prompt_lengths, response_lengths)
-    return [values[start : start + length] for start, length in zip(first.tolist(), count.tolist(), strict=True)]
+    return [flat[start : start + length] for start, length in zip(first.tolist(), count.tolist(), strict=True)]
 
 
 def next_token_targets(tokens: torch.Tensor, cu_seqlens: torch.Tensor, fill: int = 0) -> torch.Tensor:
-    """``targets[t] = tokens[t + 1]`` within each sequence of a packed ``tokens [total]``; the last
-    position of every sequence, which predicts nothing, gets ``fill``."""
-    targets = torch.full_like(tokens, fill)
-    targets[:-1] = tokens[1:]
-    last = cu_seqlens.long()[1:] - 1
-    targets[last[last >= 0]] = fill
+    """``targets[t] = tokens[t + 1]`` within each sequence; the last position of every sequence,
+    which predicts nothing, gets ``fill``.
+
+    Args:
+        tokens: integer ``[T]`` or ``[1, T]`` (Megatron's packed ``input_ids``).
+        cu_seqlens: integer ``[S + 1]``.
+        fill: an int that ``tokens``' dtype holds (e.g. 0, or an ignore index such as -100).
+
+    Returns:
+        ``tokens``' shape, dtype and device.
+    """
+    cu_seqlens = _checked_cu_seqlens(cu_seqlens)
+    flat = _token_major("tokens", tokens, int(cu_seqlens[-1]), trailing_dims=False)
+    if not _is_integer(tokens.dtype):
+        raise TypeError(f"tokens must hold integer token ids, got {tokens.dtype}")
+    if isinstance(fill, bool) or not isinstance(fill, numbers.Integral):
+        raise TypeError(f"fill must be an integer, got {fill!r}")
+    limits = torch.iinfo(tokens.dtype)
+    if not limits.min <= fill <= limits.max:
+        raise ValueError(f"fill = {fill} does not fit in {tokens.dtype}, the dtype of tokens")
+    targets = torch.full(tokens.shape, int(fill), dtype=tokens.dtype, device=tokens.device)
+    flat_targets = targets.view(-1)
+    flat_targets[:-1] = flat[1:]
+    ends = cu_seqlens[1:].to(tokens.device)
+    flat_targets[ends[ends > 0] - 1] = fill  # an empty sequence ends where the one before it does
     return targets

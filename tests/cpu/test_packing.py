@@ -52,16 +52,180 @@ def test_shift_convention_matches_a_per_sequence_computation():
         assert relative_error(piece, expected) <= 2e-5
 
 
+# A Megatron-style packed micro-batch: int32 cu_seqlens (as in PackedSeqParams), an empty sequence,
+# a one-token prompt, a sequence with no response and one with padding after its response.
+CU_SEQLENS = torch.tensor([0, 4, 4, 9, 12, 18], dtype=torch.int32)
+PROMPTS = torch.tensor([1, 0, 3, 3, 2])
+RESPONSES = torch.tensor([3, 0, 2, 0, 3])  # the last sequence ends in one padding token
+TOTAL = 18
+
+
+def response_positions_by_loop(cu_seqlens, prompts, responses=None):
+    """Independent of the package: the positions scoring response tokens, sequence by sequence."""
+    pieces = []
+    for index in range(len(cu_seqlens) - 1):
+        start, end, prompt = int(cu_seqlens[index]), int(cu_seqlens[index + 1]), int(prompts[index])
+        response = end - start - prompt if responses is None else int(responses[index])
+        pieces.append(list(range(start + prompt - 1, start + prompt - 1 + response)))
+    return pieces
+
+
+def next_token_targets_by_loop(tokens, cu_seqlens, fill):
+    targets = []
+    for index in range(len(cu_seqlens) - 1):
+        start, end = int(cu_seqlens[index]), int(cu_seqlens[index + 1])
+        targets += [int(tokens[t + 1]) for t in range(start, end - 1)] + [fill] * (end > start)
+    return targets
+
+
+@pytest.mark.parametrize("responses", [RESPONSES, None], ids=["response lengths", "to the end"])
+def test_megatron_layout_against_a_loop(responses):
+    expected = response_positions_by_loop(CU_SEQLENS, PROMPTS, responses)
+    mask = response_mask(CU_SEQLENS, PROMPTS, responses)
+    assert mask.dtype == torch.bool and mask.shape == (TOTAL,)
+    assert mask.nonzero().squeeze(-1).tolist() == sum(expected, [])
+    values = torch.arange(100.0, 100.0 + TOTAL)
+    for per_token in (values, values.unsqueeze(0)):  # [T], and the model's [1, T]
+        pieces = split_responses(per_token, CU_SEQLENS, PROMPTS, responses)
+        assert [piece.shape for piece in pieces] == [(len(positions),) for positions in expected]
+        assert [piece.tolist() for piece in pieces] == [[100.0 + t for t in positions] for positions in expected]
+
+
+def test_split_responses_keeps_trailing_dims_of_batch_major_input():
+    # Per-token vectors as Megatron returns them for a packed micro-batch, e.g. logits [1, T, V].
+    values = torch.arange(TOTAL * 2).view(1, TOTAL, 2)
+    pieces = split_responses(values, CU_SEQLENS, PROMPTS, RESPONSES)
+    for positions, piece in zip(response_positions_by_loop(CU_SEQLENS, PROMPTS, RESPONSES), pieces, strict=True):
+        assert piece.tolist() == [[2 * t, 2 * t + 1] for t in positions]
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_next_token_targets_keep_the_input_layout(dtype):
+    tokens = torch.randint(0, 1000, (TOTAL,), generator=torch.Generator().manual_seed(0)).to(dtype)
+    expected = next_token_targets_by_loop(tokens, CU_SEQLENS, fill=-100)
+    flat = next_token_targets(tokens, CU_SEQLENS, fill=-100)
+    assert flat.shape == (TOTAL,) and flat.dtype == dtype and flat.tolist() == expected
+    batched = next_token_targets(tokens.unsqueeze(0), CU_SEQLENS, fill=-100)
+    assert batched.shape == (1, TOTAL) and batched.dtype == dtype and batched[0].tolist() == expected
+
+
+def test_packed_megatron_output_scores_the_response_tokens():
+    # The model's per-token output for a packed micro-batch is [1, T]: the helpers take it as it is.
+    hidden, weight, _ = make_case((1, 9), H, V, torch.float32, peaky=False, seed=6)
+    tokens = torch.randint(0, V, (1, 9), generator=torch.Generator().manual_seed(7))
+    cu_seqlens, prompt = torch.tensor([0, 4, 9], dtype=torch.int32), torch.tensor([2, 3])
+    targets = next_token_targets(tokens, cu_seqlens)
+    mask = response_mask(cu_seqlens, prompt).unsqueeze(0)
+    pieces = split_responses(fused_linear_logprob(hidden, weight, targets, mask=mask), cu_seqlens, prompt)
+    for start, end, prompt_length, piece in zip([0, 4], [4, 9], prompt.tolist(), pieces, strict=True):
+        expected = reference(
+            hidden[0, start + prompt_length - 1 : end - 1], weight, tokens[0, start + prompt_length : end], 1.0
+        )
+        assert piece.shape == (end - start - prompt_length,)
+        assert relative_error(piece, expected.logprob) <= 2e-5
+
+
+GOOD_CU, GOOD_PROMPT = torch.tensor([0, 3, 5]), torch.tensor([1, 1])
+
+# (cu_seqlens, error, message): every function that takes cu_seqlens checks it the same way.
+BAD_CU_SEQLENS = {
+    "2-D": (torch.tensor([[0, 3, 5]]), ValueError, "cu_seqlens must be 1-D"),
+    "empty": (torch.tensor([], dtype=torch.long), ValueError, "cu_seqlens must be 1-D"),
+    "float": (torch.tensor([0.0, 3.0, 5.0]), TypeError, "cu_seqlens must .*integer"),
+    "bool": (torch.tensor([False, True]), TypeError, "cu_seqlens must .*integer"),
+    "list": ([0, 3, 5], TypeError, "cu_seqlens must be a torch.Tensor"),
+    "not from 0": (torch.tensor([1, 3, 5]), ValueError, "start at 0"),
+    "decreasing": (torch.tensor([0, 3, 2, 5]), ValueError, "never decrease"),
+}
+# For the functions that also take a per-token tensor of 5 tokens.
+BAD_TOTAL = (torch.tensor([0, 3, 4]), ValueError, r"cu_seqlens\[-1\] = 4 .* 5 tokens")
+
+
+def call_each(cu_seqlens):
+    """The helpers on 5 tokens, each as a callable, with a one-token prompt per sequence."""
+    prompt = torch.ones(max(len(cu_seqlens) - 1, 0), dtype=torch.long)
+    return {
+        "response_mask": lambda: response_mask(cu_seqlens, prompt),
+        "split_responses [T]": lambda: split_responses(torch.zeros(5), cu_seqlens, prompt),
+        "split_responses [1, T]": lambda: split_responses(torch.zeros(1, 5), cu_seqlens, prompt),
+        "next_token_targets [T]": lambda: next_token_targets(torch.zeros(5, dtype=torch.long), cu_seqlens),
+        "next_token_targets [1, T]": lambda: next_token_targets(torch.zeros(1, 5, dtype=torch.long), cu_seqlens),
+    }
+
+
 @pytest.mark.parametrize(
-    "cu_seqlens,prompt,response,message",
+    "case, function",
+    [(case, function) for case in BAD_CU_SEQLENS for function in call_each(GOOD_CU)]
+    # response_mask takes no per-token tensor: its T is cu_seqlens[-1].
+    + [("last entry is not T", function) for function in call_each(GOOD_CU) if function != "response_mask"],
+)
+def test_bad_cu_seqlens_raise_the_functions_own_error(case, function):
+    cu_seqlens, error, message = BAD_TOTAL if case == "last entry is not T" else BAD_CU_SEQLENS[case]
+    with pytest.raises(error, match=message):
+        call_each(cu_seqlens)[function]()
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["response_mask", "split_responses"])
+@pytest.mark.parametrize(
+    "prompt,response,error,message",
     [
-        (torch.tensor([0, 3]), torch.tensor([0]), None, "prompt of at least one token"),
-        (torch.tensor([0, 3]), torch.tensor([2]), torch.tensor([2]), "prompt \\+ response"),
-        (torch.tensor([1, 3]), torch.tensor([1]), None, "start at 0"),
-        (torch.tensor([0, 3, 2]), torch.tensor([1, 1]), None, "never decrease"),
-        (torch.tensor([0, 3]), torch.tensor([1, 1]), None, "one entry per sequence"),
+        (torch.tensor([1]), None, ValueError, r"prompt_lengths must have one entry per sequence \(2\)"),
+        (torch.tensor([1, 1, 1]), None, ValueError, r"prompt_lengths must have one entry per sequence \(2\)"),
+        (torch.tensor([[1, 1]]), None, ValueError, r"prompt_lengths must have one entry per sequence \(2\)"),
+        (torch.tensor([1, 1]), torch.tensor([1]), ValueError, r"response_lengths must have one entry per sequence"),
+        (torch.tensor([1.0, 1.0]), None, TypeError, "prompt_lengths must .*integer"),
+        ([1.5, 1.0], None, TypeError, "prompt_lengths must .*integer"),
+        (torch.tensor([1, 1]), torch.tensor([1.0, 1.0]), TypeError, "response_lengths must .*integer"),
+        (torch.tensor([1, -1]), None, ValueError, r"prompt_lengths\[1\] = -1 is negative"),
+        (torch.tensor([1, 1]), torch.tensor([-1, 0]), ValueError, r"response_lengths\[0\] = -1 is negative"),
+        (torch.tensor([1, 3]), None, ValueError, r"prompt_lengths\[1\] = 3 is longer than sequence 1 \(2 tokens\)"),
+        (torch.tensor([1, 3]), torch.tensor([0, 0]), ValueError, r"prompt_lengths\[1\] = 3 is longer than"),
+        (torch.tensor([2, 1]), torch.tensor([2, 1]), ValueError, r"response_lengths\[0\] = 2 does not fit .*at most 1"),
+        (torch.tensor([0, 1]), None, ValueError, "prompt of at least one token"),
     ],
 )
-def test_packed_helpers_reject_bad_layouts(cu_seqlens, prompt, response, message):
+def test_bad_lengths_raise_the_functions_own_error(prompt, response, error, message, split):
+    with pytest.raises(error, match=message):
+        if split:
+            split_responses(torch.zeros(1, 5), GOOD_CU, prompt, response)
+        else:
+            response_mask(GOOD_CU, prompt, response)
+
+
+def test_lengths_may_be_python_lists():
+    assert response_mask(GOOD_CU, [1, 1], [2, 1]).tolist() == [True, True, False, True, False]
+    assert split_responses(torch.zeros(1, 0), torch.tensor([0]), []) == []
+
+
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        (torch.zeros(2, 5), r"values of shape \(2, 5\): .*\[1, T"),
+        (torch.zeros(5, 1), r"values of shape \(5, 1\): .*\[1, T"),
+        (torch.zeros(1, 5, 1)[:, :4], r"cu_seqlens\[-1\] = 5 .* 4 tokens"),
+        (torch.tensor(1.0), r"values of shape \(\)"),
+    ],
+)
+def test_split_responses_rejects_other_layouts(values, message):
+    with pytest.raises(TypeError, match="values must be a torch.Tensor"):
+        split_responses([0.0] * 5, GOOD_CU, GOOD_PROMPT)
     with pytest.raises(ValueError, match=message):
-        response_mask(cu_seqlens, prompt, response)
+        split_responses(values, GOOD_CU, GOOD_PROMPT)
+
+
+@pytest.mark.parametrize(
+    "tokens,fill,error,message",
+    [
+        (torch.zeros(2, 5, dtype=torch.long), 0, ValueError, r"tokens of shape \(2, 5\): .*\[1, T\]"),
+        (torch.zeros(1, 5, 1, dtype=torch.long), 0, ValueError, r"tokens of shape \(1, 5, 1\): .*\[1, T\]"),
+        ([0] * 5, 0, TypeError, "tokens must be a torch.Tensor"),
+        (torch.zeros(5), 0, TypeError, "tokens must .*integer"),
+        (torch.zeros(5, dtype=torch.bool), 0, TypeError, "tokens must .*integer"),
+        (torch.zeros(5, dtype=torch.long), 0.5, TypeError, "fill must be an integer"),
+        (torch.zeros(5, dtype=torch.long), True, TypeError, "fill must be an integer"),
+        (torch.zeros(5, dtype=torch.int32), 2**40, ValueError, "fill .* does not fit in torch.int32"),
+    ],
+)
+def test_next_token_targets_reject_bad_tokens_and_fill(tokens, fill, error, message):
+    with pytest.raises(error, match=message):
+        next_token_targets(tokens, GOOD_CU, fill=fill)

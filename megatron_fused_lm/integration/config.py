@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Dict, Optional
+import types
+from collections.abc import Iterator, Mapping
+from typing import Any, Dict, List, Optional, Set, Tuple
 
+from .._logging import warn_once
 from ..ops import BACKENDS
 
 # Trainer key -> FusedLMConfig field.
@@ -19,7 +21,7 @@ TRAINER_KEYS = {
 _ABSENT = object()
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class FusedLMConfig:
     """Whether ``wrap_model`` fuses the LM head, and how.
 
@@ -58,17 +60,34 @@ class FusedLMConfig:
             object.__setattr__(self, "chunk_size", int(self.chunk_size))
 
     @classmethod
-    def from_trainer_config(cls, trainer_config: Any) -> "FusedLMConfig":
+    def from_trainer_config(cls, trainer_config: Any, section: Optional[str] = None) -> "FusedLMConfig":
         """Read ``fused_linear_logprob``, ``fused_linear_logprob_backend`` and
         ``logprobs_chunk_size`` from a trainer config.
 
-        ``trainer_config`` is a mapping (dict, OmegaConf ``DictConfig``) or an object with
-        attributes (argparse ``Namespace``, dataclass). Each key is looked up at the top level and
-        under ``trainer``; an absent key (or a ``None`` value) takes the default. A key given in
-        both places with different values, an unknown backend or a wrong type raises.
+        Args:
+            trainer_config: a mapping (dict, OmegaConf ``DictConfig``) or an object with attributes
+                (argparse ``Namespace``, dataclass), sections nested the same way.
+            section: the dotted path of the section that holds the keys, e.g.
+                ``"actor_rollout_ref.actor"`` (where verl keeps its actor's settings). The keys are
+                then read there only; a ``None`` (null) section reads as empty, and a path that
+                does not lead to a section raises ``ValueError``.
+
+        Without ``section``, each key is looked up at the top level and under ``trainer``. An
+        absent key (or a ``None`` value) takes the default. A key given in both places with
+        different values, an unknown backend or a wrong type raises.
+
+        A key that is not found there but is set in a deeper section (say
+        ``actor_rollout_ref.actor.fused_linear_logprob``) is ignored, and one warning names the
+        dotted paths where it was found and the ``section=`` that reads them. It is not read
+        because a config may hold the keys for several models (verl's actor and its reference
+        policy, a critic), and guessing one could turn the fused head on for the wrong model;
+        ``section=`` makes the choice and silences the warning.
         """
         if trainer_config is None:
             raise TypeError("trainer_config must be a mapping or an object with attributes, got None")
+        if section is not None:
+            found = _read_keys(_section(trainer_config, section))
+            return cls(**{TRAINER_KEYS[key]: value for key, value in found.items()})
         top_level = _read_keys(trainer_config)
         nested = _lookup(trainer_config, "trainer")
         under_trainer = {} if nested is _ABSENT or nested is None else _read_keys(nested)
@@ -81,7 +100,16 @@ class FusedLMConfig:
                 )
             if values:
                 fields[field_name] = values[0]
-        return cls(**fields)
+        config = cls(**fields)
+        missing = {key for key in TRAINER_KEYS if key not in top_level and key not in under_trainer}
+        elsewhere = [path for path, key in _set_keys_below(trainer_config) if key in missing]
+        if elsewhere:
+            warn_once(
+                "megatron_fused_lm: FusedLMConfig.from_trainer_config reads its keys at the top level and under "
+                f"'trainer', and ignored {', '.join(elsewhere)}: the config reads as {config}. To read them, pass "
+                f"section={elsewhere[0].rpartition('.')[0]!r} (the dotted path of the section that holds them)."
+            )
+        return config
 
 
 def _lookup(source: Any, key: str) -> Any:
@@ -98,3 +126,63 @@ def _read_keys(source: Any) -> Dict[str, Any]:
         if value is not _ABSENT and value is not None:
             found[key] = value
     return found
+
+
+def _names(source: Any) -> Optional[List[Any]]:
+    """The names of ``source``'s entries if it is a config section, else ``None``.
+
+    A section is a mapping, a dataclass instance or an object with attributes in ``__dict__``
+    (``Namespace``); callables are not (a model or tokenizer carried in a config holds no settings).
+    """
+    if isinstance(source, Mapping):
+        return list(source.keys())
+    if dataclasses.is_dataclass(source) and not isinstance(source, type):
+        return [field.name for field in dataclasses.fields(source)]
+    if hasattr(source, "__dict__") and not callable(source) and not isinstance(source, types.ModuleType):
+        return list(vars(source))
+    return None
+
+
+def _section(trainer_config: Any, section: str) -> Any:
+    """The section of ``trainer_config`` at the dotted path ``section`` (``None`` for a null one)."""
+    if not isinstance(section, str):
+        raise TypeError(f"section must be a dotted path such as 'actor_rollout_ref.actor', got {section!r}")
+    parts = section.split(".")
+    if not all(parts):
+        raise ValueError(f"section must be a dotted path of names such as 'actor_rollout_ref.actor', got {section!r}")
+    node, where = trainer_config, "the config"
+    for depth, part in enumerate(parts):
+        names = _names(node)
+        if names is None:
+            raise ValueError(f"section {section!r} not found: {where} is a {type(node).__name__}, not a section")
+        node = _lookup(node, part)
+        if node is _ABSENT:
+            listed = ", ".join(repr(str(name)) for name in sorted(names, key=str))
+            raise ValueError(f"section {section!r} not found: {where} has no {part!r}; it has {listed}")
+        where = repr(".".join(parts[: depth + 1]))
+    if node is not None and _names(node) is None:
+        raise ValueError(f"section {section!r} is a {type(node).__name__}, not a section")
+    return node
+
+
+def _set_keys_below(source: Any, path: str = "", seen: Optional[Set[int]] = None) -> Iterator[Tuple[str, str]]:
+    """``(dotted path, key)`` of every trainer key set (not ``None``) in ``source`` or any section
+    below it, in the config's order."""
+    seen = set() if seen is None else seen
+    names = _names(source)
+    if names is None or id(source) in seen:  # a section reachable twice (or a cycle) is read once
+        return
+    seen.add(id(source))
+    for name in names:
+        try:
+            value = source[name] if isinstance(source, Mapping) else getattr(source, name)
+        except Exception:
+            # The search only advises: an entry that fails to read (OmegaConf's mandatory '???', an
+            # interpolation to a missing key) must not break reading the config.
+            continue
+        child_path = f"{path}{name}"
+        if name in TRAINER_KEYS:
+            if value is not None:
+                yield child_path, name
+        else:
+            yield from _set_keys_below(value, f"{child_path}.", seen)

@@ -1,6 +1,7 @@
 """FusedLMConfig and reading it from trainer configs of every common shape."""
 
 import argparse
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -107,3 +108,100 @@ def test_wrap_model_wants_a_config():
 
     with pytest.raises(TypeError, match="FusedLMConfig"):
         wrap_model(object(), {"fused_linear_logprob": True})
+
+
+# verl-style: the settings sit with the actor, the top-level `trainer:` holds other things, and the
+# reference policy has a section of its own.
+VERL_LIKE = {
+    "trainer": {"project_name": "grpo", "total_epochs": 1},
+    "actor_rollout_ref": {
+        "actor": {"strategy": "megatron", "megatron": {"tensor_model_parallel_size": 2}, **SETTINGS},
+        "ref": {"logprobs_chunk_size": 64, "fused_linear_logprob": None},
+    },
+}
+
+
+def namespaces(value):
+    """The same config as nested argparse Namespaces (attribute access only)."""
+    if isinstance(value, dict):
+        return argparse.Namespace(**{key: namespaces(item) for key, item in value.items()})
+    return value
+
+
+@pytest.fixture
+def warnings_seen(monkeypatch, caplog):
+    """The package's warning messages logged during the test, earlier tests' warn-once memory forgotten."""
+    from megatron_fused_lm import _logging
+
+    monkeypatch.setattr(_logging, "_already_warned", set())
+    caplog.set_level(logging.WARNING, logger="megatron_fused_lm")
+    return lambda: [record.getMessage() for record in caplog.records if record.name == "megatron_fused_lm"]
+
+
+@pytest.mark.parametrize("build", [dict, namespaces], ids=["dict", "namespace"])
+def test_keys_in_another_section_are_ignored_with_one_warning(build, warnings_seen):
+    config = build(VERL_LIKE)
+    assert FusedLMConfig.from_trainer_config(config) == FusedLMConfig()
+    assert FusedLMConfig.from_trainer_config(config) == FusedLMConfig()  # read twice, warned once
+    [warning] = warnings_seen()
+    for path in (
+        "actor_rollout_ref.actor.fused_linear_logprob",
+        "actor_rollout_ref.actor.fused_linear_logprob_backend",
+        "actor_rollout_ref.actor.logprobs_chunk_size",
+        "actor_rollout_ref.ref.logprobs_chunk_size",
+    ):
+        assert path in warning
+    assert "actor_rollout_ref.ref.fused_linear_logprob," not in warning  # None is not set
+    assert "ignored" in warning and "enabled=False" in warning
+    assert "section='actor_rollout_ref.actor'" in warning
+
+
+def test_only_the_keys_missing_where_looked_are_reported(warnings_seen):
+    config = {"fused_linear_logprob": True, "actor": {"fused_linear_logprob": False, "logprobs_chunk_size": 32}}
+    assert FusedLMConfig.from_trainer_config(config) == FusedLMConfig(enabled=True)
+    [warning] = warnings_seen()
+    assert "actor.logprobs_chunk_size" in warning and "actor.fused_linear_logprob" not in warning
+
+
+@pytest.mark.parametrize(
+    "trainer_config",
+    [SETTINGS, {"trainer": SETTINGS, "actor": {"strategy": "fsdp"}}, {}, {"actor": {"fused_linear_logprob": None}}],
+)
+def test_no_warning_when_nothing_is_elsewhere(trainer_config, warnings_seen):
+    FusedLMConfig.from_trainer_config(trainer_config)
+    assert warnings_seen() == []
+
+
+@pytest.mark.parametrize("build", [dict, namespaces, lambda value: AttributeConfig(**value)])
+def test_section_reads_the_keys_there(build, warnings_seen):
+    config = build(VERL_LIKE)
+    assert FusedLMConfig.from_trainer_config(config, section="actor_rollout_ref.actor") == EXPECTED
+    ref = FusedLMConfig.from_trainer_config(config, section="actor_rollout_ref.ref")
+    assert ref == FusedLMConfig(chunk_size=64)
+    assert warnings_seen() == []  # pointing at a section silences the search
+
+
+def test_section_reads_only_there():
+    config = {"fused_linear_logprob": True, "trainer": {"logprobs_chunk_size": 8}, "actor": {}, "critic": None}
+    assert FusedLMConfig.from_trainer_config(config, section="actor") == FusedLMConfig()
+    assert FusedLMConfig.from_trainer_config(config, section="critic") == FusedLMConfig()  # null: an empty section
+    assert FusedLMConfig.from_trainer_config(config, section="trainer") == FusedLMConfig(chunk_size=8)
+    assert FusedLMConfig.from_trainer_config(TrainerConfig(), section="trainer") == EXPECTED
+
+
+@pytest.mark.parametrize(
+    "section, error, words",
+    [
+        ("actor_rollout_ref.actr", ValueError, r"'actor_rollout_ref' has no 'actr'; it has 'actor', 'ref'"),
+        ("critic", ValueError, r"the config has no 'critic'; it has 'actor_rollout_ref', 'trainer'"),
+        ("trainer.project_name", ValueError, r"section 'trainer.project_name' is a str, not a section"),
+        ("trainer.project_name.x", ValueError, r"'trainer.project_name' is a str, not a section"),
+        ("actor_rollout_ref..actor", ValueError, "dotted path"),
+        ("", ValueError, "dotted path"),
+        (["actor_rollout_ref", "actor"], TypeError, "section must be a dotted path"),
+    ],
+)
+def test_a_bad_section_raises(section, error, words):
+    for build in (dict, namespaces):
+        with pytest.raises(error, match=words):
+            FusedLMConfig.from_trainer_config(build(VERL_LIKE), section=section)

@@ -6,9 +6,15 @@ deviation about 4). Sections (``--sections``):
 - ``rl``: per-token log-prob + entropy with random upstream gradients, at each ``--temperatures``:
   ``stock`` (materialized bf16 logits, float32 softmax), our ``torch`` and ``triton`` backends, and
   ``floor`` (the four cuBLAS GEMMs of any exact recompute method);
-- ``sft``: mean cross-entropy: ``stock``, ``ours`` (Triton backend through the same op),
-  ``liger`` (liger-kernel's fused linear cross-entropy), ``cce`` (Apple's cut-cross-entropy) and
-  ``floor`` (three GEMMs); a missing package gives a ``missing`` row, never a number;
+- ``sft``: mean cross-entropy: ``stock``, ``ours`` (``fused_linear_loss`` with
+  ``losses.cross_entropy``: the gradients finished in the forward, three GEMMs), ``recompute`` (the
+  mean of ``-fused_linear_logprob``, as the labels path computes it: four GEMMs), ``liger``
+  (liger-kernel's fused linear cross-entropy), ``cce`` (Apple's cut-cross-entropy) and ``floor``
+  (three GEMMs); a missing package gives a ``missing`` row, never a number;
+- ``rl_loss``: a policy loss known in the forward (``losses.ClippedPolicyLoss``, clip 0.2 / 0.28,
+  entropy bonus 0.01, token mean; ``--kl-coef`` adds a k3 KL penalty) at temperature 1: ``stock``
+  (bf16 logits, ``logits_loss``), ``recompute`` (the loss on ``fused_linear_logprob``'s log-prob and
+  entropy: four GEMMs), ``ours`` (``fused_linear_loss``: three) and ``floor3`` (three GEMMs);
 - ``scaling``: hidden x vocabulary ``--scaling-shape``, tokens doubling from ``--scaling-start``
   until each method runs out of memory or ``--scaling-max-tokens`` is reached (a cap that keeps
   the run short);
@@ -16,8 +22,12 @@ deviation about 4). Sections (``--sections``):
   sequences of ``--sequence-length`` tokens, at each response ``--fractions``.
 
 Each row records the median time, the peak extra memory and the max |log-prob error| against a
-float64 oracle on ``--sample`` tokens (harness.py says how). The JSON is rewritten after every
-shape, so an interrupted run keeps what it measured; ``--plots DIR`` draws the PNGs (report.py).
+float64 oracle on ``--sample`` tokens (harness.py says how). The ``sft`` and ``rl_loss`` rows also
+record the error of the hidden states' gradient on those tokens (``grad_hidden_error``: the
+largest |error| over the largest |gradient|; a token's hidden gradient needs only its own logits,
+while the weight's gradient needs every token and is not checked), and the ``rl_loss`` rows the
+entropy error and the summed loss. The JSON is rewritten after every shape, so an interrupted run
+keeps what it measured; ``--plots DIR`` draws the PNGs (report.py).
 
     PYTHONPATH=. python3 benchmarks/bench_logprob.py --json results.json --plots plots/
 """
@@ -25,6 +35,7 @@ shape, so an interrupted run keeps what it measured; ``--plots DIR`` draws the P
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -41,19 +52,29 @@ from harness import (
     try_measure,
 )
 from methods import (
+    FUSED_BACKEND,
+    OLD_LOGPROB_NOISE,
+    RL_LOSS_METHODS,
     RL_METHODS,
     SFT_METHODS,
     floor_step,
     import_competitors,
+    policy_loss,
+    policy_loss_inputs,
+    rl_loss_step,
     rl_step,
     sft_logprob,
     sft_step,
+    sft_weights,
 )
 
 from devkit.measure import environment, release_memory
-from megatron_fused_lm import response_mask
+from devkit.oracle import logprob_entropy, relative_error
+from megatron_fused_lm import losses, response_mask
 
-SECTIONS = ("rl", "sft", "scaling", "fractions")
+SECTIONS = ("rl", "sft", "rl_loss", "scaling", "fractions")
+# Each section's floor: the row its others are divided by (``vs_floor``).
+FLOORS = {"rl": "floor", "sft": "floor", "rl_loss": "floor3"}
 # (use, method) pairs of the scaling section: every SFT method that can run out of memory, and
 # the RL stock path next to our Triton backend.
 SCALING_SERIES = (
@@ -78,6 +99,24 @@ def response_fraction_mask(tokens, fraction, sequence_length, device):
     return response_mask(cu_seqlens, lengths - response_lengths, response_lengths)
 
 
+def loss_oracle(inputs, sample, loss_fn, loss_inputs):
+    """Float64 ``(logprob, entropy, grad_hidden)`` of the rows ``sample`` (temperature 1), the
+    gradient that of ``sum_t loss_fn(logprob_t, entropy_t, **inputs_t)``. A row's hidden gradient
+    depends on its own logits and loss alone, so these rows give it exactly; the weight's gradient
+    sums over every row and is not checked."""
+    hidden = inputs.hidden.detach()[sample].double().requires_grad_()
+    with torch.enable_grad():
+        logprob, entropy = logprob_entropy(hidden @ inputs.weight.detach().double().t(), inputs.targets[sample])
+        rows = {name: value[sample].double() for name, value in loss_inputs.items()}
+        (grad_hidden,) = torch.autograd.grad(loss_fn(logprob, entropy, **rows).sum(), hidden)
+    return logprob.detach(), entropy.detach(), grad_hidden
+
+
+def grad_error(grad, sample, reference):
+    """Largest |error| of the gradient's rows ``sample`` over the largest |reference gradient|."""
+    return relative_error(grad[sample], reference)
+
+
 class Benchmark:
     def __init__(self, args):
         self.args = args
@@ -86,11 +125,19 @@ class Benchmark:
         self.competitors, self.missing = import_competitors()
         self.rows = []
 
-    def measure_row(self, make_step, inputs, timing=None, **fields):
+    def measure_row(self, make_step, inputs, timing=None, record=None, **fields):
+        """Measure one method into a new row. ``record(row, outputs)``, if given, reads what the
+        step returned (a gradient, say) into the row; the outputs are dropped after it, so that
+        no method's memory holds the previous one's."""
         warmup, repeats = timing or (self.args.warmup, self.args.repeats)
         measurement, failure = try_measure(make_step, inputs, warmup, repeats)
         row = result_row(measurement, failure, **fields)
         self.rows.append(row)
+        if record is not None and measurement is not None:
+            outputs, measurement.outputs = measurement.outputs, None
+            record(row, outputs)
+            del outputs
+            release_memory()
         return row, measurement
 
     def missing_row(self, method, **fields):
@@ -120,12 +167,12 @@ class Benchmark:
                     logprob, entropy = measurement.outputs
                     row["logprob_max_error"] = sample_error(logprob, sample, ref_logprob)
                     row["entropy_max_error"] = sample_error(entropy, sample, ref_entropy)
-        add_floor_ratios(self.rows[first:])
+        add_floor_ratios(self.rows[first:], FLOORS["rl"])
 
     def sft(self, shape, inputs, sample):
         name = shape_name(shape)
         first = len(self.rows)
-        ref_logprob = oracle(inputs, sample)[0]
+        reference = self.sft_oracle(inputs, sample)
         for method in self.args.sft_methods:
             if method in self.missing:
                 self.missing_row(method, section="sft", shape=name)
@@ -134,20 +181,54 @@ class Benchmark:
                     lambda: floor_step(inputs, recompute=False), inputs, section="sft", shape=name, method="floor"
                 )
             else:
-                row, measurement = self.measure_row(
-                    lambda: sft_step(method, self.competitors, inputs), inputs, section="sft", shape=name, method=method
+                self.measure_row(
+                    lambda: sft_step(method, self.competitors, inputs),
+                    inputs,
+                    record=lambda row, grad: self.record_sft_error(row, method, inputs, sample, reference, grad),
+                    section="sft",
+                    shape=name,
+                    method=method,
                 )
-                if measurement is not None:
-                    self.record_sft_error(row, method, inputs, sample, ref_logprob)
-        add_floor_ratios(self.rows[first:])
+        add_floor_ratios(self.rows[first:], FLOORS["sft"])
 
-    def record_sft_error(self, row, method, inputs, sample, ref_logprob):
+    def sft_oracle(self, inputs, sample):
+        """Float64 log-prob and hidden gradient of the mean cross-entropy on the rows ``sample``."""
+        logprob, _, grad_hidden = loss_oracle(inputs, sample, losses.cross_entropy, {"weight": sft_weights(inputs)})
+        return logprob, grad_hidden
+
+    def record_sft_error(self, row, method, inputs, sample, reference, grad):
+        """The hidden gradient's error (``grad``: what the timed step left), then the log-prob
+        error of the method's per-token forward."""
+        ref_logprob, ref_grad = reference
         try:
+            row["grad_hidden_error"] = grad_error(grad, sample, ref_grad)
+            del grad
             logprob = sft_logprob(method, self.competitors, inputs)
             row["logprob_max_error"] = sample_error(logprob, sample, ref_logprob)
         except Exception as error:  # keep the timing; say why the error check is absent
             row["note"] = f"error check failed: {type(error).__name__}: {error}"
         release_memory()
+
+    def rl_loss(self, shape, inputs, sample):
+        """The policy loss known in the forward: three GEMMs (``ours``) against the stock path, the
+        per-token op plus autograd (``recompute``) and the three-GEMM floor (``floor3``)."""
+        name = shape_name(shape)
+        first = len(self.rows)
+        loss_fn = policy_loss(self.args.kl_coef)
+        loss_inputs = policy_loss_inputs(inputs, self.args.kl_coef)
+        reference = loss_oracle(inputs, sample, loss_fn, loss_inputs)
+        for method in self.args.rl_loss_methods:
+            fields = dict(section="rl_loss", shape=name, method=method)
+            if method == "floor3":
+                self.measure_row(lambda: floor_step(inputs, recompute=False), inputs, **fields)
+            else:
+                self.measure_row(
+                    lambda: rl_loss_step(method, inputs, loss_fn, loss_inputs),
+                    inputs,
+                    record=lambda row, outputs: record_loss_errors(row, outputs, sample, reference),
+                    **fields,
+                )
+        add_floor_ratios(self.rows[first:], FLOORS["rl_loss"])
 
     def fractions(self, shape, inputs):
         for fraction in self.args.fractions:
@@ -180,7 +261,7 @@ class Benchmark:
             shape = (tokens, hidden_size, vocab)
             inputs = make_inputs(*shape, self.dtype, self.device)
             sample = sample_rows(torch.arange(tokens, device=self.device), self.args.sample)
-            ref_logprob = oracle(inputs, sample)[0]
+            reference = self.sft_oracle(inputs, sample)
             for use, method in SCALING_SERIES:
                 if (use, method) in stopped:
                     continue
@@ -188,13 +269,15 @@ class Benchmark:
                 if use == "rl":
                     row, measurement = self.measure_row(lambda: rl_step(method, inputs, 1.0), inputs, timing, **fields)
                     if measurement is not None:
-                        row["logprob_max_error"] = sample_error(measurement.outputs[0], sample, ref_logprob)
+                        row["logprob_max_error"] = sample_error(measurement.outputs[0], sample, reference[0])
                 else:
                     row, measurement = self.measure_row(
-                        lambda: sft_step(method, self.competitors, inputs), inputs, timing, **fields
+                        lambda: sft_step(method, self.competitors, inputs),
+                        inputs,
+                        timing,
+                        record=lambda row, grad: self.record_sft_error(row, method, inputs, sample, reference, grad),
+                        **fields,
                     )
-                    if measurement is not None:
-                        self.record_sft_error(row, method, inputs, sample, ref_logprob)
                 if measurement is None:
                     stopped.add((use, method))
             del inputs
@@ -208,13 +291,15 @@ class Benchmark:
     def run(self):
         args = self.args
         sections = set(args.sections)
-        shapes = args.shapes if sections & {"rl", "sft"} else []
+        shapes = args.shapes if sections & {"rl", "sft", "rl_loss"} else []
         fraction_shapes = args.fraction_shapes if "fractions" in sections else []
         meta = environment(self.device, self.dtype)
         # The settings, less where this run's files went and the device kind (meta names the device).
         meta.update(
             {key: value for key, value in vars(args).items() if key not in ("json", "plots", "device")},
             missing=self.missing,
+            fused_backend=FUSED_BACKEND,
+            rl_loss={"loss_fn": dataclasses.asdict(policy_loss(args.kl_coef)), "old_logprob_noise": OLD_LOGPROB_NOISE},
         )
         for shape in dict.fromkeys(shapes + fraction_shapes):  # each shape's inputs made once
             inputs = make_inputs(*shape, self.dtype, self.device)
@@ -223,6 +308,8 @@ class Benchmark:
                 self.rl(shape, inputs, sample)
             if shape in shapes and "sft" in sections:
                 self.sft(shape, inputs, sample)
+            if shape in shapes and "rl_loss" in sections:
+                self.rl_loss(shape, inputs, sample)
             if shape in fraction_shapes:
                 self.fractions(shape, inputs)
             del inputs
@@ -237,9 +324,23 @@ class Benchmark:
         return {"meta": meta, "rows": self.rows}
 
 
-def add_floor_ratios(rows):
-    """Each timed row's time over its section's floor, for the same shape."""
-    floor = next((row for row in rows if row["method"] == "floor" and row["status"] == "ok"), None)
+def record_loss_errors(row, outputs, sample, reference):
+    """The summed loss, and the log-prob, entropy and hidden-gradient errors on the rows ``sample``
+    against the float64 ``reference`` (``loss_oracle``), of an ``rl_loss_step``'s outputs."""
+    loss, logprob, entropy, grad = outputs
+    ref_logprob, ref_entropy, ref_grad = reference
+    try:
+        row["loss"] = float(loss)
+        row["logprob_max_error"] = sample_error(logprob, sample, ref_logprob)
+        row["entropy_max_error"] = sample_error(entropy, sample, ref_entropy)
+        row["grad_hidden_error"] = grad_error(grad, sample, ref_grad)
+    except Exception as error:  # keep the timing; say why the error check is absent
+        row["note"] = f"error check failed: {type(error).__name__}: {error}"
+
+
+def add_floor_ratios(rows, floor_method="floor"):
+    """Each timed row's time over its section's floor (``floor_method``), for the same shape."""
+    floor = next((row for row in rows if row["method"] == floor_method and row["status"] == "ok"), None)
     for row in rows:
         if floor is not None and row["status"] == "ok":
             row["vs_floor"] = row["ms"] / floor["ms"]
@@ -252,8 +353,8 @@ def write_json(path, meta, rows):
 
 def print_table(rows):
     print(
-        f"{'section':>9} {'shape':>22} {'detail':>8} {'method':>7} {'ms':>9} {'x floor':>8} "
-        f"{'peak GiB':>9} {'lp err':>9}  note"
+        f"{'section':>9} {'shape':>22} {'detail':>8} {'method':>9} {'ms':>9} {'x floor':>8} "
+        f"{'peak GiB':>9} {'lp err':>9} {'grad err':>9}  note"
     )
     for row in rows:
         detail = next((f"{key[0]}={row[key]}" for key in ("temperature", "fraction", "use") if key in row), "")
@@ -261,9 +362,10 @@ def print_table(rows):
         ratio = f"{row['vs_floor']:.3f}" if "vs_floor" in row else ""
         peak = f"{row['peak_extra_bytes'] / GIB:9.3f}" if row.get("peak_extra_bytes") is not None else ""
         error = f"{row['logprob_max_error']:.2e}" if "logprob_max_error" in row else ""
+        grad = f"{row['grad_hidden_error']:.2e}" if "grad_hidden_error" in row else ""
         print(
-            f"{row['section']:>9} {row.get('shape', ''):>22} {detail:>8} {row['method']:>7} {ms} "
-            f"{ratio:>8} {peak:>9} {error:>9}  {row.get('note', '')[:60]}"
+            f"{row['section']:>9} {row.get('shape', ''):>22} {detail:>8} {row['method']:>9} {ms} "
+            f"{ratio:>8} {peak:>9} {error:>9} {grad:>9}  {row.get('note', '')[:60]}"
         )
 
 
@@ -283,6 +385,10 @@ def parse_args():
     parser.add_argument("--temperatures", type=comma_list(float), default="1.0,0.7")
     parser.add_argument("--rl-methods", type=comma_list(str), default=",".join(RL_METHODS))
     parser.add_argument("--sft-methods", type=comma_list(str), default=",".join(SFT_METHODS))
+    parser.add_argument("--rl-loss-methods", type=comma_list(str), default=",".join(RL_LOSS_METHODS))
+    parser.add_argument(
+        "--kl-coef", type=float, default=0.0, help="rl_loss: weight of a k3 KL penalty against a reference policy"
+    )
     parser.add_argument(
         "--scaling-shape",
         type=lambda text: tuple(map(int, text.split("x"))),
@@ -305,7 +411,17 @@ def parse_args():
     parser.add_argument("--sample", type=int, default=256, help="tokens checked against the float64 oracle")
     parser.add_argument("--json", default="bench_results.json")
     parser.add_argument("--plots", default=None, help="folder for the PNG plots (needs matplotlib)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    for option, chosen, known in (
+        ("--sections", args.sections, SECTIONS),
+        ("--rl-methods", args.rl_methods, RL_METHODS),
+        ("--sft-methods", args.sft_methods, SFT_METHODS),
+        ("--rl-loss-methods", args.rl_loss_methods, RL_LOSS_METHODS),
+    ):
+        unknown = [name for name in chosen if name not in known]
+        if unknown:
+            parser.error(f"{option}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
+    return args
 
 
 def main():

@@ -1,37 +1,52 @@
 """The methods the benchmarks compare. Each ``*_step`` returns a callable that runs one
 forward+backward on a ``harness.BenchInputs``; the stock path stands in for Megatron's: bf16
-logits ``hidden @ weight.T`` materialized, then a float32 softmax (``logits_logprob``)."""
+logits ``hidden @ weight.T`` materialized, then a float32 softmax (``logits_logprob``).
+
+Our fused methods run the Triton backend (``FUSED_BACKEND``; off CUDA it falls back to the torch
+backend with a warning, which is what a CPU dry run of the scripts measures)."""
 
 from __future__ import annotations
 
 import torch
 
-from megatron_fused_lm import fused_linear_logprob, logits_logprob
+from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, logits_logprob, logits_loss, losses
+
+FUSED_BACKEND = "triton"
 
 # Per-token log-prob + entropy (the RL use); "floor" is the four GEMMs of any exact recompute method.
 RL_METHODS = ("floor", "stock", "torch", "triton")
 # Mean cross-entropy (the SFT use); "floor" is the three GEMMs (logits, grad_hidden, grad_weight).
-SFT_METHODS = ("floor", "stock", "ours", "liger", "cce")
+# "ours" finishes the gradients in the forward (fused_linear_loss: three GEMMs), "recompute" is the
+# mean of the per-token op's log-probs (fused_linear_logprob: the logits again in the backward, four).
+SFT_METHODS = ("floor", "stock", "ours", "recompute", "liger", "cce")
+# A policy loss known in the forward (the RL loss); "floor3" is the three GEMMs, as for SFT.
+RL_LOSS_METHODS = ("floor3", "stock", "recompute", "ours")
+
+# The RL-loss section's per-token loss: DAPO's asymmetric clip with an entropy bonus, token mean.
+CLIP_LOW, CLIP_HIGH, ENTROPY_COEF = 0.2, 0.28, 0.01
+# The old (and reference) policy's log-probs are this step's float32 log-probs plus Gaussian noise
+# of this standard deviation: ratios near 1, a few tokens clipped, as in on-policy training.
+OLD_LOGPROB_NOISE = 0.1
 
 
 def import_competitors():
     """``({method: loss function}, {method: why it is missing})`` for liger-kernel's fused linear
     cross-entropy and Apple's cut-cross-entropy; both take ``(hidden, weight, targets,
     reduction=...)``. They are optional benchmark extras, never package dependencies."""
-    losses, missing = {}, {}
+    found, missing = {}, {}
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-        losses["liger"] = liger_fused_linear_cross_entropy
+        found["liger"] = liger_fused_linear_cross_entropy
     except ImportError as error:
         missing["liger"] = f"liger-kernel is not installed ({error})"
     try:
         from cut_cross_entropy import linear_cross_entropy
 
-        losses["cce"] = linear_cross_entropy
+        found["cce"] = linear_cross_entropy
     except ImportError as error:
         missing["cce"] = f"cut-cross-entropy is not installed ({error})"
-    return losses, missing
+    return found, missing
 
 
 def floor_step(inputs, recompute):
@@ -80,21 +95,43 @@ def rl_step(method, inputs, temperature, mask=None):
     return step
 
 
-def sft_loss(method, competitors, hidden, weight, targets, reduction):
-    """Cross-entropy per token (``reduction="none"``) or its mean. Ours is the negated log-prob
-    of the Triton backend, as the labels path computes it."""
-    if method not in ("stock", "ours"):
+def sft_weights(inputs):
+    """The per-token weights of the mean cross-entropy over every token (``losses.cross_entropy``)."""
+    return losses.token_mean_weights(torch.ones_like(inputs.targets, dtype=torch.float32))
+
+
+def sft_loss(method, competitors, hidden, weight, targets, reduction, weights=None):
+    """Cross-entropy per token (``reduction="none"``) or its mean. ``recompute`` is the negated
+    log-prob of the per-token op, as Megatron's labels path computes it; ``ours`` is
+    ``fused_linear_loss`` with ``losses.cross_entropy`` and token-mean ``weights`` (made here when
+    not given)."""
+    if method in ("liger", "cce"):
         return competitors[method](hidden, weight, targets, reduction=reduction)
+    if method == "ours":
+        if weights is None:
+            weights = losses.token_mean_weights(torch.ones_like(targets, dtype=torch.float32))
+        result = fused_linear_loss(
+            hidden, weight, targets, losses.cross_entropy, loss_inputs={"weight": weights}, backend=FUSED_BACKEND
+        )
+        return result.loss if reduction == "mean" else -result.logprob
     if method == "stock":
         nll = -logits_logprob(hidden @ weight.t(), targets)
+    elif method == "recompute":
+        nll = -fused_linear_logprob(hidden, weight, targets, backend=FUSED_BACKEND)
     else:
-        nll = -fused_linear_logprob(hidden, weight, targets, backend="triton")
+        raise ValueError(f"unknown SFT method {method!r}")
     return nll.mean() if reduction == "mean" else nll
 
 
 def sft_step(method, competitors, inputs):
+    """``loss.backward()`` of the mean cross-entropy; returns the hidden states' gradient (for the
+    error check; the benchmark drops it after reading the sampled rows)."""
+    weights = sft_weights(inputs)  # made before the measurement, as a trainer would have it
+
     def step():
-        sft_loss(method, competitors, inputs.hidden, inputs.weight, inputs.targets, "mean").backward()
+        loss = sft_loss(method, competitors, inputs.hidden, inputs.weight, inputs.targets, "mean", weights)
+        loss.backward()
+        return inputs.hidden.grad
 
     return step
 
@@ -104,3 +141,61 @@ def sft_logprob(method, competitors, inputs):
     timed step returns only the mean."""
     with torch.no_grad():
         return -sft_loss(method, competitors, inputs.hidden.detach(), inputs.weight.detach(), inputs.targets, "none")
+
+
+def policy_loss(kl_coef=0.0):
+    """The RL-loss section's ``losses.ClippedPolicyLoss`` (a k3 KL penalty when ``kl_coef``)."""
+    return losses.ClippedPolicyLoss(
+        clip_low=CLIP_LOW, clip_high=CLIP_HIGH, entropy_coef=ENTROPY_COEF, kl_coef=kl_coef, kl_estimator="k3"
+    )
+
+
+def policy_loss_inputs(inputs, kl_coef=0.0, seed=2):
+    """The per-token inputs of ``policy_loss``, made once per shape and shared by every method:
+    ``old_logprob`` (this step's float32 log-probs, by the per-token op under no_grad, plus noise),
+    standard normal ``advantages``, the token-mean ``weight``, and ``ref_logprob`` when ``kl_coef``."""
+    targets = inputs.targets
+    gen = torch.Generator(device=targets.device).manual_seed(seed)
+    with torch.no_grad():
+        logprob = fused_linear_logprob(inputs.hidden, inputs.weight, targets, backend=FUSED_BACKEND)
+
+    def noisy():
+        return logprob + OLD_LOGPROB_NOISE * torch.randn(logprob.shape, device=targets.device, generator=gen)
+
+    loss_inputs = {
+        "old_logprob": noisy(),
+        "advantages": torch.randn(targets.shape, device=targets.device, generator=gen),
+        "weight": losses.token_mean_weights(torch.ones_like(targets, dtype=torch.float32)),
+    }
+    if kl_coef:
+        loss_inputs["ref_logprob"] = noisy()
+    return loss_inputs
+
+
+def rl_loss_step(method, inputs, loss_fn, loss_inputs):
+    """``loss.backward()`` of the summed per-token ``loss_fn``; returns ``(loss, logprob, entropy,
+    hidden's gradient)``, detached, for the error check.
+
+    - ``stock``: bf16 logits materialized, then ``logits_loss`` (float32 softmax, autograd);
+    - ``recompute``: ``fused_linear_logprob`` with entropy, ``loss_fn`` on its flattened results
+      and autograd into the per-token op's backward (four GEMMs);
+    - ``ours``: ``fused_linear_loss`` (three GEMMs, the gradients finished in the forward)."""
+
+    def step():
+        hidden, weight, targets = inputs.hidden, inputs.weight, inputs.targets
+        if method == "stock":
+            loss, logprob, entropy = logits_loss(hidden @ weight.t(), targets, loss_fn, loss_inputs=loss_inputs)
+        elif method == "recompute":
+            logprob, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, backend=FUSED_BACKEND)
+            flat = {name: value.reshape(-1) for name, value in loss_inputs.items()}
+            loss = loss_fn(logprob.reshape(-1), entropy.reshape(-1), **flat).sum()
+        elif method == "ours":
+            loss, logprob, entropy = fused_linear_loss(
+                hidden, weight, targets, loss_fn, loss_inputs=loss_inputs, backend=FUSED_BACKEND
+            )
+        else:
+            raise ValueError(f"unknown RL-loss method {method!r}")
+        loss.backward()
+        return loss.detach(), logprob.detach(), entropy.detach(), inputs.hidden.grad
+
+    return step

@@ -5,6 +5,11 @@ docs/ and the numbers in README.md and docs/BENCHMARKS.md come from one file.
 
 The torch backend's rows are left out of every table and figure: on a GPU it is only the fallback
 for a machine without Triton, and the committed rows predate a change to its backward.
+
+In the SFT and RL-loss sections "ours" is ``fused_linear_loss`` (the gradients finished in the
+forward: three GEMMs) and "recompute" the per-token op with the loss on its log-probs (four). A
+JSON written before the RL-loss section existed (its meta has no ``rl_loss_methods``) called the
+per-token op "ours" in the SFT rows; ``upgrade`` renames those rows "recompute" on reading.
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ SHAPE_AXIS_LABEL = "tokens x hidden x vocabulary"
 TIME_AXIS_LABEL = "forward + backward, ms (median)"
 MEMORY_AXIS_LABEL = "peak extra memory, GiB"
 
-# The JSON calls the Triton backend "triton" in the RL rows and "ours" in the SFT rows (there it
-# runs through the SFT loss); both are drawn as one method.
+# The JSON calls our Triton backend "triton" in the RL rows (the per-token op) and "ours" in the SFT
+# and RL-loss rows (the loss finished in the forward); both are drawn as one method, ours.
 SAME_METHOD = {"triton": "ours"}
 # One label, colour and marker per method, the same in every figure.
 METHOD_STYLES = {
@@ -28,14 +33,43 @@ METHOD_STYLES = {
     "ours": ("ours (Triton)", "tab:orange", "o"),
     "liger": ("liger-kernel", "tab:purple", "^"),
     "cce": ("cut-cross-entropy", "tab:brown", "D"),
+    "recompute": ("recompute (our per-token op, then the loss: 4 GEMMs)", "tab:green", "v"),
     "floor": ("GEMM floor (cuBLAS products alone)", "0.35", None),
+    "floor3": ("GEMM floor (the three cuBLAS products alone)", "0.35", None),
 }
 SCALING_SERIES = {  # use -> the methods measured for it, in table and legend order
-    "sft": ("stock", "ours", "liger", "cce"),
+    "sft": ("stock", "ours", "recompute", "liger", "cce"),
     "rl": ("stock", "triton"),
 }
 USE_TITLES = {"sft": "SFT: mean cross-entropy", "rl": "RL: per-token log-prob + entropy"}
-SHORT_NAMES = {"stock": "stock", "ours": "ours", "liger": "liger-kernel", "cce": "cut-cross-entropy"}
+SHORT_NAMES = {
+    "stock": "stock",
+    "ours": "ours",
+    "recompute": "recompute",
+    "liger": "liger-kernel",
+    "cce": "cut-cross-entropy",
+}
+# The policy loss of the RL-loss section, for titles.
+RL_LOSS_TITLE = "RL loss known in the forward: clipped policy loss + entropy bonus, token mean"
+
+
+def upgrade(results):
+    """``results`` with the rows of a JSON from before the three-GEMM loss renamed: there the SFT
+    (and SFT scaling) "ours" was the per-token op, now called "recompute". Such a JSON's meta has
+    no ``rl_loss_methods`` (every later run records the option)."""
+    if "rl_loss_methods" in results["meta"]:
+        return results
+    rows = [
+        dict(row, method="recompute")
+        if row["method"] == "ours" and (row["section"] == "sft" or row.get("use") == "sft")
+        else row
+        for row in results["rows"]
+    ]
+    return dict(results, rows=rows)
+
+
+def is_floor(method):
+    return method.startswith("floor")
 
 
 def style(method):
@@ -75,22 +109,31 @@ def cell(row, memory=True):
     return f"{text} / {peak_gib(row):.2f}" if memory else text
 
 
-def error_cell(rows):
-    return " / ".join(f"{row['logprob_max_error']:.1e}" if row and "logprob_max_error" in row else "-" for row in rows)
+def error_cell(rows, key="logprob_max_error"):
+    return " / ".join(f"{row[key]:.1e}" if row and key in row else "-" for row in rows)
 
 
-def floor_table(rows, section, methods, header, **filters):
-    """One row per shape: the floor, each method's cell, ours (the last method) against the floor,
-    the log-prob errors."""
-    lines = [header, "|" + "---|" * (len(methods) + 4)]
+def ratio_cell(row):
+    return f"{row['vs_floor']:.3f}" if row and "vs_floor" in row else "-"
+
+
+def floor_table(rows, section, methods, header, ratios=None, floor="floor", grad_errors=False, **filters):
+    """One row per shape: the floor, each method's cell, the ``ratios`` methods (default: the last
+    one, ours) against the floor, the log-prob errors and, with ``grad_errors``, the hidden
+    gradient's errors."""
+    ratios = ratios or methods[-1:]
+    columns = len(methods) + len(ratios) + 3 + bool(grad_errors)
+    lines = [header, "|" + "---|" * columns]
     for shape in shapes_of(rows, section):
-        floor = find(rows, section=section, shape=shape, method="floor")
-        measured = [find(rows, section=section, shape=shape, method=method, **filters) for method in methods]
-        ratio = f"{measured[-1]['vs_floor']:.3f}" if measured[-1] and "vs_floor" in measured[-1] else "-"
+        floor_row = find(rows, section=section, shape=shape, method=floor)
+        measured = {method: find(rows, section=section, shape=shape, method=method, **filters) for method in methods}
+        errors = [error_cell(measured.values())]
+        if grad_errors:
+            errors.append(error_cell(measured.values(), "grad_hidden_error"))
         lines.append(
-            f"| {pretty(shape)} | {cell(floor, memory=False)} | "
-            + " | ".join(cell(row) for row in measured)
-            + f" | {ratio} | {error_cell(measured)} |"
+            f"| {pretty(shape)} | {cell(floor_row, memory=False)} | "
+            + " | ".join([cell(row) for row in measured.values()] + [ratio_cell(measured[m]) for m in ratios] + errors)
+            + " |"
         )
     return "\n".join(lines)
 
@@ -105,15 +148,34 @@ def rl_table(rows, temperature):
 
 def sft_table(rows):
     header = (
-        "| tokens x hidden x vocab | floor (3 GEMMs) | stock | liger-kernel | cut-cross-entropy | ours (Triton) "
-        "| ours / floor | log-prob err stock / liger / cce / ours |"
+        "| tokens x hidden x vocab | floor (3 GEMMs) | stock | liger-kernel | cut-cross-entropy "
+        "| recompute (4 GEMMs) | ours (3 GEMMs) | recompute / floor | ours / floor "
+        "| log-prob err stock / liger / cce / recompute / ours "
+        "| grad_hidden err stock / liger / cce / recompute / ours |"
     )
-    return floor_table(rows, "sft", ("stock", "liger", "cce", "ours"), header)
+    methods = ("stock", "liger", "cce", "recompute", "ours")
+    return floor_table(rows, "sft", methods, header, ratios=("recompute", "ours"), grad_errors=True)
+
+
+def rl_loss_table(rows):
+    header = (
+        "| tokens x hidden x vocab | floor (3 GEMMs) | stock | recompute (4 GEMMs) | ours (3 GEMMs) "
+        "| recompute / floor | ours / floor | log-prob err stock / recompute / ours "
+        "| grad_hidden err stock / recompute / ours |"
+    )
+    methods = ("stock", "recompute", "ours")
+    return floor_table(rows, "rl_loss", methods, header, ratios=("recompute", "ours"), floor="floor3", grad_errors=True)
 
 
 def scaling_table(rows):
-    series = [(use, method) for use, methods in SCALING_SERIES.items() for method in methods]
     scaling = select(rows, section="scaling")
+    # A series with no row at all (one this JSON's run did not measure) gets no column.
+    series = [
+        (use, method)
+        for use, methods in SCALING_SERIES.items()
+        for method in methods
+        if select(scaling, use=use, method=method)
+    ]
     lines = [
         "| tokens | "
         + " | ".join(f"{use.upper()} {SHORT_NAMES[SAME_METHOD.get(method, method)]}" for use, method in series)
@@ -158,14 +220,19 @@ def fit_cell(rows, use, method):
 
 
 def summary_table(results):
-    """The README's three rows, all read from the JSON."""
+    """The README's summary rows, all read from the JSON."""
     rows, meta = results["rows"], results["meta"]
     cap = meta["scaling_max_tokens"]
-    # (RL method, SFT method) per column; the loss-only libraries have no RL method.
+    # (RL method, SFT method) per column; the loss-only libraries have no RL method. The RL-loss
+    # row reads the RL method's column name in the rl_loss section (stock, ours).
     columns = (("stock", "stock"), ("triton", "ours"), (None, "liger"), (None, "cce"))
     rl = [
         cell(find(rows, section="rl", shape=HEADLINE_SHAPE, method=method, temperature=1.0)) if method else "n/a"
         for method, _ in columns
+    ]
+    rl_loss = [
+        cell(find(rows, section="rl_loss", shape=HEADLINE_SHAPE, method=method)) if rl_method else "n/a"
+        for rl_method, method in columns
     ]
     sft = [find(rows, section="sft", shape=HEADLINE_SHAPE, method=method) for _, method in columns]
     return "\n".join(
@@ -174,6 +241,7 @@ def summary_table(results):
             "| liger-kernel | cut-cross-entropy |",
             "|---|---|---|---|---|",
             "| RL: per-token log-prob + entropy | " + " | ".join(rl) + " |",
+            "| RL: clipped policy loss known in the forward | " + " | ".join(rl_loss) + " |",
             "| SFT: mean cross-entropy | " + " | ".join(cell(row) for row in sft) + " |",
             f"| SFT: most tokens that fit (run stopped at {cap}) | "
             + " | ".join(fit_cell(rows, "sft", method) for _, method in columns)
@@ -183,13 +251,15 @@ def summary_table(results):
 
 
 def markdown(results):
+    results = upgrade(results)
     rows = results["rows"]
     parts = []
     for temperature in results["meta"]["temperatures"]:
         parts += [f"### RL, temperature {temperature:g}", rl_table(rows, temperature)]
+    parts += ["### SFT", sft_table(rows)]
+    if select(rows, section="rl_loss"):
+        parts += ["### RL loss (three-GEMM)", rl_loss_table(rows)]
     parts += [
-        "### SFT",
-        sft_table(rows),
         "### Scaling",
         scaling_table(rows),
         "### Response fractions",
@@ -262,7 +332,7 @@ def bar_panels(pyplot, results, section, methods, title, path, temperature=None)
 
     def rows_of(method):
         fields = dict(section=section, method=method)
-        if temperature is not None and method != "floor":
+        if temperature is not None and not is_floor(method):
             fields["temperature"] = temperature
         return [find(rows, shape=shape, **fields) for shape in shapes]
 
@@ -272,7 +342,7 @@ def bar_panels(pyplot, results, section, methods, title, path, temperature=None)
     figure, (time_axis, memory_axis) = pyplot.subplots(1, 2, figsize=(14, 5.2))
     for axis, shown, value in (
         (time_axis, list(ran), lambda row: row["ms"]),
-        (memory_axis, [method for method in ran if method != "floor"], peak_gib),
+        (memory_axis, [method for method in ran if not is_floor(method)], peak_gib),
     ):
         width = 0.8 / len(shown)
         out_of_memory = []
@@ -287,8 +357,8 @@ def bar_panels(pyplot, results, section, methods, title, path, temperature=None)
                 width,
                 label=label,
                 color=colour,
-                hatch="//" if method == "floor" else None,
-                edgecolor="white" if method == "floor" else None,
+                hatch="//" if is_floor(method) else None,
+                edgecolor="white" if is_floor(method) else None,
             )
             out_of_memory += [(x, method) for x, row in placed if row and row["status"] == "oom"]
         mark_out_of_memory(axis, out_of_memory, lambda xs: "")
@@ -376,6 +446,7 @@ def write_plots(results, folder):
     from matplotlib import pyplot
 
     os.makedirs(folder, exist_ok=True)
+    results = upgrade(results)
     sections = {row["section"] for row in results["rows"]}
     written = []
     if "rl" in sections:
@@ -387,7 +458,11 @@ def write_plots(results, folder):
     if "sft" in sections:
         path = os.path.join(folder, "bench_sft.png")
         title = "SFT: mean cross-entropy"
-        bar_panels(pyplot, results, "sft", ("stock", "liger", "cce", "ours", "floor"), title, path)
+        bar_panels(pyplot, results, "sft", ("stock", "liger", "cce", "recompute", "ours", "floor"), title, path)
+        written.append(path)
+    if "rl_loss" in sections:
+        path = os.path.join(folder, "bench_rl_loss.png")
+        bar_panels(pyplot, results, "rl_loss", ("stock", "recompute", "ours", "floor3"), RL_LOSS_TITLE, path)
         written.append(path)
     if "scaling" in sections:
         path = os.path.join(folder, "bench_scaling.png")

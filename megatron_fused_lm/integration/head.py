@@ -15,13 +15,19 @@ While a model is wrapped with the fused head on:
   gradients are finished in the forward (three GEMMs) for a loss ``c * sum(losses * loss_mask)``.
 
 Both patches are instance attributes; ``unwrap_model`` deletes them and the class methods apply
-again.
+again. Inside ``with head.stock_logits():`` both run the stock methods, so the model returns the
+stock logits. ``copy.deepcopy`` of a patched model (or of its output layer) gives a stock copy:
+the patched modules carry an instance ``__deepcopy__`` that copies them without the patches.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
+import threading
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -80,13 +86,17 @@ class _Patch:
         replacements = (
             (self.layer, "forward", self.output_layer_forward),
             (self.chunk, "compute_language_model_loss", self.compute_language_model_loss),
+            # copy.deepcopy looks __deepcopy__ up on the instance: without these it would copy the
+            # patch (its head, its sentinel) into the copy, which then computes neither way.
+            (self.layer, "__deepcopy__", functools.partial(self.copy_stock, self.layer)),
+            (self.chunk, "__deepcopy__", functools.partial(self.copy_stock, self.chunk)),
+            (self.layer, PATCH_ATTRIBUTE, self),
+            (self.chunk, PATCH_ATTRIBUTE, self),
         )
         # An instance attribute that was there before (someone else's patch) comes back on remove.
         self.replaced = [(owner, name, owner.__dict__.get(name, _NOT_SET)) for owner, name, _ in replacements]
         for owner, name, patched in replacements:
             setattr(owner, name, patched)
-        setattr(self.layer, PATCH_ATTRIBUTE, self)
-        setattr(self.chunk, PATCH_ATTRIBUTE, self)
 
     def remove(self) -> None:
         for owner, name, previous in self.replaced:
@@ -94,9 +104,30 @@ class _Patch:
                 del owner.__dict__[name]
             else:
                 setattr(owner, name, previous)
-        delattr(self.layer, PATCH_ATTRIBUTE)
-        delattr(self.chunk, PATCH_ATTRIBUTE)
         self.head._detached = True
+
+    def stock(self, owner: torch.nn.Module, name: str) -> Callable:
+        """``owner.name`` as ``unwrap_model`` would leave it: the instance attribute this patch
+        replaced, else the class's method bound to ``owner``."""
+        for patched_owner, patched_name, previous in self.replaced:
+            if patched_owner is owner and patched_name == name and previous is not _NOT_SET:
+                return previous
+        return getattr(type(owner), name).__get__(owner, type(owner))
+
+    def copy_stock(self, owner: torch.nn.Module, memo: Dict[int, Any]) -> torch.nn.Module:
+        """``copy.deepcopy(owner)`` as if it were not patched: what ``copy`` does for a module
+        (``__getstate__``, then ``__setstate__`` of the deep-copied state) on its state with this
+        patch's attributes taken out and the ones they replaced put back."""
+        state = dict(owner.__getstate__())
+        for patched_owner, name, previous in self.replaced:
+            if patched_owner is owner:
+                state.pop(name, None)
+                if previous is not _NOT_SET:
+                    state[name] = previous
+        clone = type(owner).__new__(type(owner))
+        memo[id(owner)] = clone  # before the state, as copy does: references back to owner get the clone
+        clone.__setstate__(copy.deepcopy(state, memo))
+        return clone
 
     def output_layer_forward(
         self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None, runtime_gather_output: Optional[bool] = None
@@ -104,7 +135,10 @@ class _Patch:
         """``input_ [s/TP if sequence parallel else s, b, h]`` -> ``(hidden [s, b, h], None)``.
 
         ``runtime_gather_output`` has nothing to gather: the hidden is the same on every rank.
+        Inside ``head.stock_logits()``: the stock forward, ``(logits [s, b, vocab/TP], bias)``.
         """
+        if self.head._stock_logits_on():
+            return self.stock(self.layer, "forward")(input_, weight=weight, runtime_gather_output=runtime_gather_output)
         layer = self.layer
         if weight is None:
             if layer.weight is None:
@@ -124,7 +158,10 @@ class _Patch:
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """``labels [b, s]`` global ids, ``logits``: what the patched output layer returned,
-        ``hidden [s, b, h]`` (possibly scaled by MuP) -> per-token cross-entropy ``[b, s]`` float32."""
+        ``hidden [s, b, h]`` (possibly scaled by MuP) -> per-token cross-entropy ``[b, s]`` float32.
+        Inside ``head.stock_logits()`` the output layer returned the stock logits: the stock loss."""
+        if self.head._stock_logits_on():
+            return self.stock(self.chunk, "compute_language_model_loss")(labels, logits)
         head, targets = self.head, labels.transpose(0, 1)
         declared = head._declared_weights
         if declared is None:
@@ -152,6 +189,10 @@ class FusedLMHead:
             ``False`` when the model is stock (disabled config, a fallback, or no output layer
             on this pipeline stage) and returns logits.
         fallback_reason: ``None``, or the sentence saying why the fused path was not taken.
+
+    ``with head.stock_logits():`` the model returns the stock logits (generation, evaluation).
+    ``copy.deepcopy`` of the wrapped model is a stock model that shares nothing with this head:
+    ``wrap_model(copy, config)`` fuses it with a head of its own.
     """
 
     def __init__(self, config: FusedLMConfig, fallback_reason: Optional[str] = None):
@@ -163,6 +204,7 @@ class FusedLMHead:
         self._last_call: Optional[_HeadCall] = None
         self._declared_weights: Optional[torch.Tensor] = None
         self._detached = False
+        self._stock_logits_depth = threading.local()  # per thread: a context holds for its own thread
 
     def logprobs(
         self,
@@ -271,10 +313,45 @@ class FusedLMHead:
             weights = weights.detach()
         self._declared_weights = weights
 
-    def _call_for(self, hidden: torch.Tensor) -> _HeadCall:
-        """The last output-layer call, after checking ``hidden`` is what it returned."""
+    @contextlib.contextmanager
+    def stock_logits(self) -> Iterator[None]:
+        """Inside ``with head.stock_logits():`` the wrapped model computes the stock way, as if
+        unwrapped: the output layer runs its stock forward and the model returns the stock logits
+        ``[b, s, vocab/TP]`` in the model's dtype (``[b, s, vocab]`` with
+        ``runtime_gather_output=True``; sequence parallelism, tied embeddings and MuP scaling as
+        stock), bitwise what the stock model returns, with the stock backward; ``labels=`` gives
+        the stock per-token loss ``[b, s]`` float32 (declared loss weights do not apply). For
+        generation and evaluation without unwrapping::
+
+            with head.stock_logits():
+                logits = model(input_ids, position_ids, attention_mask)
+
+        The context holds for the thread that entered it (another thread's forward stays fused),
+        nests, and ends however the block ends; the fused path is back after it, and hidden states
+        returned before it still go to ``logprobs``. A head that is not fused has nothing to
+        switch: the model returns the stock logits anyway.
+
+        Raises:
+            RuntimeError: the model was unwrapped or wrapped again since this head was made.
+        """
+        self._check_attached()
+        state = self._stock_logits_depth
+        state.depth = getattr(state, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            state.depth -= 1
+
+    def _stock_logits_on(self) -> bool:
+        return getattr(self._stock_logits_depth, "depth", 0) > 0
+
+    def _check_attached(self) -> None:
         if self._detached:
             raise RuntimeError("this FusedLMHead's model was unwrapped or wrapped again; use the newest head")
+
+    def _call_for(self, hidden: torch.Tensor) -> _HeadCall:
+        """The last output-layer call, after checking ``hidden`` is what it returned."""
+        self._check_attached()
         call = self._last_call
         if call is None:
             raise RuntimeError("run the wrapped model's forward before asking the head for log-probs")

@@ -35,7 +35,7 @@ def tensor_parallel_group(chunk: torch.nn.Module, layer: torch.nn.Module) -> Opt
     """The group the output layer's vocabulary is split over.
 
     Megatron-core 0.19 (and 0.16.1) modules carry it (``layer.tp_group``, ``model.pg_collection.tp``,
-    ``model.tp_group``); older 0.16 code only has the global ``parallel_state``. ``None`` when
+    ``model.tp_group``); older releases only have the global ``parallel_state``. ``None`` when
     torch.distributed is not in use.
     """
     collection = getattr(chunk, "pg_collection", None)

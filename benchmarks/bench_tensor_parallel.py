@@ -12,7 +12,10 @@ bf16, random upstream gradients) and measures, forward + backward:
   ``copy_to_tensor_model_parallel_region``, whose backward all-reduces its gradient; bf16 logits
   shard; ``logits_logprob`` over the group) and ``triton`` (``fused_linear_logprob`` with the
   group: one all-gather of four numbers per token forward, one all-reduce of the hidden gradient
-  backward).
+  backward), and ``loss``: the same gradients through the three-GEMM path (``fused_linear_loss``
+  with the per-token loss ``g_lp * logprob + g_ent * entropy``, the random upstream gradients as
+  its inputs): one all-gather of four numbers per token per chunk, the hidden gradient reduced
+  once. For ``loss`` at TP=N the NCCL all-gather kernels' GPU time of one step is profiled too.
 
 Time, peak extra memory and the float64-oracle errors are measured as ``harness.py`` says, on
 every rank; rank 0 prints a table and writes the JSON (every rank's rows). Without CUDA it runs
@@ -43,9 +46,14 @@ from harness import (
 
 from devkit import distributed  # NCCL with NVLink multicast off, Megatron's groups
 from devkit.measure import release_memory
-from megatron_fused_lm import fused_linear_logprob, logits_logprob
+from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, logits_logprob
 
-METHODS = ("stock", "triton")
+METHODS = ("stock", "triton", "loss")
+
+
+def linear_loss(logprob, entropy, *, grad_logprob, grad_entropy):
+    """The per-token loss whose gradients are the RL use's random upstream gradients."""
+    return grad_logprob * logprob + grad_entropy * entropy
 
 
 def shard_inputs(inputs: BenchInputs, rank: int, size: int) -> BenchInputs:
@@ -67,6 +75,13 @@ def step_function(method: str, inputs: BenchInputs, tp_group):
             logprob, entropy = logits_logprob(
                 hidden @ inputs.weight.t(), inputs.targets, tp_group=tp_group, return_entropy=True
             )
+        elif method == "loss":
+            loss, logprob, entropy = fused_linear_loss(
+                inputs.hidden, inputs.weight, inputs.targets, linear_loss, tp_group=tp_group, backend="triton",
+                loss_inputs={"grad_logprob": inputs.grad_logprob, "grad_entropy": inputs.grad_entropy},
+            )  # fmt: skip
+            loss.backward()
+            return logprob, entropy
         else:
             logprob, entropy = fused_linear_logprob(
                 inputs.hidden, inputs.weight, inputs.targets, tp_group=tp_group, return_entropy=True, backend=method
@@ -75,6 +90,22 @@ def step_function(method: str, inputs: BenchInputs, tp_group):
         return logprob.detach(), entropy.detach()
 
     return step
+
+
+def all_gather_ms(step) -> float:
+    """GPU time of the NCCL all-gather kernels in one ``step()`` (after the measured runs)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        step()
+        torch.cuda.synchronize()
+    return (
+        sum(
+            event.time_range.elapsed_us()
+            for event in profile.events()
+            if event.device_type == torch.autograd.DeviceType.CUDA
+            and "allgather" in event.name.lower().replace("_", "")
+        )
+        / 1e3
+    )
 
 
 def benchmark_shape(shape, args, device, tp_group) -> list:
@@ -94,6 +125,8 @@ def benchmark_shape(shape, args, device, tp_group) -> list:
         row = result_row(measurement, failure, shape=shape_name(shape), tp=tp, rank=rank, method=method)
         if measurement is not None:
             logprob, entropy = measurement.outputs
+            if method == "loss" and tp > 1 and device.type == "cuda":
+                row["all_gather_ms"] = all_gather_ms(step_function(method, measured_inputs, group))
             row["logprob_max_error"] = sample_error(logprob, sample, ref_logprob)
             row["entropy_max_error"] = sample_error(entropy, sample, ref_entropy)
         rows.append(row)
@@ -122,6 +155,7 @@ def print_table(rows) -> None:
         print(
             f"{shape:>22} {method:>7} {rank:>4} {single['ms']:9.2f} {row['ms']:9.2f} {row['ms'] / single['ms']:6.3f} "
             f"{memory_text} {row.get('logprob_max_error', float('nan')):11.2e}"
+            + (f"  all-gathers {row['all_gather_ms']:.2f} ms" if "all_gather_ms" in row else "")
         )
 
 

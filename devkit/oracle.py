@@ -1,6 +1,6 @@
-"""The float64 oracle: log-probs, entropy and their gradients by plain ``log_softmax`` and
-autograd, written independently of the package's own formulas; and the error measures that compare
-with it."""
+"""The float64 oracle: log-probs, entropy, per-token losses and their gradients by plain
+``log_softmax`` and autograd, written independently of the package's own formulas; and the error
+measures that compare with it."""
 
 from __future__ import annotations
 
@@ -67,6 +67,51 @@ def reference_from_logits(
     """As ``reference`` from materialized logits ``[..., V]``; ``grad_logits`` (``grad_hidden``)
     holds the gradient with respect to the logits."""
     return _reference(lambda logits: logits, (logits,), targets, temperature, grad_logprob, grad_entropy)
+
+
+class LossReference(NamedTuple):
+    """Float64 results of a per-token loss: the summed loss, the metrics (0 on unselected rows)
+    and the loss's gradients."""
+
+    loss: torch.Tensor  # []
+    logprob: torch.Tensor  # [...]
+    entropy: torch.Tensor  # [...]
+    grad_hidden: torch.Tensor  # [..., H]
+    grad_weight: torch.Tensor  # [V, H]
+
+
+def loss_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    loss_fn,
+    loss_inputs: Optional[dict] = None,
+    temperature: float = 1.0,
+    mask: Optional[torch.Tensor] = None,
+) -> LossReference:
+    """``sum_t loss_fn(logprob_t, entropy_t, **inputs_t)`` over the rows ``mask`` selects (every row
+    without one) under ``softmax(hidden [..., H] @ weight.T / T)`` over the whole vocabulary
+    ``weight [V, H]``, in float64 (float inputs upcast), and its gradients by autograd.
+    ``loss_fn`` receives the selected rows flattened, ``[rows]``; unselected targets are not read."""
+    leaves = [tensor.detach().double().requires_grad_() for tensor in (hidden, weight)]
+    selected = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask.to(torch.bool)
+    readable_targets = torch.where(selected, targets, torch.zeros_like(targets))
+    logprob, entropy = logprob_entropy(leaves[0] @ leaves[1].t(), readable_targets, temperature)
+    rows = selected.reshape(-1)
+    inputs = {
+        name: (value.double() if value.is_floating_point() else value).reshape(-1)[rows]
+        for name, value in (loss_inputs or {}).items()
+    }
+    loss = loss_fn(logprob.reshape(-1)[rows], entropy.reshape(-1)[rows], **inputs).sum()
+    grad_hidden, grad_weight = torch.autograd.grad(loss, leaves)
+    zero = torch.zeros((), dtype=torch.float64)
+    return LossReference(
+        loss.detach(),
+        torch.where(selected, logprob.detach(), zero),
+        torch.where(selected, entropy.detach(), zero),
+        grad_hidden,
+        grad_weight,
+    )
 
 
 def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

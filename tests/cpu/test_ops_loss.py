@@ -1,0 +1,626 @@
+"""The three-GEMM loss ops on one rank (torch backend) and the ready-made losses, against float64
+oracles.
+
+- ``fused_linear_loss``: the loss, the log-prob and entropy metrics and both gradients against
+  ``devkit.oracle.loss_reference`` for the SFT cross-entropy, the clipped policy loss (with and
+  without dual clip, entropy bonus, KL penalty), a custom per-token loss and an entropy-only loss;
+  float32, bfloat16 and float16; two temperatures; with and without a mask; chunks of 1, 7 and the
+  default. The graph's contract (what is detached, a second backward, upstream scaling, zero
+  tokens, ``no_grad``, frozen inputs, activation checkpointing), its input errors, and its
+  working set.
+- ``logits_loss`` (the unfused path) against the same oracle.
+- ``fused_linear_cross_entropy``: per-token ``-logprob``, gradients for an upstream gradient that
+  matches its declared weights (the stored gradients) or not (the recompute).
+- ``losses``: ``token_mean_weights``, ``kl_penalty``, ``cross_entropy`` and ``ClippedPolicyLoss``
+  against formulas written out here in float64, branch by branch.
+
+Tolerances: float32 inputs, and the float32 loss and metrics of any input dtype, within
+``FLOAT32_TOL`` of the oracle (measured errors below 1e-6). Gradients of bfloat16 and float16
+inputs: at most ``STOCK_RATIO`` times the error of the stock path on the same inputs (logits
+materialized in the inputs' dtype, ``logits_loss``, autograd through the product) plus a quarter
+of the dtype's machine epsilon (measured here: 0.24 to 1.21 times the stock error; with 30 tokens
+a few roundings decide the largest entry, the floor absorbs that); a dropped or misplaced term is
+off by O(1).
+"""
+
+import itertools
+import logging
+import math
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from devkit.allocations import LargestAllocation
+from devkit.oracle import logprob_entropy, loss_reference, make_case, relative_error
+from megatron_fused_lm import _logging, fused_linear_cross_entropy, fused_linear_loss, logits_loss, losses
+
+H, V = 24, 97
+LEAD = (3, 10)  # [b, s]: the ops take any leading shape
+FLOAT32_TOL = 1e-5
+STOCK_RATIO = 1.2
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+CASES = ["sft", "policy", "dual_clip", "custom", "entropy_only"]
+
+# Log-ratios logprob - old_logprob, each well inside one branch of the clipped policy loss below
+# (kinks at log 0.8, log 1.28 and log 3): beyond the dual clip, above 1 + clip_high, inside the
+# clip range, below 1 - clip_low. Far from the kinks, no rounding can switch a token's branch.
+LOG_RATIOS = torch.tensor([1.4, 0.4, 0.05, -0.05, -0.4])
+
+
+def generator(seed: int) -> torch.Generator:
+    """A seeded CPU generator."""
+    return torch.Generator().manual_seed(seed)
+
+
+def custom_loss(logprob, entropy, *, w):
+    """A per-token loss of both log-prob and entropy, nonlinear in the log-prob."""
+    return w * (logprob**2 + 0.3 * entropy)
+
+
+def entropy_bonus(logprob, entropy):
+    """A loss of the entropy alone, with no per-token inputs."""
+    return -entropy
+
+
+def loss_case(name, hidden, weight, targets, temperature=1.0, mask=None, seed=5):
+    """``(loss_fn, loss_inputs)`` of a named case. The policy cases' old and reference log-probs
+    lie near the true ones (from float64 logits): the k3 KL estimator is exponential in their
+    difference."""
+    gen = generator(seed)
+    shape = targets.shape
+    weights = losses.token_mean_weights(torch.ones(shape, dtype=torch.bool) if mask is None else mask)
+    if name == "sft":
+        return losses.cross_entropy, {"weight": weights}
+    if name in ("policy", "dual_clip"):
+        logprob, _ = logprob_entropy(hidden.double() @ weight.double().t(), targets.clamp_min(0), temperature)
+        log_ratio = LOG_RATIOS[torch.randint(0, len(LOG_RATIOS), shape, generator=gen)]
+        log_ratio = log_ratio + 0.06 * (torch.rand(shape, generator=gen) - 0.5)
+        loss_fn = losses.ClippedPolicyLoss(
+            clip_low=0.2,
+            clip_high=0.28,
+            entropy_coef=0.01,
+            kl_coef=0.05,
+            dual_clip=3.0 if name == "dual_clip" else None,
+        )
+        inputs = {
+            "old_logprob": (logprob - log_ratio).float(),
+            "ref_logprob": (logprob + 0.1 * torch.randn(shape, generator=gen)).float(),
+            "advantages": torch.randn(shape, generator=gen),
+            "weight": weights,
+        }
+        return loss_fn, inputs
+    if name == "custom":
+        return custom_loss, {"w": torch.rand(shape, generator=gen)}
+    return entropy_bonus, None
+
+
+def leaves(*tensors):
+    """Fresh leaves requiring grad, with the given tensors' values."""
+    return [tensor.detach().clone().requires_grad_() for tensor in tensors]
+
+
+def run_fused(hidden, weight, targets, loss_fn, loss_inputs=None, upstream=1.0, **options):
+    """``fused_linear_loss`` on fresh leaves, then ``(upstream * loss).backward()``: the result and
+    the two gradients."""
+    hidden, weight = leaves(hidden, weight)
+    result = fused_linear_loss(hidden, weight, targets, loss_fn, loss_inputs=loss_inputs, **options)
+    (upstream * result.loss).backward()
+    return result, hidden.grad, weight.grad
+
+
+def run_stock(hidden, weight, targets, loss_fn, loss_inputs=None, **options):
+    """The unfused path: logits ``hidden @ weight.T`` materialized in the inputs' dtype,
+    ``logits_loss``, autograd through the product. The result and the two gradients."""
+    hidden, weight = leaves(hidden, weight)
+    result = logits_loss(hidden @ weight.t(), targets, loss_fn, loss_inputs=loss_inputs, **options)
+    result.loss.backward()
+    return result, hidden.grad, weight.grad
+
+
+def masked_case(dtype, masked, seed=3):
+    """``hidden [3, 10, H]``, ``weight [V, H]``, ``targets``, ``mask``: unselected targets are out
+    of range (never read)."""
+    hidden, weight, targets = make_case(LEAD, H, V, dtype, peaky=False, seed=seed)
+    if not masked:
+        return hidden, weight, targets, None
+    mask = torch.rand(LEAD, generator=generator(seed + 1)) < 0.6
+    return hidden, weight, torch.where(mask, targets, -100), mask
+
+
+def assert_values_match(result, expected, mask):
+    """The loss and the metrics within ``FLOAT32_TOL``; unselected rows exactly 0."""
+    assert result.loss.shape == () and result.loss.dtype == torch.float32
+    assert result.logprob.shape == result.entropy.shape == expected.logprob.shape
+    assert result.logprob.dtype == result.entropy.dtype == torch.float32
+    assert relative_error(result.loss, expected.loss) <= FLOAT32_TOL
+    assert relative_error(result.logprob, expected.logprob) <= FLOAT32_TOL
+    assert relative_error(result.entropy, expected.entropy) <= FLOAT32_TOL
+    if mask is not None:
+        assert torch.count_nonzero(result.logprob[~mask]) == torch.count_nonzero(result.entropy[~mask]) == 0
+
+
+def grad_bound(stock_error: float, dtype: torch.dtype) -> float:
+    """The gradient error allowed for low-precision inputs, given the stock path's."""
+    return STOCK_RATIO * stock_error + torch.finfo(dtype).eps / 4
+
+
+# The op against the float64 oracle.
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+@pytest.mark.parametrize("chunk_size", [1, 7, None])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_matches_float64_oracle(case, dtype, chunk_size, temperature, masked):
+    hidden, weight, targets, mask = masked_case(dtype, masked)
+    loss_fn, loss_inputs = loss_case(case, hidden, weight, targets, temperature, mask)
+    options = dict(temperature=temperature, mask=mask)
+    result, grad_hidden, grad_weight = run_fused(
+        hidden, weight, targets, loss_fn, loss_inputs, chunk_size=chunk_size, **options
+    )
+    expected = loss_reference(hidden, weight, targets, loss_fn, loss_inputs, **options)
+    assert_values_match(result, expected, mask)
+    assert grad_hidden.dtype == grad_weight.dtype == dtype
+    if mask is not None:
+        assert torch.count_nonzero(grad_hidden[~mask]) == 0
+    hidden_error = relative_error(grad_hidden, expected.grad_hidden)
+    weight_error = relative_error(grad_weight, expected.grad_weight)
+    if dtype == torch.float32:
+        assert hidden_error <= FLOAT32_TOL and weight_error <= FLOAT32_TOL
+    else:
+        _, stock_hidden, stock_weight = run_stock(hidden, weight, targets, loss_fn, loss_inputs, **options)
+        assert hidden_error <= grad_bound(relative_error(stock_hidden, expected.grad_hidden), dtype)
+        assert weight_error <= grad_bound(relative_error(stock_weight, expected.grad_weight), dtype)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("chunk_size", [4, None])
+@pytest.mark.parametrize("case", CASES)
+def test_logits_loss_matches_float64_oracle(case, chunk_size, masked):
+    hidden, weight, targets, mask = masked_case(torch.float32, masked, seed=8)
+    loss_fn, loss_inputs = loss_case(case, hidden, weight, targets, 1.3, mask)
+    result, grad_hidden, grad_weight = run_stock(
+        hidden, weight, targets, loss_fn, loss_inputs, temperature=1.3, mask=mask, chunk_size=chunk_size
+    )
+    expected = loss_reference(hidden, weight, targets, loss_fn, loss_inputs, 1.3, mask)
+    assert_values_match(result, expected, mask)
+    assert not result.logprob.requires_grad and not result.entropy.requires_grad
+    assert relative_error(grad_hidden, expected.grad_hidden) <= FLOAT32_TOL
+    assert relative_error(grad_weight, expected.grad_weight) <= FLOAT32_TOL
+
+
+# The graph's contract.
+
+
+def sft_case(tokens=LEAD):
+    """A float32 case with the SFT loss over every token."""
+    hidden, weight, targets = make_case(tokens, H, V, torch.float32, peaky=False, seed=4)
+    return hidden, weight, targets, {"weight": losses.token_mean_weights(torch.ones(tokens))}
+
+
+def test_only_the_loss_carries_a_graph():
+    hidden, weight, targets, inputs = sft_case()
+    hidden, weight = leaves(hidden, weight)
+    result = fused_linear_loss(hidden, weight, targets, losses.cross_entropy, loss_inputs=inputs)
+    assert result.loss.requires_grad and result.loss.grad_fn is not None
+    for metric in (result.logprob, result.entropy):
+        assert not metric.requires_grad and metric.grad_fn is None
+
+
+def test_second_backward_is_an_error():
+    hidden, weight, targets, inputs = sft_case()
+    hidden, weight = leaves(hidden, weight)
+    result = fused_linear_loss(hidden, weight, targets, losses.cross_entropy, loss_inputs=inputs)
+    result.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="earlier backward"):
+        result.loss.backward()
+
+
+@pytest.mark.parametrize("upstream", [3.0, -0.5])
+def test_backward_scales_by_the_upstream_gradient(upstream):
+    hidden, weight, targets, inputs = sft_case()
+    _, grad_hidden, grad_weight = run_fused(
+        hidden, weight, targets, losses.cross_entropy, inputs, upstream=upstream, chunk_size=7
+    )
+    expected = loss_reference(hidden, weight, targets, losses.cross_entropy, inputs)
+    assert relative_error(grad_hidden, upstream * expected.grad_hidden) <= FLOAT32_TOL
+    assert relative_error(grad_weight, upstream * expected.grad_weight) <= FLOAT32_TOL
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_works_under_activation_checkpointing(use_reentrant):
+    hidden, weight, targets, inputs = sft_case()
+    hidden, weight = leaves(hidden, weight)
+
+    def loss_of(hidden, weight):
+        return fused_linear_loss(hidden * 1.5, weight, targets, custom_loss, loss_inputs={"w": inputs["weight"]}).loss
+
+    checkpoint(loss_of, hidden, weight, use_reentrant=use_reentrant).backward()
+    expected = loss_reference(hidden * 1.5, weight, targets, custom_loss, {"w": inputs["weight"]})
+    assert relative_error(hidden.grad, 1.5 * expected.grad_hidden) <= FLOAT32_TOL
+    assert relative_error(weight.grad, expected.grad_weight) <= FLOAT32_TOL
+
+
+@pytest.mark.parametrize("requires_grad", ["hidden", "weight"])
+def test_frozen_input_gets_no_gradient(requires_grad):
+    hidden, weight, targets, inputs = sft_case()
+    leaf = {"hidden": hidden, "weight": weight}[requires_grad].requires_grad_()
+    fused_linear_loss(hidden, weight, targets, losses.cross_entropy, loss_inputs=inputs).loss.backward()
+    expected = loss_reference(hidden, weight, targets, losses.cross_entropy, inputs)
+    frozen = weight if requires_grad == "hidden" else hidden
+    assert frozen.grad is None
+    assert relative_error(leaf.grad, getattr(expected, f"grad_{requires_grad}")) <= FLOAT32_TOL
+
+
+def test_zero_tokens_give_a_zero_loss_and_zero_gradients():
+    hidden, weight = leaves(torch.randn(0, 3, H), torch.randn(V, H))
+    targets = torch.zeros(0, 3, dtype=torch.long)
+    result = fused_linear_loss(hidden, weight, targets, custom_loss, loss_inputs={"w": torch.ones(0, 3)})
+    assert result.loss.item() == 0.0
+    assert result.logprob.shape == result.entropy.shape == (0, 3)
+    result.loss.backward()
+    assert hidden.grad.shape == hidden.shape
+    assert weight.grad.shape == weight.shape and torch.count_nonzero(weight.grad) == 0
+
+
+def test_a_mask_selecting_nothing_gives_a_zero_loss_and_zero_gradients():
+    hidden, weight, targets, _ = sft_case()
+    mask = torch.zeros(LEAD, dtype=torch.bool)
+    result, grad_hidden, grad_weight = run_fused(
+        hidden, weight, targets, custom_loss, {"w": torch.ones(LEAD)}, mask=mask
+    )
+    assert result.loss.item() == 0.0
+    assert torch.count_nonzero(result.logprob) == torch.count_nonzero(result.entropy) == 0
+    assert torch.count_nonzero(grad_hidden) == torch.count_nonzero(grad_weight) == 0
+
+
+def test_no_grad_returns_the_value_and_computes_no_gradient():
+    tokens, chunk = (64,), 16
+    hidden, weight, targets, inputs = sft_case(tokens)
+    hidden, weight = leaves(hidden, weight)
+    recorder = LargestAllocation()
+    with recorder, torch.no_grad():
+        result = fused_linear_loss(hidden, weight, targets, losses.cross_entropy, loss_inputs=inputs, chunk_size=chunk)
+    assert not result.loss.requires_grad and result.loss.grad_fn is None
+    expected = loss_reference(hidden, weight, targets, losses.cross_entropy, inputs)
+    assert relative_error(result.loss, expected.loss) <= FLOAT32_TOL
+    # Nothing of either gradient's size was allocated (the chunk blocks are [16, V]).
+    gradient_sized = [entry for entry in recorder.sizes if entry[0] in (hidden.numel(), weight.numel())]
+    assert not gradient_sized, gradient_sized
+
+
+def test_never_allocates_more_than_one_chunk_block():
+    """The torch backend's working set is a few float32 ``[chunk, vocab]`` blocks, each its own
+    tensor: nothing larger is allocated, in the forward (where the gradients are formed) or in the
+    backward (which scales them). The inputs' and gradients' sizes are kept below one block."""
+    tokens, hidden_size, vocab = 256, 8, 257
+    for dtype, chunk in itertools.product([torch.float32, torch.bfloat16], [16, 40]):
+        hidden, weight, targets = make_case((tokens,), hidden_size, vocab, dtype, peaky=False)
+        hidden, weight = leaves(hidden, weight)
+        inputs = {"weight": torch.full((tokens,), 1 / tokens)}
+        recorder = LargestAllocation()
+        with recorder:
+            fused_linear_loss(
+                hidden, weight, targets, losses.cross_entropy, loss_inputs=inputs, chunk_size=chunk
+            ).loss.backward()
+        assert recorder.largest() == chunk * vocab < tokens * vocab, (dtype, chunk, recorder.largest())
+
+
+# Input errors.
+
+
+def test_loss_fn_errors():
+    hidden, weight, targets, inputs = sft_case()
+    with pytest.raises(TypeError, match="callable"):
+        fused_linear_loss(hidden, weight, targets, "cross_entropy", loss_inputs=inputs)
+    with pytest.raises(ValueError, match="one loss per token"):
+        fused_linear_loss(hidden, weight, targets, lambda logprob, entropy: logprob.mean())
+    with pytest.raises(ValueError, match="one loss per token"):  # a single-row chunk too
+        fused_linear_loss(hidden, weight, targets, lambda logprob, entropy: logprob.sum(), chunk_size=1)
+    with pytest.raises(TypeError, match="float tensor"):
+        fused_linear_loss(hidden, weight, targets, lambda logprob, entropy: logprob > 0)
+    with pytest.raises(TypeError, match="float tensor"):
+        fused_linear_loss(hidden, weight, targets, lambda logprob, entropy: 0.0)
+
+
+@pytest.mark.parametrize(
+    "loss_inputs,error,match",
+    [
+        ({"weight": torch.ones(3, 9)}, ValueError, "shape"),
+        ({"weight": torch.ones(30)}, ValueError, "shape"),
+        ({"weight": [1.0] * 30}, TypeError, "must be a tensor"),
+        ({"weight": torch.ones(LEAD, requires_grad=True)}, ValueError, "requires grad"),
+        ([torch.ones(LEAD)], TypeError, "dict"),
+    ],
+    ids=["wrong-shape", "flattened", "list", "requires-grad", "not-a-dict"],
+)
+def test_loss_inputs_errors(loss_inputs, error, match):
+    hidden, weight, targets, _ = sft_case()
+    with pytest.raises(error, match=match):
+        fused_linear_loss(hidden, weight, targets, losses.cross_entropy, loss_inputs=loss_inputs)
+    with pytest.raises(error, match=match):
+        logits_loss(hidden @ weight.t(), targets, losses.cross_entropy, loss_inputs=loss_inputs)
+
+
+@pytest.mark.parametrize(
+    "options,error,match",
+    [
+        (dict(temperature=0.0), ValueError, "temperature"),
+        (dict(temperature=-1.0), ValueError, "temperature"),
+        (dict(temperature=math.inf), ValueError, "temperature"),
+        (dict(temperature=math.nan), ValueError, "temperature"),
+        (dict(temperature="1.0"), TypeError, "temperature"),
+        (dict(backend="cuda"), ValueError, "backend"),
+        (dict(chunk_size=0), ValueError, "chunk_size"),
+    ],
+)
+def test_option_errors(options, error, match):
+    hidden, weight, targets, inputs = sft_case()
+    with pytest.raises(error, match=match):
+        fused_linear_loss(hidden, weight, targets, losses.cross_entropy, loss_inputs=inputs, **options)
+
+
+@pytest.mark.parametrize("bad_target", [V, -1])
+def test_targets_outside_the_vocabulary_are_an_error(bad_target):
+    hidden, weight, targets, inputs = sft_case()
+    targets[1, 2] = bad_target
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        fused_linear_loss(hidden, weight, targets, losses.cross_entropy, loss_inputs=inputs)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        fused_linear_cross_entropy(hidden, weight, targets, torch.ones(LEAD))
+
+
+def test_declared_weights_errors():
+    hidden, weight, targets, _ = sft_case()
+    with pytest.raises(TypeError, match="float or bool"):
+        fused_linear_cross_entropy(hidden, weight, targets, torch.ones(LEAD, dtype=torch.long))
+    with pytest.raises(ValueError, match="shape"):
+        fused_linear_cross_entropy(hidden, weight, targets, torch.ones(30))
+    with pytest.raises(ValueError, match="requires grad"):
+        fused_linear_cross_entropy(hidden, weight, targets, torch.ones(LEAD, requires_grad=True))
+
+
+# fused_linear_cross_entropy: the declared-weights path.
+
+
+@pytest.fixture
+def package_warnings(monkeypatch, caplog):
+    """The package's warnings logged during the test (earlier tests' warn-once memory cleared)."""
+    monkeypatch.setattr(_logging, "_already_warned", set())
+    with caplog.at_level(logging.WARNING, logger="megatron_fused_lm"):
+        yield lambda: [record.getMessage() for record in caplog.records]
+
+
+# name: (declared weights, the loss per token taken on the returned losses ``out`` given the
+# declared weights ``d`` and another mask ``o``, whether its upstream gradient is c * d).
+DECLARED_CASES = {
+    "mask-scaled": ("mask", lambda out, d, o: out * d * 0.37, True),
+    "bool-mask": ("bool", lambda out, d, o: out * d, True),
+    "weights-negative-scale": ("weights", lambda out, d, o: -out * d, True),
+    "other-mask": ("mask", lambda out, d, o: out * o / 7, False),
+    "squared": ("mask", lambda out, d, o: out**2, False),
+    "zero-declared": ("zeros", lambda out, d, o: out, False),
+}
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, None])
+@pytest.mark.parametrize("name", list(DECLARED_CASES))
+def test_cross_entropy_gradients_for_any_upstream(name, chunk_size, package_warnings):
+    declared_kind, per_token, matches = DECLARED_CASES[name]
+    hidden, weight, targets = make_case(LEAD, H, V, torch.float32, peaky=False, seed=6)
+    gen = generator(6)
+    mask = (torch.rand(LEAD, generator=gen) < 0.7).float()
+    other = (torch.rand(LEAD, generator=gen) < 0.5).float()
+    declared = {
+        "mask": mask,
+        "bool": mask.bool(),
+        "weights": torch.rand(LEAD, generator=gen),
+        "zeros": torch.zeros(LEAD),
+    }[declared_kind]
+    leaf_hidden, leaf_weight = leaves(hidden, weight)
+    out = fused_linear_cross_entropy(
+        leaf_hidden, leaf_weight, targets, declared, temperature=0.9, chunk_size=chunk_size
+    )
+    per_token(out, declared.float(), other).sum().backward()
+    expected = loss_reference(
+        hidden, weight, targets, lambda logprob, entropy, *, d, o: per_token(-logprob, d, o),
+        {"d": declared.float(), "o": other}, 0.9,
+    )  # fmt: skip
+    assert out.shape == LEAD and out.dtype == torch.float32
+    assert relative_error(out, -expected.logprob) <= FLOAT32_TOL
+    assert relative_error(leaf_hidden.grad, expected.grad_hidden) <= FLOAT32_TOL
+    assert relative_error(leaf_weight.grad, expected.grad_weight) <= FLOAT32_TOL
+    warnings = package_warnings()
+    if matches:  # the stored gradients, scaled
+        assert warnings == []
+    else:  # the recompute, announced once
+        assert len(warnings) == 1 and "recomputed" in warnings[0], warnings
+
+
+def test_cross_entropy_second_backward_is_an_error():
+    hidden, weight, targets, _ = sft_case()
+    hidden, weight = leaves(hidden, weight)
+    out = fused_linear_cross_entropy(hidden, weight, targets, torch.ones(LEAD))
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="earlier backward"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("upstream", ["matching", "mismatching"])
+def test_cross_entropy_never_allocates_more_than_one_chunk_block(upstream):
+    tokens, hidden_size, vocab, chunk = 256, 8, 257, 16
+    hidden, weight, targets = make_case((tokens,), hidden_size, vocab, torch.float32, peaky=False)
+    hidden, weight = leaves(hidden, weight)
+    recorder = LargestAllocation()
+    with recorder:
+        out = fused_linear_cross_entropy(hidden, weight, targets, torch.ones(tokens), chunk_size=chunk)
+        (out.sum() if upstream == "matching" else (out**2).sum()).backward()
+    assert recorder.largest() == chunk * vocab
+
+
+# The ready-made losses against formulas written out in float64.
+
+
+def test_token_mean_weights():
+    mask = torch.tensor([[True, False, True], [True, True, False]])
+    weights = losses.token_mean_weights(mask)
+    assert weights.dtype == torch.float32 and weights.shape == mask.shape
+    assert torch.equal(weights, torch.tensor([[0.25, 0.0, 0.25], [0.25, 0.25, 0.0]]))
+    assert torch.equal(losses.token_mean_weights(mask.float() * 1.0), weights)
+    empty = losses.token_mean_weights(torch.zeros(2, 3, dtype=torch.bool))
+    assert torch.equal(empty, torch.zeros(2, 3))  # no NaN from 0 / 0
+
+
+def test_cross_entropy_formula():
+    logprob, weight = -torch.rand(7, dtype=torch.float64) * 5, torch.rand(7, dtype=torch.float64)
+    assert torch.equal(losses.cross_entropy(logprob, torch.rand(7), weight=weight), -weight * logprob)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_penalty_formulas(estimator):
+    logprob = -torch.rand(50, dtype=torch.float64, generator=generator(1)) * 4
+    ref_logprob = logprob + torch.randn(50, dtype=torch.float64, generator=generator(2))
+    expected = []
+    for lp, ref in zip(logprob.tolist(), ref_logprob.tolist(), strict=True):
+        d = ref - lp
+        expected.append({"k1": lp - ref, "k2": d * d / 2, "k3": math.exp(d) - d - 1}[estimator])
+    actual = losses.kl_penalty(logprob, ref_logprob, estimator)
+    assert torch.allclose(actual, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-15)
+
+
+def test_kl_penalty_unknown_estimator():
+    with pytest.raises(ValueError, match="estimator"):
+        losses.kl_penalty(torch.zeros(2), torch.zeros(2), "k4")
+
+
+def policy_token(log_ratio, advantage, entropy, ref_delta, *, clip_low, clip_high, dual_clip, entropy_coef, kl_coef):
+    """One token's clipped policy loss (weight 1) and its derivative in the log-prob, written out
+    branch by branch; ``ref_delta = ref_logprob - logprob``, k3 KL."""
+    ratio = math.exp(log_ratio)
+    low, high = 1 - clip_low, 1 + clip_high
+    clipped_ratio = min(max(ratio, low), high)
+    if -advantage * ratio >= -advantage * clipped_ratio:  # the unclipped term is the max
+        loss, grad = -advantage * ratio, -advantage * ratio
+    else:
+        loss, grad = -advantage * clipped_ratio, 0.0
+    if dual_clip is not None and advantage < 0 and loss > -advantage * dual_clip:
+        loss, grad = -advantage * dual_clip, 0.0
+    loss += -entropy_coef * entropy + kl_coef * (math.exp(ref_delta) - ref_delta - 1)
+    grad += kl_coef * (1 - math.exp(ref_delta))
+    return loss, grad
+
+
+POLICY_SETTINGS = [
+    dict(clip_low=0.2, clip_high=0.28, dual_clip=None, entropy_coef=0.0, kl_coef=0.0),
+    dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, entropy_coef=0.01, kl_coef=0.05),
+    dict(clip_low=0.1, clip_high=0.1, dual_clip=2.0, entropy_coef=0.0, kl_coef=0.1),
+]
+
+
+@pytest.mark.parametrize("settings", POLICY_SETTINGS, ids=["plain", "dapo-dual-clip", "symmetric"])
+def test_clipped_policy_loss_formula_and_gradients(settings):
+    # Log-ratios in every branch for both advantage signs, none on a kink.
+    log_ratio = torch.tensor([-2.0, -0.5, -0.15, -0.02, 0.03, 0.15, 0.5, 0.9, 1.5, 3.0], dtype=torch.float64)
+    log_ratio = torch.cat([log_ratio, log_ratio])
+    advantages = torch.cat([torch.full((10,), 1.3), torch.full((10,), -0.7)]).double()
+    logprob = (-torch.rand(20, dtype=torch.float64, generator=generator(3)) * 3).requires_grad_()
+    entropy = (torch.rand(20, dtype=torch.float64, generator=generator(4)) * 2).requires_grad_()
+    ref_delta = 0.2 * torch.randn(20, dtype=torch.float64, generator=generator(5))
+    weight = torch.rand(20, dtype=torch.float64, generator=generator(6))
+    loss = losses.ClippedPolicyLoss(**settings)(
+        logprob,
+        entropy,
+        old_logprob=(logprob - log_ratio).detach(),
+        advantages=advantages,
+        weight=weight,
+        ref_logprob=(logprob + ref_delta).detach(),
+    )
+    grad_logprob, grad_entropy = torch.autograd.grad(loss.sum(), (logprob, entropy), allow_unused=True)
+    tokens = zip(log_ratio.tolist(), advantages.tolist(), entropy.tolist(), ref_delta.tolist(), strict=True)
+    expected = torch.tensor([policy_token(*token, **settings) for token in tokens], dtype=torch.float64)
+    assert torch.allclose(loss, weight * expected[:, 0], rtol=1e-12, atol=1e-15)
+    assert torch.allclose(grad_logprob, weight * expected[:, 1], rtol=1e-12, atol=1e-15)
+    if settings["entropy_coef"]:
+        assert torch.allclose(grad_entropy, -settings["entropy_coef"] * weight, rtol=1e-12, atol=0)
+    else:
+        assert grad_entropy is None
+
+
+def policy_loss_and_grad(loss_fn, log_ratio, advantage):
+    """``(loss, d loss / d logprob)`` of one token with weight 1 and the given log-ratio."""
+    logprob = torch.tensor([-1.0], dtype=torch.float64, requires_grad=True)
+    loss = loss_fn(
+        logprob,
+        torch.zeros(1, dtype=torch.float64),
+        old_logprob=torch.tensor([-1.0 - log_ratio], dtype=torch.float64),
+        advantages=torch.tensor([advantage], dtype=torch.float64),
+        weight=torch.ones(1, dtype=torch.float64),
+    )
+    (grad,) = torch.autograd.grad(loss.sum(), logprob)
+    return loss.item(), grad.item()
+
+
+def test_clipped_policy_loss_branches():
+    ppo = losses.ClippedPolicyLoss(clip_low=0.2, clip_high=0.28)
+    high, low = math.log(1.5), math.log(0.6)  # beyond 1 + clip_high, below 1 - clip_low
+    # Ratio above 1 + clip_high with A > 0: clipped, no gradient.
+    assert policy_loss_and_grad(ppo, high, 2.0) == pytest.approx((-2.0 * 1.28, 0.0))
+    # Below 1 - clip_low with A < 0: clipped, no gradient.
+    assert policy_loss_and_grad(ppo, low, -2.0) == pytest.approx((2.0 * 0.8, 0.0))
+    # The other sign in each case keeps the unclipped (pessimistic) term and its gradient.
+    assert policy_loss_and_grad(ppo, high, -2.0) == pytest.approx((2.0 * 1.5, 2.0 * 1.5))
+    assert policy_loss_and_grad(ppo, low, 2.0) == pytest.approx((-2.0 * 0.6, -2.0 * 0.6))
+    # Dual clip caps the loss of A < 0 at -A * dual_clip, with no gradient.
+    dual = losses.ClippedPolicyLoss(clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    assert policy_loss_and_grad(dual, math.log(5.0), -2.0) == pytest.approx((2.0 * 3.0, 0.0))
+    assert policy_loss_and_grad(ppo, math.log(5.0), -2.0) == pytest.approx((2.0 * 5.0, 2.0 * 5.0))
+    assert policy_loss_and_grad(dual, math.log(5.0), 2.0) == pytest.approx((-2.0 * 1.28, 0.0))
+
+
+def test_log_ratio_is_clamped_before_exp():
+    ppo = losses.ClippedPolicyLoss()
+    logprob = torch.tensor([-1.0, -1.0], requires_grad=True)
+    loss = ppo(
+        logprob,
+        torch.zeros(2),
+        old_logprob=torch.tensor([-1000.0, 1000.0]),
+        advantages=torch.tensor([-1.0, 1.0]),
+        weight=torch.ones(2),
+    )
+    (grad,) = torch.autograd.grad(loss.sum(), logprob)
+    assert torch.isfinite(loss).all() and torch.isfinite(grad).all()
+    limit = losses.LOG_RATIO_LIMIT
+    # A < 0 keeps the unclipped term e^20; A > 0 the larger of -e^-20 and -(1 - clip_low).
+    expected = torch.tensor([math.exp(limit), -math.exp(-limit)])
+    assert torch.allclose(loss, expected, rtol=1e-6)
+    assert torch.count_nonzero(grad) == 0  # outside the clamp
+
+
+@pytest.mark.parametrize(
+    "settings,match",
+    [
+        (dict(clip_low=-0.1), "clip_low"),
+        (dict(clip_low=1.0), "clip_low"),
+        (dict(clip_high=-0.1), "clip_high"),
+        (dict(dual_clip=1.0), "dual_clip"),
+        (dict(dual_clip=0.5), "dual_clip"),
+        (dict(kl_estimator="k4"), "kl_estimator"),
+    ],
+)
+def test_clipped_policy_loss_validates_its_settings(settings, match):
+    with pytest.raises(ValueError, match=match):
+        losses.ClippedPolicyLoss(**settings)
+
+
+def test_kl_coef_needs_ref_logprob():
+    loss_fn = losses.ClippedPolicyLoss(kl_coef=0.1)
+    with pytest.raises(ValueError, match="ref_logprob"):
+        loss_fn(
+            torch.zeros(3), torch.zeros(3), old_logprob=torch.zeros(3), advantages=torch.ones(3), weight=torch.ones(3)
+        )
+    hidden, weight, targets, inputs = sft_case()
+    inputs = dict(inputs, old_logprob=torch.zeros(LEAD), advantages=torch.ones(LEAD))
+    with pytest.raises(ValueError, match="ref_logprob"):  # through the op too
+        fused_linear_loss(hidden, weight, targets, loss_fn, loss_inputs=inputs)

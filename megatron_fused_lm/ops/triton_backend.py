@@ -103,10 +103,14 @@ def choose_tiles_per_split(num_tokens: int, vocab: int, tiles: Tiles, programs: 
     return min(candidates, key=lambda per_split: (column_tiles_per_slot(per_split), -per_split))
 
 
-def loss_token_chunk(vocab: int, element_size: int, tiles: Tiles) -> int:
-    """Rows per three-GEMM chunk: as many whole token tiles as ``STORED_LOGITS_BYTES`` holds."""
-    rows = STORED_LOGITS_BYTES // (element_size * vocab)
-    return max(tiles.block_m, rows // tiles.block_m * tiles.block_m)
+def loss_token_chunk(num_tokens: int, vocab: int, element_size: int, tiles: Tiles) -> int:
+    """Rows per three-GEMM chunk: at most as many whole token tiles as ``STORED_LOGITS_BYTES``
+    holds, and as few as still need that many chunks, so that the rows split evenly (a short last
+    chunk would run every phase at low occupancy)."""
+    limit = max(tiles.block_m, STORED_LOGITS_BYTES // (element_size * vocab) // tiles.block_m * tiles.block_m)
+    chunks = max(1, -(-num_tokens // limit))
+    even = max(1, -(-num_tokens // chunks))
+    return min(limit, -(-even // tiles.block_m) * tiles.block_m)
 
 
 def memory_target_dz_bytes(gradient_bytes: int, accumulator_bytes: int) -> int:
@@ -216,7 +220,9 @@ class TritonBackend:
         tiles = self.forward_tiles or choose_tiles(weight.dtype)[0]
         stored_dtype = torch.float32 if weight.dtype == torch.float32 else torch.float16
         element_size = torch.finfo(stored_dtype).bits // 8
-        token_chunk = min(self.token_chunk or loss_token_chunk(vocab, element_size, tiles), max(num_tokens, 1))
+        token_chunk = min(
+            self.token_chunk or loss_token_chunk(num_tokens, vocab, element_size, tiles), max(num_tokens, 1)
+        )
         # Rows padded to 16 bytes: the kernel stores through a tensor descriptor.
         padded_vocab = -(-vocab * element_size // 16) * 16 // element_size
         stored = hidden.new_empty(token_chunk, padded_vocab, dtype=stored_dtype)[:, :vocab]

@@ -320,3 +320,14 @@ def assert_max_error(actual: torch.Tensor, expected: torch.Tensor, atol: float, 
     """The largest absolute difference is at most ``atol``."""
     error = max_abs_error(actual, expected)
     assert error <= atol, f"{label}: max error {error:.3g} > {atol:.3g}"
+
+
+class ModuleWrapper(torch.nn.Module):
+    """Holds a model as ``.module`` and forwards to it, as DDP and Float16Module do."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)

@@ -146,3 +146,29 @@ def make_case(lead_shape, hidden_size: int, vocab: int, dtype: torch.dtype, peak
     weight = (torch.randn(vocab, hidden_size, generator=generator) / hidden_size**0.5).to(dtype)
     targets = torch.randint(0, vocab, tuple(lead_shape), generator=generator)
     return hidden.to(device), weight.to(device), targets.to(device)
+
+
+# Log-ratios logprob - old_logprob for a clipped policy loss with clip range (0.2, 0.28) and dual
+# clip 3, each well inside one of its branches (kinks at log 0.8, log 1.28 and log 3): beyond the
+# dual clip, above 1 + clip_high, inside the clip range, below 1 - clip_low. Far from the kinks no
+# rounding can switch a token's branch.
+POLICY_LOG_RATIOS = torch.tensor([1.4, 0.4, 0.05, -0.05, -0.4])
+
+
+def policy_loss_inputs(
+    true_logprob: torch.Tensor, weights: torch.Tensor, generator: torch.Generator, jitter: float = 0.0
+) -> dict:
+    """Loss inputs of ``losses.ClippedPolicyLoss`` for tokens whose float64 log-probs are
+    ``true_logprob``: old log-probs a ``POLICY_LOG_RATIOS`` step (plus uniform ``jitter``) away,
+    reference log-probs within about 0.1 (the k3 KL estimator is exponential in the difference),
+    normal advantages and the given per-token ``weights``; float32, ``true_logprob``'s shape."""
+    shape = true_logprob.shape
+    log_ratio = POLICY_LOG_RATIOS[torch.randint(0, len(POLICY_LOG_RATIOS), shape, generator=generator)]
+    if jitter:
+        log_ratio = log_ratio + jitter * (torch.rand(shape, generator=generator) - 0.5)
+    return {
+        "old_logprob": (true_logprob - log_ratio).float(),
+        "ref_logprob": (true_logprob + 0.1 * torch.randn(shape, generator=generator)).float(),
+        "advantages": torch.randn(shape, generator=generator),
+        "weight": weights,
+    }

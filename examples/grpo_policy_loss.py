@@ -12,12 +12,8 @@ for as a metric (``entropy_grad=False``): no graph, no backward term.
 
 from __future__ import annotations
 
-import os
-import socket
-
 import torch
-import torch.distributed as dist
-from quickstart import SEQ, build_model, run_megatron_on_cpu
+from quickstart import SEQ, build_model, single_process_megatron
 
 from megatron_fused_lm import FusedLMConfig, next_token_targets, response_mask, wrap_model
 
@@ -48,26 +44,8 @@ def make_rollouts(vocab: int, device: torch.device):
 
 
 def main() -> None:
-    from megatron.core import parallel_state, tensor_parallel
-
-    use_cuda = torch.cuda.is_available()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
-    if use_cuda:
-        torch.cuda.set_device(0)
-    else:
-        run_megatron_on_cpu()
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    if use_cuda:
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
-    device = torch.device("cuda" if use_cuda else "cpu")
-    try:
-        train(device, backend="auto" if use_cuda else "torch")
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+    with single_process_megatron() as (device, backend):
+        train(device, backend)
 
 
 def train(device: torch.device, backend: str) -> None:

@@ -19,16 +19,13 @@ It ends with whether any backward had to fall back to recomputing the logits (it
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import warnings
 
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
 
 import torch
-import torch.distributed as dist
-from quickstart import BATCH, SEQ, build_model, make_batch, run_megatron_on_cpu
+from quickstart import BATCH, SEQ, build_model, make_batch, single_process_megatron
 
 from megatron_fused_lm import FusedLMConfig, losses, wrap_model
 
@@ -159,31 +156,12 @@ def train(fused: bool, backend: str, device: torch.device):
 
 
 def main() -> None:
-    from megatron.core import parallel_state, tensor_parallel
-
-    use_cuda = torch.cuda.is_available()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
-    if use_cuda:
-        torch.cuda.set_device(0)
-    else:
-        run_megatron_on_cpu()
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    if use_cuda:
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
-    device = torch.device("cuda" if use_cuda else "cpu")
-    backend = "auto" if use_cuda else "torch"
     recompute = Recompute()
     logging.getLogger("megatron_fused_lm").addHandler(recompute)
-    try:
+    with single_process_megatron() as (device, backend):
         print(f"Training a stock and a fused model side by side ({device.type}, {MICRO_BATCHES} micro-batches)...")
         stock = train(False, backend, device)
         fused = train(True, backend, device)
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
     largest = max(grad.abs().max().item() for grad in stock[2].values())
     difference = max((fused[2][name] - grad).abs().max().item() for name, grad in stock[2].items())

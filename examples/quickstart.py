@@ -97,6 +97,31 @@ def run_megatron_on_cpu() -> None:
     )
 
 
+@contextlib.contextmanager
+def single_process_megatron():
+    """One process of Megatron-Core (TP=1) on the first GPU, or on the CPU over gloo; yields
+    ``(device, backend)``, the backend being ``"auto"`` on a GPU (Triton when available)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    use_cuda = torch.cuda.is_available()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+    if use_cuda:
+        torch.cuda.set_device(0)
+    else:
+        run_megatron_on_cpu()
+    dist.init_process_group("nccl" if use_cuda else "gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    if use_cuda:
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+    try:
+        yield torch.device("cuda" if use_cuda else "cpu"), "auto" if use_cuda else "torch"
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
 def build_model(device: torch.device, seed: int = 0):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel

@@ -34,17 +34,6 @@ FUSED = FusedLMConfig(enabled=True, chunk_size=7)
 PATCHED_NAMES = ("forward", "compute_language_model_loss", "__deepcopy__", PATCH_ATTRIBUTE)
 
 
-class ModuleWrapper(torch.nn.Module):
-    """Holds a model as ``.module`` and forwards to it, as DDP and Float16Module do."""
-
-    def __init__(self, module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-
 def deep_copy(model):
     """``copy.deepcopy(model)`` sharing the process groups: megatron-core >= 0.16 modules hold
     them (``tp_group``, ``pg_collection``) and torch cannot copy them, so a trainer copying such a
@@ -168,7 +157,7 @@ def copy_wrapper_cases() -> None:
     batch = harness.make_batch()
     model = harness.build_gpt(sequence_parallel=True)
     model.output_layer.forward = model.output_layer.forward
-    wrapped = ModuleWrapper(model)
+    wrapped = harness.ModuleWrapper(model)
     reference = stock_reference(wrapped, batch)
     head = wrap_model(wrapped, FUSED)
     clone = deep_copy(wrapped)

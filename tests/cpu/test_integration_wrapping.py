@@ -33,17 +33,6 @@ class WarningRecords(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-class ModuleWrapper(torch.nn.Module):
-    """Holds a model as ``.module`` and forwards to it, as DDP and Float16Module do."""
-
-    def __init__(self, module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-
 def _is_stock(chunk):
     layer = chunk.output_layer
     return "forward" not in vars(layer) and "compute_language_model_loss" not in vars(chunk)
@@ -104,7 +93,7 @@ def _check_fallback(model, batch, expected_words, warnings, label, with_backward
 
 
 def harness_chunk(model):
-    return model.module if isinstance(model, ModuleWrapper) else model
+    return model.module if isinstance(model, harness.ModuleWrapper) else model
 
 
 def fallback_cases(warnings) -> None:
@@ -164,7 +153,7 @@ def wrapping_cases() -> None:
     # A virtual-pipeline list: a chunk without an output layer and a wrapped one with it.
     first_chunk = harness.build_gpt(post_process=False, seed=5)
     last_chunk = harness.build_gpt(sequence_parallel=True, tied=True)
-    wrapped_last = ModuleWrapper(last_chunk)
+    wrapped_last = harness.ModuleWrapper(last_chunk)
     reference = _stock_reference(wrapped_last, batch)
     first_stock_state = dict(vars(first_chunk))
     head = wrap_model([first_chunk, wrapped_last], FUSED)

@@ -32,7 +32,13 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from devkit.allocations import LargestAllocation
-from devkit.oracle import logprob_entropy, loss_reference, make_case, relative_error
+from devkit.oracle import (
+    logprob_entropy,
+    loss_reference,
+    make_case,
+    policy_loss_inputs,
+    relative_error,
+)
 from megatron_fused_lm import _logging, fused_linear_cross_entropy, fused_linear_loss, logits_loss, losses
 
 H, V = 24, 97
@@ -41,11 +47,6 @@ FLOAT32_TOL = 1e-5
 STOCK_RATIO = 1.2
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 CASES = ["sft", "policy", "dual_clip", "custom", "entropy_only"]
-
-# Log-ratios logprob - old_logprob, each well inside one branch of the clipped policy loss below
-# (kinks at log 0.8, log 1.28 and log 3): beyond the dual clip, above 1 + clip_high, inside the
-# clip range, below 1 - clip_low. Far from the kinks, no rounding can switch a token's branch.
-LOG_RATIOS = torch.tensor([1.4, 0.4, 0.05, -0.05, -0.4])
 
 
 def generator(seed: int) -> torch.Generator:
@@ -74,8 +75,6 @@ def loss_case(name, hidden, weight, targets, temperature=1.0, mask=None, seed=5)
         return losses.cross_entropy, {"weight": weights}
     if name in ("policy", "dual_clip"):
         logprob, _ = logprob_entropy(hidden.double() @ weight.double().t(), targets.clamp_min(0), temperature)
-        log_ratio = LOG_RATIOS[torch.randint(0, len(LOG_RATIOS), shape, generator=gen)]
-        log_ratio = log_ratio + 0.06 * (torch.rand(shape, generator=gen) - 0.5)
         loss_fn = losses.ClippedPolicyLoss(
             clip_low=0.2,
             clip_high=0.28,
@@ -83,13 +82,7 @@ def loss_case(name, hidden, weight, targets, temperature=1.0, mask=None, seed=5)
             kl_coef=0.05,
             dual_clip=3.0 if name == "dual_clip" else None,
         )
-        inputs = {
-            "old_logprob": (logprob - log_ratio).float(),
-            "ref_logprob": (logprob + 0.1 * torch.randn(shape, generator=gen)).float(),
-            "advantages": torch.randn(shape, generator=gen),
-            "weight": weights,
-        }
-        return loss_fn, inputs
+        return loss_fn, policy_loss_inputs(logprob, weights, gen, jitter=0.06)
     if name == "custom":
         return custom_loss, {"w": torch.rand(shape, generator=gen)}
     return entropy_bonus, None

@@ -22,12 +22,11 @@ metrics; bfloat16 gradients at most ``STOCK_RATIO`` times the stock path's error
 shards through ``logits_loss``) plus a quarter of bfloat16's machine epsilon.
 """
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
-from devkit.oracle import logprob_entropy, loss_reference, make_case, relative_error
+from devkit.collectives import ALL_GATHER, recorded_collectives
+from devkit.oracle import logprob_entropy, loss_reference, make_case, policy_loss_inputs, relative_error
 from devkit.spawn import run_ranks
 from megatron_fused_lm import fused_linear_cross_entropy, fused_linear_loss, logits_loss, losses
 
@@ -36,32 +35,6 @@ TOKENS = LEAD[0] * LEAD[1]
 TEMPERATURE = 0.8
 FLOAT32_TOL = 1e-5
 STOCK_RATIO = 1.2
-ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-# Log-ratios of the policy case, each well inside one branch of the clipped loss (see test_ops_loss.py).
-LOG_RATIOS = torch.tensor([1.4, 0.4, 0.05, -0.05, -0.4])
-
-
-@contextlib.contextmanager
-def recorded_collectives():
-    """Record ``(name, shape of the tensor sent)`` of each all-gather and all-reduce, in order."""
-    calls = []
-    originals = {name: getattr(dist, name) for name in (ALL_GATHER, "all_reduce")}
-
-    def recording(name):
-        def call(*args, **kwargs):
-            sent = args[1] if name == ALL_GATHER else args[0]
-            calls.append((name, tuple(sent.shape)))
-            return originals[name](*args, **kwargs)
-
-        return call
-
-    for name in originals:
-        setattr(dist, name, recording(name))
-    try:
-        yield calls
-    finally:
-        for name, function in originals.items():
-            setattr(dist, name, function)
 
 
 def loss_pass_collectives(rows: int, chunk_size, reduce_hidden_grad: bool = True):
@@ -100,15 +73,8 @@ def loss_case(name, hidden, weight, targets, mask):
     if name == "custom":
         return custom_loss, {"w": torch.rand(LEAD, generator=gen)}
     logprob, _ = logprob_entropy(hidden.double() @ weight.double().t(), targets.clamp_min(0), TEMPERATURE)
-    log_ratio = LOG_RATIOS[torch.randint(0, len(LOG_RATIOS), LEAD, generator=gen)]
     loss_fn = losses.ClippedPolicyLoss(clip_low=0.2, clip_high=0.28, dual_clip=3.0, entropy_coef=0.01, kl_coef=0.05)
-    inputs = {
-        "old_logprob": (logprob - log_ratio).float(),
-        "ref_logprob": (logprob + 0.1 * torch.randn(LEAD, generator=gen)).float(),
-        "advantages": torch.randn(LEAD, generator=gen),
-        "weight": weights,
-    }
-    return loss_fn, inputs
+    return loss_fn, policy_loss_inputs(logprob, weights, gen)
 
 
 def leaves(*tensors):

@@ -1,39 +1,15 @@
 """Both ops with the vocabulary split over two gloo ranks, against a float64 oracle of the whole
 vocabulary; and the number of collectives per call."""
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
+from devkit.collectives import ALL_GATHER, counts, recorded_collectives
 from devkit.oracle import make_case, reference, reference_from_logits, relative_error
 from devkit.spawn import run_ranks
 from megatron_fused_lm import fused_linear_logprob, logits_logprob
 
 H, V_LOCAL, TOKENS = 24, 53, 31
-ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-
-
-@contextlib.contextmanager
-def counted_collectives():
-    """Count calls of the collectives the ops use."""
-    counts = {ALL_GATHER: 0, "all_reduce": 0}
-    originals = {name: getattr(dist, name) for name in counts}
-
-    def counting(name):
-        def call(*args, **kwargs):
-            counts[name] += 1
-            return originals[name](*args, **kwargs)
-
-        return call
-
-    for name in counts:
-        setattr(dist, name, counting(name))
-    try:
-        yield counts
-    finally:
-        for name, function in originals.items():
-            setattr(dist, name, function)
 
 
 def check_fused(rank, group, dtype, chunk_size, targets_on_rank_1_only):
@@ -46,14 +22,14 @@ def check_fused(rank, group, dtype, chunk_size, targets_on_rank_1_only):
     shard = weight[rank * V_LOCAL : (rank + 1) * V_LOCAL].clone().requires_grad_()
     hidden_leaf = hidden.clone().requires_grad_()
     grad_logprob, grad_entropy = torch.randn(TOKENS), torch.randn(TOKENS)
-    with counted_collectives() as counts:
+    with recorded_collectives() as calls:
         logprob, entropy = fused_linear_logprob(
             hidden_leaf, shard, targets, tp_group=group, temperature=0.7, return_entropy=True, chunk_size=chunk_size
         )
-        forward_counts = dict(counts)
+        forward_counts = counts(calls)
         ((logprob * grad_logprob).sum() + (entropy * grad_entropy).sum()).backward()
     assert forward_counts == {ALL_GATHER: 1, "all_reduce": 0}, forward_counts
-    assert counts == {ALL_GATHER: 1, "all_reduce": 1}, counts
+    assert counts(calls) == {ALL_GATHER: 1, "all_reduce": 1}, calls
     expected = reference(hidden, weight, targets, 0.7, grad_logprob, grad_entropy)
     output_tol, grad_tol = (2e-5, 2e-5) if dtype == torch.float32 else (1e-4, 1e-2)
     assert relative_error(logprob, expected.logprob) <= output_tol
@@ -67,9 +43,9 @@ def check_partial_hidden_grad(rank, group):
     hidden, weight, targets = make_case((TOKENS,), H, 2 * V_LOCAL, torch.float32, peaky=False, seed=3)
     shard = weight[rank * V_LOCAL : (rank + 1) * V_LOCAL]
     hidden_leaf = hidden.clone().requires_grad_()
-    with counted_collectives() as counts:
+    with recorded_collectives() as calls:
         fused_linear_logprob(hidden_leaf, shard, targets, tp_group=group, reduce_hidden_grad=False).sum().backward()
-    assert counts["all_reduce"] == 0
+    assert counts(calls)["all_reduce"] == 0
     full = reference(hidden, weight, targets, 1.0, grad_logprob=torch.ones(TOKENS)).grad_hidden
     partial = hidden_leaf.grad.clone()
     assert relative_error(partial, full) > 1e-2  # really only this rank's share
@@ -82,12 +58,12 @@ def check_logits(rank, group, chunk_size):
     logits = (hidden @ weight.t()).float()
     shard = logits[:, rank * V_LOCAL : (rank + 1) * V_LOCAL].clone().requires_grad_()
     grad_logprob, grad_entropy = torch.randn(TOKENS), torch.randn(TOKENS)
-    with counted_collectives() as counts:
+    with recorded_collectives() as calls:
         logprob, entropy = logits_logprob(
             shard, targets, tp_group=group, temperature=1.3, return_entropy=True, chunk_size=chunk_size
         )
         ((logprob * grad_logprob).sum() + (entropy * grad_entropy).sum()).backward()
-    assert counts == {ALL_GATHER: 1, "all_reduce": 0}, counts
+    assert counts(calls) == {ALL_GATHER: 1, "all_reduce": 0}, calls
     expected = reference_from_logits(logits, targets, 1.3, grad_logprob, grad_entropy)
     assert relative_error(logprob, expected.logprob) <= 2e-5
     assert relative_error(entropy, expected.entropy) <= 2e-5

@@ -2,10 +2,7 @@
 
 Each output tile is the product of a token tile and a weight tile over the hidden dimension
 (float32 accumulator, tensor cores, operands brought in by tensor descriptors); its epilogue turns
-the product into
-
-    dz = g_lp * (1[v = y] - p) + g_H * p * (mean - z),   z = product / T,   p = exp(z - lse),
-
+the product into ``dz`` (``logit_grad_formula``; ``z = product / T``, ``p = exp(z - lse)``),
 divided by ``T`` (the gradient with respect to the unscaled product), and stores it in the
 weight's dtype, ready for the two cuBLAS gradient products. Neither the float32 product nor any
 other ``[tokens, vocab]``-sized intermediate reaches memory.
@@ -23,6 +20,7 @@ import triton.language as tl
 
 from ..contract import SavedStatistics, UpstreamGrads
 from .descriptors import descriptor
+from .logit_grad_formula import logit_grad_tile
 from .tiles import Tiles
 
 
@@ -82,17 +80,23 @@ def logit_grad_kernel(
             logits = acc * inv_temperature
             lse = tl.load(lse_ptr + rows, mask=row_valid, other=0.0)
             prob = tl.exp(logits - lse[:, None])
-            grad = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            # Stand-ins for the terms that are off: logit_grad_tile reads them only when their flag is on.
+            mean_minus_logit = logits
+            grad_entropy = lse
             if HAS_GRAD_ENTROPY:
                 mean_logit = tl.load(mean_logit_ptr + rows, mask=row_valid, other=0.0)
                 grad_entropy = tl.load(grad_entropy_ptr + rows, mask=row_valid, other=0.0)
-                grad = prob * (mean_logit[:, None] - logits) * grad_entropy[:, None]
+                mean_minus_logit = mean_logit[:, None] - logits
+            grad_logprob = lse
+            is_target = logits != logits
             if HAS_GRAD_LOGPROB:
                 grad_logprob = tl.load(grad_logprob_ptr + rows, mask=row_valid, other=0.0)
                 target_column = tl.load(target_column_ptr + rows, mask=row_valid, other=-1)  # -1: not here
                 # Offsets within the tile against per-row scalars: no per-element column indices.
                 is_target = tl.arange(0, BLOCK_N)[None, :] == (target_column - col0)[:, None]
-                grad += grad_logprob[:, None] * (tl.where(is_target, 1.0, 0.0) - prob)
+            grad = logit_grad_tile(
+                prob, mean_minus_logit, is_target, grad_logprob, grad_entropy, HAS_GRAD_LOGPROB, HAS_GRAD_ENTROPY
+            )
             out_desc.store([row0, col0], (grad * inv_temperature).to(out_desc.dtype))
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
 

@@ -5,9 +5,8 @@ The forward (``split_statistics`` with ``stored_exp``) left every logit of a tok
 Once the chunk's statistics are merged, each element becomes
 
     p = e / EXP_SCALE * exp(m - lse),   z = m + log(e / EXP_SCALE),
-    dz = g_lp * (1[v = y] - p) + g_H * p * (mean - z),
 
-divided by ``T`` and stored in the weight's dtype over ``e`` itself (same element size), ready for
+then ``dz`` (``logit_grad_formula``), divided by ``T`` and stored in the weight's dtype over ``e`` itself (same element size), ready for
 the two cuBLAS gradient products. An element whose exponential underflowed (``e = 0``) has
 ``p = 0`` and contributes nothing.
 """
@@ -21,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ..contract import SavedStatistics, UpstreamGrads
+from .logit_grad_formula import logit_grad_tile
 from .softmax_stats_kernel import EXP_SCALE
 
 # Launch shape measured on an H100 (2026-11-22, 2048 x 151936 block): 16 rows x 128 columns with 4
@@ -62,18 +62,24 @@ def stored_grad_kernel(
     tile_max = tl.load(tile_max_ptr + rows.to(tl.int64) * stride_tile_max + col_tile, mask=row_valid, other=0.0)
     lse = tl.load(lse_ptr + rows, mask=row_valid, other=0.0)
     prob = stored * (tl.exp(tile_max - lse) / EXP_SCALE)[:, None]
-    grad = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # Stand-ins for the terms that are off: logit_grad_tile reads them only when their flag is on.
+    mean_minus_logit = prob
+    grad_entropy = lse
     if HAS_GRAD_ENTROPY:
         mean_logit = tl.load(mean_logit_ptr + rows, mask=row_valid, other=0.0)
         grad_entropy = tl.load(grad_entropy_ptr + rows, mask=row_valid, other=0.0)
-        # mean - z, with z = tile_max + log(stored) - log(EXP_SCALE); 0 where the exponential underflowed.
-        spread = (mean_logit - tile_max + LOG_EXP_SCALE)[:, None] - tl.log(tl.maximum(stored, 1e-30))
-        grad = tl.where(stored > 0, prob * spread, 0.0) * grad_entropy[:, None]
+        # z = tile_max + log(stored) - log(EXP_SCALE); finite where the exponential underflowed,
+        # whose p = 0 then zeroes the term.
+        mean_minus_logit = (mean_logit - tile_max + LOG_EXP_SCALE)[:, None] - tl.log(tl.maximum(stored, 1e-30))
+    grad_logprob = lse
+    is_target = prob != prob
     if HAS_GRAD_LOGPROB:
         grad_logprob = tl.load(grad_logprob_ptr + rows, mask=row_valid, other=0.0)
         target_column = tl.load(target_column_ptr + rows, mask=row_valid, other=-1)  # -1: not here
         is_target = cols[None, :] == target_column[:, None]
-        grad += grad_logprob[:, None] * (tl.where(is_target, 1.0, 0.0) - prob)
+    grad = logit_grad_tile(
+        prob, mean_minus_logit, is_target, grad_logprob, grad_entropy, HAS_GRAD_LOGPROB, HAS_GRAD_ENTROPY
+    )
     tl.store(grad_ptr + offsets, (grad * inv_temperature).to(grad_ptr.dtype.element_ty), mask=valid)
 
 

@@ -7,6 +7,7 @@ ranks at tiny sizes: a dry run of their logic, with ``megatron_gpt``'s CPU patch
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -26,9 +27,12 @@ from devkit.megatron_gpt import GPTShape
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def init_distributed(tensor_parallel: int, pipeline_parallel: int = 1) -> torch.device:
+def init_distributed(
+    tensor_parallel: int, pipeline_parallel: int = 1, virtual_pipeline_parallel: Optional[int] = None
+) -> torch.device:
     """Join the torchrun job (NCCL on this process's GPU, else gloo on the CPU) and build Megatron's
-    process groups; returns this process's device."""
+    process groups (``virtual_pipeline_parallel``: model chunks per pipeline stage, ``None`` for
+    none); returns this process's device."""
     os.environ.update(MULTICAST_OFF)  # before NCCL reads its environment, whatever the launcher set
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -43,7 +47,9 @@ def init_distributed(tensor_parallel: int, pipeline_parallel: int = 1) -> torch.
         dist.init_process_group("gloo")
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
+    parallel_state.initialize_model_parallel(
+        tensor_parallel, pipeline_parallel, virtual_pipeline_model_parallel_size=virtual_pipeline_parallel
+    )
     return device
 
 
@@ -61,6 +67,24 @@ def run_cuda_placements_on_cpu() -> None:
         setattr(torch, name, on_cpu(getattr(torch, name)))
     torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
     torch.cuda.current_stream = lambda *args, **kwargs: _HostStream()
+
+
+@contextlib.contextmanager
+def cpu_tensors_named_cuda():
+    """For the CPU dry run: Megatron's mixed-precision and distributed optimizers accept only
+    parameters whose ``type()`` names a CUDA tensor, and check it while they are built; inside
+    this context a CPU tensor's ``type()`` names the CUDA type of its dtype."""
+    real_type = torch.Tensor.type
+
+    def named_cuda(tensor, *args, **kwargs):
+        name = real_type(tensor, *args, **kwargs)
+        return name.replace("torch.", "torch.cuda.", 1) if not (args or kwargs or tensor.is_cuda) else name
+
+    torch.Tensor.type = named_cuda
+    try:
+        yield
+    finally:
+        torch.Tensor.type = real_type
 
 
 class _HostStream:

@@ -140,10 +140,12 @@ def build_gpt(
     model_class: Optional[type] = None,
     pre_process: bool = True,
     post_process: bool = True,
+    vp_stage: Optional[int] = None,
 ):
     """A GPTModel of the local spec (no TransformerEngine) in ``dtype`` on ``device``: rotary
     positions, no dropout, Megatron's groups as initialized. The same ``seed`` gives the same
-    weights on every rank.
+    weights on every rank. Under a virtual pipeline, ``vp_stage`` says which of this stage's
+    chunks to build.
 
     ``vocab_size`` defaults to ``shape.vocab`` rows per tensor-parallel rank (the CPU tests' prime
     shards). The CPU tests' default ``init_method_std=0.7`` makes the next-token distributions
@@ -164,6 +166,7 @@ def build_gpt(
         num_attention_heads=shape.heads,
         tensor_model_parallel_size=size,
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         sequence_parallel=sequence_parallel and size > 1,
         use_cpu_initialization=device.type == "cpu",
         bf16=dtype == torch.bfloat16,
@@ -191,6 +194,8 @@ def build_gpt(
         mtp_block_spec=mtp_spec,
         pre_process=pre_process,
         post_process=post_process,
+        # Passed only under a virtual pipeline: megatron-core 0.13 builds without it.
+        **({} if vp_stage is None else {"vp_stage": vp_stage}),
     )
     # One dtype throughout, as Float16Module makes it (the local spec's torch norms start in float32).
     model = model.to(device=device, dtype=dtype)
@@ -215,6 +220,7 @@ def build_bf16_gpt(
     peaky: bool = False,
     pre_process: bool = True,
     post_process: bool = True,
+    vp_stage: Optional[int] = None,
 ):
     """The multi-GPU scripts' model: ``build_gpt`` in bf16 on ``device``, the vocabulary padded as
     Megatron-LM pads it, Megatron's default initialization or, with ``peaky``, one that gives
@@ -231,6 +237,7 @@ def build_bf16_gpt(
         logit_std=LOGIT_STD if peaky else None,
         pre_process=pre_process,
         post_process=post_process,
+        vp_stage=vp_stage,
     )
 
 

@@ -1,0 +1,68 @@
+"""The CPU dry run of ``tests/gpu/pipeline_training.py``: each two-rank layout with both loss paths,
+on two gloo ranks (torchrun) at the script's tiny CPU size, 8 SFT and 6 RL steps.
+
+What the dry run covers, with the script's own checks (tied copies and DP replicas bitwise equal,
+the head's gradient on the right parameters, no recomputed logits on the three-GEMM path, fused
+and stock curves within the noise of the perturbed reference run):
+
+- ``pp2_tied``: Megatron's 1F1B schedule over two stages, the tied embedding's copies and the
+  embedding-group reduction of their gradients, the mixed-precision optimizer (fp32 main weights);
+- ``pp2_vpp2_tied``: the interleaved schedule over two chunks per stage, built with ``vp_stage``,
+  the embedding in the first stage's first chunk and the output layer in the last stage's last;
+- ``dp2_overlap``: DDP with the gradient reduction overlapped bucket by bucket, the distributed
+  optimizer with the parameter all-gather overlapped (asynchronous gloo all-gathers that
+  Megatron's forward pre-hooks wait for, the untied output weight in a bucket of its own), four
+  micro-batches of gradient accumulation;
+- both loss paths: ``head.logprobs`` with the policy loss by hand, and the three-GEMM path
+  (``declare_loss_weights`` before the labels-path forward, ``head.loss`` with
+  ``ClippedPolicyLoss``).
+
+Only the GPU run covers: NCCL, and the overlapped collectives running concurrently with CUDA
+compute; the Triton backend (the CPU runs the torch backend); Megatron's gradient clipping (it
+asserts CUDA gradients); the real sizes (hidden 1024, vocabulary 151936, sequence 2048, 30 + 30
+steps), where bf16 noise, step time and peak memory mean something; and the four-rank ``tp2_pp2``
+layout, whose dry run takes half a minute on four ranks and runs by hand
+(``torchrun --nproc-per-node 4 tests/gpu/pipeline_training.py --sft-steps 6 --rl-steps 6``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tests" / "gpu" / "pipeline_training.py"
+# Expected parallel sizes of each layout on two ranks.
+LAYOUTS = {
+    "pp2_tied": {"pp": 2, "vpp": 1, "dp": 1, "tied": True},
+    "pp2_vpp2_tied": {"pp": 2, "vpp": 2, "dp": 1, "tied": True},
+    "dp2_overlap": {"pp": 1, "vpp": 1, "dp": 2, "overlap_param_gather": True, "tied": False},
+}
+
+
+@pytest.mark.parametrize("loss_path", ["logprobs", "three-gemm"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_layout_trains_fused_like_stock(layout, loss_path, tmp_path):
+    json_path = tmp_path / "pipeline_training.json"
+    env = dict(
+        os.environ,
+        CUDA_VISIBLE_DEVICES="",  # the dry run, even on a machine with GPUs
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT),
+        "--layout", layout, "--loss-path", loss_path, "--sft-steps", "8", "--rl-steps", "6", "--json", str(json_path),
+    ]  # fmt: skip
+    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0 and "pipeline_training: PASS" in output, output[-6000:]
+    record = json.loads(json_path.read_text())
+    assert {key: record["layout"][key] for key in LAYOUTS[layout]} == LAYOUTS[layout]
+    assert record["layout"]["loss_path"] == loss_path
+    fused = [run for rank in record["ranks"] for run in rank["runs"] if run["name"] == "fused"]
+    assert any(run["head_fused"] for run in fused), "no rank ran the fused head"

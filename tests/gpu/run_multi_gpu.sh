@@ -7,7 +7,12 @@
 #   tp_parity          2 GPUs: TP=2 + sequence parallel, bf16 GPTModel, fused vs stock (tests/gpu/tp_parity.py)
 #   tp_bench           2 GPUs: per-rank time and memory, TP=1 vs TP=2, stock vs fused (benchmarks/bench_tensor_parallel.py;
 #                      extra arguments in TP_BENCH_ARGS, e.g. TP_BENCH_ARGS="--shapes 4096x2048x151936")
-#   pipeline_training  4 GPUs: TP=2 x PP=2, Megatron schedule + DDP + distributed optimizer (tests/gpu/pipeline_training.py)
+#   pipeline_training  4 GPUs: layout tp2_pp2, TP=2 x PP=2, 1F1B + DDP + distributed optimizer
+#   pp2_tied           2 GPUs: PP=2, 1F1B, tied embeddings
+#   pp2_vpp2_tied      2 GPUs: PP=2 x 2 virtual chunks, interleaved schedule, tied embeddings
+#   dp2_overlap        2 GPUs: DP=2, overlap_grad_reduce, distributed optimizer + overlap_param_gather
+# The last four are tests/gpu/pipeline_training.py --layout NAME (its docstring has the details);
+# extra arguments in PIPELINE_ARGS, e.g. PIPELINE_ARGS="--loss-path three-gemm --backend triton".
 # Each part writes OUTPUT_DIR/PART.json and OUTPUT_DIR/PART.log (OUTPUT_DIR defaults to $OUT, else
 # multi_gpu_results). The exit status is non-zero when any part failed or could not run.
 set -u -o pipefail
@@ -24,19 +29,32 @@ shift $(( $# > 0 ? 1 : 0 ))
 mkdir -p "$out"
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())') || exit 1
 visible=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((gpus - 1)))}
+
+# Sets needed (GPUs) and command (script and arguments) for part $1; fails for an unknown part.
+describe() {
+    case $1 in
+        tp_parity) needed=2; command=(tests/gpu/tp_parity.py) ;;
+        tp_bench) needed=2; command=(benchmarks/bench_tensor_parallel.py ${TP_BENCH_ARGS:-}) ;;
+        pipeline_training) needed=4; command=(tests/gpu/pipeline_training.py --layout tp2_pp2 ${PIPELINE_ARGS:-}) ;;
+        pp2_tied | pp2_vpp2_tied | dp2_overlap)
+            needed=2; command=(tests/gpu/pipeline_training.py --layout "$1" ${PIPELINE_ARGS:-}) ;;
+        *) return 1 ;;
+    esac
+}
+
 parts=("$@")
 if [ ${#parts[@]} -eq 0 ]; then
-    parts=(tp_parity tp_bench pipeline_training)
+    for part in tp_parity tp_bench pp2_tied pp2_vpp2_tied dp2_overlap pipeline_training; do
+        describe "$part" && [ "$gpus" -ge "$needed" ] && parts+=("$part")
+    done
+    [ ${#parts[@]} -gt 0 ] || { echo "no part runs on $gpus GPUs" >&2; exit 1; }
 fi
 
 status=0
 for part in "${parts[@]}"; do
-    case $part in
-        tp_parity) needed=2; command=(tests/gpu/tp_parity.py) ;;
-        tp_bench) needed=2; command=(benchmarks/bench_tensor_parallel.py ${TP_BENCH_ARGS:-}) ;;
-        pipeline_training) needed=4; command=(tests/gpu/pipeline_training.py) ;;
-        *) echo "unknown part: $part" >&2; status=1; continue ;;
-    esac
+    if ! describe "$part"; then
+        echo "unknown part: $part" >&2; status=1; continue
+    fi
     if [ "$gpus" -lt "$needed" ]; then
         echo "== $part: needs $needed GPUs, $gpus visible: not run" >&2
         status=1

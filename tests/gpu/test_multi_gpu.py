@@ -29,9 +29,9 @@ def needs_gpus(count: int):
     return pytest.mark.skipif(torch.cuda.device_count() < count, reason=f"needs {count} CUDA GPUs")
 
 
-def run_torchrun(script: str, processes: int, json_path) -> dict:
-    """Run ``script`` under torchrun on the first ``processes`` GPUs; fail with its output's tail
-    if any rank fails; return the JSON it wrote."""
+def run_torchrun(script: str, processes: int, json_path, *arguments: str) -> dict:
+    """Run ``script`` (with ``arguments``) under torchrun on the first ``processes`` GPUs; fail with
+    its output's tail if any rank fails; return the JSON it wrote."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
     env = dict(
         os.environ,
@@ -46,6 +46,7 @@ def run_torchrun(script: str, processes: int, json_path) -> dict:
         "--standalone",
         f"--nproc-per-node={processes}",
         os.path.join(HERE, script),
+        *arguments,
         "--json",
         str(json_path),
     ]
@@ -63,5 +64,14 @@ def test_tensor_parallel_sequence_parallel_parity(tmp_path):
 
 @needs_gpus(4)
 def test_pipeline_training_curves_and_tied_copies(tmp_path):
-    record = run_torchrun("pipeline_training.py", 4, tmp_path / "pipeline_training.json")
+    record = run_torchrun("pipeline_training.py", 4, tmp_path / "pipeline_training.json", "--layout", "tp2_pp2")
     assert len(record["summary"]["sft_loss"]["stock"]) == len(record["summary"]["sft_loss"]["fused"]) > 0
+
+
+@needs_gpus(2)
+@pytest.mark.parametrize("loss_path", ["logprobs", "three-gemm"])
+@pytest.mark.parametrize("layout", ["pp2_tied", "pp2_vpp2_tied", "dp2_overlap"])
+def test_two_gpu_layouts_train_fused_like_stock(layout, loss_path, tmp_path):
+    arguments = ("--layout", layout, "--loss-path", loss_path)
+    record = run_torchrun("pipeline_training.py", 2, tmp_path / "pipeline_training.json", *arguments)
+    assert (record["layout"]["name"], record["layout"]["loss_path"]) == (layout, loss_path)

@@ -136,7 +136,7 @@ def _float32_logits(probe: torch.Tensor, weight: torch.Tensor, rows: int = 8192)
 
 
 def _scale_logits_is_stock(chunk: torch.nn.Module) -> bool:
-    # megatron-core >= 0.19 multiplies what the output layer returns by config.mup_output_mult in
+    # megatron-core >= 0.17 multiplies what the output layer returns by config.mup_output_mult in
     # LanguageModule._scale_logits; a scalar commutes with the projection, anything else may not.
     if "_scale_logits" in vars(chunk):
         return False

@@ -1,6 +1,6 @@
 """wrap_model on real Megatron-Core GPTModels beyond the plain case (TP=2, gloo): each fallback
 reason, model wrappers and virtual-pipeline chunk lists, stages without an output layer, wrapping
-twice, multi-token prediction, MuP output scaling (megatron-core >= 0.19), gathered logits, misuse.
+twice, multi-token prediction, MuP output scaling (megatron-core >= 0.17), gathered logits, misuse.
 
 Every result is compared with the stock model itself: a float64 oracle on its gathered logits, or
 its own loss and gradients. Tolerances as in test_integration_parity (float32 models; measured
@@ -138,7 +138,7 @@ def fallback_cases(warnings) -> None:
     assert model.output_layer.embedding_activation_buffer, "deferred wgrad: the stock layer did not run"
 
     class SoftCappedGPT(GPTModel):
-        """megatron-core >= 0.19 applies this to the output layer's result; 0.16 never calls it."""
+        """megatron-core >= 0.17 applies this to the output layer's result; 0.16 never calls it."""
 
         def _scale_logits(self, logits):
             return 8.0 * torch.tanh(logits / 8.0)
@@ -258,7 +258,7 @@ def mtp_and_mup_cases() -> None:
         unwrap_model(model)
 
     if "use_mup" not in TransformerConfig.__dataclass_fields__:
-        return  # megatron-core < 0.19 has no MuP output scaling
+        return  # megatron-core < 0.17 has no MuP output scaling
     for tied in (False, True):
         label = f"MuP tied={tied}"
         model = harness.build_gpt(

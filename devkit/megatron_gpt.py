@@ -259,6 +259,17 @@ def make_batch(seed: int = 7):
     return causal_batch(CPU_TEST_SHAPE, VOCAB_SHARD * tp_size(), seed)
 
 
+def packed_attention_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The attention of a packed (THD) forward as a mask for the local spec's attention, which has no
+    packed kernel: bool ``[1, 1, T, T]`` (True = masked) where each position sees the positions up to
+    itself in its own sequence only. ``cu_seqlens``: integer ``[S + 1]`` from 0 to ``T`` (the padded
+    boundaries, as the packed ``input_ids [1, T]`` lay the sequences out)."""
+    positions = torch.arange(int(cu_seqlens[-1]))
+    sequence = torch.searchsorted(cu_seqlens[1:].long(), positions, right=True)
+    visible = (sequence[:, None] == sequence[None, :]) & (positions[None, :] <= positions[:, None])
+    return ~visible[None, None]
+
+
 def random_weights(*shape, seed: int, device=None) -> torch.Tensor:
     """Float32 weights in [-1, 1), the same on every rank (drawn on the CPU, then moved)."""
     return (torch.rand(*shape, generator=torch.Generator().manual_seed(seed)) * 2 - 1).to(device)
@@ -307,6 +318,21 @@ def parameter_grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
         assert parameter.grad is not None, f"{name} got no gradient"
         grads[name] = parameter.grad.detach().clone()
         parameter.grad = None
+    return grads
+
+
+def finalized_parameter_grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """``parameter_grads`` as Megatron's ``finalize_model_grads`` leaves them under sequence
+    parallelism: a sequence-parallel parameter (norm weights, row-parallel biases) saw only this
+    rank's part of the sequence, so its gradients are summed over the tensor-parallel group. A loss
+    on some positions only (a response) leaves such a partial gradient all zero on a rank whose part
+    holds none of them."""
+    from megatron.core import parallel_state
+
+    grads = parameter_grads(model)
+    for name, parameter in model.named_parameters():
+        if getattr(parameter, "sequence_parallel", False) and tp_size() > 1:
+            torch.distributed.all_reduce(grads[name], group=parallel_state.get_tensor_model_parallel_group())
     return grads
 
 

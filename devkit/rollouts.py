@@ -1,0 +1,87 @@
+"""Micro-batches of sampled rollouts (prompt then response) and the model runs the trainer-recipe
+tests share: the samples, their packing, SkyRL's padded and packed layouts, and the stock model's
+float64 per-row log-probs on them."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from devkit import megatron_gpt
+
+# Three samples: prompt and response lengths; the responses fill up to ACTIONS slots (SkyRL's
+# num_actions), the prompts up to PROMPT_COLUMNS, so SkyRL's padded rows are 14 wide (even, for
+# sequence parallelism over two ranks).
+PROMPTS, RESPONSES, ACTIONS, PROMPT_COLUMNS = [5, 3, 7], [6, 2, 4], 6, 8
+# The recipe tests' GPTModel: the CPU tests' sizes, with room for a packed micro-batch's positions.
+MODEL_SHAPE = megatron_gpt.GPTShape(
+    hidden=megatron_gpt.HIDDEN, heads=megatron_gpt.HEADS, layers=megatron_gpt.LAYERS, vocab=megatron_gpt.VOCAB_SHARD,
+    seq=64, micro_batch=len(PROMPTS),
+)  # fmt: skip
+
+
+def sample_tokens(seed: int) -> List[torch.Tensor]:
+    """Each sample's tokens (``PROMPTS[i] + RESPONSES[i]`` of them), int64 over ``MODEL_SHAPE``'s
+    vocabulary split over the initialized tensor-parallel group, without 0 (padding)."""
+    vocab = megatron_gpt.VOCAB_SHARD * megatron_gpt.tp_size()
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (p + r,), generator=generator) for p, r in zip(PROMPTS, RESPONSES, strict=True)]
+
+
+def padded_cu_seqlens(lengths: Sequence[int], multiple: int = 2) -> torch.Tensor:
+    """Boundaries of samples packed end to end, each padded to a multiple of ``multiple`` (SkyRL and
+    verl align each to the tensor-parallel size), int32 ``[S + 1]``."""
+    padded = [-(-length // multiple) * multiple for length in lengths]
+    return torch.tensor([0] + padded).cumsum(0).int()
+
+
+def pack(tokens: Sequence[torch.Tensor], cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The samples at their packed offsets ``cu_seqlens[:-1]``, int64 ``[1, cu_seqlens[-1]]``, 0 elsewhere."""
+    packed = torch.zeros(1, int(cu_seqlens[-1]), dtype=torch.long)
+    for sample, start in zip(tokens, cu_seqlens.tolist(), strict=False):
+        packed[0, start : start + sample.numel()] = sample
+    return packed
+
+
+def skyrl_batches(tokens: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SkyRL's two layouts of the samples: ``sequences`` int64 ``[B, S]`` with each prompt
+    left-padded into the first ``PROMPT_COLUMNS`` columns and each response right-padded into the
+    last ``ACTIONS``, its bool ``attention_mask [B, S]``, and the packed ``[1, T]`` tokens with their
+    boundaries (each sample padded to an even length)."""
+    sequences = torch.zeros(len(tokens), PROMPT_COLUMNS + ACTIONS, dtype=torch.long)
+    attention_mask = torch.zeros_like(sequences, dtype=torch.bool)
+    for row, (sample, prompt) in enumerate(zip(tokens, PROMPTS, strict=True)):
+        start = PROMPT_COLUMNS - prompt
+        sequences[row, start : start + sample.numel()] = sample
+        attention_mask[row, start : start + sample.numel()] = True
+    cu_seqlens = padded_cu_seqlens([sample.numel() for sample in tokens])
+    return sequences, attention_mask, pack(tokens, cu_seqlens), cu_seqlens
+
+
+def run_model(
+    model, input_ids: torch.Tensor, mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """The model on ``input_ids [b, s]`` (causal attention unless ``mask`` is given; positions
+    ``0..s-1`` unless given): the logits shard, or the hidden states when the head is fused."""
+    length = input_ids.shape[1]
+    if position_ids is None:
+        position_ids = torch.arange(length).expand_as(input_ids)
+    if mask is None:
+        mask = torch.triu(torch.ones(1, 1, length, length, dtype=torch.bool), diagonal=1)
+    return model(input_ids, position_ids, mask)
+
+
+def stock_rows(model, input_ids: torch.Tensor, mask: Optional[torch.Tensor] = None, temperature: float = 1.0):
+    """Float64 ``(logprob, entropy)`` ``[b, s]`` of every row's next input token under the stock
+    model's logits, with a graph to the parameters: row ``t`` scores token ``t + 1`` of the same row,
+    the last row token 0."""
+    targets = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
+    return megatron_gpt.oracle_logprob_entropy(run_model(model, input_ids, mask), targets, temperature)
+
+
+def weighted(values: Sequence[torch.Tensor], seed: int) -> torch.Tensor:
+    """A random weighted sum of the float tensors ``values``, the same on every rank."""
+    return sum(
+        (megatron_gpt.random_weights(*value.shape, seed=seed + i) * value).sum() for i, value in enumerate(values)
+    )

@@ -1,0 +1,507 @@
+"""The trainer recipes of docs/INTEGRATIONS.md (``examples/integrations``) on a real Megatron-Core
+GPTModel, TP=2 with sequence parallelism (the layout SkyRL and verl default to), each fed a
+micro-batch laid out as its trainer lays it out: SkyRL's padded rows and packed rows with their
+action window, verl's packed rows with shifted labels and per-row temperatures, slime's samples end to
+end with tail padding, NeMo-RL's right-padded rows, packed rows and per-sequence slices.
+
+The oracle: the stock model (unwrapped, the same weights) on the same input, its logits' float64
+log-probs and entropy per row (``devkit``'s oracle), placed into the trainer's layout by the explicit
+loops below; the trainer's loss formulas are written here in float64 from the cited sources. Each
+recipe's values must match (2e-5 absolute, relative to the loss's size for losses) and so must
+every parameter's gradient of a random weighted sum of them, or of the loss (5e-5 of the largest
+entry of the stock gradient). Float32 on both sides, as in test_integration_parity: the measured
+errors are about 1e-6; a row read one position off, a missing temperature or a weight on the wrong
+token moves values by O(1).
+
+A packed micro-batch runs through the local attention spec with ``packed_attention_mask`` (it has no
+packed kernel); the head sees the ``[1, T, h]`` rows a THD forward gives it either way.
+"""
+
+import argparse
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import List, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from devkit import megatron_gpt as harness
+from devkit.oracle import policy_loss_inputs
+from devkit.rollouts import (
+    ACTIONS,
+    MODEL_SHAPE,
+    PROMPTS,
+    RESPONSES,
+    pack,
+    padded_cu_seqlens,
+    run_model,
+    sample_tokens,
+    skyrl_batches,
+    stock_rows,
+    weighted,
+)
+from examples.integrations import nemo_rl, skyrl, slime, verl
+from megatron_fused_lm import FusedLMConfig, unwrap_model
+
+VALUE_ATOL = 2e-5
+GRAD_RTOL = 5e-5
+TEMPERATURE = 0.8
+SETTINGS = {"fused_linear_logprob": True, "fused_linear_logprob_backend": "torch", "logprobs_chunk_size": 5}
+
+
+def assert_loss_close(actual: torch.Tensor, expected: torch.Tensor, label: str) -> None:
+    """A loss within VALUE_ATOL of the oracle's, relative to the loss's size (float32 sums)."""
+    error = abs(actual.item() - expected.item())
+    assert error <= VALUE_ATOL * max(1.0, abs(expected.item())), f"{label}: {actual.item()} vs {expected.item()}"
+
+
+def check_values_and_grads(model, expected, actual, grads, label: str, seed: int = 30) -> None:
+    """``actual`` (the recipe's outputs) equals ``expected`` (the oracle's), and the gradients of the
+    same weighted sum of them equal ``grads`` (the stock ones, taken before)."""
+    for want, got in zip(expected, actual, strict=True):
+        harness.assert_max_error(got, want, VALUE_ATOL, label)
+    weighted(actual, seed).backward()
+    harness.assert_grads_close(harness.finalized_parameter_grads(model), grads, GRAD_RTOL, label)
+
+
+def stock_grads(model, loss: torch.Tensor):
+    loss.backward()
+    return harness.finalized_parameter_grads(model)
+
+
+# ---------------------------------------------------------------------------------------- SkyRL
+
+
+@dataclass
+class SkyRLTrainerSection:
+    """The fields of SkyRL 0.3.0's ``TrainerConfig`` (``skyrl.train.config``) that the recipe reads,
+    with SkyRL's defaults, and its nesting under the top-level config's ``trainer``."""
+
+    strategy: str = "megatron"
+    logprobs_chunk_size: Optional[int] = 1024
+    fused_lm_head_logprob: bool = False
+    policy: dict = field(default_factory=lambda: {"megatron_config": {"tensor_model_parallel_size": 2}})
+
+
+@dataclass
+class FusedSkyRLTrainerSection(SkyRLTrainerSection, skyrl.FusedLMSettings):
+    """What a SkyRL user declares: the trainer section with the settings mixed in."""
+
+
+def skyrl_algorithm(**overrides):
+    """SkyRL's ``trainer.algorithm`` fields the policy-loss recipe reads (dual clip, KL and entropy on)."""
+    correction = SimpleNamespace(**dict.fromkeys(skyrl.OFF_POLICY_CORRECTION_OPTIONS))
+    values = dict(
+        policy_loss_type="dual_clip", eps_clip_low=0.2, eps_clip_high=0.28, clip_ratio_c=3.0, use_kl_loss=True,
+        kl_loss_coef=0.05, kl_estimator_type="k3", use_entropy_loss=True, entropy_loss_coef=0.01,
+        off_policy_correction=correction,
+    )  # fmt: skip
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+def skyrl_policy_oracle(logprob, entropy, inputs, loss_mask, algorithm, correction, scale):
+    """SkyRL's ``loss_func`` for ``dual_clip`` with KL (k3) and entropy terms, float64, from
+    ``ppo_policy_loss``, ``compute_approx_kl`` and ``masked_mean`` in SkyRL 0.3.0."""
+    old, advantages, ref = (inputs[name].double() for name in ("old_logprob", "advantages", "ref_logprob"))
+    mask = loss_mask.double()
+    ratio = (logprob - old).clamp(-20, 20).exp()
+    clipped_ratio = ratio.clamp(1 - algorithm.eps_clip_low, 1 + algorithm.eps_clip_high)
+    pg = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    pg = torch.where(advantages < 0, torch.minimum(-advantages * algorithm.clip_ratio_c, pg), pg)
+    log_ratio = (ref - logprob).clamp(-20, 20)
+    kl = (log_ratio.exp() - log_ratio - 1).clamp(-10, 10) * mask
+    kl_loss = ((kl * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    entropy_mean = (entropy * mask).sum() / mask.sum().clamp(min=1)
+    return (pg * mask).sum() * correction + (
+        algorithm.kl_loss_coef * kl_loss - algorithm.entropy_loss_coef * entropy_mean
+    ) * scale
+
+
+def check_skyrl(tied: bool) -> None:
+    tokens = sample_tokens(seed=1)
+    sequences, attention_mask, packed, cu_seqlens = skyrl_batches(tokens)
+    model = harness.build_gpt(MODEL_SHAPE, sequence_parallel=True, tied=tied)
+    config = FusedSkyRLTrainerSection(**SETTINGS)
+    head = skyrl.wrap_actor_module([model], config)
+    assert head.fused and head.config == FusedLMConfig(enabled=True, chunk_size=5), head.fallback_reason
+    unwrap_model(model)
+    packed_mask = harness.packed_attention_mask(cu_seqlens)
+    starts = cu_seqlens[:-1].tolist()
+
+    def padded_oracle():
+        logprob, entropy = stock_rows(model, sequences, temperature=TEMPERATURE)
+        window = slice(-ACTIONS - 1, -1)  # position t scores token t + 1
+        return logprob[:, window], entropy[:, window]
+
+    def packed_oracle():
+        logprob, entropy = stock_rows(model, packed, packed_mask, TEMPERATURE)
+        actions = [torch.zeros(len(tokens), ACTIONS, dtype=torch.float64) for _ in range(2)]
+        for row, (start, prompt, response) in enumerate(zip(starts, PROMPTS, RESPONSES, strict=True)):
+            for slot in range(response):
+                for values, found in zip(actions, (logprob, entropy), strict=True):
+                    values[row, slot] = found[0, start + prompt - 1 + slot]
+        return tuple(values.clone() for values in actions)  # [B, A], the slots past a response 0
+
+    layouts = {
+        "padded": (padded_oracle, lambda: run_model(model, sequences), skyrl.padded_layout(sequences, ACTIONS)),
+        "packed": (
+            packed_oracle,
+            lambda: run_model(model, packed, packed_mask),
+            skyrl.packed_layout(packed, cu_seqlens, attention_mask, ACTIONS),
+        ),
+    }
+    loss_mask = attention_mask[:, -ACTIONS:].float()
+    algorithm = skyrl_algorithm()
+    correction, scale = 4.0, 1.5  # num_microbatches * dp_size, num_microbatches / num_real_microbatches
+    for name, (oracle, forward, layout) in layouts.items():
+        label = f"SkyRL {name} tied={tied}"
+        unwrap_model(model)
+        expected = oracle()
+        grads = stock_grads(model, weighted(expected, seed=30))
+        expected_logprob = expected[0].detach()
+        inputs = policy_loss_inputs(expected_logprob, loss_mask, torch.Generator().manual_seed(2))
+        inputs["advantages"] = inputs["advantages"] / loss_mask.sum()  # SkyRL's token_mean scaling
+        sft_mask = loss_mask / loss_mask.sum()  # SkyRL pre-scales the SFT mask for a token mean
+        sft_expected = -(oracle()[0] * sft_mask.double()).sum() * correction
+        sft_grads = stock_grads(model, sft_expected)
+        policy_expected = skyrl_policy_oracle(*oracle(), inputs, loss_mask, algorithm, correction, scale)
+        policy_grads = stock_grads(model, policy_expected)
+
+        head = skyrl.wrap_actor_module([model], config)
+        actual = skyrl.action_log_probs(head, forward(), layout, temperature=TEMPERATURE, with_entropy=True)
+        assert actual[0].shape == (len(tokens), ACTIONS), label
+        check_values_and_grads(model, expected, actual, grads, f"{label} action_log_probs")
+
+        result = skyrl.cross_entropy_loss(head, forward(), layout, sft_mask, correction, temperature=TEMPERATURE)
+        assert_loss_close(result.loss, sft_expected, f"{label} cross_entropy_loss")
+        harness.assert_max_error(layout.to_actions(result.logprob), expected_logprob, VALUE_ATOL, label)
+        result.loss.backward()
+        harness.assert_grads_close(
+            harness.finalized_parameter_grads(model), sft_grads, GRAD_RTOL, f"{label} cross_entropy_loss"
+        )
+
+        result = skyrl.policy_loss(
+            head, forward(), layout, old_log_probs=inputs["old_logprob"], advantages=inputs["advantages"],
+            loss_mask=loss_mask, base_log_probs=inputs["ref_logprob"], rollout_log_probs=None, algorithm=algorithm,
+            grad_sum_correction_factor=correction, kl_entropy_microbatch_scale=scale, temperature=TEMPERATURE,
+        )  # fmt: skip
+        assert_loss_close(result.loss, policy_expected, f"{label} policy_loss")
+        result.loss.backward()
+        harness.assert_grads_close(
+            harness.finalized_parameter_grads(model), policy_grads, GRAD_RTOL, f"{label} policy_loss"
+        )
+
+        # What the recipe refuses, rather than computing something else than SkyRL would.
+        for refused in (
+            dict(algorithm=skyrl_algorithm(policy_loss_type="gspo"), rollout_log_probs=None),
+            dict(
+                algorithm=skyrl_algorithm(off_policy_correction=SimpleNamespace(
+                    **{**dict.fromkeys(skyrl.OFF_POLICY_CORRECTION_OPTIONS), "tis_ratio_type": "token"}
+                )),
+                rollout_log_probs=inputs["old_logprob"],
+            ),
+        ):  # fmt: skip
+            with pytest.raises(NotImplementedError):
+                skyrl.policy_loss(
+                    head, forward(), layout, old_log_probs=inputs["old_logprob"], advantages=inputs["advantages"],
+                    loss_mask=loss_mask, base_log_probs=inputs["ref_logprob"], grad_sum_correction_factor=correction,
+                    kl_entropy_microbatch_scale=scale, **refused,
+                )  # fmt: skip
+    with pytest.raises(NotImplementedError, match="use_sequence_packing"):
+        skyrl.packed_layout(packed, cu_seqlens, attention_mask, ACTIONS, sub_seq_lengths=[[5, 4]])
+    with pytest.raises(ValueError, match="not both"):
+        skyrl.wrap_actor_module([model], FusedSkyRLTrainerSection(**SETTINGS, fused_lm_head_logprob=True))
+    unwrap_model(model)
+
+
+# ----------------------------------------------------------------------------------------- verl
+
+
+class VerlEngineStandIn:
+    """verl's ``MegatronEngineWithLMHead`` as far as the mixin reaches: ``engine_config``, the model
+    builder and the stock processor (which must not be called once the head is fused)."""
+
+    def __init__(self, module, engine_config):
+        self.module_to_build = module
+        self.engine_config = engine_config
+
+    def _build_megatron_module(self):
+        return self.module_to_build
+
+    def _lm_head_logits_processor(self, logits, label, temperature, **options):
+        return {"stock processor": logits}
+
+
+class VerlEngine(verl.FusedLMHeadEngine, VerlEngineStandIn):
+    pass
+
+
+def verl_engine_config(**overrides):
+    """The engine's config section (``actor_rollout_ref.actor.megatron``, attribute access as verl's
+    ``BaseConfig`` gives it) with the settings declared."""
+    return SimpleNamespace(**{"use_fused_kernels": False, "sequence_parallel": True, **SETTINGS, **overrides})
+
+
+def check_verl(tied: bool) -> None:
+    tokens = sample_tokens(seed=3)
+    lengths = [sample.numel() for sample in tokens]
+    cu_seqlens = padded_cu_seqlens(lengths)
+    packed = pack(tokens, cu_seqlens)
+    label = packed.roll(-1, dims=1)  # preprocess_thd_engine(need_roll=True) at CP = 1
+    temperature = torch.zeros(packed.shape)  # verl's per-token temperatures, 0 on padding rows
+    for start, length in zip(cu_seqlens.tolist(), lengths, strict=False):
+        temperature[0, start : start + length] = TEMPERATURE
+    mask = harness.packed_attention_mask(cu_seqlens)
+    model = harness.build_gpt(MODEL_SHAPE, sequence_parallel=True, tied=tied)
+    scored = torch.zeros(packed.shape, dtype=torch.bool)  # the rows postprocess_thd_engine keeps and the loss reads
+    for start, length in zip(cu_seqlens.tolist(), lengths, strict=False):
+        scored[0, start : start + length - 1] = True
+    expected = tuple(value[scored] for value in stock_rows(model, packed, mask, TEMPERATURE))
+    grads = stock_grads(model, weighted(expected, seed=30))
+
+    options = dict(
+        calculate_sum_pi_squared=False, calculate_entropy=True, distillation_use_topk=False,
+        distillation_only=False, logits_processor_func=None, batch=None, data_format="thd",
+    )  # fmt: skip
+    engine = VerlEngine([model], verl_engine_config())
+    assert engine._build_megatron_module() == [model] and engine.fused_head.fused
+    found = engine._lm_head_logits_processor(
+        run_model(model, packed, mask), label=label, temperature=temperature, **options
+    )
+    assert set(found) == {"log_probs", "entropy"} and found["log_probs"].shape == packed.shape
+    actual = (found["log_probs"][scored], found["entropy"][scored])
+    check_values_and_grads(model, expected, actual, grads, f"verl tied={tied} logits processor")
+    without_entropy = {**options, "calculate_entropy": False}
+    found = engine._lm_head_logits_processor(run_model(model, packed, mask), label, temperature, **without_entropy)
+    assert set(found) == {"log_probs"}
+    harness.assert_max_error(found["log_probs"][scored], expected[0], VALUE_ATOL, f"verl tied={tied} log-probs only")
+    for option in verl.LOGITS_ONLY_OPTIONS:
+        with pytest.raises(NotImplementedError, match=option):
+            engine._lm_head_logits_processor(
+                run_model(model, packed, mask), label, temperature, **{**options, option: True}
+            )
+    with pytest.raises(NotImplementedError, match="per-sample temperatures"):
+        verl.fused_logits_processor(
+            engine.fused_head,
+            run_model(model, packed, mask),
+            label,
+            temperature * torch.rand(packed.shape),
+            calculate_entropy=False,
+        )
+    with pytest.raises(ValueError, match="use_fused_kernels"):
+        VerlEngine([model], verl_engine_config(use_fused_kernels=True))._build_megatron_module()
+    stock = VerlEngine([model], verl_engine_config(fused_linear_logprob=False))
+    stock._build_megatron_module()
+    logits = run_model(model, packed, mask)
+    assert stock._lm_head_logits_processor(logits, label, temperature, **options)["stock processor"] is logits
+
+
+# ---------------------------------------------------------------------------------------- slime
+
+
+def slime_args(*flags):
+    """slime's ``args``: the recipe's flags parsed as slime parses them, and the slime settings the
+    recipes read (GRPO with dual clip, KL (k3) and entropy terms)."""
+    args = slime.add_fused_lm_arguments(argparse.ArgumentParser()).parse_args(list(flags))
+    args.__dict__.update(
+        rollout_temperature=TEMPERATURE, entropy_coef=0.01, allgather_cp=False, eps_clip=0.2, eps_clip_high=0.28,
+        eps_clip_c=3.0, use_kl_loss=True, kl_loss_coef=0.05, kl_loss_type="k3", use_unbiased_kl=False,
+        advantage_estimator="grpo", use_opsm=False, use_tis=False, get_mismatch_metrics=False,
+        custom_pg_loss_reducer_function_path=None, use_rollout_logprobs=False,
+    )  # fmt: skip
+    return args
+
+
+def sample_mean_reducer(loss_masks: List[torch.Tensor]):
+    """slime's ``sum_of_sample_mean`` at CP = 1 (``get_sum_of_sample_mean`` without rollout sums): each
+    sample's masked mean, summed over samples."""
+
+    def reduce(values):
+        pieces = values.split(RESPONSES)
+        return sum(
+            (piece * mask).sum() / mask.sum().clamp(min=1) for piece, mask in zip(pieces, loss_masks, strict=True)
+        )
+
+    return reduce
+
+
+def slime_policy_oracle(logprob, entropy, batch, args, reduce):
+    """slime's ``policy_loss_function`` (``compute_policy_loss`` with dual clip, ``compute_approx_kl``
+    k3), float64, on the concatenated response tokens."""
+    old, advantages, ref = (torch.cat(batch[key]).double() for key in ("log_probs", "advantages", "ref_log_probs"))
+    ratio = (logprob - old).exp()
+    pg = torch.maximum(-ratio * advantages, -ratio.clamp(1 - args.eps_clip, 1 + args.eps_clip_high) * advantages)
+    pg = torch.where(advantages < 0, torch.minimum(-args.eps_clip_c * advantages, pg), pg)
+    kl = (ref - logprob).exp() - 1 - (ref - logprob)
+    return reduce(pg) - args.entropy_coef * reduce(entropy) + args.kl_loss_coef * reduce(kl)
+
+
+def check_slime(tied: bool) -> None:
+    tokens = sample_tokens(seed=4)
+    lengths = [sample.numel() for sample in tokens]
+    rows = 32  # slime pads the concatenated samples at the end to a multiple of TP x 128; here of 16
+    packed = torch.zeros(1, rows, dtype=torch.long)
+    packed[0, : sum(lengths)] = torch.cat(tokens)
+    mask = harness.packed_attention_mask(torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist(), rows]))
+    model = harness.build_gpt(MODEL_SHAPE, sequence_parallel=True, tied=tied)
+    args = slime_args("--fused-linear-logprob", "--logprobs-chunk-size", "5")
+    offsets = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+
+    def oracle():
+        logprob, entropy = stock_rows(model, packed, mask, TEMPERATURE)
+        spans = [
+            slice(offset + prompt - 1, offset + length - 1)
+            for offset, prompt, length in zip(offsets, PROMPTS, lengths, strict=False)
+        ]
+        return torch.cat([logprob[0, span] for span in spans]), torch.cat([entropy[0, span] for span in spans])
+
+    generator = torch.Generator().manual_seed(5)
+    loss_masks = [(torch.rand(response, generator=generator) > 0.2).float() for response in RESPONSES]
+    expected = oracle()
+    grads = stock_grads(model, weighted(expected, seed=30))
+    inputs = policy_loss_inputs(expected[0].detach(), torch.cat(loss_masks), generator)
+    batch = {
+        "unconcat_tokens": tokens, "total_lengths": lengths, "response_lengths": RESPONSES, "loss_masks": loss_masks,
+        **{key: list(inputs[name].split(RESPONSES)) for key, name in (
+            ("log_probs", "old_logprob"), ("ref_log_probs", "ref_logprob"), ("advantages", "advantages"))},
+    }  # fmt: skip
+    reduce = sample_mean_reducer(loss_masks)
+    sft_expected = -reduce(oracle()[0])
+    sft_grads = stock_grads(model, sft_expected)
+    policy_expected = slime_policy_oracle(*oracle(), batch, args, reduce)
+    policy_grads = stock_grads(model, policy_expected)
+
+    head = slime.wrap_slime_model([model], args)
+    assert head.fused and slime.fused_head() is head and head.config.chunk_size == 5
+    label = f"slime tied={tied}"
+    empty, found = slime.log_probs_and_entropy(
+        run_model(model, packed, mask), args=args, unconcat_tokens=tokens, total_lengths=lengths,
+        response_lengths=RESPONSES, with_entropy=True,
+    )  # fmt: skip
+    assert empty.numel() == 0 and [piece.shape[0] for piece in found["log_probs"]] == RESPONSES, label
+    actual = (torch.cat(found["log_probs"]), torch.cat(found["entropy"]))
+    check_values_and_grads(model, expected, actual, grads, f"{label} log_probs_and_entropy")
+
+    loss, metrics = slime.sft_loss(args, batch, run_model(model, packed, mask), reduce)
+    assert_loss_close(loss, sft_expected, f"{label} sft_loss")
+    loss.backward()
+    harness.assert_grads_close(harness.finalized_parameter_grads(model), sft_grads, GRAD_RTOL, f"{label} sft_loss")
+
+    loss, metrics = slime.policy_loss(args, batch, run_model(model, packed, mask), reduce)
+    assert_loss_close(loss, policy_expected, f"{label} policy_loss")
+    entropy_metric = reduce(expected[1].detach())
+    assert abs(metrics["entropy_loss"].item() - entropy_metric.item()) <= VALUE_ATOL, label
+    assert {"pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss"} <= set(metrics), label
+    loss.backward()
+    harness.assert_grads_close(
+        harness.finalized_parameter_grads(model), policy_grads, GRAD_RTOL, f"{label} policy_loss"
+    )
+    for setting in ({"advantage_estimator": "gspo"}, {"use_tis": True}, {"kl_loss_type": "low_var_kl"}):
+        refused = slime_args("--fused-linear-logprob")
+        refused.__dict__.update(setting)
+        with pytest.raises(NotImplementedError):
+            slime.policy_loss(refused, batch, run_model(model, packed, mask), reduce)
+    with pytest.raises(NotImplementedError, match="top-p"):
+        slime.log_probs_and_entropy(
+            run_model(model, packed, mask), args=args, unconcat_tokens=tokens, total_lengths=lengths,
+            response_lengths=RESPONSES, top_p_token_ids=[[1]],
+        )  # fmt: skip
+    assert slime.wrap_slime_model([model], slime_args()).fused is False and slime.fused_head() is None
+
+
+# -------------------------------------------------------------------------------------- NeMo-RL
+
+
+def check_nemo_rl(tied: bool) -> None:
+    tokens = sample_tokens(seed=6)
+    lengths = [sample.numel() for sample in tokens]
+    width = 12  # NeMo-RL's right-padded rows, S even for sequence parallelism
+    input_ids = torch.zeros(len(tokens), width, dtype=torch.long)
+    for row, sample in enumerate(tokens):
+        input_ids[row, : sample.numel()] = sample
+    cu_seqlens = torch.tensor([0] + lengths).cumsum(0).int()
+    cu_seqlens_padded = padded_cu_seqlens(lengths)
+    packed = pack(tokens, cu_seqlens_padded)
+    mask = harness.packed_attention_mask(cu_seqlens_padded)
+    model = harness.build_gpt(MODEL_SHAPE, sequence_parallel=True, tied=tied)
+    policy_cfg = {**SETTINGS, "logprob_chunk_size": None, "megatron_cfg": {"use_fused_linear_logprobs": False}}
+    token_mask = torch.zeros_like(input_ids, dtype=torch.float)
+    for row, (prompt, length) in enumerate(zip(PROMPTS, lengths, strict=True)):
+        token_mask[row, prompt:length] = 1.0
+    data = {"input_ids": input_ids, "token_mask": token_mask, "sample_mask": torch.tensor([1.0, 1.0, 0.0])}
+    global_valid_toks = torch.tensor(20.0)  # the tokens of the whole step, across micro-batches and ranks
+
+    def packed_oracle():
+        logprob, _ = stock_rows(model, packed, mask)
+        unpacked = torch.zeros(len(tokens), width - 1, dtype=torch.float64)
+        for row, (start, length) in enumerate(zip(cu_seqlens_padded.tolist(), lengths, strict=False)):
+            unpacked[row, : length - 1] = logprob[0, start : start + length - 1]
+        return unpacked
+
+    expected = stock_rows(model, input_ids)[0][:, :-1]
+    grads = stock_grads(model, weighted([expected], seed=30))
+    packed_expected = packed_oracle()
+    packed_grads = stock_grads(model, weighted([packed_expected], seed=31))
+    nll_mask = (token_mask[:, 1:] * data["sample_mask"][:, None]).double()
+    nll_expected = -(stock_rows(model, input_ids)[0][:, :-1] * nll_mask).sum() / (global_valid_toks + 1e-8)
+    nll_grads = stock_grads(model, nll_expected)
+
+    head = nemo_rl.wrap_policy_model(model, policy_cfg)
+    assert head.fused and head.config.chunk_size == 5
+    label = f"NeMo-RL tied={tied}"
+    found, same_data = nemo_rl.prepare_loss_input(run_model(model, input_ids), data, None, head=head)
+    assert same_data is data and found["next_token_logprobs"].shape == (len(tokens), width - 1), label
+    check_values_and_grads(model, [expected], [found["next_token_logprobs"]], grads, f"{label} prepare_loss_input")
+
+    actual = nemo_rl.packed_next_token_logprobs(
+        head, run_model(model, packed, mask), packed, cu_seqlens, cu_seqlens_padded, width, temperature=1.0
+    )
+    check_values_and_grads(model, [packed_expected], [actual], packed_grads, f"{label} packed", seed=31)
+
+    # SequencePackingLossWrapper: prepare_fn on each sequence's slice of the packed output.
+    hidden = run_model(model, packed, mask)
+    slices = []
+    for start, end, length in zip(
+        cu_seqlens_padded[:-1].tolist(), cu_seqlens_padded[1:].tolist(), lengths, strict=True
+    ):
+        sequence = {"input_ids": packed[:, start : start + length]}
+        found, _ = nemo_rl.prepare_loss_input(hidden[:, start:end], sequence, None, head=head)
+        slices.append(torch.nn.functional.pad(found["next_token_logprobs"], (0, width - length)))
+    check_values_and_grads(
+        model, [packed_expected], [torch.cat(slices)], packed_grads, f"{label} per sequence", seed=31
+    )
+
+    loss, metrics = nemo_rl.nll_loss(head, run_model(model, input_ids), data, global_valid_toks)
+    assert_loss_close(loss, nll_expected, f"{label} nll_loss")
+    assert metrics["num_unmasked_tokens"] == nll_mask.sum().item() and metrics["num_valid_samples"] == 2
+    loss.backward()
+    harness.assert_grads_close(harness.finalized_parameter_grads(model), nll_grads, GRAD_RTOL, f"{label} nll_loss")
+
+    with pytest.raises(NotImplementedError, match="CP = 1"):
+        nemo_rl.prepare_loss_input(
+            run_model(model, input_ids), data, None, context_parallel_group=dist.group.WORLD, head=head
+        )
+    with pytest.raises(ValueError, match="use_fused_linear_logprobs"):
+        nemo_rl.wrap_policy_model(model, {**policy_cfg, "megatron_cfg": {"use_fused_linear_logprobs": True}})
+
+
+def recipes_worker() -> None:
+    harness.tensor_parallel(2)
+    for check, tied in ((check_skyrl, False), (check_verl, True), (check_slime, False), (check_nemo_rl, True)):
+        check(tied)
+
+
+def test_every_recipe_matches_the_stock_model_in_its_trainers_layout():
+    harness.spawn(recipes_worker, 2)
+
+
+def test_skyrl_reads_its_trainer_section():
+    config = FusedSkyRLTrainerSection(fused_linear_logprob=True)
+    # SkyRL's logprobs_chunk_size (default 1024) is the fused head's tokens per chunk too.
+    assert FusedLMConfig.from_trainer_config(config) == FusedLMConfig(enabled=True, chunk_size=1024)
+    assert FusedLMConfig.from_trainer_config(SimpleNamespace(trainer=config)) == FusedLMConfig(
+        enabled=True, chunk_size=1024
+    )
+    assert FusedLMConfig.from_trainer_config(FusedSkyRLTrainerSection()) == FusedLMConfig(chunk_size=1024)

@@ -22,6 +22,9 @@ if [ -z "$python312" ]; then
   exit 1
 fi
 python -m pip install -q -c constraints.txt -e ".[test]"
+# SkyRL's own log-prob functions, which tests/cpu/test_skyrl_parity.py compares with: its Megatron
+# helpers need only torch, megatron-core and loguru, so the release comes without its GPU dependencies.
+python -m pip install -q -c constraints.txt --no-deps skyrl loguru
 ruff check .
 ruff format --check .
 python -m pytest tests/cpu -q

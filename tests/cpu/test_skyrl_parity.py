@@ -1,0 +1,201 @@
+"""The fused head's SkyRL recipe (``examples/integrations/skyrl.py``) against SkyRL 0.3.0's own
+functions, on identical inputs shaped by SkyRL's own code, on a real GPTModel with TP=2 and sequence
+parallelism (SkyRL turns it on whenever TP > 1), temperature 0.8:
+
+1. padded rows (``remove_left_padding`` / ``recover_left_padding`` around the forward): SkyRL's
+   ``from_parallel_logits_to_logprobs`` and ``vocab_parallel_entropy`` on the stock logits shard,
+   against ``action_log_probs`` on the fused model's hidden states: the values and every parameter's
+   gradient of one weighted sum of both; then SkyRL's own fused path (``from_parallel_hidden_to_logprobs``
+   and ``_fused_vocab_parallel_entropy_from_hidden``) on the same hidden states and weight shard;
+2. packed rows (``preprocess_packed_seqs``): ``from_parallel_logits_to_logprobs_packed_sequences`` and
+   ``vocab_parallel_entropy_packed_sequences`` (its masked entropy mean) against ``packed_layout``
+   with ``action_log_probs``, values and gradients.
+
+Both sides compute in float32 from the same float32 model; they differ by summation order only
+(measured: about 1e-6, printed by rank 0), so values must agree to 2e-5 and gradients to 5e-5 of the
+largest entry of SkyRL's, as in test_integration_parity. A row scored one position off, a temperature
+applied twice or a sequence-parallel gradient reduced twice is off by O(1) or tens of percent.
+
+What is imported from SkyRL: ``skyrl.backends.skyrl_train.distributed.megatron`` (``model_utils`` and
+``megatron_utils``, which need torch, megatron-core and loguru). SkyRL's ``skyrl/backends/__init__.py``
+only re-exports the Tinker engine's ``AbstractBackend``, whose pydantic models do not build on Python
+3.11 and which these helpers never use; ``skyrl_megatron_helpers`` registers ``skyrl.backends`` as a
+bare package over SkyRL's own directory, so every module imported is SkyRL's file, unchanged, and only
+that ``__init__`` does not run. SkyRL's entropy compiles a two-line product-sum with ``torch.compile``;
+the comparison runs it eagerly (``torch._dynamo.config.disable``): the same arithmetic, no C++
+compiler needed on the CI machine.
+"""
+
+import importlib.metadata
+import importlib.util
+import os
+import sys
+import types
+
+import torch
+from megatron.core import parallel_state
+
+from devkit import megatron_gpt as harness
+from devkit.oracle import max_abs_error, relative_error
+from devkit.rollouts import (
+    ACTIONS,
+    MODEL_SHAPE,
+    pack,
+    run_model,
+    sample_tokens,
+    skyrl_batches,
+    weighted,
+)
+from examples.integrations import skyrl
+from megatron_fused_lm import FusedLMConfig, unwrap_model
+
+SKYRL_VERSION = "0.3.0"
+TEMPERATURE = 0.8
+VALUE_ATOL = 2e-5
+GRAD_RTOL = 5e-5
+CONFIG = FusedLMConfig(enabled=True, chunk_size=5)
+
+
+def skyrl_megatron_helpers():
+    """SkyRL's ``megatron_utils`` and ``model_utils`` modules (see the module docstring for the one
+    package ``__init__`` that is not run)."""
+    if "skyrl.backends" not in sys.modules:
+        backends = types.ModuleType("skyrl.backends")
+        backends.__path__ = [os.path.join(os.path.dirname(importlib.util.find_spec("skyrl").origin), "backends")]
+        sys.modules["skyrl.backends"] = backends
+    from skyrl.backends.skyrl_train.distributed.megatron import megatron_utils, model_utils
+
+    return megatron_utils, model_utils
+
+
+def compare(errors, name, ours, theirs, atol=VALUE_ATOL):
+    """Record and check the largest difference of one quantity."""
+    errors[name] = max_abs_error(ours, theirs)
+    assert errors[name] <= atol, f"{name}: max error {errors[name]:.3g} > {atol:.3g}"
+
+
+def compare_grads(errors, name, ours, theirs):
+    """Record and check the largest gradient difference over all parameters, relative to the largest
+    entry of SkyRL's gradient of that parameter."""
+    errors[name] = max(relative_error(ours[key], theirs[key]) for key in theirs)
+    harness.assert_grads_close(ours, theirs, GRAD_RTOL, name)
+
+
+def check_padded(megatron_utils, model_utils, model, errors) -> None:
+    tokens = sample_tokens(seed=21)
+    sequences, attention_mask, _, _ = skyrl_batches(tokens)
+    positions = torch.arange(sequences.shape[1]).expand_as(sequences)
+    unpadded, unpadded_mask, unpadded_positions = megatron_utils.remove_left_padding(
+        sequences, attention_mask, positions
+    )
+
+    def forward():
+        output = run_model(model, unpadded, position_ids=unpadded_positions)
+        return megatron_utils.recover_left_padding(output, unpadded_mask, attention_mask, sequences.shape[1])
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    logits = forward() / TEMPERATURE  # SkyRL divides in place (logits.div_): the same values
+    start = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
+    theirs = (
+        model_utils.from_parallel_logits_to_logprobs(
+            logits, sequences, start, start + logits.shape[-1], group, inference_only=False, cp_group=None, chunk_size=4
+        )[:, -ACTIONS:],
+        model_utils.vocab_parallel_entropy(logits[:, -ACTIONS - 1 : -1]),
+    )
+    weighted(theirs, seed=40).backward()
+    their_grads = harness.finalized_parameter_grads(model)
+
+    head = skyrl.wrap_actor_module([model], FusedLMConfigSection())
+    layout = skyrl.padded_layout(sequences, ACTIONS)
+    ours = skyrl.action_log_probs(head, forward(), layout, temperature=TEMPERATURE, with_entropy=True)
+    compare(errors, "padded log-prob vs from_parallel_logits_to_logprobs", ours[0], theirs[0])
+    compare(errors, "padded entropy vs vocab_parallel_entropy", ours[1], theirs[1])
+    weighted(ours, seed=40).backward()
+    compare_grads(errors, "padded gradients", harness.finalized_parameter_grads(model), their_grads)
+
+    with torch.no_grad():
+        hidden = forward()
+        weight = model.output_layer.weight
+        their_fused = (
+            model_utils.from_parallel_hidden_to_logprobs(
+                hidden, weight, sequences, start, start + weight.shape[0], group, inference_only=True, cp_group=None,
+                chunk_size=4, temperature=TEMPERATURE,
+            )[:, -ACTIONS:],
+            model_utils._fused_vocab_parallel_entropy_from_hidden(
+                hidden[:, -ACTIONS - 1 : -1], weight, group, chunk_size=4, temperature=TEMPERATURE
+            ),
+        )  # fmt: skip
+    compare(errors, "padded log-prob vs SkyRL's fused from_parallel_hidden_to_logprobs", ours[0], their_fused[0])
+    compare(errors, "padded entropy vs SkyRL's fused entropy", ours[1], their_fused[1])
+    unwrap_model(model)
+
+
+def check_packed(megatron_utils, model_utils, model, errors) -> None:
+    tokens = sample_tokens(seed=22)
+    sequences, attention_mask, _, _ = skyrl_batches(tokens)
+    packed, packed_seq_params = megatron_utils.preprocess_packed_seqs(sequences, attention_mask, pre_process=True)
+    cu_seqlens = packed_seq_params.cu_seqlens_q_padded
+    packed_targets = pack(tokens, cu_seqlens)  # what SkyRL's _build_packed_targets lays out
+    assert torch.equal(packed, packed_targets), "SkyRL packs the tokens where the recipe expects them"
+    mask = harness.packed_attention_mask(cu_seqlens)
+    loss_mask = attention_mask[:, -ACTIONS:].float()
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    logits = run_model(model, packed, mask) / TEMPERATURE
+    start = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
+    their_logprob = model_utils.from_parallel_logits_to_logprobs_packed_sequences(
+        logits, packed_targets, cu_seqlens, sequences.shape[1], start, start + logits.shape[-1], group,
+        inference_only=False, cp_group=None, chunk_size=None, attention_mask=attention_mask,
+    )[:, -ACTIONS:]  # fmt: skip
+    # (metric, term for the loss): the metric is detached, the loss takes the second.
+    their_entropy, their_entropy_for_loss = model_utils.vocab_parallel_entropy_packed_sequences(
+        logits, cu_seqlens, sequences.shape[1], ACTIONS, attention_mask, loss_mask, cp_group=None
+    )
+    (weighted([their_logprob * loss_mask], seed=41) + their_entropy_for_loss).backward()
+    their_grads = harness.finalized_parameter_grads(model)
+
+    head = skyrl.wrap_actor_module([model], FusedLMConfigSection())
+    layout = skyrl.packed_layout(packed_targets, cu_seqlens, attention_mask, ACTIONS)
+    logprob, entropy = skyrl.action_log_probs(
+        head, run_model(model, packed, mask), layout, temperature=TEMPERATURE, with_entropy=True
+    )
+    entropy_mean = (entropy * loss_mask).sum() / loss_mask.sum().clamp(min=1)  # SkyRL's masked_mean
+    compare(
+        errors,
+        "packed log-prob vs from_parallel_logits_to_logprobs_packed_sequences",
+        logprob * loss_mask,
+        their_logprob * loss_mask,
+    )
+    compare(errors, "packed entropy mean vs vocab_parallel_entropy_packed_sequences", entropy_mean, their_entropy)
+    (weighted([logprob * loss_mask], seed=41) + entropy_mean).backward()
+    compare_grads(errors, "packed gradients", harness.finalized_parameter_grads(model), their_grads)
+    unwrap_model(model)
+
+
+class FusedLMConfigSection(skyrl.FusedLMSettings):
+    """A SkyRL trainer section with the fused head on, chunks of 5 tokens."""
+
+    def __init__(self):
+        super().__init__(fused_linear_logprob=True)
+        self.logprobs_chunk_size = CONFIG.chunk_size
+
+
+def parity_worker() -> None:
+    torch._dynamo.config.disable = True
+    megatron_utils, model_utils = skyrl_megatron_helpers()
+    harness.tensor_parallel(2)
+    errors = {}
+    for check, tied in ((check_padded, False), (check_packed, True)):
+        model = harness.build_gpt(MODEL_SHAPE, sequence_parallel=True, tied=tied)
+        check(megatron_utils, model_utils, model, errors)
+    if torch.distributed.get_rank() == 0:
+        for name, error in errors.items():
+            print(f"SkyRL {SKYRL_VERSION} parity, {name}: {error:.2e}", flush=True)
+
+
+def test_skyrl_is_the_release_compared():
+    assert importlib.metadata.version("skyrl") == SKYRL_VERSION
+
+
+def test_recipe_matches_skyrls_own_logprob_and_entropy():
+    harness.spawn(parity_worker, 2)

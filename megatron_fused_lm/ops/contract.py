@@ -12,9 +12,12 @@ Shapes: ``n`` token rows, ``H`` hidden size, ``vocab_shard`` rows of this rank's
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Protocol
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from .stored_gradients import StoredGradients
 
 
 class ShardTargets(NamedTuple):
@@ -100,9 +103,12 @@ class Backend(Protocol):
         """This shard's gradients for the upstream gradients ``upstream``."""
         ...
 
-    def loss_gradients(self, problem: ShardProblem, chunk_upstream: ChunkUpstream, needed: NeededGrads) -> Gradients:
+    def loss_gradients(
+        self, problem: ShardProblem, chunk_upstream: ChunkUpstream, needed: NeededGrads
+    ) -> "StoredGradients":
         """Both gradients from one visit per token chunk (three GEMMs, for a loss known in the
         forward): the chunk's logits, their statistics, ``chunk_upstream`` for the chunk's upstream
         gradients, then the chunk's ``dz`` and its two products. The chunks cover the rows in
-        order; their boundaries depend on the problem's shapes only, so they match across ranks."""
+        order; their boundaries depend on the problem's shapes only, so they match across ranks.
+        The gradients stay in float32 until the backward scales them (``stored_gradients``)."""
         ...

@@ -4,8 +4,9 @@ When the loss is a sum over tokens of ``loss_fn(logprob_t, entropy_t, inputs_t)`
 per-token input is known before the step, each token chunk is finished in one visit: its logits,
 their statistics (merged across the tensor-parallel group: one small all-gather per chunk), the
 chunk's log-probs and entropy, the per-token gradients ``dloss/dlogprob`` and ``dloss/dentropy``
-by autograd on those ``[rows]`` vectors, then ``dz`` and the two gradient products. The backward
-only scales the stored gradients by the upstream scalar.
+by autograd on those ``[rows]`` vectors, then ``dz`` and the two gradient products. The gradients
+are kept in float32 (``stored_gradients``); the backward multiplies them by the upstream scalar,
+rounds each once into its parameter's dtype and all-reduces the hidden gradient over the group.
 
 Two entry points share that forward:
 
@@ -34,6 +35,7 @@ from .distributed import all_reduce_sum, group_name
 from .inputs import check_linear_inputs, check_options, select_rows
 from .library import autocast_off, fused_backward
 from .softmax_stats import merge_across_group, summarize
+from .stored_gradients import StoredGradients
 
 Tensor = torch.Tensor
 LossFn = Callable[..., Tensor]
@@ -129,14 +131,24 @@ class _ChunkLoss:
 
 def _forward_gradients(
     hidden: Tensor, weight: Tensor, targets: ShardTargets, chunk_loss: _ChunkLoss, options: LossOptions, needed
-):
-    """The backend's three-GEMM pass; the hidden gradient summed over the group when asked."""
+) -> StoredGradients:
+    """The backend's three-GEMM pass: this shard's gradients, kept in float32."""
     problem = ShardProblem(hidden, weight, targets, options.temperature)
     with autocast_off(hidden.device):
         backend = resolve_backend(options.backend, hidden.device, options.token_chunk)
-        grads = backend.loss_gradients(problem, chunk_loss, needed)
-    if grads.hidden is not None and options.reduce_hidden_grad:
-        all_reduce_sum(grads.hidden, options.tp_group)
+        return backend.loss_gradients(problem, chunk_loss, needed)
+
+
+def _finished(ctx, scale: Tensor, name: str) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """The stored gradients times the upstream ``scale``, each rounded once into its parameter's
+    dtype, the hidden gradient then summed over the group when asked (in that dtype, as the
+    recompute path and Megatron's column-parallel layer do)."""
+    stored, ctx.stored = ctx.stored, None  # a second backward through this graph has nothing left
+    if stored is None:
+        raise RuntimeError(f"{name}: its gradients were used by an earlier backward")
+    grads = stored.scaled(scale.float())
+    if grads.hidden is not None and ctx.options.reduce_hidden_grad:
+        all_reduce_sum(grads.hidden, ctx.options.tp_group)
     return grads
 
 
@@ -145,27 +157,19 @@ def _needed_grads(ctx, grad_enabled: bool) -> NeededGrads:
     return NeededGrads(*(grad_enabled and needed for needed in ctx.needs_input_grad[:2]))
 
 
-def _scaled(grad: Optional[Tensor], scale: Tensor) -> Optional[Tensor]:
-    # One rounding of the product (a 0-dim float32 scale keeps the gradient's dtype).
-    return None if grad is None else grad.mul_(scale)
-
-
 class _FusedLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, local_target, owned, loss_fn, inputs, options: LossOptions, grad_enabled):
         chunk_loss = _ChunkLoss(loss_fn, inputs, hidden.shape[0], hidden.device, options.tp_group)
         needed = _needed_grads(ctx, grad_enabled)
-        grads = _forward_gradients(hidden, weight, ShardTargets(local_target, owned), chunk_loss, options, needed)
-        ctx.grads = grads
+        ctx.stored = _forward_gradients(hidden, weight, ShardTargets(local_target, owned), chunk_loss, options, needed)
+        ctx.options = options
         ctx.mark_non_differentiable(chunk_loss.logprob, chunk_loss.entropy)
         return chunk_loss.total, chunk_loss.logprob, chunk_loss.entropy
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logprob, _grad_entropy):
-        grads, ctx.grads = ctx.grads, None  # a second backward through this graph has nothing left
-        if grads is None:
-            raise RuntimeError("fused_linear_loss: its gradients were used by an earlier backward")
-        return _scaled(grads.hidden, grad_loss), _scaled(grads.weight, grad_loss), None, None, None, None, None, None
+        return *_finished(ctx, grad_loss, "fused_linear_loss"), None, None, None, None, None, None
 
 
 def fused_linear_loss(
@@ -210,9 +214,10 @@ def fused_linear_loss(
         ``FusedLoss(loss, logprob, entropy)``: ``loss`` a float32 scalar, differentiable w.r.t.
         ``hidden`` (gradient in hidden's dtype) and ``weight`` (in the weight's dtype); ``logprob``
         and ``entropy`` float32 ``[...]`` metrics, detached. The gradients are computed in the
-        forward and held until the backward, which multiplies them by the upstream gradient (one
-        rounding in their dtype); a second backward through the same graph is an error. Nothing
-        flows into ``loss_inputs``.
+        forward and held in float32 until the backward, which multiplies them by the upstream
+        gradient and rounds each once into its dtype (then, with ``reduce_hidden_grad``, sums the
+        hidden gradient over ``tp_group``: one all-reduce); a second backward through the same
+        graph is an error. Nothing flows into ``loss_inputs``.
     """
     check_linear_inputs(hidden, weight)
     check_options(temperature, chunk_size)
@@ -263,7 +268,7 @@ class _DeclaredCrossEntropyFunction(torch.autograd.Function):
         inputs = {"declared_weight": declared}
         chunk_loss = _ChunkLoss(_declared_cross_entropy, inputs, hidden.shape[0], hidden.device, options.tp_group)
         needed = _needed_grads(ctx, grad_enabled)
-        ctx.grads = _forward_gradients(hidden, weight, ShardTargets(local_target, owned), chunk_loss, options, needed)
+        ctx.stored = _forward_gradients(hidden, weight, ShardTargets(local_target, owned), chunk_loss, options, needed)
         ctx.options = options
         ctx.save_for_backward(hidden, weight, local_target, owned, declared, chunk_loss.lse, chunk_loss.mean_logit)
         return -chunk_loss.logprob
@@ -271,12 +276,12 @@ class _DeclaredCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_losses):
         hidden, weight, local_target, owned, declared, lse, mean_logit = ctx.saved_tensors
-        grads, ctx.grads = ctx.grads, None
-        if grads is None:
+        if ctx.stored is None:
             raise RuntimeError("fused_linear_cross_entropy: its gradients were used by an earlier backward")
         scale = proportional_scale(grad_losses, declared)
         if scale is not None:
-            return _scaled(grads.hidden, scale), _scaled(grads.weight, scale), None, None, None, None, None
+            return *_finished(ctx, scale, "fused_linear_cross_entropy"), None, None, None, None, None
+        ctx.stored = None
         # Not the declared loss: the exact gradient of this upstream, by the recompute path.
         warn_once(
             "megatron_fused_lm: the upstream gradient of fused_linear_cross_entropy is not proportional to the "

@@ -4,8 +4,9 @@ gradient, so it computes the logits once.
 
 Peak working set per call, besides the inputs and the returned gradients: about three float32
 ``[token_chunk, vocab_shard]`` blocks (the logits, their exponentials and the gradient) and, for a
-weight that is not float32, a float32 accumulator for ``grad_weight [vocab_shard, H]``. By default
-one block takes ``DEFAULT_BLOCK_BYTES``.
+weight that is not float32, a float32 accumulator for ``grad_weight [vocab_shard, H]`` (narrowed in
+place at the end, ``stored_gradients.WeightAccumulator``). By default one block takes
+``DEFAULT_BLOCK_BYTES``. The three-GEMM path keeps both gradients in float32 for its backward.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .chunking import BlockLogits, chunk_logit_grads, chunk_statistics, token_ch
 from .contract import ChunkUpstream, Gradients, NeededGrads, SavedStatistics, ShardProblem, ShardTargets, UpstreamGrads
 from .products import add_product, float32_product
 from .softmax_stats import block_statistics, logit_grad
+from .stored_gradients import StoredGradients, WeightAccumulator
 
 DEFAULT_BLOCK_BYTES = 256 * 2**20
 
@@ -54,40 +56,68 @@ class TorchBackend:
             products.add(chunk, grad)
         return products.result()
 
-    def loss_gradients(self, problem: ShardProblem, chunk_upstream: ChunkUpstream, needed: NeededGrads) -> Gradients:
-        """Both gradients, each chunk's float32 logits computed once (``contract.Backend``)."""
-        products = _GradientProducts(problem, needed)
+    def loss_gradients(
+        self, problem: ShardProblem, chunk_upstream: ChunkUpstream, needed: NeededGrads
+    ) -> StoredGradients:
+        """Both gradients in float32, each chunk's float32 logits computed once (``contract.Backend``)."""
+        products = _GradientProducts(problem, needed, torch.float32)
         block_logits = _block_logits(problem)
         for chunk in token_chunks(problem.hidden.shape[0], self.chunk_rows(problem.weight.shape[0])):
             logits = block_logits(chunk)
             targets = ShardTargets(*(part[chunk] for part in problem.targets))
             saved, upstream = chunk_upstream(chunk, block_statistics(logits, *targets))
             if needed.hidden or needed.weight:
-                products.add(chunk, logit_grad(logits, targets, saved, upstream).div_(problem.temperature))
-        return products.result()
+                grad = logit_grad(logits, targets, saved, upstream).div_(problem.temperature)
+                products.add(chunk, grad, chosen=_take_chosen(grad, targets))
+        return products.stored()
 
 
 class _GradientProducts:
-    """The two gradient products, summed over chunks of the logits' gradient."""
+    """The two gradient products, summed over chunks of the logits' gradient: the hidden gradient
+    rounded per chunk into ``hidden_dtype`` (hidden's own by default), the weight gradient in a
+    float32 accumulator."""
 
-    def __init__(self, problem: ShardProblem, needed: NeededGrads):
+    def __init__(self, problem: ShardProblem, needed: NeededGrads, hidden_dtype: Optional[torch.dtype] = None):
         self.hidden, self.weight = problem.hidden, problem.weight
-        self.grad_hidden = self.hidden.new_empty(self.hidden.shape) if needed.hidden else None
-        self.grad_weight = self.weight.new_zeros(self.weight.shape, dtype=torch.float32) if needed.weight else None
+        self.hidden_dtype = hidden_dtype or self.hidden.dtype
+        self.grad_hidden = self.hidden.new_empty(self.hidden.shape, dtype=self.hidden_dtype) if needed.hidden else None
+        self.grad_weight = WeightAccumulator(self.weight) if needed.weight else None
 
-    def add(self, chunk: slice, grad: torch.Tensor) -> None:
-        """Add the products of ``grad [chunk rows, vocab_shard]`` (float32, w.r.t. the unscaled logits)."""
+    def add(self, chunk: slice, grad: torch.Tensor, chosen: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+        """Add the products of ``grad [chunk rows, vocab_shard]`` (float32, w.r.t. the unscaled
+        logits), and those of the chosen tokens' elements ``chosen = (target_column, values)``
+        taken out of it (``_take_chosen``) in float32."""
         # The products run in the weight's dtype, as the stock path's logits gradient does;
         # each accumulates in float32, and a chunk's hidden gradient is rounded once.
         grad = grad.to(self.weight.dtype)
         if self.grad_hidden is not None:
-            add_product(self.grad_hidden[chunk], grad, self.weight, accumulate=False)
+            product = add_product(self.grad_hidden[chunk], grad, self.weight, accumulate=False)
+            if chosen is not None:
+                target_column, values = chosen
+                product.addcmul_(values.unsqueeze(1), self.weight[target_column.clamp(min=0)])
         if self.grad_weight is not None:
-            add_product(self.grad_weight, grad.t(), self.hidden[chunk], accumulate=True)
+            self.grad_weight.add(grad, self.hidden[chunk])
+            if chosen is not None:
+                self.grad_weight.add_rows(*chosen, self.hidden[chunk])
 
     def result(self) -> Gradients:
-        grad_weight = None if self.grad_weight is None else self.grad_weight.to(self.weight.dtype)
-        return Gradients(self.grad_hidden, grad_weight)
+        """The gradients in their parameters' dtypes."""
+        return Gradients(self.grad_hidden, None if self.grad_weight is None else self.grad_weight.result())
+
+    def stored(self) -> StoredGradients:
+        """The gradients kept in float32 for the loss path's backward."""
+        return StoredGradients(self.grad_hidden, self.grad_weight, self.hidden.dtype)
+
+
+def _take_chosen(grad: torch.Tensor, targets: ShardTargets) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero the chosen token's element of each row of ``grad [n, v]`` whose target this shard owns
+    and return ``(target_column, values)`` (``[n]``; -1 and 0 elsewhere). That element carries the
+    row's largest term; rounded with the rest of the block to 16 bits, it would give every row of
+    a uniformly weighted loss the same relative error."""
+    column = targets.local.unsqueeze(1)
+    values = torch.where(targets.owned, grad.gather(1, column).squeeze(1), 0.0)
+    grad.scatter_(1, column, torch.where(targets.owned.unsqueeze(1), 0.0, grad.gather(1, column)))
+    return targets.columns(), values
 
 
 def _block_logits(problem: ShardProblem) -> BlockLogits:

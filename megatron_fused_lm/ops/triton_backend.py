@@ -17,10 +17,12 @@ to the weight's dtype once per token chunk). Working set besides the returned gr
 
 Three GEMMs (``loss_gradients``, for a loss known in the forward): per token chunk of
 ``loss_token_chunk`` rows, the forward kernel computes the statistics and keeps the chunk's
-logits as scaled float16 exponentials (``stored_exp``; float32 for float32 operands); once the
-caller has turned the statistics into upstream gradients, ``stored_logit_grads`` rewrites them
-as ``dz`` in place and cuBLAS runs the two products. ``grad_weight`` sums over the chunks in a
-float32 accumulator, so it is rounded once however many chunks there are.
+logits as exponentials against one reference per row (``stored_exponentials`` says how the
+reference is chosen and checked). Once the caller has turned the statistics into upstream
+gradients, cuBLAS runs the two products on that block as it is, scaled per row, when the loss has
+no entropy term; with one, ``stored_logit_grads`` first rewrites the block as ``dz``.
+Both gradients stay in float32 (``stored_gradients``) until the backward scales them by the upstream
+gradient and rounds each once, however many chunks there are.
 
 Both kernels read their operands through tensor descriptors (TMA on Hopper), which need unit last
 strides and 16-byte aligned rows: other layouts are copied once per call (``addressable``).
@@ -43,10 +45,21 @@ import torch
 from .chunking import token_chunks
 from .contract import ChunkUpstream, Gradients, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
 from .products import add_product
-from .softmax_stats import NUM_STATISTICS, merge_statistics
+from .softmax_stats import MAX, NUM_STATISTICS, TARGET, merge_statistics
+from .stored_exponentials import (
+    REFERENCE_ROWS,
+    chosen_token_grad,
+    row_factor,
+    row_references,
+    stale_references,
+    stored_layout,
+    zero_chosen_token,
+)
+from .stored_gradients import StoredGradients, WeightAccumulator
+from .triton_kernels.chosen_token_kernel import add_chosen_rows, finish_hidden_grad
 from .triton_kernels.descriptors import addressable
 from .triton_kernels.logit_grad_kernel import logit_grad_block
-from .triton_kernels.softmax_stats_kernel import split_statistics
+from .triton_kernels.softmax_stats_kernel import refresh_stored_exp, split_statistics
 from .triton_kernels.stored_grad_kernel import stored_logit_grads
 from .triton_kernels.tiles import Tiles
 
@@ -63,7 +76,6 @@ VOCAB_CHUNK_MULTIPLE = 256  # keeps the cuBLAS products on whole tiles
 # chunks cost memory and save per-chunk time: at 32768 x 4096 x 151936 on an H100 the pass took
 # 1.22x the three GEMMs with 1536-row chunks (512 MiB), 1.17x with 3072 rows (1 GiB).
 STORED_LOGITS_BYTES = 2**30
-NARROWING_ROWS = 4096  # rows per step when the float32 weight gradient is narrowed in place
 
 GPU_16BIT_TILES = Tiles(
     block_m=256, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3, dot_precision="tf32"
@@ -103,14 +115,22 @@ def choose_tiles_per_split(num_tokens: int, vocab: int, tiles: Tiles, programs: 
     return min(candidates, key=lambda per_split: (column_tiles_per_slot(per_split), -per_split))
 
 
-def loss_token_chunk(num_tokens: int, vocab: int, element_size: int, tiles: Tiles) -> int:
+def loss_token_chunk(num_tokens: int, vocab: int, bytes_per_logit: int, tiles: Tiles) -> int:
     """Rows per three-GEMM chunk: at most as many whole token tiles as ``STORED_LOGITS_BYTES``
     holds, and as few as still need that many chunks, so that the rows split evenly (a short last
     chunk would run every phase at low occupancy)."""
-    limit = max(tiles.block_m, STORED_LOGITS_BYTES // (element_size * vocab) // tiles.block_m * tiles.block_m)
+    limit = max(tiles.block_m, STORED_LOGITS_BYTES // (bytes_per_logit * vocab) // tiles.block_m * tiles.block_m)
     chunks = max(1, -(-num_tokens // limit))
     even = max(1, -(-num_tokens // chunks))
     return min(limit, -(-even // tiles.block_m) * tiles.block_m)
+
+
+def _descriptor_block(like: torch.Tensor, rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized ``[rows, columns]`` block whose rows are padded to 16 bytes, so that a
+    tensor descriptor can store into it."""
+    element_size = torch.finfo(dtype).bits // 8
+    padded = -(-columns * element_size // 16) * 16 // element_size
+    return like.new_empty(rows, padded, dtype=dtype)[:, :columns]
 
 
 def memory_target_dz_bytes(gradient_bytes: int, accumulator_bytes: int) -> int:
@@ -130,6 +150,8 @@ class TritonBackend:
         programs: programs of the persistent backward grid (the multiprocessor count), and the
             wave size of the forward's split rule.
         dz_block_bytes: bytes of one backward ``dz`` block (``memory_target_dz_bytes``).
+        reference_rows: weight rows the three-GEMM path samples for each row's reference
+            (``stored_exponentials.REFERENCE_ROWS``).
     """
 
     token_chunk: Optional[int] = None
@@ -138,6 +160,7 @@ class TritonBackend:
     tiles_per_split: Optional[int] = None
     programs: Optional[int] = None
     dz_block_bytes: Optional[int] = None
+    reference_rows: Optional[int] = None
 
     def local_statistics(self, problem: ShardProblem) -> torch.Tensor:
         """This shard's statistics ``[n, 4]`` (float32)."""
@@ -215,92 +238,67 @@ class TritonBackend:
         hidden, weight = problem.hidden, problem.weight
         num_tokens, hidden_size = hidden.shape
         vocab = weight.shape[0]
-        grad_hidden = hidden.new_empty(hidden.shape) if needed.hidden else None
-        accumulator = _WeightGradient(weight) if needed.weight else None
+        inv_temperature = 1.0 / problem.temperature
         tiles = self.forward_tiles or choose_tiles(weight.dtype)[0]
-        stored_dtype = torch.float32 if weight.dtype == torch.float32 else torch.float16
-        element_size = torch.finfo(stored_dtype).bits // 8
-        token_chunk = min(
-            self.token_chunk or loss_token_chunk(num_tokens, vocab, element_size, tiles), max(num_tokens, 1)
+        layout = stored_layout(weight.dtype)
+        token_chunk = self.token_chunk or loss_token_chunk(num_tokens, vocab, layout.bytes_per_logit, tiles)
+        token_chunk = min(token_chunk, max(num_tokens, 1))
+        # float32 outputs also keep cuBLAS from reducing split-K partials in 16 bits (long
+        # vocabulary sums, few tokens).
+        grad_hidden = hidden.new_empty(hidden.shape, dtype=torch.float32) if needed.hidden else None
+        weight_grad = WeightAccumulator(weight) if needed.weight else None
+        stored = _descriptor_block(hidden, token_chunk, vocab, layout.dtype)
+        # dz overwrites the block where the element sizes match (always, but for float16 operands).
+        logit_grads = (
+            stored if layout.dtype == weight.dtype else _descriptor_block(hidden, token_chunk, vocab, weight.dtype)
         )
-        # Rows padded to 16 bytes: the kernel stores through a tensor descriptor.
-        padded_vocab = -(-vocab * element_size // 16) * 16 // element_size
-        stored = hidden.new_empty(token_chunk, padded_vocab, dtype=stored_dtype)[:, :vocab]
-        tile_max = hidden.new_empty(token_chunk, -(-vocab // tiles.block_n), dtype=torch.float32)
-        # A float32 output keeps cuBLAS from reducing split-K partials in 16 bits (long vocabulary
-        # sums, few tokens); the chunk's hidden gradient is rounded once, from it.
-        hidden_acc = hidden.new_empty(token_chunk, hidden_size, dtype=torch.float32) if needed.hidden else None
         hidden_operand, weight_operand = addressable(hidden), addressable(weight)
         target_columns = problem.targets.columns()
         for tokens in token_chunks(num_tokens, token_chunk):
             rows = tokens.stop - tokens.start
+            chunk_hidden, columns, block = hidden_operand[tokens], target_columns[tokens], stored[:rows]
             tiles_per_split = self.tiles_per_split or choose_tiles_per_split(
                 rows, vocab, tiles, self._programs(weight.device)
             )
+            reference = row_references(
+                chunk_hidden, weight, columns, inv_temperature, self.reference_rows or REFERENCE_ROWS
+            )
             parts = split_statistics(
-                hidden_operand[tokens], weight_operand, target_columns[tokens], 1.0 / problem.temperature,
-                tiles, tiles_per_split, stored[:rows], tile_max[:rows],
-            )  # fmt: skip
-            saved, upstream = chunk_upstream(tokens, merge_statistics(parts))
-            if grad_hidden is None and accumulator is None:
+                chunk_hidden, weight_operand, columns, inv_temperature, tiles, tiles_per_split, block, reference
+            )
+            local = merge_statistics(parts)
+            reference, refresh = stale_references(reference, local[:, MAX])
+            refresh_stored_exp(
+                chunk_hidden, weight_operand, inv_temperature, tiles, tiles_per_split, block, reference, refresh
+            )
+            saved, upstream = chunk_upstream(tokens, local)
+            if grad_hidden is None and weight_grad is None:
                 continue
-            logit_grads = stored_logit_grads(
-                stored[:rows], tile_max[:rows], weight.dtype, target_columns[tokens],
-                SavedStatistics(*(part.contiguous() for part in saved)),
-                UpstreamGrads(*(None if part is None else part.contiguous() for part in upstream)),
-                1.0 / problem.temperature, tiles.block_n,
-            )  # fmt: skip
+            saved = SavedStatistics(*(part.contiguous() for part in saved))
+            upstream = UpstreamGrads(*(None if part is None else part.contiguous() for part in upstream))
+            factor = chosen = None
+            if layout.direct and upstream.entropy is None:
+                # The block is dz up to the per-row factor, the chosen token aside: the products read it.
+                factor = row_factor(upstream.logprob, saved.lse, reference, inv_temperature)
+                chosen = chosen_token_grad(columns, local[:, TARGET], saved.lse, upstream.logprob, inv_temperature)
+                zero_chosen_token(block, columns)
+                operand = block
+            else:
+                operand = stored_logit_grads(
+                    block, reference, logit_grads[:rows], columns, saved, upstream, inv_temperature
+                )
             if grad_hidden is not None:
-                grad_hidden[tokens] = add_product(hidden_acc[:rows], logit_grads, weight, accumulate=False)
-            if accumulator is not None:
-                accumulator.add(logit_grads, hidden[tokens], accumulate=tokens.start > 0)
-        if grad_hidden is not None and num_tokens == 0:
-            grad_hidden.zero_()
-        return Gradients(grad_hidden, None if accumulator is None else accumulator.result(num_tokens > 0))
+                product = add_product(grad_hidden[tokens], operand, weight, accumulate=False)
+                if factor is not None:
+                    finish_hidden_grad(product, factor, chosen, columns, weight_operand, product)
+            if weight_grad is not None:
+                chunk_rows = hidden[tokens]
+                if factor is not None:
+                    chunk_rows = (chunk_rows * factor.unsqueeze(1)).to(weight.dtype)
+                weight_grad.add(operand, chunk_rows)
+                if factor is not None:
+                    add_chosen_rows(weight_grad.parts, columns, chosen, chunk_hidden)
+        return StoredGradients(grad_hidden, weight_grad, hidden.dtype)
 
     def _programs(self, device: torch.device) -> int:
         return self.programs or multiprocessors(device)
-
-
-class _WeightGradient:
-    """``grad_weight [V, H]`` summed over token chunks in float32, returned in the weight's dtype.
-
-    For a 16-bit weight the accumulator is two float32 halves, and the result is narrowed into the
-    first half's memory (exactly the result's size), so the peak is the float32 accumulator alone
-    rather than the accumulator plus a 16-bit copy.
-    """
-
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight
-        vocab = weight.shape[0]
-        if weight.dtype == torch.float32:
-            self.halves = [(slice(0, vocab), torch.empty_like(weight))]
-        else:
-            middle = -(-vocab // 2)
-            self.halves = [
-                (rows, weight.new_empty(rows.stop - rows.start, weight.shape[1], dtype=torch.float32))
-                for rows in (slice(0, middle), slice(middle, vocab))
-            ]
-
-    def add(self, logit_grads: torch.Tensor, hidden: torch.Tensor, accumulate: bool) -> None:
-        """Add ``logit_grads.T @ hidden`` for one token chunk (``logit_grads [rows, V]``)."""
-        for rows, half in self.halves:
-            add_product(half, logit_grads[:, rows].t(), hidden, accumulate=accumulate)
-
-    def result(self, nonempty: bool) -> torch.Tensor:
-        """The gradient in the weight's dtype; zeros when no chunk was added."""
-        if not nonempty:
-            return torch.zeros_like(self.weight)
-        (_, first), *rest = self.halves
-        if not rest:
-            return first
-        ((second_rows, second),) = rest
-        out = torch.empty(0, dtype=self.weight.dtype, device=first.device)
-        out.set_(first.untyped_storage(), 0, self.weight.shape, (self.weight.shape[1], 1))
-        # Narrowed row r lands in bytes [2rH, 2(r+1)H) of the first half, below the float32 rows not
-        # yet read (>= 4rH): each step reads its rows into a temporary before writing them.
-        for rows in token_chunks(first.shape[0], NARROWING_ROWS):
-            out[rows] = first[rows].to(out.dtype)
-        out[second_rows] = second  # lands on float32 rows of the first half read above
-        self.halves = []
-        return out

@@ -11,11 +11,11 @@ gradient of ``reduce_hidden_grad=False``, ``no_grad``, ``logits_loss`` on logits
 
 Collectives (``recorded_collectives``), as the README documents them. ``fused_linear_loss``
 finishes its gradients in the forward: one all-gather of each chunk's shard statistics
-``[chunk rows, 4]`` (merged before the chunk's gradient can be formed) and, at the end, one
-all-reduce of the hidden gradient ``[rows, H]``; its backward only scales and communicates
-nothing. ``fused_linear_cross_entropy`` runs the same forward; a matching upstream adds nothing in
-the backward, a mismatching one recomputes from the merged statistics it saved: one more
-all-reduce of the hidden gradient, no all-gather.
+``[chunk rows, 4]`` (merged before the chunk's gradient can be formed); its backward scales and
+rounds them and runs one all-reduce of the hidden gradient ``[rows, H]``.
+``fused_linear_cross_entropy`` runs the same forward; a matching upstream gives the same backward,
+a mismatching one recomputes from the merged statistics it saved: again one all-reduce of the
+hidden gradient, no all-gather.
 
 Tolerances as in test_ops_loss.py: ``FLOAT32_TOL`` for float32 and for the float32 loss and
 metrics; bfloat16 gradients at most ``STOCK_RATIO`` times the stock path's error (bfloat16 logits
@@ -37,12 +37,10 @@ FLOAT32_TOL = 1e-5
 STOCK_RATIO = 1.2
 
 
-def loss_pass_collectives(rows: int, chunk_size, reduce_hidden_grad: bool = True):
-    """The collectives of one three-GEMM pass over ``rows`` rows: a statistics all-gather per
-    chunk, then the hidden gradient's all-reduce."""
+def forward_collectives(rows: int, chunk_size):
+    """The collectives of one three-GEMM forward over ``rows`` rows: a statistics all-gather per chunk."""
     chunk = chunk_size or rows
-    gathers = [(ALL_GATHER, (min(chunk, rows - start), 4)) for start in range(0, rows, chunk)]
-    return gathers + ([("all_reduce", (rows, H))] if reduce_hidden_grad else [])
+    return [(ALL_GATHER, (min(chunk, rows - start), 4)) for start in range(0, rows, chunk)]
 
 
 def custom_loss(logprob, entropy, *, w):
@@ -120,7 +118,8 @@ def check_loss(rank, group, case, dtype, chunk_size, targets_on_rank_1_only=Fals
         forward_calls = list(calls)
         result.loss.backward()
     rows = TOKENS if mask is None else int(mask.sum())
-    assert forward_calls == calls == loss_pass_collectives(rows, chunk_size), calls
+    assert forward_calls == forward_collectives(rows, chunk_size), forward_calls
+    assert calls == forward_calls + [("all_reduce", (rows, H))], calls
     expected = loss_reference(hidden, weight, targets, loss_fn, loss_inputs, **options)
     assert_values_match(result, expected, mask)
     hidden_error = relative_error(leaf_hidden.grad, expected.grad_hidden)
@@ -145,7 +144,7 @@ def check_partial_hidden_grad(rank, group):
             leaf_hidden, leaf_shard, targets, loss_fn, loss_inputs=loss_inputs, tp_group=group,
             temperature=TEMPERATURE, chunk_size=7, reduce_hidden_grad=False,
         ).loss.backward()  # fmt: skip
-    assert calls == loss_pass_collectives(TOKENS, 7, reduce_hidden_grad=False), calls
+    assert calls == forward_collectives(TOKENS, 7), calls
     full = loss_reference(hidden, weight, targets, loss_fn, loss_inputs, TEMPERATURE).grad_hidden
     partial = leaf_hidden.grad.clone()
     assert relative_error(partial, full) > 1e-2  # really only this rank's share
@@ -162,7 +161,7 @@ def check_no_grad(rank, group):
             leaf_hidden, leaf_shard, targets, loss_fn, loss_inputs=loss_inputs, tp_group=group,
             temperature=TEMPERATURE, chunk_size=7,
         )  # fmt: skip
-    assert calls == loss_pass_collectives(TOKENS, 7, reduce_hidden_grad=False), calls  # no gradient to reduce
+    assert calls == forward_collectives(TOKENS, 7), calls  # no gradient to reduce
     assert result.loss.grad_fn is None
     expected = loss_reference(hidden, weight, targets, loss_fn, loss_inputs, TEMPERATURE)
     assert_values_match(result, expected, None)
@@ -193,9 +192,8 @@ def check_declared_cross_entropy(rank, group, matching):
         )
         forward_calls = list(calls)
         per_token(out, declared.float()).sum().backward()
-    assert forward_calls == loss_pass_collectives(TOKENS, 7), forward_calls
-    recompute = [] if matching else [("all_reduce", (TOKENS, H))]
-    assert calls == forward_calls + recompute, calls
+    assert forward_calls == forward_collectives(TOKENS, 7), forward_calls
+    assert calls == forward_calls + [("all_reduce", (TOKENS, H))], calls
     expected = loss_reference(
         hidden, weight, targets, lambda logprob, entropy, *, d: per_token(-logprob, d), {"d": declared.double()},
         TEMPERATURE,

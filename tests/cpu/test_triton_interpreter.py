@@ -41,44 +41,45 @@ def run_case_here(case: dict) -> dict:
         tiles_per_split=2,
         programs=2,
         dz_block_bytes=case.get("dz_block_bytes"),
+        reference_rows=case.get("reference_rows"),
     )
     torch.manual_seed(case["seed"])
     dtype = getattr(torch, case["dtype"])
     tokens, hidden_size, vocab = case["shape"]
     hidden = torch.randn(tokens, hidden_size) * case["hidden_scale"]
     weight = torch.randn(vocab, hidden_size) / hidden_size**0.5
+    if case.get("dominant_row") is not None:
+        # One vocabulary row lies far above the others' logits for the first half of the tokens, and
+        # it is not among the rows the reference samples: those rows' stored exponentials are refreshed.
+        direction = torch.nn.functional.normalize(torch.randn(hidden_size), dim=0)
+        hidden[: tokens // 2] += 3.0 * direction
+        weight[case["dominant_row"]] = 30.0 * direction
     if case.get("strided"):
         hidden = torch.stack([hidden, torch.randn_like(hidden)], -1)[..., 0]
         weight = weight.t().contiguous().t()
     hidden, weight = hidden.to(dtype), weight.to(dtype)
-    targets = torch.randint(0, vocab, (tokens,))
+    targets = torch.randint(0, case.get("distinct_targets", vocab), (tokens,))
     grad_logprob = torch.randn(tokens)
     grad_entropy = torch.randn(tokens) if case["entropy_grad"] else None
-    # The backend alone, as the ops call it (one rank: every target in this shard).
-    problem = ShardProblem(
-        hidden, weight, ShardTargets(targets, torch.ones(tokens, dtype=torch.bool)), case["temperature"]
-    )
-    needed = NeededGrads(hidden=True, weight=True)
+    # The backend alone, as the ops call it.
     if case.get("three_gemm"):
-        # The loss path: the caller's step sees each chunk's statistics once, in order.
-        logprob, entropy = torch.empty(tokens), torch.empty(tokens)
-        chunk_starts = []
-
-        def chunk_upstream(rows, local_statistics):
-            chunk_starts.append(rows.start)
-            summary = summarize(local_statistics)
-            logprob[rows], entropy[rows] = summary.logprob, summary.entropy
-            upstream = [None if grad is None else grad[rows] for grad in (grad_logprob, grad_entropy)]
-            return summary.saved, UpstreamGrads(*upstream)
-
-        grads = backend.loss_gradients(problem, chunk_upstream, needed)
-        assert chunk_starts == sorted(chunk_starts) and len(set(chunk_starts)) == len(chunk_starts)
-    else:
+        logprob, entropy, grads = three_gemm_pass(
+            backend, hidden, weight, targets, case["temperature"], grad_logprob, grad_entropy, case.get("shards", 1)
+        )
+    else:  # one rank: every target in this shard
+        problem = ShardProblem(
+            hidden, weight, ShardTargets(targets, torch.ones(tokens, dtype=torch.bool)), case["temperature"]
+        )
         summary = summarize(backend.local_statistics(problem))
-        grads = backend.local_gradients(problem, summary.saved, UpstreamGrads(grad_logprob, grad_entropy), needed)
+        upstream = UpstreamGrads(grad_logprob, grad_entropy)
+        grads = backend.local_gradients(problem, summary.saved, upstream, NeededGrads(hidden=True, weight=True))
         logprob, entropy = summary.logprob, summary.entropy
     expected = reference(hidden, weight, targets, case["temperature"], grad_logprob, grad_entropy)
+    sampled = weight[:: -(-weight.shape[0] // case["reference_rows"])] if case.get("reference_rows") else weight
+    logits = hidden.double() @ weight.double().t() / case["temperature"]
+    sampled_max = (hidden.double() @ sampled.double().t() / case["temperature"]).amax(1)
     return {
+        "rows_far_above_sample": int((logits.amax(1) - sampled_max > 60).sum()),
         "logprob": max_abs_error(logprob, expected.logprob),
         "entropy": max_abs_error(entropy, expected.entropy),
         "grad_hidden": relative_error(grads.hidden, expected.grad_hidden),
@@ -86,6 +87,56 @@ def run_case_here(case: dict) -> dict:
         "grad_weight_zero": not grads.weight.any().item(),
         "grad_dtypes": [str(grads.hidden.dtype), str(grads.weight.dtype)],
     }
+
+
+def three_gemm_pass(backend, hidden, weight, targets, temperature, grad_logprob, grad_entropy, shards):
+    """``loss_gradients`` with the vocabulary split into ``shards`` equal shards, one backend call
+    per shard as each rank of a tensor-parallel group would make it; the chunk step merges the
+    shards' statistics as the group's all-gather does. Returns ``(logprob, entropy, Gradients)``
+    with the hidden gradient summed over the shards and the weight gradient's shards stacked."""
+    import torch
+
+    from megatron_fused_lm.ops.contract import Gradients, NeededGrads, ShardProblem, ShardTargets, UpstreamGrads
+    from megatron_fused_lm.ops.softmax_stats import merge_statistics, summarize
+
+    tokens, vocab = targets.shape[0], weight.shape[0]
+    shard_rows = vocab // shards
+    problems = [
+        ShardProblem(
+            hidden,
+            weight[shard * shard_rows : (shard + 1) * shard_rows],
+            ShardTargets((targets - shard * shard_rows).clamp(0, shard_rows - 1), targets // shard_rows == shard),
+            temperature,
+        )
+        for shard in range(shards)
+    ]
+    # First every shard's statistics per chunk (what the other ranks contribute to the gather)...
+    local = [{} for _ in problems]
+    for shard, problem in enumerate(problems):
+
+        def record(rows, local_statistics, shard=shard):
+            local[shard][rows.start] = local_statistics.clone()
+            return summarize(local_statistics).saved, UpstreamGrads(None, None)
+
+        backend.loss_gradients(problem, record, NeededGrads(hidden=False, weight=False))
+    # ... then each shard's gradients, its chunks in order, merged with the others' statistics.
+    logprob, entropy = torch.empty(tokens), torch.empty(tokens)
+    partials = []
+    for problem in problems:
+        chunk_starts = []
+
+        def chunk_upstream(rows, local_statistics, chunk_starts=chunk_starts):
+            chunk_starts.append(rows.start)
+            summary = summarize(merge_statistics(torch.stack([part[rows.start] for part in local])))
+            logprob[rows], entropy[rows] = summary.logprob, summary.entropy
+            upstream = [None if grad is None else grad[rows] for grad in (grad_logprob, grad_entropy)]
+            return summary.saved, UpstreamGrads(*upstream)
+
+        stored = backend.loss_gradients(problem, chunk_upstream, NeededGrads(hidden=True, weight=True))
+        partials.append(stored.scaled(torch.ones(())))  # an upstream gradient of 1: unscaled
+        assert chunk_starts == sorted(chunk_starts) and len(set(chunk_starts)) == len(chunk_starts)
+    grad_hidden = torch.stack([grads.hidden.float() for grads in partials]).sum(0).to(hidden.dtype)
+    return logprob, entropy, Gradients(grad_hidden, torch.cat([grads.weight for grads in partials]))
 
 
 def run_case(**case) -> dict:
@@ -146,11 +197,54 @@ def test_entropy_grad_false_and_strided_inputs(three_gemm):
     check(result, "float16")
 
 
-def test_three_gemm_token_chunks():
-    # 3 token chunks (the last partial), each one forward, one dz pass and its products; the
-    # float32 weight gradient summed over them.
-    result = run_case(dtype="float16", shape=[40, 33, 601], token_chunk=16, seed=4, three_gemm=True)
-    check(result, "float16")
+@pytest.mark.parametrize("entropy_grad", [False, True], ids=["direct", "dz_pass"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_three_gemm_token_chunks(dtype, entropy_grad):
+    # 3 token chunks (the last partial), each one forward and its products (after a dz pass for an
+    # entropy term or float16 operands); the weight gradient summed over them.
+    result = run_case(
+        dtype=dtype, shape=[40, 33, 601], token_chunk=16, seed=4, three_gemm=True, entropy_grad=entropy_grad
+    )
+    check(result, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_three_gemm_repeated_targets(dtype):
+    # Three distinct targets over 40 tokens in two chunks: the chosen tokens' weight-gradient
+    # terms are summed per row over long runs of tokens (direct products for float32).
+    result = run_case(
+        dtype=dtype, shape=[40, 33, 101], token_chunk=24, seed=7, three_gemm=True, entropy_grad=False,
+        distinct_targets=3,
+    )  # fmt: skip
+    check(result, dtype)
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True], ids=["direct", "dz_pass"])
+def test_three_gemm_refreshed_references(entropy_grad):
+    # A row's reference comes from 4 sampled weight rows and its target; a dominant row outside
+    # them lies far above that for about half the tokens (the precondition below), so their
+    # stored exponentials are rewritten against the true maximum, in row tiles that also hold
+    # rows which keep theirs. Without the refresh those exponentials overflow (inf, then NaN).
+    result = run_case(
+        dtype="float32", shape=[40, 48, 97], three_gemm=True, reference_rows=4, dominant_row=60,
+        entropy_grad=entropy_grad, seed=5,
+    )  # fmt: skip
+    assert result["rows_far_above_sample"] >= 10, result
+    # Logits reach about 120: the value bound scales with them, as in test_peaky_logits.
+    assert result["logprob"] <= 1e-4 and result["entropy"] <= 1e-4, result
+    assert result["grad_hidden"] <= 1e-5 and result["grad_weight"] <= 1e-5, result
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True], ids=["direct", "dz_pass"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_three_gemm_two_shards(dtype, entropy_grad):
+    # The vocabulary split over two shards as under tensor parallelism: each row's target lies in
+    # one shard, so the other forms every term but the chosen token's; two token chunks.
+    result = run_case(
+        dtype=dtype, shape=[32, 40, 2 * 67], token_chunk=16, seed=6, three_gemm=True, shards=2,
+        entropy_grad=entropy_grad,
+    )  # fmt: skip
+    check(result, dtype)
 
 
 @pytest.mark.parametrize("three_gemm", [False, True], ids=["recompute", "three_gemm"])

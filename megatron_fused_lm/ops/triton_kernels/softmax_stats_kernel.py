@@ -9,10 +9,14 @@ per-token statistics (max, sum-exp, exp-weighted logits measured from the max, t
 ``merge_statistics`` combines the splits.
 
 For the three-GEMM path (a loss known in the forward) the kernel also keeps the logits for the
-gradient, as each tile's exponentials ``exp(z - m) * EXP_SCALE`` (``m``: the running maximum when
-the tile was folded in, stored per row and tile in ``tile_max``), in float16 for 16-bit operands:
-exponentials in ``[0, 1]`` keep float16's full relative precision (2^-11, finer than the bfloat16
-``dz`` they become), and the scale lifts them clear of its subnormal range.
+gradient, as ``exp(z - reference)`` with one float32 ``reference`` per row (``stored_exp``, in
+bfloat16 or float32, whose exponent range is float32's): the statistics cannot be known before the
+store, but any reference within a few tens of the row's maximum keeps every exponential that
+matters a normal number, with the dtype's full relative precision, and no exponential overflows.
+With one reference per row the stored block is the logits' gradient up to a per-row factor (the
+chosen token aside), so the gradient products can read it as it is. A second launch in *refresh*
+mode rewrites the rows whose reference turned out too far below their maximum: only the row tiles
+that hold such a row do any work.
 
 Splitting the vocabulary gives ``token tiles x splits`` programs, so a few thousand tokens still
 fill the GPU, while each program reuses its hidden tile over many weight tiles. (A persistent grid
@@ -31,10 +35,6 @@ from ..softmax_stats import NUM_STATISTICS
 from .descriptors import addressable, descriptor
 from .tiles import Tiles
 
-# Stored exponentials are scaled by EXP_SCALE (a power of two, so exactly): values in [0, 1] then
-# use float16's normal range down to 2^-29.
-EXP_SCALE = 32768.0
-
 
 @triton.jit
 def softmax_stats_kernel(
@@ -51,10 +51,10 @@ def softmax_stats_kernel(
     stride_parts_token,
     inv_temperature,
     exp_desc,
-    tile_max_ptr,
-    stride_tile_max,
+    reference_ptr,
+    refresh_ptr,
     STORE_EXP: tl.constexpr,
-    EXP_SCALE: tl.constexpr,
+    REFRESH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -76,6 +76,13 @@ def softmax_stats_kernel(
     rows = row0 + tl.arange(0, BLOCK_M)
     row_valid = rows < num_tokens
     target_column = tl.load(target_column_ptr + rows, mask=row_valid, other=-1)  # -1: another shard's
+    if STORE_EXP:
+        reference = tl.load(reference_ptr + rows, mask=row_valid, other=0.0)
+    num_steps = num_col_tiles * k_steps
+    if REFRESH:
+        # Only the row tiles with a row to rewrite walk their split; the others have no steps.
+        refresh = tl.load(refresh_ptr + rows, mask=row_valid, other=0)
+        num_steps = tl.where(tl.max(refresh, axis=0) > 0, num_steps, 0)
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     sumexp = tl.zeros([BLOCK_M], tl.float32)
     sumexp_z = tl.zeros([BLOCK_M], tl.float32)
@@ -85,7 +92,7 @@ def softmax_stats_kernel(
     # tile's loads stay in flight during a tile's statistics.
     col0 = (first_col_tile - 1) * BLOCK_N
     k_step = k_steps - 1
-    for _ in range(0, num_col_tiles * k_steps):
+    for _ in range(0, num_steps):
         k_step = tl.where(k_step == k_steps - 1, 0, k_step + 1)
         if k_step == 0:
             col0 += BLOCK_N
@@ -111,16 +118,19 @@ def softmax_stats_kernel(
             is_target = tl.arange(0, BLOCK_N)[None, :] == (target_column - col0)[:, None]
             target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)
             if STORE_EXP:
-                exp_desc.store([row0, col0], (weights * EXP_SCALE).to(exp_desc.dtype))
-                tile_max_out = tile_max_ptr + rows.to(tl.int64) * stride_tile_max + col0 // BLOCK_N
-                tl.store(tile_max_out, new_max, mask=row_valid)
+                # exp(z - reference) from the tile's exponentials: one exp per row, not per element.
+                # Where the maximum lies far above the reference this overflows; those rows are
+                # refreshed against their maximum, which this same product then stores exactly.
+                rebase = tl.exp(new_max - reference)
+                exp_desc.store([row0, col0], (weights * rebase[:, None]).to(exp_desc.dtype))
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
 
-    out = parts_ptr + split.to(tl.int64) * stride_parts_split + rows.to(tl.int64) * stride_parts_token
-    tl.store(out + 0, running_max, mask=row_valid)
-    tl.store(out + 1, sumexp, mask=row_valid)
-    tl.store(out + 2, sumexp_z, mask=row_valid)
-    tl.store(out + 3, target_logit, mask=row_valid)
+    if not REFRESH:
+        out = parts_ptr + split.to(tl.int64) * stride_parts_split + rows.to(tl.int64) * stride_parts_token
+        tl.store(out + 0, running_max, mask=row_valid)
+        tl.store(out + 1, sumexp, mask=row_valid)
+        tl.store(out + 2, sumexp_z, mask=row_valid)
+        tl.store(out + 3, target_logit, mask=row_valid)
 
 
 def split_statistics(
@@ -131,7 +141,7 @@ def split_statistics(
     tiles: Tiles,
     tiles_per_split: int,
     stored_exp: Optional[torch.Tensor] = None,
-    tile_max: Optional[torch.Tensor] = None,
+    reference: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Statistics ``[num_splits, n, 4]`` (float32) of each vocabulary split.
 
@@ -139,14 +149,43 @@ def split_statistics(
     [n]`` (int64, contiguous) is the target's row in ``weight``, or -1 where this shard does not
     own it. Columns are the ``softmax_stats`` order (MAX, SUMEXP, SUMEXP_Z, TARGET).
 
-    With ``stored_exp [n, V]`` (unit last stride, 16-byte aligned rows; float16 or float32) and
-    ``tile_max [n, cdiv(V, block_n)]`` (float32, unit last stride), the kernel also stores every
-    logit as ``exp(z - tile_max[row, z's column tile]) * EXP_SCALE``.
+    With ``stored_exp [n, V]`` (bfloat16 or float32, unit last stride, 16-byte aligned rows) and
+    ``reference [n]`` (float32, contiguous), the kernel also stores every logit as
+    ``exp(z - reference[row])``.
     """
+    num_splits = triton.cdiv(triton.cdiv(weight.shape[0], tiles.block_n), tiles_per_split)
+    parts = torch.empty(num_splits, hidden.shape[0], NUM_STATISTICS, dtype=torch.float32, device=hidden.device)
+    _launch(hidden, weight, target_column, inv_temperature, tiles, tiles_per_split, parts, stored_exp, reference)
+    return parts
+
+
+def refresh_stored_exp(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    inv_temperature: float,
+    tiles: Tiles,
+    tiles_per_split: int,
+    stored_exp: torch.Tensor,
+    reference: torch.Tensor,
+    refresh: torch.Tensor,
+) -> None:
+    """Rewrite ``stored_exp`` as ``exp(z - reference[row])`` in every token tile that holds a row
+    with ``refresh`` set (``[n]`` int8); other tiles are left alone, so no host synchronization is
+    needed to find the rows. Arguments as for ``split_statistics``, with the same tiles."""
+    no_targets = torch.full_like(reference, -1, dtype=torch.int64)
+    unwritten_parts = reference.new_empty(1, 1, NUM_STATISTICS)  # refresh mode writes no statistics
+    _launch(
+        hidden, weight, no_targets, inv_temperature, tiles, tiles_per_split, unwritten_parts, stored_exp, reference,
+        refresh,
+    )  # fmt: skip
+
+
+def _launch(
+    hidden, weight, target_column, inv_temperature, tiles, tiles_per_split, parts, stored_exp, reference, refresh=None
+):
     num_tokens, hidden_size = hidden.shape
     vocab = weight.shape[0]
     num_splits = triton.cdiv(triton.cdiv(vocab, tiles.block_n), tiles_per_split)
-    parts = torch.empty(num_splits, num_tokens, NUM_STATISTICS, dtype=torch.float32, device=hidden.device)
     grid = (triton.cdiv(num_tokens, tiles.block_m) * num_splits,)
     softmax_stats_kernel[grid](
         descriptor(addressable(hidden), [tiles.block_m, tiles.block_k]),
@@ -162,10 +201,9 @@ def split_statistics(
         parts.stride(1),
         inv_temperature,
         None if stored_exp is None else descriptor(stored_exp, [tiles.block_m, tiles.block_n]),
-        tile_max,
-        0 if tile_max is None else tile_max.stride(0),
+        reference,
+        refresh,
         STORE_EXP=stored_exp is not None,
-        EXP_SCALE=EXP_SCALE,
+        REFRESH=refresh is not None,
         **tiles.launch_options(),
     )
-    return parts

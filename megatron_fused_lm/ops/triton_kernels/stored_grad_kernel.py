@@ -1,19 +1,18 @@
-"""Three-GEMM gradient kernel: turn the exponentials the forward kernel stored into ``dz``, in place.
+"""Three-GEMM gradient kernel: turn the exponentials the forward kernel stored into ``dz``.
 
 The forward (``split_statistics`` with ``stored_exp``) left every logit of a token chunk as
-``e = exp(z - m) * EXP_SCALE`` with ``m`` the running maximum of its column tile (``tile_max``).
-Once the chunk's statistics are merged, each element becomes
+``e = exp(z - r)``, ``r`` the row's reference. Once the chunk's statistics are merged, each
+element gives
 
-    p = e / EXP_SCALE * exp(m - lse),   z = m + log(e / EXP_SCALE),
+    p = e * exp(r - lse),   z = r + log(e),
 
-then ``dz`` (``logit_grad_formula``), divided by ``T`` and stored in the weight's dtype over ``e`` itself (same element size), ready for
-the two cuBLAS gradient products. An element whose exponential underflowed (``e = 0``) has
-``p = 0`` and contributes nothing.
+then ``dz`` (``logit_grad_formula``), divided by ``T`` and stored in the gradient's dtype, over ``e``
+itself when the element sizes match. An element whose exponential underflowed (``e = 0``) has
+``p = 0`` and contributes nothing. (Without an entropy term the block needs no such pass: see
+``triton_backend``.)
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
@@ -21,21 +20,21 @@ import triton.language as tl
 
 from ..contract import SavedStatistics, UpstreamGrads
 from .logit_grad_formula import logit_grad_tile
-from .softmax_stats_kernel import EXP_SCALE
 
 # Launch shape measured on an H100 (2026-11-22, 2048 x 151936 block): 16 rows x 128 columns with 4
 # warps moved 2.5 TB/s, 32 rows 1.8 TB/s, 64 rows 1.2 TB/s.
 ROWS_PER_PROGRAM = 16
+COLUMNS_PER_PROGRAM = 128
 NUM_WARPS = 4
 
 
 @triton.jit
 def stored_grad_kernel(
     exp_ptr,
+    stride_exp_row,
     grad_ptr,
-    stride_row,
-    tile_max_ptr,
-    stride_tile_max,
+    stride_grad_row,
+    reference_ptr,
     target_column_ptr,
     lse_ptr,
     mean_logit_ptr,
@@ -46,31 +45,27 @@ def stored_grad_kernel(
     inv_temperature,
     HAS_GRAD_LOGPROB: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
-    EXP_SCALE: tl.constexpr,
-    LOG_EXP_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    # Program -> (row block, the forward's column tile): one tile_max entry per row.
-    col_tile = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_valid = rows < num_tokens
     valid = row_valid[:, None] & (cols < vocab)[None, :]
-    offsets = rows.to(tl.int64)[:, None] * stride_row + cols[None, :]
-    stored = tl.load(exp_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
-    tile_max = tl.load(tile_max_ptr + rows.to(tl.int64) * stride_tile_max + col_tile, mask=row_valid, other=0.0)
+    wide_rows = rows.to(tl.int64)[:, None]
+    stored = tl.load(exp_ptr + wide_rows * stride_exp_row + cols[None, :], mask=valid, other=0.0).to(tl.float32)
+    reference = tl.load(reference_ptr + rows, mask=row_valid, other=0.0)
     lse = tl.load(lse_ptr + rows, mask=row_valid, other=0.0)
-    prob = stored * (tl.exp(tile_max - lse) / EXP_SCALE)[:, None]
+    prob = stored * tl.exp(reference - lse)[:, None]
     # Stand-ins for the terms that are off: logit_grad_tile reads them only when their flag is on.
     mean_minus_logit = prob
     grad_entropy = lse
     if HAS_GRAD_ENTROPY:
         mean_logit = tl.load(mean_logit_ptr + rows, mask=row_valid, other=0.0)
         grad_entropy = tl.load(grad_entropy_ptr + rows, mask=row_valid, other=0.0)
-        # z = tile_max + log(stored) - log(EXP_SCALE); finite where the exponential underflowed,
-        # whose p = 0 then zeroes the term.
-        mean_minus_logit = (mean_logit - tile_max + LOG_EXP_SCALE)[:, None] - tl.log(tl.maximum(stored, 1e-30))
+        # z = reference + log(stored); finite where the exponential underflowed, whose p = 0 then
+        # zeroes the term.
+        mean_minus_logit = (mean_logit - reference)[:, None] - tl.log(tl.maximum(stored, 1e-30))
     grad_logprob = lse
     is_target = prob != prob
     if HAS_GRAD_LOGPROB:
@@ -80,39 +75,37 @@ def stored_grad_kernel(
     grad = logit_grad_tile(
         prob, mean_minus_logit, is_target, grad_logprob, grad_entropy, HAS_GRAD_LOGPROB, HAS_GRAD_ENTROPY
     )
-    tl.store(grad_ptr + offsets, (grad * inv_temperature).to(grad_ptr.dtype.element_ty), mask=valid)
+    grad_out = grad_ptr + wide_rows * stride_grad_row + cols[None, :]
+    tl.store(grad_out, (grad * inv_temperature).to(grad_ptr.dtype.element_ty), mask=valid)
 
 
 def stored_logit_grads(
     stored_exp: torch.Tensor,
-    tile_max: torch.Tensor,
-    grad_dtype: torch.dtype,
+    reference: torch.Tensor,
+    out: torch.Tensor,
     target_column: torch.Tensor,
     saved: SavedStatistics,
     upstream: UpstreamGrads,
     inv_temperature: float,
-    tile_width: int,
-    rows_per_program: int = ROWS_PER_PROGRAM,
-    num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
-    """``dz / T`` ``[n, V]`` in ``grad_dtype``, written over ``stored_exp [n, V]`` (unit last
-    stride; ``grad_dtype`` of its element size) and returned as a view of the same memory.
+    """``dz / T`` ``[n, V]`` written into ``out`` (``[n, V]``, unit last stride, any dtype; it may
+    be ``stored_exp`` itself viewed as a dtype of its element size), and returned.
 
-    ``tile_max [n, cdiv(V, tile_width)]`` float32 and ``tile_width`` are the forward's;
-    ``target_column [n]`` (int64) is the target's column, -1 where this shard does not own it;
-    ``saved`` and ``upstream`` hold ``[n]`` float32 contiguous tensors (``None``: no term).
-    ``rows_per_program`` and ``num_warps`` shape the launch.
+    ``stored_exp [n, V]`` (unit last stride) holds ``exp(z - reference[row])``, ``reference [n]``
+    float32; ``target_column [n]`` (int64) is the target's column, -1 where this shard does not own
+    it; ``saved`` and ``upstream`` hold ``[n]`` float32 contiguous tensors (``None``: no term).
+    Each program reads its elements before it writes them, and no two programs share an element,
+    so ``out`` may alias ``stored_exp`` element for element.
     """
     num_tokens, vocab = stored_exp.shape
-    grad = stored_exp.view(grad_dtype)
     grad_logprob, grad_entropy = upstream
-    grid = (triton.cdiv(vocab, tile_width), triton.cdiv(num_tokens, rows_per_program))
+    grid = (triton.cdiv(vocab, COLUMNS_PER_PROGRAM), triton.cdiv(num_tokens, ROWS_PER_PROGRAM))
     stored_grad_kernel[grid](
         stored_exp,
-        grad,
         stored_exp.stride(0),
-        tile_max,
-        tile_max.stride(0),
+        out,
+        out.stride(0),
+        reference,
         target_column,
         saved.lse,
         saved.mean_logit,
@@ -123,10 +116,8 @@ def stored_logit_grads(
         inv_temperature,
         HAS_GRAD_LOGPROB=grad_logprob is not None,
         HAS_GRAD_ENTROPY=grad_entropy is not None,
-        EXP_SCALE=EXP_SCALE,
-        LOG_EXP_SCALE=math.log(EXP_SCALE),
-        BLOCK_M=rows_per_program,
-        BLOCK_N=tile_width,
-        num_warps=num_warps,
+        BLOCK_M=ROWS_PER_PROGRAM,
+        BLOCK_N=COLUMNS_PER_PROGRAM,
+        num_warps=NUM_WARPS,
     )
-    return grad
+    return out

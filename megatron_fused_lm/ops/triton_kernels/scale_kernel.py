@@ -1,0 +1,27 @@
+"""``out = source * scale`` for a scalar that lives on the device, rounded once into ``out``'s
+dtype (``stored_gradients.scaled_copy`` says why a kernel)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 4096
+
+
+@triton.jit
+def scale_kernel(source_ptr, out_ptr, scale_ptr, numel, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offsets < numel
+    scale = tl.load(scale_ptr).to(tl.float32)
+    values = tl.load(source_ptr + offsets, mask=valid).to(tl.float32)
+    tl.store(out_ptr + offsets, (values * scale).to(out_ptr.dtype.element_ty), mask=valid)
+
+
+def scale_into(source: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = source * scale``: ``source`` and ``out`` contiguous CUDA tensors of one shape (``out``
+    may be ``source``), ``scale`` a 0-dim float tensor on the same device."""
+    numel = source.numel()
+    if numel:
+        scale_kernel[(triton.cdiv(numel, BLOCK),)](source, out, scale, numel, BLOCK=BLOCK, num_warps=8)

@@ -1,0 +1,74 @@
+"""The torch steps of the Triton three-GEMM path's direct products (``stored_exponentials``), against
+float64. The kernels around them run in test_triton_interpreter.py and, in bfloat16, in
+tests/gpu/test_loss_parity.py."""
+
+import torch
+
+from megatron_fused_lm.ops.stored_exponentials import (
+    MAX_ABOVE_REFERENCE,
+    REFERENCE_HEADROOM,
+    chosen_token_grad,
+    row_factor,
+    row_references,
+    stale_references,
+    zero_chosen_token,
+)
+
+
+def test_row_references_bracket_the_row_maximum():
+    torch.manual_seed(1)
+    hidden, weight = torch.randn(64, 16), torch.randn(1000, 16)
+    target_column = torch.randint(-1, 1000, (64,))
+    temperature = 0.7
+    reference = row_references(hidden, weight, target_column, 1 / temperature, sample_rows=10)
+    logits = hidden.double() @ weight.double().t() / temperature
+    row_max = logits.amax(1)
+    # Never more than the headroom above the maximum: the top exponentials stay normal numbers.
+    assert (reference <= row_max + REFERENCE_HEADROOM + 1e-3).all()
+    # At least the chosen token's logit plus the headroom, where this shard owns it.
+    owned = target_column >= 0
+    chosen = logits[owned, target_column[owned]]
+    assert (reference[owned] >= chosen + REFERENCE_HEADROOM - 1e-3).all()
+    # With every row sampled, the reference is the maximum plus the headroom.
+    exact = row_references(hidden, weight, target_column, 1 / temperature, sample_rows=1000)
+    assert torch.allclose(exact.double(), row_max + REFERENCE_HEADROOM, atol=1e-4)
+
+
+def test_stale_references_take_the_maximum():
+    reference = torch.tensor([0.0, 0.0, 10.0])
+    local_max = torch.tensor([MAX_ABOVE_REFERENCE - 1, MAX_ABOVE_REFERENCE + 1, -50.0])
+    refreshed, refresh = stale_references(reference, local_max)
+    assert refresh.tolist() == [0, 1, 0] and refresh.dtype == torch.int8
+    assert refreshed.tolist() == [0.0, MAX_ABOVE_REFERENCE + 1, 10.0]
+
+
+def test_chosen_token_and_factor_give_dz():
+    # The factor times exp(z - r), with the chosen token's term added, is dz / T of the float64
+    # formula, including a chosen token with p near 1, where 1 - p is small.
+    torch.manual_seed(2)
+    logits = torch.randn(4, 50, dtype=torch.float64) * 3
+    logits[0, 7] = 14.0  # 1 - p_y about 1e-3
+    targets = torch.tensor([7, 3, 0, 49])
+    target_column = torch.tensor([7, 3, -1, 49])  # row 2's target lies in another shard
+    grad_logprob = torch.tensor([0.5, -1.0, 2.0, 0.25])
+    inv_temperature = 1 / 0.8
+    lse = logits.logsumexp(1)
+    prob = (logits - lse[:, None]).exp()
+    expected = -grad_logprob.double()[:, None] * prob
+    owned = target_column >= 0
+    expected[owned, targets[owned]] += grad_logprob.double()[owned]
+    expected *= inv_temperature
+    reference = logits.amax(1) + 5.0
+    stored = (logits - reference[:, None]).exp().float()
+    zero_chosen_token(stored, target_column)
+    factor = row_factor(grad_logprob, lse.float(), reference.float(), inv_temperature)
+    chosen = chosen_token_grad(
+        target_column, logits[torch.arange(4), targets].float(), lse.float(), grad_logprob, inv_temperature
+    )
+    dz = factor[:, None].double() * stored.double()
+    dz[owned, targets[owned]] += chosen.double()[owned]
+    assert stored[2, 0] != 0  # another shard's chosen token is left in the block
+    assert torch.allclose(dz, expected, rtol=1e-5, atol=1e-7 * expected.abs().max().item())
+    # Near p = 1 the chosen term keeps the relative precision of the float32 log-prob (1e-6
+    # absolute at logits near 14, on 1 - p near 1e-3); 1 - exp(logprob) would lose more.
+    assert abs(chosen[0].item() / expected[0, 7].item() - 1) < 2e-3

@@ -12,7 +12,7 @@ deviation about 4). Sections (``--sections``):
   (liger-kernel's fused linear cross-entropy), ``cce`` (Apple's cut-cross-entropy) and ``floor``
   (three GEMMs); a missing package gives a ``missing`` row, never a number;
 - ``rl_loss``: a policy loss known in the forward (``losses.ClippedPolicyLoss``, clip 0.2 / 0.28,
-  entropy bonus 0.01, token mean; ``--kl-coef`` adds a k3 KL penalty) at temperature 1: ``stock``
+  entropy bonus ``--entropy-coef`` (0.01), token mean; ``--kl-coef`` adds a k3 KL penalty) at temperature 1: ``stock``
   (bf16 logits, ``logits_loss``), ``recompute`` (the loss on ``fused_linear_logprob``'s log-prob and
   entropy: four GEMMs), ``ours`` (``fused_linear_loss``: three) and ``floor3`` (three GEMMs);
 - ``scaling``: hidden x vocabulary ``--scaling-shape``, tokens doubling from ``--scaling-start``
@@ -52,6 +52,7 @@ from harness import (
     try_measure,
 )
 from methods import (
+    ENTROPY_COEF,
     FUSED_BACKEND,
     OLD_LOGPROB_NOISE,
     RL_LOSS_METHODS,
@@ -214,7 +215,7 @@ class Benchmark:
         per-token op plus autograd (``recompute``) and the three-GEMM floor (``floor3``)."""
         name = shape_name(shape)
         first = len(self.rows)
-        loss_fn = policy_loss(self.args.kl_coef)
+        loss_fn = policy_loss(self.args.kl_coef, self.args.entropy_coef)
         loss_inputs = policy_loss_inputs(inputs, self.args.kl_coef)
         reference = loss_oracle(inputs, sample, loss_fn, loss_inputs)
         for method in self.args.rl_loss_methods:
@@ -299,7 +300,10 @@ class Benchmark:
             {key: value for key, value in vars(args).items() if key not in ("json", "plots", "device")},
             missing=self.missing,
             fused_backend=FUSED_BACKEND,
-            rl_loss={"loss_fn": dataclasses.asdict(policy_loss(args.kl_coef)), "old_logprob_noise": OLD_LOGPROB_NOISE},
+            rl_loss={
+                "loss_fn": dataclasses.asdict(policy_loss(args.kl_coef, args.entropy_coef)),
+                "old_logprob_noise": OLD_LOGPROB_NOISE,
+            },
         )
         for shape in dict.fromkeys(shapes + fraction_shapes):  # each shape's inputs made once
             inputs = make_inputs(*shape, self.dtype, self.device)
@@ -388,6 +392,9 @@ def parse_args():
     parser.add_argument("--rl-loss-methods", type=comma_list(str), default=",".join(RL_LOSS_METHODS))
     parser.add_argument(
         "--kl-coef", type=float, default=0.0, help="rl_loss: weight of a k3 KL penalty against a reference policy"
+    )
+    parser.add_argument(
+        "--entropy-coef", type=float, default=ENTROPY_COEF, help="rl_loss: weight of the entropy bonus (0: none)"
     )
     parser.add_argument(
         "--scaling-shape",

@@ -143,10 +143,11 @@ def sft_logprob(method, competitors, inputs):
         return -sft_loss(method, competitors, inputs.hidden.detach(), inputs.weight.detach(), inputs.targets, "none")
 
 
-def policy_loss(kl_coef=0.0):
-    """The RL-loss section's ``losses.ClippedPolicyLoss`` (a k3 KL penalty when ``kl_coef``)."""
+def policy_loss(kl_coef=0.0, entropy_coef=ENTROPY_COEF):
+    """The RL-loss section's ``losses.ClippedPolicyLoss`` (a k3 KL penalty when ``kl_coef``; no
+    entropy term when ``entropy_coef`` is 0)."""
     return losses.ClippedPolicyLoss(
-        clip_low=CLIP_LOW, clip_high=CLIP_HIGH, entropy_coef=ENTROPY_COEF, kl_coef=kl_coef, kl_estimator="k3"
+        clip_low=CLIP_LOW, clip_high=CLIP_HIGH, entropy_coef=entropy_coef, kl_coef=kl_coef, kl_estimator="k3"
     )
 
 

@@ -2,10 +2,12 @@
 tiles, against the three cuBLAS GEMMs, and split one chunk's time into its phases.
 
 Each variant runs the backend directly (a fixed upstream gradient per chunk, no autograd), so the
-figures isolate the pass from the op around it. Phases of one chunk: the forward kernel without
-and with the stored exponentials, the ``dz`` kernel, and the two cuBLAS products.
+figures isolate the pass from the op around it; ``--entropy`` gives the upstream an entropy term
+(the block then goes through the ``dz`` kernel), otherwise the products read the stored block as
+it is. Phases of one chunk: the forward kernel without and with the stored exponentials, the
+``dz`` kernel, and the two cuBLAS products.
 
-    python benchmarks/sweep_loss_chunks.py [--shapes 8192x4096x151936] [--json out.json] [--gaps]
+    python benchmarks/sweep_loss_chunks.py [--shapes 8192x4096x151936] [--json out.json] [--gaps] [--entropy]
 
 ``--gaps`` instead profiles one default pass per shape and prints the GPU's kernel time, its
 idle time between kernels, the longest idle intervals with the kernels around them, and the time
@@ -24,12 +26,13 @@ from harness import parse_shapes
 from megatron_fused_lm.ops.contract import NeededGrads, ShardProblem, ShardTargets, UpstreamGrads
 from megatron_fused_lm.ops.products import add_product
 from megatron_fused_lm.ops.softmax_stats import merge_statistics, summarize
+from megatron_fused_lm.ops.stored_exponentials import row_references
 from megatron_fused_lm.ops.triton_backend import TritonBackend, choose_tiles, choose_tiles_per_split, multiprocessors
 from megatron_fused_lm.ops.triton_kernels.softmax_stats_kernel import split_statistics
 from megatron_fused_lm.ops.triton_kernels.stored_grad_kernel import stored_logit_grads
 from megatron_fused_lm.ops.triton_kernels.tiles import Tiles
 
-TOKEN_CHUNKS = (None, 1024, 2048, 3072, 4096)
+TOKEN_CHUNKS = (None, 2048, 4096, 6656)
 FORWARD_CANDIDATES = (
     None,
     Tiles(256, 128, 64, 8, 8, 2, "tf32"),
@@ -69,7 +72,8 @@ def backend_pass(backend, problem, upstream):
     grad_logprob, grad_entropy = upstream
 
     def chunk_upstream(rows, local_statistics):
-        return summarize(local_statistics).saved, UpstreamGrads(grad_logprob[rows], grad_entropy[rows])
+        entropy_part = None if grad_entropy is None else grad_entropy[rows]
+        return summarize(local_statistics).saved, UpstreamGrads(grad_logprob[rows], entropy_part)
 
     return lambda: backend.loss_gradients(problem, chunk_upstream, NeededGrads(True, True))
 
@@ -81,24 +85,22 @@ def chunk_phases(problem, upstream, token_chunk):
     tiles = choose_tiles(weight.dtype)[0]
     per_split = choose_tiles_per_split(token_chunk, vocab, tiles, multiprocessors(weight.device))
     columns = problem.targets.local[:token_chunk]
-    stored = hidden.new_empty(token_chunk, -(-vocab // 8) * 8, dtype=torch.float16)[:, :vocab]
-    tile_max = hidden.new_empty(token_chunk, -(-vocab // tiles.block_n), dtype=torch.float32)
-    parts = split_statistics(hidden, weight, columns, 1.0, tiles, per_split, stored, tile_max)
+    stored = hidden.new_empty(token_chunk, -(-vocab // 8) * 8, dtype=weight.dtype)[:, :vocab]
+    reference = row_references(hidden, weight, columns, 1.0)
+    parts = split_statistics(hidden, weight, columns, 1.0, tiles, per_split, stored, reference)
     saved = summarize(merge_statistics(parts)).saved
-    chunk_upstream = UpstreamGrads(*(grad[:token_chunk].contiguous() for grad in upstream))
-    grads = stored_logit_grads(stored, tile_max, weight.dtype, columns, saved, chunk_upstream, 1.0, tiles.block_n)
+    grad_logprob = upstream[0][:token_chunk].contiguous()
+    chunk_upstream = UpstreamGrads(grad_logprob, grad_logprob)  # the dz kernel with both terms
+    grads = stored_logit_grads(stored, reference, stored, columns, saved, chunk_upstream, 1.0)
     grad_hidden = torch.empty_like(hidden, dtype=torch.float32)
     accumulator = weight.new_empty(weight.shape, dtype=torch.float32)
     return {
+        "reference": median_ms(lambda: row_references(hidden, weight, columns, 1.0)),
         "forward": median_ms(lambda: split_statistics(hidden, weight, columns, 1.0, tiles, per_split)),
         "forward_storing": median_ms(
-            lambda: split_statistics(hidden, weight, columns, 1.0, tiles, per_split, stored, tile_max)
+            lambda: split_statistics(hidden, weight, columns, 1.0, tiles, per_split, stored, reference)
         ),
-        "dz": median_ms(
-            lambda: stored_logit_grads(
-                stored, tile_max, weight.dtype, columns, saved, chunk_upstream, 1.0, tiles.block_n
-            )
-        ),
+        "dz": median_ms(lambda: stored_logit_grads(stored, reference, stored, columns, saved, chunk_upstream, 1.0)),
         "grad_hidden_gemm_fp32": median_ms(lambda: add_product(grad_hidden, grads, weight, accumulate=False)),
         "grad_weight_gemm_fp32": median_ms(lambda: add_product(accumulator, grads.t(), hidden, accumulate=True)),
     }
@@ -135,10 +137,13 @@ def main():
     parser.add_argument("--shapes", type=parse_shapes, default="8192x4096x151936,32768x4096x151936")
     parser.add_argument("--json", default="sweep_loss_chunks.json")
     parser.add_argument("--gaps", action="store_true", help="profile the idle time of one default pass instead")
+    parser.add_argument("--entropy", action="store_true", help="an upstream entropy term (the dz kernel runs)")
     args = parser.parse_args()
     results = []
     for shape in args.shapes:
         problem, upstream = make_problem(*shape)
+        if not args.entropy:
+            upstream = (upstream[0], None)
         if args.gaps:
             busy, idle, longest, by_kernel = idle_gaps(backend_pass(TritonBackend(), problem, upstream))
             print(f"{shape}: kernels {busy:.2f} ms, idle between them {idle:.2f} ms; longest idle intervals:")
@@ -158,7 +163,16 @@ def main():
                 except Exception as error:  # a tile shape that does not fit the shared memory
                     print(f"  chunk {token_chunk} tiles {tiles}: {type(error).__name__}: {str(error)[:120]}")
                     continue
-                results.append(dict(shape=shape, token_chunk=token_chunk, tiles=tiles, ms=ms, floor_ms=floor_ms))
+                results.append(
+                    dict(
+                        shape=shape,
+                        entropy=args.entropy,
+                        token_chunk=token_chunk,
+                        tiles=tiles,
+                        ms=ms,
+                        floor_ms=floor_ms,
+                    )
+                )
                 print(f"  chunk {token_chunk} tiles {tiles and tiles[:6]}: {ms:.2f} ms = {ms / floor_ms:.3f}x floor")
         phases = chunk_phases(problem, upstream, 2048)
         print("  one 2048-row chunk:", {name: round(ms, 3) for name, ms in phases.items()})

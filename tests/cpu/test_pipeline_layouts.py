@@ -1,5 +1,6 @@
-"""The CPU dry run of ``tests/gpu/pipeline_training.py``: each two-rank layout with both loss paths,
-on two gloo ranks (torchrun) at the script's tiny CPU size, 8 SFT and 6 RL steps.
+"""The CPU dry run of ``tests/gpu/pipeline_training.py``: each two-rank layout, and the eight-rank
+``tp2_pp2_dp2``, with both loss paths, on gloo ranks (torchrun) at the script's tiny CPU size, 8
+SFT and 6 RL steps (4 and 4 on eight ranks, about half a minute each on two cores).
 
 What the dry run covers, with the script's own checks (tied copies and DP replicas bitwise equal,
 the head's gradient on the right parameters, no recomputed logits on the three-GEMM path, fused
@@ -13,6 +14,8 @@ and stock curves within the noise of the perturbed reference run):
   optimizer with the parameter all-gather overlapped (asynchronous gloo all-gathers that
   Megatron's forward pre-hooks wait for, the untied output weight in a bucket of its own), four
   micro-batches of gradient accumulation;
+- ``tp2_pp2_dp2``: TP=2 x PP=2 x DP=2 at once, with sequence parallelism, tied embeddings and
+  both overlaps;
 - both loss paths: ``head.logprobs`` with the policy loss by hand, and the three-GEMM path
   (``declare_loss_weights`` before the labels-path forward, ``head.loss`` with
   ``ClippedPolicyLoss``).
@@ -20,8 +23,8 @@ and stock curves within the noise of the perturbed reference run):
 Only the GPU run covers: NCCL, and the overlapped collectives running concurrently with CUDA
 compute; the Triton backend (the CPU runs the torch backend); Megatron's gradient clipping (it
 asserts CUDA gradients); the real sizes (hidden 1024, vocabulary 151936, sequence 2048, 30 + 30
-steps), where bf16 noise, step time and peak memory mean something; and the four-rank ``tp2_pp2``
-layout, whose dry run takes half a minute on four ranks and runs by hand
+steps), where bf16 noise, step time and peak memory mean something. The four-rank ``tp2_pp2``
+layout is the eight-rank one without data parallelism; its dry run runs by hand
 (``torchrun --nproc-per-node 4 tests/gpu/pipeline_training.py --sft-steps 6 --rl-steps 6``).
 """
 
@@ -37,11 +40,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "gpu" / "pipeline_training.py"
-# Expected parallel sizes of each layout on two ranks.
+# Ranks, SFT and RL steps, and the expected parallel sizes of each layout.
 LAYOUTS = {
-    "pp2_tied": {"pp": 2, "vpp": 1, "dp": 1, "tied": True},
-    "pp2_vpp2_tied": {"pp": 2, "vpp": 2, "dp": 1, "tied": True},
-    "dp2_overlap": {"pp": 1, "vpp": 1, "dp": 2, "overlap_param_gather": True, "tied": False},
+    "pp2_tied": (2, 8, 6, {"pp": 2, "vpp": 1, "dp": 1, "tied": True}),
+    "pp2_vpp2_tied": (2, 8, 6, {"pp": 2, "vpp": 2, "dp": 1, "tied": True}),
+    "dp2_overlap": (2, 8, 6, {"pp": 1, "vpp": 1, "dp": 2, "overlap_param_gather": True, "tied": False}),
+    "tp2_pp2_dp2": (8, 4, 4, {"tp": 2, "pp": 2, "dp": 2, "sequence_parallel": True, "overlap_param_gather": True}),
 }
 
 
@@ -54,15 +58,17 @@ def test_layout_trains_fused_like_stock(layout, loss_path, tmp_path):
         CUDA_VISIBLE_DEVICES="",  # the dry run, even on a machine with GPUs
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     )
+    ranks, sft_steps, rl_steps, expected = LAYOUTS[layout]
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT),
-        "--layout", layout, "--loss-path", loss_path, "--sft-steps", "8", "--rl-steps", "6", "--json", str(json_path),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(SCRIPT),
+        "--layout", layout, "--loss-path", loss_path, "--sft-steps", str(sft_steps), "--rl-steps", str(rl_steps),
+        "--json", str(json_path),
     ]  # fmt: skip
     done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     output = done.stdout + done.stderr
     assert done.returncode == 0 and "pipeline_training: PASS" in output, output[-6000:]
     record = json.loads(json_path.read_text())
-    assert {key: record["layout"][key] for key in LAYOUTS[layout]} == LAYOUTS[layout]
+    assert {key: record["layout"][key] for key in expected} == expected
     assert record["layout"]["loss_path"] == loss_path
     fused = [run for rank in record["ranks"] for run in rank["runs"] if run["name"] == "fused"]
     assert any(run["head_fused"] for run in fused), "no rank ran the fused head"

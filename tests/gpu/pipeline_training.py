@@ -11,6 +11,8 @@ parallel = world size / (TP x PP); sequence parallelism is on by default exactly
 
 - ``tp2_pp2`` (4 GPUs, the default): TP=2 x PP=2, sequence parallel, tied embeddings, 1F1B, the
   distributed optimizer;
+- ``tp2_pp2_dp2`` (8 GPUs): the same with DP=2, the gradient reduction and the parameter
+  all-gather overlapped as in ``dp2_overlap``: all three parallelisms at once;
 - ``pp2_tied`` (2 GPUs): PP=2, tied embeddings, 1F1B, Megatron's mixed-precision optimizer;
 - ``pp2_vpp2_tied`` (2 GPUs): PP=2 with two virtual chunks per stage (``vp_stage``), Megatron's
   interleaved schedule, tied embeddings: the first chunk of the first stage holds the embedding,
@@ -149,6 +151,9 @@ LAYOUTS = {
     layout.name: layout
     for layout in (
         Layout("tp2_pp2", tp=2, pp=2, distributed_optimizer=True),
+        Layout(
+            "tp2_pp2_dp2", tp=2, pp=2, overlap_grad_reduce=True, distributed_optimizer=True, overlap_param_gather=True
+        ),
         Layout("pp2_tied", pp=2),
         Layout("pp2_vpp2_tied", pp=2, vpp=2),
         Layout(

@@ -11,7 +11,8 @@
 #   pp2_tied           2 GPUs: PP=2, 1F1B, tied embeddings
 #   pp2_vpp2_tied      2 GPUs: PP=2 x 2 virtual chunks, interleaved schedule, tied embeddings
 #   dp2_overlap        2 GPUs: DP=2, overlap_grad_reduce, distributed optimizer + overlap_param_gather
-# The last four are tests/gpu/pipeline_training.py --layout NAME (its docstring has the details);
+#   tp2_pp2_dp2        8 GPUs: TP=2 x PP=2 x DP=2, sequence parallel, tied, both overlaps
+# The last five are tests/gpu/pipeline_training.py --layout NAME (its docstring has the details);
 # extra arguments in PIPELINE_ARGS, e.g. PIPELINE_ARGS="--loss-path three-gemm --backend triton".
 # Each part writes OUTPUT_DIR/PART.json and OUTPUT_DIR/PART.log (OUTPUT_DIR defaults to $OUT, else
 # multi_gpu_results). The exit status is non-zero when any part failed or could not run.
@@ -38,13 +39,14 @@ describe() {
         pipeline_training) needed=4; command=(tests/gpu/pipeline_training.py --layout tp2_pp2 ${PIPELINE_ARGS:-}) ;;
         pp2_tied | pp2_vpp2_tied | dp2_overlap)
             needed=2; command=(tests/gpu/pipeline_training.py --layout "$1" ${PIPELINE_ARGS:-}) ;;
+        tp2_pp2_dp2) needed=8; command=(tests/gpu/pipeline_training.py --layout tp2_pp2_dp2 ${PIPELINE_ARGS:-}) ;;
         *) return 1 ;;
     esac
 }
 
 parts=("$@")
 if [ ${#parts[@]} -eq 0 ]; then
-    for part in tp_parity tp_bench pp2_tied pp2_vpp2_tied dp2_overlap pipeline_training; do
+    for part in tp_parity tp_bench pp2_tied pp2_vpp2_tied dp2_overlap pipeline_training tp2_pp2_dp2; do
         describe "$part" && [ "$gpus" -ge "$needed" ] && parts+=("$part")
     done
     [ ${#parts[@]} -gt 0 ] || { echo "no part runs on $gpus GPUs" >&2; exit 1; }

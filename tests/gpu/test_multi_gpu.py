@@ -75,3 +75,11 @@ def test_two_gpu_layouts_train_fused_like_stock(layout, loss_path, tmp_path):
     arguments = ("--layout", layout, "--loss-path", loss_path)
     record = run_torchrun("pipeline_training.py", 2, tmp_path / "pipeline_training.json", *arguments)
     assert (record["layout"]["name"], record["layout"]["loss_path"]) == (layout, loss_path)
+
+
+@needs_gpus(8)
+@pytest.mark.parametrize("loss_path", ["logprobs", "three-gemm"])
+def test_three_dimensional_layout_trains_fused_like_stock(loss_path, tmp_path):
+    arguments = ("--layout", "tp2_pp2_dp2", "--loss-path", loss_path)
+    record = run_torchrun("pipeline_training.py", 8, tmp_path / "pipeline_training.json", *arguments)
+    assert (record["layout"]["dp"], record["layout"]["loss_path"]) == (2, loss_path)

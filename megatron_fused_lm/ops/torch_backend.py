@@ -79,8 +79,8 @@ class _GradientProducts:
 
     def __init__(self, problem: ShardProblem, needed: NeededGrads, hidden_dtype: Optional[torch.dtype] = None):
         self.hidden, self.weight = problem.hidden, problem.weight
-        self.hidden_dtype = hidden_dtype or self.hidden.dtype
-        self.grad_hidden = self.hidden.new_empty(self.hidden.shape, dtype=self.hidden_dtype) if needed.hidden else None
+        dtype = hidden_dtype or self.hidden.dtype
+        self.grad_hidden = self.hidden.new_empty(self.hidden.shape, dtype=dtype) if needed.hidden else None
         self.grad_weight = WeightAccumulator(self.weight) if needed.weight else None
 
     def add(self, chunk: slice, grad: torch.Tensor, chosen: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:

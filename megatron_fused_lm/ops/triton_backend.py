@@ -233,11 +233,12 @@ class TritonBackend:
                 grad_hidden[tokens] = hidden_acc[:rows]
         return Gradients(grad_hidden, grad_weight)
 
-    def loss_gradients(self, problem: ShardProblem, chunk_upstream: ChunkUpstream, needed: NeededGrads) -> Gradients:
-        """Both gradients, each chunk's logits computed once (``contract.Backend``)."""
+    def loss_gradients(
+        self, problem: ShardProblem, chunk_upstream: ChunkUpstream, needed: NeededGrads
+    ) -> StoredGradients:
+        """Both gradients in float32, each chunk's logits computed once (``contract.Backend``)."""
         hidden, weight = problem.hidden, problem.weight
-        num_tokens, hidden_size = hidden.shape
-        vocab = weight.shape[0]
+        num_tokens, vocab = hidden.shape[0], weight.shape[0]
         inv_temperature = 1.0 / problem.temperature
         tiles = self.forward_tiles or choose_tiles(weight.dtype)[0]
         layout = stored_layout(weight.dtype)

@@ -139,16 +139,23 @@ def _forward_gradients(
         return backend.loss_gradients(problem, chunk_loss, needed)
 
 
-def _finished(ctx, scale: Tensor, name: str) -> tuple[Optional[Tensor], Optional[Tensor]]:
+def _take_stored(ctx, name: str) -> StoredGradients:
+    """The gradients the forward stored; a second backward through the graph has nothing left."""
+    stored, ctx.stored = ctx.stored, None
+    if stored is None:
+        raise RuntimeError(f"{name}: its gradients were used by an earlier backward")
+    return stored
+
+
+def _finished(
+    stored: StoredGradients, scale: Tensor, options: LossOptions
+) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """The stored gradients times the upstream ``scale``, each rounded once into its parameter's
     dtype, the hidden gradient then summed over the group when asked (in that dtype, as the
     recompute path and Megatron's column-parallel layer do)."""
-    stored, ctx.stored = ctx.stored, None  # a second backward through this graph has nothing left
-    if stored is None:
-        raise RuntimeError(f"{name}: its gradients were used by an earlier backward")
     grads = stored.scaled(scale.float())
-    if grads.hidden is not None and ctx.options.reduce_hidden_grad:
-        all_reduce_sum(grads.hidden, ctx.options.tp_group)
+    if grads.hidden is not None and options.reduce_hidden_grad:
+        all_reduce_sum(grads.hidden, options.tp_group)
     return grads
 
 
@@ -169,7 +176,8 @@ class _FusedLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logprob, _grad_entropy):
-        return *_finished(ctx, grad_loss, "fused_linear_loss"), None, None, None, None, None, None
+        stored = _take_stored(ctx, "fused_linear_loss")
+        return *_finished(stored, grad_loss, ctx.options), None, None, None, None, None, None
 
 
 def fused_linear_loss(
@@ -276,12 +284,10 @@ class _DeclaredCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_losses):
         hidden, weight, local_target, owned, declared, lse, mean_logit = ctx.saved_tensors
-        if ctx.stored is None:
-            raise RuntimeError("fused_linear_cross_entropy: its gradients were used by an earlier backward")
+        stored = _take_stored(ctx, "fused_linear_cross_entropy")
         scale = proportional_scale(grad_losses, declared)
         if scale is not None:
-            return *_finished(ctx, scale, "fused_linear_cross_entropy"), None, None, None, None, None
-        ctx.stored = None
+            return *_finished(stored, scale, ctx.options), None, None, None, None, None
         # Not the declared loss: the exact gradient of this upstream, by the recompute path.
         warn_once(
             "megatron_fused_lm: the upstream gradient of fused_linear_cross_entropy is not proportional to the "

@@ -9,10 +9,8 @@ so once the chosen token's element is zeroed, the two gradient products read the
 it is: ``grad_hidden = f * (e @ W) + c * W_y`` and ``grad_weight = e.T @ (f * h)`` plus ``c * h`` in
 row ``y``, with the chosen token's ``c = g * (1 - p_y)`` added in float32. No pass over
 ``[tokens, vocab]`` forms ``dz``. That term is each row's largest (most of both gradients' norm),
-so it is kept out of the 16-bit operands: rounded there, and rounded again where it meets the
-16-bit weight gradient of a single chunk, it would cost more accuracy than every other element
-together (measured: 1.3x the recompute path's weight-gradient error, against 1.03x this way). With an entropy term ``dz`` is not a per-row multiple of
-``e``, and ``stored_grad_kernel`` forms it.
+so it is kept out of the 16-bit operands (``stored_gradients.take_chosen``). With an entropy term
+``dz`` is not a per-row multiple of ``e``, and ``stored_grad_kernel`` forms it.
 
 The reference is chosen before the logits exist, from a sample of the shard's rows and the chosen
 token's row: ``r = max(sampled logits) + REFERENCE_HEADROOM``. It must keep the row's maximum ``M``
@@ -31,7 +29,7 @@ Shapes: ``n`` rows of the chunk; ``[n]`` tensors are float32 unless stated.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
@@ -42,20 +40,11 @@ REFERENCE_HEADROOM = 20.0
 MAX_ABOVE_REFERENCE = 32.0
 
 
-class StoredLayout(NamedTuple):
-    """How a chunk's block is kept for operands of one dtype."""
-
-    dtype: torch.dtype  # of the stored exponentials: float32's exponent range (bfloat16 or float32)
-    direct: bool  # the products can read the block itself (it has the weight's dtype)
-    bytes_per_logit: int  # the block, plus a separate dz block where dz cannot overwrite it
-
-
-def stored_layout(weight_dtype: torch.dtype) -> StoredLayout:
-    """bfloat16 and float32 operands keep the block in their own dtype; float16's exponent range is
-    too narrow for a per-row reference, so its block is float32 and ``dz`` goes to a float16 block."""
-    if weight_dtype == torch.float16:
-        return StoredLayout(torch.float32, direct=False, bytes_per_logit=4 + 2)
-    return StoredLayout(weight_dtype, direct=True, bytes_per_logit=torch.finfo(weight_dtype).bits // 8)
+def stored_dtype(weight_dtype: torch.dtype) -> torch.dtype:
+    """The block's dtype: one with float32's exponent range. bfloat16 and float32 operands keep the
+    block in their own dtype, so the products can read it; float16's exponent range is too narrow
+    for a per-row reference, so its block is float32 and ``dz`` is formed into a float16 block."""
+    return torch.float32 if weight_dtype == torch.float16 else weight_dtype
 
 
 def row_references(
@@ -84,14 +73,6 @@ def stale_references(reference: torch.Tensor, local_max: torch.Tensor) -> tuple[
     ``refresh = 1`` (int8 ``[n]``); the others keep theirs."""
     stale = local_max > reference + MAX_ABOVE_REFERENCE
     return torch.where(stale, local_max, reference), stale.to(torch.int8)
-
-
-def zero_chosen_token(stored: torch.Tensor, target_column: torch.Tensor) -> None:
-    """Zero the chosen token's element of ``stored [n, V]`` on the rows whose target this shard owns
-    (``target_column >= 0``, int64 ``[n]``). One element per row: the scatter is deterministic."""
-    column = target_column.clamp(min=0).unsqueeze(1)
-    current = stored.gather(1, column)
-    stored.scatter_(1, column, torch.where(target_column.unsqueeze(1) >= 0, 0.0, current).to(stored.dtype))
 
 
 def chosen_token_grad(

@@ -20,7 +20,7 @@ from .chunking import BlockLogits, chunk_logit_grads, chunk_statistics, token_ch
 from .contract import ChunkUpstream, Gradients, NeededGrads, SavedStatistics, ShardProblem, ShardTargets, UpstreamGrads
 from .products import add_product, float32_product
 from .softmax_stats import block_statistics, logit_grad
-from .stored_gradients import StoredGradients, WeightAccumulator
+from .stored_gradients import StoredGradients, WeightAccumulator, take_chosen
 
 DEFAULT_BLOCK_BYTES = 256 * 2**20
 
@@ -68,7 +68,8 @@ class TorchBackend:
             saved, upstream = chunk_upstream(chunk, block_statistics(logits, *targets))
             if needed.hidden or needed.weight:
                 grad = logit_grad(logits, targets, saved, upstream).div_(problem.temperature)
-                products.add(chunk, grad, chosen=_take_chosen(grad, targets))
+                target_column = targets.columns()
+                products.add(chunk, grad, chosen=(target_column, take_chosen(grad, target_column)))
         return products.stored()
 
 
@@ -86,7 +87,7 @@ class _GradientProducts:
     def add(self, chunk: slice, grad: torch.Tensor, chosen: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
         """Add the products of ``grad [chunk rows, vocab_shard]`` (float32, w.r.t. the unscaled
         logits), and those of the chosen tokens' elements ``chosen = (target_column, values)``
-        taken out of it (``_take_chosen``) in float32."""
+        taken out of it (``stored_gradients.take_chosen``) in float32."""
         # The products run in the weight's dtype, as the stock path's logits gradient does;
         # each accumulates in float32, and a chunk's hidden gradient is rounded once.
         grad = grad.to(self.weight.dtype)
@@ -107,17 +108,6 @@ class _GradientProducts:
     def stored(self) -> StoredGradients:
         """The gradients kept in float32 for the loss path's backward."""
         return StoredGradients(self.grad_hidden, self.grad_weight, self.hidden.dtype)
-
-
-def _take_chosen(grad: torch.Tensor, targets: ShardTargets) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero the chosen token's element of each row of ``grad [n, v]`` whose target this shard owns
-    and return ``(target_column, values)`` (``[n]``; -1 and 0 elsewhere). That element carries the
-    row's largest term; rounded with the rest of the block to 16 bits, it would give every row of
-    a uniformly weighted loss the same relative error."""
-    column = targets.local.unsqueeze(1)
-    values = torch.where(targets.owned, grad.gather(1, column).squeeze(1), 0.0)
-    grad.scatter_(1, column, torch.where(targets.owned.unsqueeze(1), 0.0, grad.gather(1, column)))
-    return targets.columns(), values
 
 
 def _block_logits(problem: ShardProblem) -> BlockLogits:

@@ -52,12 +52,11 @@ from .stored_exponentials import (
     row_factor,
     row_references,
     stale_references,
-    stored_layout,
-    zero_chosen_token,
+    stored_dtype,
 )
-from .stored_gradients import StoredGradients, WeightAccumulator
+from .stored_gradients import StoredGradients, WeightAccumulator, take_chosen
 from .triton_kernels.chosen_token_kernel import add_chosen_rows, finish_hidden_grad
-from .triton_kernels.descriptors import addressable
+from .triton_kernels.descriptors import addressable, addressable_empty
 from .triton_kernels.logit_grad_kernel import logit_grad_block
 from .triton_kernels.softmax_stats_kernel import refresh_stored_exp, split_statistics
 from .triton_kernels.stored_grad_kernel import stored_logit_grads
@@ -123,14 +122,6 @@ def loss_token_chunk(num_tokens: int, vocab: int, bytes_per_logit: int, tiles: T
     chunks = max(1, -(-num_tokens // limit))
     even = max(1, -(-num_tokens // chunks))
     return min(limit, -(-even // tiles.block_m) * tiles.block_m)
-
-
-def _descriptor_block(like: torch.Tensor, rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized ``[rows, columns]`` block whose rows are padded to 16 bytes, so that a
-    tensor descriptor can store into it."""
-    element_size = torch.finfo(dtype).bits // 8
-    padded = -(-columns * element_size // 16) * 16 // element_size
-    return like.new_empty(rows, padded, dtype=dtype)[:, :columns]
 
 
 def memory_target_dz_bytes(gradient_bytes: int, accumulator_bytes: int) -> int:
@@ -241,18 +232,19 @@ class TritonBackend:
         num_tokens, vocab = hidden.shape[0], weight.shape[0]
         inv_temperature = 1.0 / problem.temperature
         tiles = self.forward_tiles or choose_tiles(weight.dtype)[0]
-        layout = stored_layout(weight.dtype)
-        token_chunk = self.token_chunk or loss_token_chunk(num_tokens, vocab, layout.bytes_per_logit, tiles)
+        block_dtype = stored_dtype(weight.dtype)
+        # The products read the block itself where it has the weight's dtype; elsewhere (float16
+        # operands) dz goes to a block of its own.
+        direct = block_dtype == weight.dtype
+        bytes_per_logit = block_dtype.itemsize + (0 if direct else weight.element_size())
+        token_chunk = self.token_chunk or loss_token_chunk(num_tokens, vocab, bytes_per_logit, tiles)
         token_chunk = min(token_chunk, max(num_tokens, 1))
         # float32 outputs also keep cuBLAS from reducing split-K partials in 16 bits (long
         # vocabulary sums, few tokens).
         grad_hidden = hidden.new_empty(hidden.shape, dtype=torch.float32) if needed.hidden else None
         weight_grad = WeightAccumulator(weight) if needed.weight else None
-        stored = _descriptor_block(hidden, token_chunk, vocab, layout.dtype)
-        # dz overwrites the block where the element sizes match (always, but for float16 operands).
-        logit_grads = (
-            stored if layout.dtype == weight.dtype else _descriptor_block(hidden, token_chunk, vocab, weight.dtype)
-        )
+        stored = addressable_empty(hidden, token_chunk, vocab, block_dtype)
+        logit_grads = stored if direct else addressable_empty(hidden, token_chunk, vocab, weight.dtype)
         hidden_operand, weight_operand = addressable(hidden), addressable(weight)
         target_columns = problem.targets.columns()
         for tokens in token_chunks(num_tokens, token_chunk):
@@ -278,11 +270,11 @@ class TritonBackend:
             saved = SavedStatistics(*(part.contiguous() for part in saved))
             upstream = UpstreamGrads(*(None if part is None else part.contiguous() for part in upstream))
             factor = chosen = None
-            if layout.direct and upstream.entropy is None:
+            if direct and upstream.entropy is None:
                 # The block is dz up to the per-row factor, the chosen token aside: the products read it.
                 factor = row_factor(upstream.logprob, saved.lse, reference, inv_temperature)
                 chosen = chosen_token_grad(columns, local[:, TARGET], saved.lse, upstream.logprob, inv_temperature)
-                zero_chosen_token(block, columns)
+                take_chosen(block, columns)
                 operand = block
             else:
                 operand = stored_logit_grads(

@@ -11,8 +11,8 @@ from megatron_fused_lm.ops.stored_exponentials import (
     row_factor,
     row_references,
     stale_references,
-    zero_chosen_token,
 )
+from megatron_fused_lm.ops.stored_gradients import take_chosen
 
 
 def test_row_references_bracket_the_row_maximum():
@@ -60,7 +60,7 @@ def test_chosen_token_and_factor_give_dz():
     expected *= inv_temperature
     reference = logits.amax(1) + 5.0
     stored = (logits - reference[:, None]).exp().float()
-    zero_chosen_token(stored, target_column)
+    taken = take_chosen(stored, target_column)
     factor = row_factor(grad_logprob, lse.float(), reference.float(), inv_temperature)
     chosen = chosen_token_grad(
         target_column, logits[torch.arange(4), targets].float(), lse.float(), grad_logprob, inv_temperature
@@ -68,6 +68,8 @@ def test_chosen_token_and_factor_give_dz():
     dz = factor[:, None].double() * stored.double()
     dz[owned, targets[owned]] += chosen.double()[owned]
     assert stored[2, 0] != 0  # another shard's chosen token is left in the block
+    chosen_exp = (logits[torch.arange(4), targets] - reference).exp()
+    assert torch.allclose(taken.double(), torch.where(owned, chosen_exp, 0.0), rtol=1e-6)
     assert torch.allclose(dz, expected, rtol=1e-5, atol=1e-7 * expected.abs().max().item())
     # Near p = 1 the chosen term keeps the relative precision of the float32 log-prob (1e-6
     # absolute at logits near 14, on 1 - p near 1e-3); 1 - exp(logprob) would lose more.

@@ -19,9 +19,15 @@ def addressable(tensor: torch.Tensor) -> torch.Tensor:
     item = tensor.element_size()
     if tensor.stride(1) == 1 and tensor.stride(0) * item % 16 == 0 and tensor.data_ptr() % 16 == 0:
         return tensor
-    padded_cols = -(-tensor.shape[1] * item // 16) * 16 // item
-    copy = tensor.new_empty(tensor.shape[0], padded_cols)[:, : tensor.shape[1]]
-    return copy.copy_(tensor)
+    return addressable_empty(tensor, *tensor.shape, tensor.dtype).copy_(tensor)
+
+
+def addressable_empty(like: torch.Tensor, rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized ``[rows, columns]`` tensor of ``dtype`` on ``like``'s device that a
+    descriptor can address: row-major, each row padded to a multiple of 16 bytes."""
+    item = torch.finfo(dtype).bits // 8
+    padded_columns = -(-columns * item // 16) * 16 // item
+    return like.new_empty(rows, padded_columns, dtype=dtype)[:, :columns]
 
 
 def descriptor(tensor: torch.Tensor, block_shape: Sequence[int]) -> TensorDescriptor:

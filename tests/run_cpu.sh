@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
 # The test command of the README and of CI (.ci/run), for a fresh CPU machine with Python 3.11 and
-# 3.12: installs the pinned environment, lints, runs the CPU suite against the pinned megatron-core
-# (constraints.txt), then the integration tests against each other supported release, each in its
-# own virtual environment under .venvs/ (made on first use): 0.13 to 0.15 on Python 3.11, reusing
-# the pinned torch and pytest; 0.17 to 0.19, which need Python >= 3.12, on Python 3.12, sharing one
-# torch environment (constraints-python3.12.txt).
+# 3.12, with or without an active virtual environment.
+#
+# - The interpreter that runs `python` (the active virtual environment, or the machine's) gets the
+#   pinned environment of constraints.txt; ruff checks the tracked files; the whole CPU suite runs
+#   on the pinned megatron-core.
+# - Each other supported release is installed, without dependencies, into its own small overlay
+#   folder put first on PYTHONPATH, so that every release of one Python version shares that
+#   version's one torch: 0.13 to 0.15 on top of the environment above, 0.17 to 0.19 (which need
+#   Python >= 3.12) on top of one Python 3.12 environment under .venvs/. The integration tests run
+#   on each, after a check that the release imported is the one installed.
+# - Every environment pins torch, triton and pytest; pip keeps no cache.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+
 # Found before the long suite runs, so that a machine without it fails at once. pyenv's python3.12
 # shim is on PATH even where it only fails, hence each candidate is run.
 python312=""
@@ -21,32 +29,48 @@ if [ -z "$python312" ]; then
     "on PATH nor under ${PYENV_ROOT:-$HOME/.pyenv}/versions/ here (pyenv install 3.12 provides it)" >&2
   exit 1
 fi
+
+# $1: a Python interpreter, $2: an overlay folder, $3: the megatron-core release it must import.
+integration_tests() {
+  PYTHONPATH="$2" "$1" -c "
+import sys
+from megatron.core import package_info
+if package_info.__version__ != '$3':
+    sys.exit(f'tests/run_cpu.sh: expected megatron-core $3 from $2, imported {package_info.__version__}')"
+  echo "integration tests on megatron-core $3 ($("$1" -c 'import platform; print("Python", platform.python_version())'))"
+  PYTHONPATH="$2" "$1" -m pytest tests/cpu/test_integration_*.py -q
+}
+
+# $1: a Python interpreter, $2: an overlay folder, $3: a constraints file, then what to install.
+# Made once; a folder left half-made by an interrupted run is made again.
+overlay() {
+  local python=$1 folder=$2 constraints=$3
+  shift 3
+  [ -f "$folder/.complete" ] && return
+  rm -rf "$folder"
+  "$python" -m pip install -q --no-deps --target "$folder" -c "$constraints" "$@"
+  touch "$folder/.complete"
+}
+
 python -m pip install -q -c constraints.txt -e ".[test]"
-# SkyRL's own log-prob functions, which tests/cpu/test_skyrl_parity.py compares with: its Megatron
-# helpers need only torch, megatron-core and loguru, so the release comes without its GPU dependencies.
-python -m pip install -q -c constraints.txt --no-deps skyrl loguru
-ruff check .
-ruff format --check .
+# Tracked files only: a scratch file of the user's in the clone is not the project's.
+git ls-files -z '*.py' | xargs -0 ruff check --force-exclude
+git ls-files -z '*.py' | xargs -0 ruff format --check --force-exclude
 python -m pytest tests/cpu -q
+
 for release in 0.13.1 0.14.0 0.15.3; do
-  env=".venvs/megatron-core-$release"
-  [ -x "$env/bin/python" ] || python -m venv --system-site-packages "$env"
-  "$env/bin/python" -m pip install -q -c constraints-older-megatron.txt "megatron-core==$release" numpy
-  echo "integration tests on megatron-core $release"
-  "$env/bin/python" -m pytest tests/cpu/test_integration_*.py -q
+  folder=".venvs/python3.11/megatron-core-$release"
+  overlay python "$folder" constraints-older-megatron.txt "megatron-core==$release" numpy
+  integration_tests python "$folder" "$release"
 done
-# torch for Python 3.12 is the CUDA build (4.7 GB): installed once, each release's environment
-# reads it through a .pth file.
-torch_env=.venvs/python3.12-torch
-[ -x "$torch_env/bin/python" ] || "$python312" -m venv "$torch_env"
-"$torch_env/bin/python" -m pip install -q -c constraints-python3.12.txt torch numpy pytest pyyaml
-site_packages='import sysconfig; print(sysconfig.get_path("purelib"))'
-torch_site=$("$torch_env/bin/python" -c "$site_packages")
+
+# PyPI's torch for Python 3.12 is the CUDA build (constraints-python3.12.txt says why), installed
+# once into this environment and shared by the three releases.
+env312=.venvs/python3.12/environment
+[ -x "$env312/bin/python" ] || "$python312" -m venv "$env312"
+"$env312/bin/python" -m pip install -q -c constraints-python3.12.txt torch triton numpy packaging pytest pyyaml
 for release in 0.17.1 0.18.2 0.19.2; do
-  env=".venvs/megatron-core-$release"
-  [ -x "$env/bin/python" ] || "$python312" -m venv "$env"
-  echo "$torch_site" >"$("$env/bin/python" -c "$site_packages")/python3.12-torch.pth"
-  "$env/bin/python" -m pip install -q -c constraints-python3.12.txt "megatron-core==$release"
-  echo "integration tests on megatron-core $release (Python 3.12)"
-  "$env/bin/python" -m pytest tests/cpu/test_integration_*.py -q
+  folder=".venvs/python3.12/megatron-core-$release"
+  overlay "$env312/bin/python" "$folder" constraints-python3.12.txt "megatron-core==$release"
+  integration_tests "$env312/bin/python" "$folder" "$release"
 done

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import numbers
 import types
 from collections.abc import Iterator, Mapping
@@ -82,12 +83,19 @@ class FusedLMConfig:
         because a config may hold the keys for several models (verl's actor and its reference
         policy, a critic), and guessing one could turn the fused head on for the wrong model;
         ``section=`` makes the choice and silences the warning.
+
+        A name in a section that is read which looks like a misspelling of one of the keys (say
+        ``fused_linear_logprobs``, or ``fused_linear_logprob_backed``) is ignored like any other
+        name, with one warning naming the key it resembles: a misspelt switch must not leave the
+        fused head off without a word.
         """
         if trainer_config is None:
             raise TypeError("trainer_config must be a mapping or an object with attributes, got None")
         if section is not None:
-            found = _read_keys(_section(trainer_config, section))
-            return cls(**{TRAINER_KEYS[key]: value for key, value in found.items()})
+            chosen = _section(trainer_config, section)
+            config = cls(**{TRAINER_KEYS[key]: value for key, value in _read_keys(chosen).items()})
+            _warn_of_misspellings([(f"{section}.", chosen)], config)
+            return config
         top_level = _read_keys(trainer_config)
         nested = _lookup(trainer_config, "trainer")
         under_trainer = {} if nested is _ABSENT or nested is None else _read_keys(nested)
@@ -101,6 +109,7 @@ class FusedLMConfig:
             if values:
                 fields[field_name] = values[0]
         config = cls(**fields)
+        _warn_of_misspellings([("", trainer_config), ("trainer.", None if nested is _ABSENT else nested)], config)
         missing = {key for key in TRAINER_KEYS if key not in top_level and key not in under_trainer}
         elsewhere = [path for path, key in _set_keys_below(trainer_config) if key in missing]
         if elsewhere:
@@ -110,6 +119,25 @@ class FusedLMConfig:
                 f"section={elsewhere[0].rpartition('.')[0]!r} (the dotted path of the section that holds them)."
             )
         return config
+
+
+def _warn_of_misspellings(sections: List[Tuple[str, Any]], config: FusedLMConfig) -> None:
+    """One warning for the names of the ``(dotted prefix, section)`` pairs that resemble a trainer
+    key without being one (after lower-casing and reading '-' as '_')."""
+    suspects = []
+    for prefix, section in sections:
+        for name in _names(section) or ():
+            if not isinstance(name, str) or name in TRAINER_KEYS:
+                continue
+            close = difflib.get_close_matches(name.lower().replace("-", "_"), TRAINER_KEYS, n=1, cutoff=0.8)
+            if close:
+                suspects.append(f"{prefix}{name} (did you mean {close[0]}?)")
+    if suspects:
+        warn_once(
+            f"megatron_fused_lm: FusedLMConfig.from_trainer_config ignored {', '.join(suspects)}, which "
+            f"{'is' if len(suspects) == 1 else 'are'} not among its keys ({', '.join(TRAINER_KEYS)}): the "
+            f"config reads as {config}."
+        )
 
 
 def _lookup(source: Any, key: str) -> Any:

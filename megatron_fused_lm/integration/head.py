@@ -62,9 +62,12 @@ _NOT_SET = object()
 class _HeadCall:
     """What one patched output-layer call used: everything the fused op needs besides the hidden.
 
-    ``reduce_hidden_grad`` is ``False`` where the stock layer would not all-reduce the hidden
-    gradient either: under sequence parallelism (the gather's backward reduce-scatters the
-    partials) and with ``disable_grad_reduce``.
+    ``weight`` is detached when the call ran without gradients (``no_grad``, ``inference_mode``):
+    the stock layer's logits would then carry no graph, so log-probs and losses taken from its
+    output later, with gradients on, carry none into the weight either (and never save an
+    inference tensor for a backward). ``reduce_hidden_grad`` is ``False`` where the stock layer
+    would not all-reduce the hidden gradient either: under sequence parallelism (the gather's
+    backward reduce-scatters the partials) and with ``disable_grad_reduce``.
     """
 
     weight: torch.Tensor
@@ -153,6 +156,8 @@ class _Patch:
         else:
             hidden = input_
             reduce_hidden_grad = not getattr(layer, "disable_grad_reduce", False)
+        if not torch.is_grad_enabled():
+            weight = weight.detach()
         self.head._last_call = _HeadCall(weight, self.tp_group, reduce_hidden_grad)
         return hidden, None
 

@@ -205,3 +205,40 @@ def test_a_bad_section_raises(section, error, words):
     for build in (dict, namespaces):
         with pytest.raises(error, match=words):
             FusedLMConfig.from_trainer_config(build(VERL_LIKE), section=section)
+
+
+@pytest.mark.parametrize(
+    "settings, section, suspect, key",
+    [
+        ({"fused_linear_logprobs": True}, None, "fused_linear_logprobs", "fused_linear_logprob"),
+        (
+            {"trainer": {"fused_linear_logprob_backed": "triton"}},
+            None,
+            "trainer.fused_linear_logprob_backed",
+            "fused_linear_logprob_backend",
+        ),
+        ({"logprob_chunk_size": 64}, None, "logprob_chunk_size", "logprobs_chunk_size"),
+        ({"Fused-Linear-Logprob": True}, None, "Fused-Linear-Logprob", "fused_linear_logprob"),
+        ({"actor": {"fused_linear_logprobs": True}}, "actor", "actor.fused_linear_logprobs", "fused_linear_logprob"),
+    ],
+)
+def test_a_misspelt_key_warns_once_naming_the_key(settings, section, suspect, key, warnings_seen):
+    for build in (dict, namespaces):
+        assert FusedLMConfig.from_trainer_config(build(settings), section=section) == FusedLMConfig()
+    [warning] = warnings_seen()  # read twice, warned once
+    assert f"{suspect} (did you mean {key}?)" in warning and "enabled=False" in warning
+
+
+def test_the_misspelling_warning_lists_every_suspect_and_ignores_other_keys(warnings_seen):
+    config = {
+        "fused_linear_logprobs": True,
+        "fused_linear_logprob_backend": "auto",
+        "trainer": {"logprobs_chunk": 8, "log_prob_micro_batch_size": 4, "use_fused_kernels": True},
+        "entropy_coeff": 0.0,
+    }
+    assert FusedLMConfig.from_trainer_config(config) == FusedLMConfig(backend="auto")
+    [warning] = warnings_seen()
+    assert "fused_linear_logprobs (did you mean fused_linear_logprob?)" in warning
+    assert "trainer.logprobs_chunk (did you mean logprobs_chunk_size?)" in warning
+    for other in ("log_prob_micro_batch_size", "use_fused_kernels", "entropy_coeff", "fused_linear_logprob_backend ("):
+        assert other not in warning

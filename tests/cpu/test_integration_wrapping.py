@@ -1,6 +1,7 @@
 """wrap_model on real Megatron-Core GPTModels beyond the plain case (TP=2, gloo): each fallback
 reason, model wrappers and virtual-pipeline chunk lists, stages without an output layer, wrapping
-twice, multi-token prediction, MuP output scaling (megatron-core >= 0.17), gathered logits, misuse.
+twice, multi-token prediction, MuP output scaling (megatron-core >= 0.17), gathered logits, misuse,
+forwards without gradients (``no_grad``, ``inference_mode``).
 
 Every result is compared with the stock model itself: a float64 oracle on its gathered logits, or
 its own loss and gradients. Tolerances as in test_integration_parity (float32 models; measured
@@ -271,12 +272,49 @@ def mtp_and_mup_cases() -> None:
         unwrap_model(model)
 
 
+def grad_mode_cases() -> None:
+    """A forward under ``no_grad`` or ``inference_mode``, then ``head.logprobs`` / ``head.loss`` on
+    its output with gradients on (a rollout's old log-probs taken later, say): the fused head gives
+    the oracle's values as the stock head does, with no error and no graph when the stock result
+    has none; after a forward with gradients both have a graph."""
+    from megatron_fused_lm import losses
+
+    batch = harness.make_batch()
+    targets = batch[3]
+    model = harness.build_gpt(sequence_parallel=True, tied=True)
+    loss_fn = losses.ClippedPolicyLoss(entropy_coef=0.01)
+    loss_inputs = {
+        "old_logprob": torch.full(targets.shape, -5.0),
+        "advantages": torch.linspace(-1.0, 1.0, targets.numel()).reshape(targets.shape),
+        "weight": torch.full(targets.shape, 1.0 / targets.numel()),
+    }
+    reference = _stock_reference(model, batch, with_backward=False)
+    for mode in (torch.no_grad, torch.inference_mode, torch.enable_grad):
+        results = {}
+        for config in (FusedLMConfig(), FUSED):
+            head = wrap_model(model, config)
+            with mode():
+                output = harness.forward(model, batch)
+            logprob, entropy = head.logprobs(output, targets, temperature=TEMPERATURE, return_entropy=True)
+            result = head.loss(output, targets, loss_fn, loss_inputs=loss_inputs, temperature=TEMPERATURE)
+            label = f"{mode.__name__}, fused={head.fused}"
+            harness.assert_max_error(logprob, reference["logprob"], VALUE_ATOL, f"{label} logprob")
+            harness.assert_max_error(entropy, reference["entropy"], VALUE_ATOL, f"{label} entropy")
+            results[head.fused] = (logprob.requires_grad, entropy.requires_grad, result.loss.requires_grad)
+            if result.loss.requires_grad:
+                result.loss.backward()
+        assert results[True] == results[False], f"{mode.__name__}: fused {results[True]}, stock {results[False]}"
+        assert results[True] == ((True,) * 3 if mode is torch.enable_grad else (False,) * 3), mode.__name__
+    unwrap_model(model)
+
+
 def worker() -> None:
     harness.tensor_parallel(2)
     warnings = WarningRecords()
     fallback_cases(warnings)
     wrapping_cases()
     mtp_and_mup_cases()
+    grad_mode_cases()
 
 
 def test_fallbacks_wrappers_mtp_mup():

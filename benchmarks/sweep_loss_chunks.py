@@ -1,11 +1,12 @@
-"""Time the Triton backend's three-GEMM pass (``loss_gradients``) over token chunks and forward
-tiles, against the three cuBLAS GEMMs, and split one chunk's time into its phases.
+"""Time the Triton backend's loss-in-forward pass over token chunks and forward tiles, against the
+three cuBLAS GEMMs, and split one chunk's time into the pass's own phases.
 
-Each variant runs the backend directly (a fixed upstream gradient per chunk, no autograd), so the
-figures isolate the pass from the op around it; ``--entropy`` gives the upstream an entropy term
-(the block then goes through the ``dz`` kernel), otherwise the products read the stored block as
-it is. Phases of one chunk: the forward kernel without and with the stored exponentials, the
-``dz`` kernel, and the two cuBLAS products.
+Each variant runs the package's pass (``contract.run_loss_pass`` over ``TritonLoss``) with a fixed
+upstream gradient per chunk and no autograd, so the figures isolate the pass from the op around
+it; ``--entropy`` gives the upstream an entropy term (the block then goes through the ``dz``
+kernel), otherwise the products read the stored block as it is. The phases of one chunk are the
+pass's methods: its statistics (the forward kernel storing the block), the direct operand or the
+``dz`` operand, the two products, and the chosen tokens' term.
 
     python benchmarks/sweep_loss_chunks.py [--shapes 8192x4096x151936] [--json out.json] [--gaps] [--entropy]
 
@@ -23,14 +24,11 @@ import torch
 import triton.testing
 from harness import parse_shapes
 
-from megatron_fused_lm.ops.contract import NeededGrads, ShardProblem, ShardTargets, UpstreamGrads
-from megatron_fused_lm.ops.products import add_product
-from megatron_fused_lm.ops.softmax_stats import merge_statistics, summarize
-from megatron_fused_lm.ops.stored_exponentials import row_references
-from megatron_fused_lm.ops.triton_backend import TritonBackend, choose_tiles, choose_tiles_per_split, multiprocessors
-from megatron_fused_lm.ops.triton_kernels.softmax_stats_kernel import split_statistics
-from megatron_fused_lm.ops.triton_kernels.stored_grad_kernel import stored_logit_grads
-from megatron_fused_lm.ops.triton_kernels.tiles import Tiles
+from megatron_fused_lm.ops import TritonTuning
+from megatron_fused_lm.ops.backends.triton_loss import TritonLoss
+from megatron_fused_lm.ops.contract import NeededGrads, ShardProblem, UpstreamGrads, run_loss_pass
+from megatron_fused_lm.ops.kernels.tiles import Tiles
+from megatron_fused_lm.ops.softmax import chosen_logit_grad, summarize
 
 TOKEN_CHUNKS = (None, 2048, 4096, 6656)
 FORWARD_CANDIDATES = (
@@ -51,8 +49,7 @@ def make_problem(tokens, hidden_size, vocab):
     weight = (torch.randn(vocab, hidden_size, device="cuda", generator=gen) * (4.0 / hidden_size**0.5)).bfloat16()
     targets = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
     upstream = torch.randn(tokens, device="cuda", generator=gen), torch.randn(tokens, device="cuda", generator=gen)
-    owned = torch.ones(tokens, dtype=torch.bool, device="cuda")
-    return ShardProblem(hidden, weight, ShardTargets(targets, owned), 1.0), upstream
+    return ShardProblem(hidden, weight, targets, 1.0), upstream
 
 
 def three_gemms(problem):
@@ -68,41 +65,39 @@ def three_gemms(problem):
     return run
 
 
-def backend_pass(backend, problem, upstream):
+def chunk_step(upstream):
+    """A chunk step with a fixed upstream gradient (one rank, no loss function)."""
     grad_logprob, grad_entropy = upstream
+    return lambda rows, local: (
+        summarize(local),
+        UpstreamGrads(grad_logprob[rows], None if grad_entropy is None else grad_entropy[rows]),
+    )
 
-    def chunk_upstream(rows, local_statistics):
-        entropy_part = None if grad_entropy is None else grad_entropy[rows]
-        return summarize(local_statistics).saved, UpstreamGrads(grad_logprob[rows], entropy_part)
 
-    return lambda: backend.loss_gradients(problem, chunk_upstream, NeededGrads(True, True))
+def backend_pass(backend, problem, upstream):
+    return lambda: run_loss_pass(backend, problem, chunk_step(upstream), NeededGrads(True, True))
 
 
 def chunk_phases(problem, upstream, token_chunk):
-    """Milliseconds of each phase of one chunk of ``token_chunk`` rows (default tiles)."""
-    hidden, weight = problem.hidden[:token_chunk], problem.weight
-    vocab = weight.shape[0]
-    tiles = choose_tiles(weight.dtype)[0]
-    per_split = choose_tiles_per_split(token_chunk, vocab, tiles, multiprocessors(weight.device))
-    columns = problem.targets.local[:token_chunk]
-    stored = hidden.new_empty(token_chunk, -(-vocab // 8) * 8, dtype=weight.dtype)[:, :vocab]
-    reference = row_references(hidden, weight, columns, 1.0)
-    parts = split_statistics(hidden, weight, columns, 1.0, tiles, per_split, stored, reference)
-    saved = summarize(merge_statistics(parts)).saved
-    grad_logprob = upstream[0][:token_chunk].contiguous()
-    chunk_upstream = UpstreamGrads(grad_logprob, grad_logprob)  # the dz kernel with both terms
-    grads = stored_logit_grads(stored, reference, stored, columns, saved, chunk_upstream, 1.0)
-    grad_hidden = torch.empty_like(hidden, dtype=torch.float32)
-    accumulator = weight.new_empty(weight.shape, dtype=torch.float32)
+    """Milliseconds of each phase of one chunk of ``token_chunk`` rows (default tuning), each the
+    pass's own method on the chunk."""
+    chunk = ShardProblem(problem.hidden[:token_chunk], problem.weight, problem.target_column[:token_chunk], 1.0)
+    rows = slice(0, token_chunk)
+    loss_pass = TritonLoss().start(chunk, NeededGrads(True, True))
+    summary = summarize(loss_pass.chunk_statistics(rows))
+    direct = UpstreamGrads(upstream[0][rows].contiguous(), None)
+    both = UpstreamGrads(direct.logprob, direct.logprob)  # the dz kernel with both terms
+    operand, factor = loss_pass.direct_operand(rows, summary, direct)
+    chosen = chosen_logit_grad(chunk.target_column, summary, *direct)
+    held = loss_pass.held()
     return {
-        "reference": median_ms(lambda: row_references(hidden, weight, columns, 1.0)),
-        "forward": median_ms(lambda: split_statistics(hidden, weight, columns, 1.0, tiles, per_split)),
-        "forward_storing": median_ms(
-            lambda: split_statistics(hidden, weight, columns, 1.0, tiles, per_split, stored, reference)
+        "statistics_storing": median_ms(lambda: loss_pass.chunk_statistics(rows)),
+        "direct_operand": median_ms(lambda: loss_pass.direct_operand(rows, summary, direct)),
+        "dz_operand": median_ms(lambda: loss_pass.dz_operand(rows, summary, both)),
+        "products": median_ms(lambda: loss_pass.products(rows, operand, factor)),
+        "chosen_term": median_ms(
+            lambda: held.add_chosen(rows, chunk.target_column, chosen, chunk.hidden, chunk.weight, factor)
         ),
-        "dz": median_ms(lambda: stored_logit_grads(stored, reference, stored, columns, saved, chunk_upstream, 1.0)),
-        "grad_hidden_gemm_fp32": median_ms(lambda: add_product(grad_hidden, grads, weight, accumulate=False)),
-        "grad_weight_gemm_fp32": median_ms(lambda: add_product(accumulator, grads.t(), hidden, accumulate=True)),
     }
 
 
@@ -145,7 +140,7 @@ def main():
         if not args.entropy:
             upstream = (upstream[0], None)
         if args.gaps:
-            busy, idle, longest, by_kernel = idle_gaps(backend_pass(TritonBackend(), problem, upstream))
+            busy, idle, longest, by_kernel = idle_gaps(backend_pass(TritonLoss(), problem, upstream))
             print(f"{shape}: kernels {busy:.2f} ms, idle between them {idle:.2f} ms; longest idle intervals:")
             for gap, before, after in longest:
                 print(f"  {gap:7.3f} ms after {before} before {after}")
@@ -157,7 +152,7 @@ def main():
         print(f"{shape}: three GEMMs {floor_ms:.2f} ms")
         for token_chunk in TOKEN_CHUNKS:
             for tiles in FORWARD_CANDIDATES:
-                backend = TritonBackend(token_chunk=token_chunk, forward_tiles=tiles)
+                backend = TritonLoss(token_chunk=token_chunk, tuning=TritonTuning(forward_tiles=tiles))
                 try:
                     ms = median_ms(backend_pass(backend, problem, upstream))
                 except Exception as error:  # a tile shape that does not fit the shared memory

@@ -5,7 +5,7 @@ and the whole vocabulary next to the cuBLAS product of the same size (8 column t
 the rule's choice), and the backward kernel (``logit_grad_block``: recomputed product + ``dz``
 epilogue; one program per tile or persistent) on one backward block next to the bare bf16 cuBLAS
 product of that block. Prints achieved TFLOP/s; the chosen rule lives in
-``triton_backend`` and is explained in ``docs/BENCHMARKS.md``.
+``ops/backends/triton_tuning.py`` and is explained in ``docs/BENCHMARKS.md``.
 
     python benchmarks/sweep_tiles.py [--shapes 8192x4096x151936,4096x2048x151936]
 """
@@ -17,12 +17,13 @@ import argparse
 import torch
 import triton.testing
 
-from megatron_fused_lm.ops import triton_backend
+from megatron_fused_lm.ops import TritonTuning
+from megatron_fused_lm.ops.backends.triton_tuning import TOKEN_CHUNK
 from megatron_fused_lm.ops.contract import SavedStatistics, UpstreamGrads
-from megatron_fused_lm.ops.softmax_stats import merge_statistics
-from megatron_fused_lm.ops.triton_kernels.logit_grad_kernel import logit_grad_block
-from megatron_fused_lm.ops.triton_kernels.softmax_stats_kernel import split_statistics
-from megatron_fused_lm.ops.triton_kernels.tiles import Tiles
+from megatron_fused_lm.ops.kernels.logit_grad_kernel import logit_grad_block
+from megatron_fused_lm.ops.kernels.softmax_stats_kernel import split_statistics
+from megatron_fused_lm.ops.kernels.tiles import Tiles
+from megatron_fused_lm.ops.softmax import merge_statistics
 
 FORWARD_CANDIDATES = [
     Tiles(256, 128, 64, 8, 8, 3, "tf32"),
@@ -63,12 +64,13 @@ def sweep(shape):
     grad_logprob, grad_entropy = torch.randn(tokens, device="cuda"), torch.randn(tokens, device="cuda")
     name = "x".join(map(str, shape))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rules = TritonTuning()
 
     logits = torch.empty(tokens, vocab, device="cuda", dtype=torch.bfloat16)
     report(name, "cublas logits", shape, lambda out=logits: torch.mm(hidden, weight.t(), out=out))
     del logits  # freed before the kernels run
     for tiles in FORWARD_CANDIDATES:
-        best_split = triton_backend.choose_tiles_per_split(tokens, vocab, tiles, sms)
+        best_split = rules.tiles_per_split_for(tokens, vocab, tiles, weight.device)
         for per_split in sorted({8, best_split}):
             report(
                 name,
@@ -79,8 +81,8 @@ def sweep(shape):
                 ),
             )
 
-    rows = min(tokens, triton_backend.TOKEN_CHUNK)
-    block_bytes = triton_backend.memory_target_dz_bytes(2 * (tokens + vocab) * hidden_size, rows * hidden_size * 4)
+    rows = min(tokens, TOKEN_CHUNK)
+    block_bytes = rules.dz_block_bytes_for(2 * (tokens + vocab) * hidden_size, rows * hidden_size * 4)
     cols = min(vocab, block_bytes // 2 // rows // 256 * 256)
     block_shape = (rows, hidden_size, cols)
     out = torch.empty(rows, -(-cols // 256) * 256, device="cuda", dtype=torch.bfloat16)[:, :cols]
@@ -97,6 +99,7 @@ def sweep(shape):
                     h,
                     w,
                     target_column[:rows],
+                    0,
                     SavedStatistics(lse[:rows], mean_logit[:rows]),
                     UpstreamGrads(grad_logprob[:rows], grad_entropy[:rows]),
                     1.0,

@@ -78,12 +78,25 @@ for release in 0.13.1 0.14.0 0.15.3; do
 done
 
 # PyPI's torch for Python 3.12 is the CUDA build (constraints-python3.12.txt says why), installed
-# once into this environment and shared by the three releases.
+# once into this environment and shared by the three releases: torch, then each of its
+# requirements in turn (pip keeps a whole batch's downloads until the batch is installed, so one
+# batch of its CUDA libraries would hold their wheels and their files at once).
 env312=.venvs/python3.12/environment
-[ -x "$env312/bin/python" ] || "$python312" -m venv "$env312"
-"$env312/bin/python" -m pip install -q -c constraints-python3.12.txt torch triton numpy packaging pytest pyyaml
+python_env312="$env312/bin/python"
+[ -x "$python_env312" ] || "$python312" -m venv "$env312"
+"$python_env312" -m pip install -q -c constraints-python3.12.txt numpy packaging pytest pyyaml
+"$python_env312" -m pip install -q -c constraints-python3.12.txt --no-deps torch
+"$python_env312" -c '
+import importlib.metadata
+from packaging.requirements import Requirement
+for line in importlib.metadata.requires("torch"):
+    requirement = Requirement(line)
+    if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+        print(requirement)' | while read -r requirement; do
+  "$python_env312" -m pip install -q -c constraints-python3.12.txt "$requirement"
+done
 for release in 0.17.1 0.18.2 0.19.2; do
   folder=".venvs/python3.12/megatron-core-$release"
-  overlay "$env312/bin/python" "$folder" constraints-python3.12.txt "megatron-core==$release"
-  integration_tests "$env312/bin/python" "$folder" "$release"
+  overlay "$python_env312" "$folder" constraints-python3.12.txt "megatron-core==$release"
+  integration_tests "$python_env312" "$folder" "$release"
 done

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import numbers
 import types
 from collections.abc import Iterator, Mapping
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from .._logging import warn_once
-from ..ops import BACKENDS
+from ..ops import check_backend, check_token_chunk
 
 # Trainer key -> FusedLMConfig field.
 TRAINER_KEYS = {
     "fused_linear_logprob": "enabled",
     "fused_linear_logprob_backend": "backend",
-    "logprobs_chunk_size": "chunk_size",
+    "logprobs_chunk_size": "token_chunk",
 }
 
 _ABSENT = object()
@@ -29,36 +28,24 @@ class FusedLMConfig:
     Attributes:
         enabled: fuse the head (``True``) or leave the model stock (``False``, the default).
         backend: ``"torch"``, ``"triton"`` or ``"auto"``, passed to ``fused_linear_logprob``.
-        chunk_size: tokens per chunk of the softmax work, a positive int, or ``None`` for the
+        token_chunk: tokens per chunk of the softmax work, a positive int, or ``None`` for the
             op's default.
     """
 
     enabled: bool = False
     backend: str = "torch"
-    chunk_size: Optional[int] = None
+    token_chunk: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
             raise TypeError(f"enabled (fused_linear_logprob) must be true or false, got {self.enabled!r}")
-        if not isinstance(self.backend, str):
-            raise TypeError(f"backend (fused_linear_logprob_backend) must be a string, got {self.backend!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(
-                f"backend (fused_linear_logprob_backend) must be one of {', '.join(map(repr, BACKENDS))}; "
-                f"got {self.backend!r}"
-            )
-        if self.chunk_size is not None:
-            if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, numbers.Integral):
-                raise TypeError(
-                    f"chunk_size (logprobs_chunk_size) must be a positive integer or null, got {self.chunk_size!r}"
-                )
-            if self.chunk_size <= 0:
-                raise ValueError(
-                    f"chunk_size (logprobs_chunk_size) must be a positive number of tokens or null, "
-                    f"got {self.chunk_size}"
-                )
-            # An Integral that is not an int (numpy.int64, say) is stored as a plain int.
-            object.__setattr__(self, "chunk_size", int(self.chunk_size))
+        for field_name, check in (("backend", check_backend), ("token_chunk", check_token_chunk)):
+            key = next(key for key, name in TRAINER_KEYS.items() if name == field_name)
+            try:
+                # The op's own check, which also stores an Integral that is not an int as an int.
+                object.__setattr__(self, field_name, check(getattr(self, field_name)))
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"{key}: {error}") from None
 
     @classmethod
     def from_trainer_config(cls, trainer_config: Any, section: Optional[str] = None) -> "FusedLMConfig":

@@ -36,13 +36,13 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from .._logging import warn_once
 from ..ops import (
     FusedLoss,
+    LossFn,
     fused_linear_cross_entropy,
     fused_linear_logprob,
     fused_linear_loss,
     logits_logprob,
     logits_loss,
 )
-from ..ops.loss import LossFn
 from .config import FusedLMConfig
 from .megatron_compat import (
     derives_mtp_metrics_from_logits,
@@ -180,7 +180,7 @@ class _Patch:
             call = head._call_for(logits)
             losses = fused_linear_cross_entropy(
                 logits, call.weight, targets, declared.transpose(0, 1), tp_group=call.tp_group,
-                backend=head.config.backend, chunk_size=head.config.chunk_size,
+                backend=head.config.backend, token_chunk=head.config.token_chunk,
                 reduce_hidden_grad=call.reduce_hidden_grad,
             )  # fmt: skip
         return losses.transpose(0, 1).contiguous()
@@ -252,7 +252,7 @@ class FusedLMHead:
         if self.fused:
             return self._fused_logprobs(output, targets, **options)
         return logits_logprob(
-            output, targets, tp_group=self._logits_group(output), chunk_size=self.config.chunk_size, **options
+            output, targets, tp_group=self._logits_group(output), token_chunk=self.config.token_chunk, **options
         )
 
     def loss(
@@ -288,12 +288,12 @@ class FusedLMHead:
             call = self._call_for(output)
             return fused_linear_loss(
                 output, call.weight, targets, loss_fn, loss_inputs=loss_inputs, tp_group=call.tp_group,
-                temperature=temperature, mask=mask, backend=self.config.backend, chunk_size=self.config.chunk_size,
+                temperature=temperature, mask=mask, backend=self.config.backend, token_chunk=self.config.token_chunk,
                 reduce_hidden_grad=call.reduce_hidden_grad,
             )  # fmt: skip
         return logits_loss(
             output, targets, loss_fn, loss_inputs=loss_inputs, tp_group=self._logits_group(output),
-            temperature=temperature, mask=mask, chunk_size=self.config.chunk_size,
+            temperature=temperature, mask=mask, token_chunk=self.config.token_chunk,
         )  # fmt: skip
 
     def declare_loss_weights(self, weights: Optional[torch.Tensor]) -> None:
@@ -375,7 +375,7 @@ class FusedLMHead:
             targets,
             tp_group=call.tp_group,
             backend=self.config.backend,
-            chunk_size=self.config.chunk_size,
+            token_chunk=self.config.token_chunk,
             reduce_hidden_grad=call.reduce_hidden_grad,
             **options,
         )

@@ -1,20 +1,27 @@
 """The ops: fused and unfused per-token log-probs, entropy and losses over a vocabulary-parallel
-LM head.
-
-They know nothing about Megatron: a tensor-parallel group, if any, is a plain process group.
-The log-prob ops run as PyTorch custom operators (``torch.ops.megatron_fused_lm``, see
-``library``); the loss ops (``loss``) take a Python ``loss_fn`` and run as autograd functions.
-"""
+LM head. They know nothing about Megatron: a tensor-parallel group, if any, is a plain process
+group. ``docs/DESIGN.md`` has the layout by execution path and the math."""
 
 from . import losses
-from .backends import BACKENDS
-from .fused import fused_linear_logprob
-from .logits import logits_logprob, logits_loss
-from .loss import FusedLoss, fused_linear_cross_entropy, fused_linear_loss
+from .api import (
+    FusedLoss,
+    fused_linear_cross_entropy,
+    fused_linear_logprob,
+    fused_linear_loss,
+    logits_logprob,
+    logits_loss,
+)
+from .backends.triton_tuning import TritonTuning
+from .loss_in_forward import LossFn
+from .options import BACKENDS, check_backend, check_token_chunk
 
 __all__ = [
     "BACKENDS",
     "FusedLoss",
+    "LossFn",
+    "TritonTuning",
+    "check_backend",
+    "check_token_chunk",
     "fused_linear_cross_entropy",
     "fused_linear_logprob",
     "fused_linear_loss",

@@ -1,6 +1,7 @@
-"""Walking the rows in chunks of float32 logits: the loops the torch backend and the unfused
-logits path share. ``block_logits(chunk)`` produces one chunk's float32 logits ``[rows, vocab_shard]``
-(already divided by the temperature); nothing larger than one chunk's block exists at a time."""
+"""Walking the rows in chunks of float32 logits: the loops the torch backend's recompute path and the
+unfused logits path share. ``block_logits(rows)`` produces one chunk's float32 logits
+``[rows, vocab_shard]``, already divided by the temperature; nothing larger than one chunk's block
+exists at a time."""
 
 from __future__ import annotations
 
@@ -8,42 +9,33 @@ from typing import Callable, Iterator, Tuple
 
 import torch
 
-from .contract import SavedStatistics, ShardTargets, UpstreamGrads
-from .softmax_stats import NUM_STATISTICS, block_statistics, logit_grad
+from .contract import SavedStatistics, UpstreamGrads, token_chunks
+from .softmax import NUM_STATISTICS, block_logit_grad, block_statistics
 
 BlockLogits = Callable[[slice], torch.Tensor]
 
 
-def token_chunks(num_tokens: int, chunk_size: int) -> Iterator[slice]:
-    """Slices of ``[0, num_tokens)`` of at most ``chunk_size`` rows each."""
-    for start in range(0, num_tokens, chunk_size):
-        yield slice(start, min(start + chunk_size, num_tokens))
-
-
-def chunk_statistics(block_logits: BlockLogits, targets: ShardTargets, chunk_size: int) -> torch.Tensor:
+def chunk_statistics(block_logits: BlockLogits, target_column: torch.Tensor, token_chunk: int) -> torch.Tensor:
     """The shard's statistics ``[n, 4]`` (float32), one chunk of rows at a time."""
-    num_tokens = targets.local.shape[0]
-    stats = torch.empty(num_tokens, NUM_STATISTICS, dtype=torch.float32, device=targets.local.device)
-    for chunk in token_chunks(num_tokens, chunk_size):
-        stats[chunk] = block_statistics(block_logits(chunk), targets.local[chunk], targets.owned[chunk])
+    num_tokens = target_column.shape[0]
+    stats = torch.empty(num_tokens, NUM_STATISTICS, dtype=torch.float32, device=target_column.device)
+    for rows in token_chunks(num_tokens, token_chunk):
+        stats[rows] = block_statistics(block_logits(rows), target_column[rows])
     return stats
 
 
 def chunk_logit_grads(
     block_logits: BlockLogits,
-    targets: ShardTargets,
+    target_column: torch.Tensor,
     saved: SavedStatistics,
     upstream: UpstreamGrads,
     temperature: float,
-    chunk_size: int,
+    token_chunk: int,
 ) -> Iterator[Tuple[slice, torch.Tensor]]:
-    """Yield ``(chunk, grad)``: the float32 gradient with respect to the *unscaled* logits of each
+    """Yield ``(rows, grad)``: the float32 gradient with respect to the *unscaled* logits of each
     chunk (``dz / temperature``), its logits recomputed by ``block_logits``."""
-    for chunk in token_chunks(targets.local.shape[0], chunk_size):
-        grad = logit_grad(
-            block_logits(chunk),
-            ShardTargets(*(part[chunk] for part in targets)),
-            SavedStatistics(*(part[chunk] for part in saved)),
-            UpstreamGrads(*(None if part is None else part[chunk] for part in upstream)),
+    for rows in token_chunks(target_column.shape[0], token_chunk):
+        grad = block_logit_grad(
+            block_logits(rows), target_column[rows], saved.lse[rows], saved.mean_logit[rows], *upstream.rows(rows)
         )
-        yield chunk, grad.div_(temperature)
+        yield rows, grad.div_(temperature)

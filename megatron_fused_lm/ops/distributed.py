@@ -1,4 +1,5 @@
-"""The tensor-parallel group as the ops see it: a plain process group, or ``None`` for no split."""
+"""The tensor-parallel group as the ops see it (a plain process group, or ``None`` for no split), and
+the ops' collectives."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from .softmax import merge_statistics
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -43,3 +46,11 @@ def group_name(group: Optional[dist.ProcessGroup]) -> Optional[str]:
 def group_by_name(name: Optional[str]) -> Optional[dist.ProcessGroup]:
     """The process group registered as ``name``; ``None`` for ``None``."""
     return None if name is None else dist.distributed_c10d._resolve_process_group(name)
+
+
+def merge_across_group(stats: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Merge every rank's shard statistics ``[n, 4]`` into the whole vocabulary's, with one
+    all-gather however many blocks each rank's own work used."""
+    if group_size(group) == 1 or stats.shape[0] == 0:
+        return stats
+    return merge_statistics(all_gather_stacked(stats, group))

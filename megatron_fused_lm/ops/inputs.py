@@ -1,4 +1,5 @@
-"""Checks shared by the public ops, and the mapping of global target ids onto a vocabulary shard."""
+"""The tensor checks shared by the public ops, the selection of the rows they compute, and the
+mapping of global target ids onto this rank's vocabulary shard (``softmax`` gives the encoding)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from .contract import ShardTargets
 from .distributed import group_rank, group_size
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -32,19 +32,6 @@ def check_linear_inputs(hidden: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"hidden size {tuple(hidden.shape)[-1:]} does not match weight's {weight.shape[1]}")
 
 
-def check_options(temperature: float, chunk_size: Optional[int]) -> None:
-    """``ValueError`` for a non-positive temperature or chunk size."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
-    if not temperature > 0 or temperature == float("inf"):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
-    if chunk_size is not None:
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-            raise TypeError(f"chunk_size must be an int or None, got {type(chunk_size).__name__}")
-        if chunk_size <= 0:
-            raise ValueError(f"chunk_size must be a positive number of tokens or None, got {chunk_size}")
-
-
 def check_on_device(condition: torch.Tensor, message: str) -> None:
     """``ValueError(message)`` unless the bool scalar ``condition`` holds, without a host sync: on
     the CPU (outside compiled graphs) at once; on a GPU or in a compiled graph as an asynchronous
@@ -58,12 +45,12 @@ def check_on_device(condition: torch.Tensor, message: str) -> None:
 
 class RowSelection(NamedTuple):
     """The rows an op computes: the selected rows of the flattened leading shape, where each
-    result goes back, and the rows' targets on this rank's vocabulary shard."""
+    result goes back, and the rows' target columns on this rank's vocabulary shard."""
 
     lead_shape: torch.Size
     rows: Optional[torch.Tensor]  # [k] int64 indices into the flattened lead_shape; None: every row
     slots: Optional[torch.Tensor]  # [k] int64 where each result goes; lead_shape.numel(): nowhere (padding)
-    targets: ShardTargets  # of the selected rows, [k]
+    target_column: torch.Tensor  # [k] int64 of the selected rows, -1 where another shard owns the target
 
     def take(self, values: torch.Tensor) -> torch.Tensor:
         """``values [*lead_shape, X]`` -> the selected rows ``[k, X]`` (differentiable)."""
@@ -104,7 +91,7 @@ def select_rows(
     if mask is None:
         if max_rows is not None:
             raise ValueError("max_rows bounds the rows a mask selects; it needs a mask")
-        return RowSelection(lead_shape, None, None, shard_targets(flat, vocab_shard, tp_group))
+        return RowSelection(lead_shape, None, None, target_columns(flat, vocab_shard, tp_group))
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
     if mask.shape != lead_shape:
@@ -112,7 +99,7 @@ def select_rows(
     flat_mask = mask.reshape(-1)
     if max_rows is None:
         rows = flat_mask.nonzero().squeeze(-1)
-        return RowSelection(lead_shape, rows, rows, shard_targets(flat[rows], vocab_shard, tp_group))
+        return RowSelection(lead_shape, rows, rows, target_columns(flat[rows], vocab_shard, tp_group))
     if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0:
         raise ValueError(f"max_rows must be a non-negative int or None, got {max_rows!r}")
     size = flat.numel()
@@ -128,13 +115,14 @@ def select_rows(
     padding = slots == size
     rows = slots.clamp(max=max(size - 1, 0))  # padding rows compute a real row, their results go nowhere
     selected_targets = torch.where(padding, 0, flat[rows])  # a padding row's target is never read
-    return RowSelection(lead_shape, rows, slots, shard_targets(selected_targets, vocab_shard, tp_group))
+    return RowSelection(lead_shape, rows, slots, target_columns(selected_targets, vocab_shard, tp_group))
 
 
-def shard_targets(targets: torch.Tensor, vocab_shard: int, tp_group: Optional[dist.ProcessGroup]) -> ShardTargets:
-    """Map flat global ``targets [n]`` onto this rank's vocabulary shard: rank ``r`` owns global
-    ids ``[r * vocab_shard, (r + 1) * vocab_shard)``. An id outside the vocabulary is an error
-    (``check_on_device``: at once on the CPU, asynchronous on a GPU)."""
+def target_columns(targets: torch.Tensor, vocab_shard: int, tp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Flat global ``targets [n]`` as ``target_column [n]`` int64 on this rank's vocabulary shard:
+    rank ``r`` owns global ids ``[r * vocab_shard, (r + 1) * vocab_shard)``; -1 where another rank
+    owns the id. An id outside the vocabulary is an error (``check_on_device``: at once on the CPU,
+    asynchronous on a GPU)."""
     vocab = vocab_shard * group_size(tp_group)
     targets = targets.long()
     if targets.numel() > 0:
@@ -144,6 +132,5 @@ def shard_targets(targets: torch.Tensor, vocab_shard: int, tp_group: Optional[di
             f"a target id is outside the vocabulary [0, {vocab}) ({vocab_shard} rows per rank x "
             f"{group_size(tp_group)} ranks)",
         )
-    local = targets - group_rank(tp_group) * vocab_shard
-    owned = (local >= 0) & (local < vocab_shard)
-    return ShardTargets(local.clamp(0, vocab_shard - 1), owned)
+    column = targets - group_rank(tp_group) * vocab_shard
+    return torch.where((column >= 0) & (column < vocab_shard), column, -1)

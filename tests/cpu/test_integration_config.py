@@ -11,7 +11,7 @@ import pytest
 from megatron_fused_lm.integration import FusedLMConfig
 
 SETTINGS = {"fused_linear_logprob": True, "fused_linear_logprob_backend": "auto", "logprobs_chunk_size": 256}
-EXPECTED = FusedLMConfig(enabled=True, backend="auto", chunk_size=256)
+EXPECTED = FusedLMConfig(enabled=True, backend="auto", token_chunk=256)
 
 
 @dataclass
@@ -57,7 +57,7 @@ def test_reads_the_three_keys(trainer_config):
 )
 def test_absent_keys_take_the_defaults(trainer_config):
     assert FusedLMConfig.from_trainer_config(trainer_config) == FusedLMConfig()
-    assert FusedLMConfig() == FusedLMConfig(enabled=False, backend="torch", chunk_size=None)
+    assert FusedLMConfig() == FusedLMConfig(enabled=False, backend="torch", token_chunk=None)
 
 
 def test_example_yaml_enables_the_fused_head():
@@ -93,7 +93,7 @@ def test_conflicting_places_raise():
     with pytest.raises(ValueError, match="both at the top level"):
         FusedLMConfig.from_trainer_config({"logprobs_chunk_size": 8, "trainer": {"logprobs_chunk_size": 16}})
     assert (
-        FusedLMConfig.from_trainer_config({"logprobs_chunk_size": 8, "trainer": {"logprobs_chunk_size": 8}}).chunk_size
+        FusedLMConfig.from_trainer_config({"logprobs_chunk_size": 8, "trainer": {"logprobs_chunk_size": 8}}).token_chunk
         == 8
     )
 
@@ -177,7 +177,7 @@ def test_section_reads_the_keys_there(build, warnings_seen):
     config = build(VERL_LIKE)
     assert FusedLMConfig.from_trainer_config(config, section="actor_rollout_ref.actor") == EXPECTED
     ref = FusedLMConfig.from_trainer_config(config, section="actor_rollout_ref.ref")
-    assert ref == FusedLMConfig(chunk_size=64)
+    assert ref == FusedLMConfig(token_chunk=64)
     assert warnings_seen() == []  # pointing at a section silences the search
 
 
@@ -185,7 +185,7 @@ def test_section_reads_only_there():
     config = {"fused_linear_logprob": True, "trainer": {"logprobs_chunk_size": 8}, "actor": {}, "critic": None}
     assert FusedLMConfig.from_trainer_config(config, section="actor") == FusedLMConfig()
     assert FusedLMConfig.from_trainer_config(config, section="critic") == FusedLMConfig()  # null: an empty section
-    assert FusedLMConfig.from_trainer_config(config, section="trainer") == FusedLMConfig(chunk_size=8)
+    assert FusedLMConfig.from_trainer_config(config, section="trainer") == FusedLMConfig(token_chunk=8)
     assert FusedLMConfig.from_trainer_config(TrainerConfig(), section="trainer") == EXPECTED
 
 

@@ -30,7 +30,7 @@ from megatron_fused_lm.integration.head import PATCH_ATTRIBUTE
 TEMPERATURE = 0.7
 VALUE_ATOL = 2e-5
 GRAD_RTOL = 5e-5
-FUSED = FusedLMConfig(enabled=True, chunk_size=7)
+FUSED = FusedLMConfig(enabled=True, token_chunk=7)
 PATCHED_NAMES = ("forward", "compute_language_model_loss", "__deepcopy__", PATCH_ATTRIBUTE)
 
 

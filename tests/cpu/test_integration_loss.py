@@ -73,7 +73,7 @@ def check_policy_loss(model, batch, response, label):
     stock_grads = harness.parameter_grads(model)
 
     for enabled in (False, True):
-        head = wrap_model(model, FusedLMConfig(enabled=enabled, chunk_size=5))
+        head = wrap_model(model, FusedLMConfig(enabled=enabled, token_chunk=5))
         assert head.fused == enabled, label
         result = head.loss(
             harness.forward(model, batch), targets, POLICY_LOSS, loss_inputs=inputs, mask=response,

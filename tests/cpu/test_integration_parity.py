@@ -32,7 +32,7 @@ VALUE_ATOL = 2e-5
 GRAD_RTOL = 5e-5
 
 
-def check_case(sequence_parallel: bool, tied: bool, chunk_size, label: str) -> None:
+def check_case(sequence_parallel: bool, tied: bool, token_chunk, label: str) -> None:
     model = harness.build_gpt(sequence_parallel=sequence_parallel, tied=tied)
     batch = harness.make_batch()
     targets = batch[3]
@@ -56,7 +56,7 @@ def check_case(sequence_parallel: bool, tied: bool, chunk_size, label: str) -> N
     if tied:
         assert "embedding.word_embeddings.weight" in stock_grads and layer.weight is None, label
 
-    disabled = wrap_model(model, FusedLMConfig(enabled=False, chunk_size=chunk_size))
+    disabled = wrap_model(model, FusedLMConfig(enabled=False, token_chunk=token_chunk))
     assert not disabled.fused and disabled.fallback_reason is None, label
     assert "forward" not in vars(layer) and "compute_language_model_loss" not in vars(model), label
     logits = harness.forward(model, batch)
@@ -67,7 +67,7 @@ def check_case(sequence_parallel: bool, tied: bool, chunk_size, label: str) -> N
     harness.head_loss(logprob, entropy).backward()
     harness.assert_grads_close(harness.parameter_grads(model), stock_grads, GRAD_RTOL, f"{label} disabled")
 
-    config = FusedLMConfig(enabled=True, chunk_size=chunk_size)
+    config = FusedLMConfig(enabled=True, token_chunk=token_chunk)
     head = wrap_model(model, config)
     assert head.fused and head.fallback_reason is None, label
     hidden = harness.forward(model, batch)
@@ -105,9 +105,9 @@ def parity_worker() -> None:
     for size in (2, 1):
         harness.tensor_parallel(size)
         parallel_options = (False, True) if size > 1 else (False,)
-        for sequence_parallel, tied, chunk_size in itertools.product(parallel_options, (False, True), (None, 5)):
-            label = f"TP={size} sequence_parallel={sequence_parallel} tied={tied} chunk_size={chunk_size}"
-            check_case(sequence_parallel, tied, chunk_size, label)
+        for sequence_parallel, tied, token_chunk in itertools.product(parallel_options, (False, True), (None, 5)):
+            label = f"TP={size} sequence_parallel={sequence_parallel} tied={tied} token_chunk={token_chunk}"
+            check_case(sequence_parallel, tied, token_chunk, label)
 
 
 def test_head_and_labels_match_stock_megatron():

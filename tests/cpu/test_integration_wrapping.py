@@ -19,7 +19,7 @@ from megatron_fused_lm.integration import FusedLMConfig, unwrap_model, wrap_mode
 TEMPERATURE = 0.7
 VALUE_ATOL = 2e-5
 GRAD_RTOL = 5e-5
-FUSED = FusedLMConfig(enabled=True, chunk_size=7)
+FUSED = FusedLMConfig(enabled=True, token_chunk=7)
 
 
 class WarningRecords(logging.Handler):

@@ -28,15 +28,15 @@ def run_fused(hidden, weight, targets, grad_logprob, grad_entropy, **options):
 
 
 @pytest.mark.parametrize(
-    "dtype,temperature,peaky,chunk_size,case",
+    "dtype,temperature,peaky,token_chunk,case",
     list(itertools.product([torch.float32, torch.bfloat16], [0.7, 1.3], [False, True], [1, 7, None, 1000], range(3))),
 )
-def test_matches_float64_oracle(dtype, temperature, peaky, chunk_size, case):
+def test_matches_float64_oracle(dtype, temperature, peaky, token_chunk, case):
     lead_shape, vocab = LEAD_SHAPES[case]
     hidden, weight, targets = make_case(lead_shape, HIDDEN, vocab, dtype, peaky, seed=case)
     grad_logprob, grad_entropy = torch.randn(lead_shape), torch.randn(lead_shape)
     logprob, entropy, grad_hidden, grad_weight = run_fused(
-        hidden, weight, targets, grad_logprob, grad_entropy, temperature=temperature, chunk_size=chunk_size
+        hidden, weight, targets, grad_logprob, grad_entropy, temperature=temperature, token_chunk=token_chunk
     )
     expected = reference(hidden, weight, targets, temperature, grad_logprob, grad_entropy)
     output_tol, grad_tol = TOLERANCE[dtype]
@@ -53,7 +53,7 @@ def test_float16_inputs():
     hidden, weight, targets = make_case((33,), HIDDEN, 97, torch.float16, peaky=True)
     grad_logprob, grad_entropy = torch.randn(33), torch.randn(33)
     logprob, entropy, grad_hidden, grad_weight = run_fused(
-        hidden, weight, targets, grad_logprob, grad_entropy, chunk_size=8
+        hidden, weight, targets, grad_logprob, grad_entropy, token_chunk=8
     )
     expected = reference(hidden, weight, targets, 1.0, grad_logprob, grad_entropy)
     assert relative_error(logprob, expected.logprob) <= 1e-4
@@ -130,7 +130,7 @@ def test_non_contiguous_inputs():
     assert not hidden_t.is_contiguous() and not weight_strided.is_contiguous() and not targets_t.is_contiguous()
     grad_logprob, grad_entropy = torch.randn(12, 5), torch.randn(12, 5)
     logprob, entropy, grad_hidden, grad_weight = run_fused(
-        hidden_t, weight_strided, targets_t, grad_logprob, grad_entropy, chunk_size=7
+        hidden_t, weight_strided, targets_t, grad_logprob, grad_entropy, token_chunk=7
     )
     expected = reference(hidden, weight, targets, 1.0, grad_logprob, grad_entropy)
     assert relative_error(logprob, expected.logprob) <= 2e-5
@@ -155,7 +155,7 @@ def test_works_under_non_reentrant_checkpoint():
     weight.requires_grad_()
 
     def loss_of(hidden, weight):
-        logprob, entropy = fused_linear_logprob(hidden * 1.5, weight, targets, return_entropy=True, chunk_size=5)
+        logprob, entropy = fused_linear_logprob(hidden * 1.5, weight, targets, return_entropy=True, token_chunk=5)
         return (logprob * grad_logprob).sum() + (entropy * grad_entropy).sum()
 
     checkpoint(loss_of, hidden, weight, use_reentrant=False).backward()
@@ -172,7 +172,7 @@ def test_never_allocates_tokens_by_vocab(dtype):
     weight.requires_grad_()
     recorder = LargestAllocation()
     with recorder:
-        logprob, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, chunk_size=32)
+        logprob, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, token_chunk=32)
         (logprob.sum() + entropy.sum()).backward()
     too_big = [entry for entry in recorder.sizes if entry[0] >= tokens * vocab]
     assert not too_big, too_big

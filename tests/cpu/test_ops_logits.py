@@ -18,16 +18,16 @@ def make_logits(lead_shape, vocab, dtype, peaky, seed):
 
 
 @pytest.mark.parametrize(
-    "dtype,temperature,peaky,chunk_size,case",
+    "dtype,temperature,peaky,token_chunk,case",
     list(itertools.product([torch.float32, torch.bfloat16], [0.7, 1.3], [False, True], [1, 7, None, 1000], range(3))),
 )
-def test_matches_float64_oracle(dtype, temperature, peaky, chunk_size, case):
+def test_matches_float64_oracle(dtype, temperature, peaky, token_chunk, case):
     lead_shape, vocab = LEAD_SHAPES[case]
     logits, targets = make_logits(lead_shape, vocab, dtype, peaky, case)
     logits.requires_grad_()
     grad_logprob, grad_entropy = torch.randn(lead_shape), torch.randn(lead_shape)
     logprob, entropy = logits_logprob(
-        logits, targets, temperature=temperature, return_entropy=True, chunk_size=chunk_size
+        logits, targets, temperature=temperature, return_entropy=True, token_chunk=token_chunk
     )
     ((logprob * grad_logprob).sum() + (entropy * grad_entropy).sum()).backward()
     expected = reference_from_logits(logits, targets, temperature, grad_logprob, grad_entropy)
@@ -47,7 +47,7 @@ def test_backward_when_another_function_saved_the_same_logits():
     shared = logits * 1.0
     squares = shared.pow(2)
     grad_logprob, grad_entropy = torch.randn(19), torch.randn(19)
-    logprob, entropy = logits_logprob(shared, targets, return_entropy=True, chunk_size=4)
+    logprob, entropy = logits_logprob(shared, targets, return_entropy=True, token_chunk=4)
     ((logprob * grad_logprob).sum() + (entropy * grad_entropy).sum() + squares.sum()).backward()
     expected = reference_from_logits(logits, targets, 1.0, grad_logprob, grad_entropy)
     assert relative_error(logits.grad, expected.grad_logits + 2 * logits.detach().double()) <= 2e-5
@@ -69,7 +69,7 @@ def test_chunked_backward_builds_no_full_size_temporaries():
     logits.requires_grad_()
     recorder = LargestAllocation()
     with recorder:
-        logprob, entropy = logits_logprob(logits, targets, return_entropy=True, chunk_size=16)
+        logprob, entropy = logits_logprob(logits, targets, return_entropy=True, token_chunk=16)
         (logprob.sum() + entropy.sum()).backward()
     too_big = [entry for entry in recorder.sizes if entry[0] >= tokens * vocab and entry[2] != torch.bfloat16]
     assert not too_big, too_big

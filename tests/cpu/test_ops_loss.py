@@ -143,15 +143,15 @@ def grad_bound(stock_error: float, dtype: torch.dtype) -> float:
 
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.8])
-@pytest.mark.parametrize("chunk_size", [1, 7, None])
+@pytest.mark.parametrize("token_chunk", [1, 7, None])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES)
-def test_matches_float64_oracle(case, dtype, chunk_size, temperature, masked):
+def test_matches_float64_oracle(case, dtype, token_chunk, temperature, masked):
     hidden, weight, targets, mask = masked_case(dtype, masked)
     loss_fn, loss_inputs = loss_case(case, hidden, weight, targets, temperature, mask)
     options = dict(temperature=temperature, mask=mask)
     result, grad_hidden, grad_weight = run_fused(
-        hidden, weight, targets, loss_fn, loss_inputs, chunk_size=chunk_size, **options
+        hidden, weight, targets, loss_fn, loss_inputs, token_chunk=token_chunk, **options
     )
     expected = loss_reference(hidden, weight, targets, loss_fn, loss_inputs, **options)
     assert_values_match(result, expected, mask)
@@ -169,13 +169,13 @@ def test_matches_float64_oracle(case, dtype, chunk_size, temperature, masked):
 
 
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("chunk_size", [4, None])
+@pytest.mark.parametrize("token_chunk", [4, None])
 @pytest.mark.parametrize("case", CASES)
-def test_logits_loss_matches_float64_oracle(case, chunk_size, masked):
+def test_logits_loss_matches_float64_oracle(case, token_chunk, masked):
     hidden, weight, targets, mask = masked_case(torch.float32, masked, seed=8)
     loss_fn, loss_inputs = loss_case(case, hidden, weight, targets, 1.3, mask)
     result, grad_hidden, grad_weight = run_stock(
-        hidden, weight, targets, loss_fn, loss_inputs, temperature=1.3, mask=mask, chunk_size=chunk_size
+        hidden, weight, targets, loss_fn, loss_inputs, temperature=1.3, mask=mask, token_chunk=token_chunk
     )
     expected = loss_reference(hidden, weight, targets, loss_fn, loss_inputs, 1.3, mask)
     assert_values_match(result, expected, mask)
@@ -215,7 +215,7 @@ def test_second_backward_is_an_error():
 def test_backward_scales_by_the_upstream_gradient(upstream):
     hidden, weight, targets, inputs = sft_case()
     _, grad_hidden, grad_weight = run_fused(
-        hidden, weight, targets, losses.cross_entropy, inputs, upstream=upstream, chunk_size=7
+        hidden, weight, targets, losses.cross_entropy, inputs, upstream=upstream, token_chunk=7
     )
     expected = loss_reference(hidden, weight, targets, losses.cross_entropy, inputs)
     assert relative_error(grad_hidden, upstream * expected.grad_hidden) <= FLOAT32_TOL
@@ -275,7 +275,7 @@ def test_no_grad_returns_the_value_and_computes_no_gradient():
     hidden, weight = leaves(hidden, weight)
     recorder = LargestAllocation()
     with recorder, torch.no_grad():
-        result = fused_linear_loss(hidden, weight, targets, losses.cross_entropy, loss_inputs=inputs, chunk_size=chunk)
+        result = fused_linear_loss(hidden, weight, targets, losses.cross_entropy, loss_inputs=inputs, token_chunk=chunk)
     assert not result.loss.requires_grad and result.loss.grad_fn is None
     expected = loss_reference(hidden, weight, targets, losses.cross_entropy, inputs)
     assert relative_error(result.loss, expected.loss) <= FLOAT32_TOL
@@ -296,7 +296,7 @@ def test_never_allocates_more_than_one_chunk_block():
         recorder = LargestAllocation()
         with recorder:
             fused_linear_loss(
-                hidden, weight, targets, losses.cross_entropy, loss_inputs=inputs, chunk_size=chunk
+                hidden, weight, targets, losses.cross_entropy, loss_inputs=inputs, token_chunk=chunk
             ).loss.backward()
         assert recorder.largest() == chunk * vocab < tokens * vocab, (dtype, chunk, recorder.largest())
 
@@ -311,7 +311,7 @@ def test_loss_fn_errors():
     with pytest.raises(ValueError, match="one loss per token"):
         fused_linear_loss(hidden, weight, targets, lambda logprob, entropy: logprob.mean())
     with pytest.raises(ValueError, match="one loss per token"):  # a single-row chunk too
-        fused_linear_loss(hidden, weight, targets, lambda logprob, entropy: logprob.sum(), chunk_size=1)
+        fused_linear_loss(hidden, weight, targets, lambda logprob, entropy: logprob.sum(), token_chunk=1)
     with pytest.raises(TypeError, match="float tensor"):
         fused_linear_loss(hidden, weight, targets, lambda logprob, entropy: logprob > 0)
     with pytest.raises(TypeError, match="float tensor"):
@@ -346,7 +346,7 @@ def test_loss_inputs_errors(loss_inputs, error, match):
         (dict(temperature=math.nan), ValueError, "temperature"),
         (dict(temperature="1.0"), TypeError, "temperature"),
         (dict(backend="cuda"), ValueError, "backend"),
-        (dict(chunk_size=0), ValueError, "chunk_size"),
+        (dict(token_chunk=0), ValueError, "token_chunk"),
     ],
 )
 def test_option_errors(options, error, match):
@@ -398,9 +398,9 @@ DECLARED_CASES = {
 }
 
 
-@pytest.mark.parametrize("chunk_size", [1, 7, None])
+@pytest.mark.parametrize("token_chunk", [1, 7, None])
 @pytest.mark.parametrize("name", list(DECLARED_CASES))
-def test_cross_entropy_gradients_for_any_upstream(name, chunk_size, package_warnings):
+def test_cross_entropy_gradients_for_any_upstream(name, token_chunk, package_warnings):
     declared_kind, per_token, matches = DECLARED_CASES[name]
     hidden, weight, targets = make_case(LEAD, H, V, torch.float32, peaky=False, seed=6)
     gen = generator(6)
@@ -414,7 +414,7 @@ def test_cross_entropy_gradients_for_any_upstream(name, chunk_size, package_warn
     }[declared_kind]
     leaf_hidden, leaf_weight = leaves(hidden, weight)
     out = fused_linear_cross_entropy(
-        leaf_hidden, leaf_weight, targets, declared, temperature=0.9, chunk_size=chunk_size
+        leaf_hidden, leaf_weight, targets, declared, temperature=0.9, token_chunk=token_chunk
     )
     per_token(out, declared.float(), other).sum().backward()
     expected = loss_reference(
@@ -448,7 +448,7 @@ def test_cross_entropy_never_allocates_more_than_one_chunk_block(upstream):
     hidden, weight = leaves(hidden, weight)
     recorder = LargestAllocation()
     with recorder:
-        out = fused_linear_cross_entropy(hidden, weight, targets, torch.ones(tokens), chunk_size=chunk)
+        out = fused_linear_cross_entropy(hidden, weight, targets, torch.ones(tokens), token_chunk=chunk)
         (out.sum() if upstream == "matching" else (out**2).sum()).backward()
     assert recorder.largest() == chunk * vocab
 

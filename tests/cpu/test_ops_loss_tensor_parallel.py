@@ -37,9 +37,9 @@ FLOAT32_TOL = 1e-5
 STOCK_RATIO = 1.2
 
 
-def forward_collectives(rows: int, chunk_size):
+def forward_collectives(rows: int, token_chunk):
     """The collectives of one three-GEMM forward over ``rows`` rows: a statistics all-gather per chunk."""
-    chunk = chunk_size or rows
+    chunk = token_chunk or rows
     return [(ALL_GATHER, (min(chunk, rows - start), 4)) for start in range(0, rows, chunk)]
 
 
@@ -105,7 +105,7 @@ def assert_values_match(result, expected, mask):
         assert torch.count_nonzero(result.logprob[~mask]) == torch.count_nonzero(result.entropy[~mask]) == 0
 
 
-def check_loss(rank, group, case, dtype, chunk_size, targets_on_rank_1_only=False, masked=False):
+def check_loss(rank, group, case, dtype, token_chunk, targets_on_rank_1_only=False, masked=False):
     hidden, weight, targets, mask = problem(dtype, targets_on_rank_1_only, masked)
     loss_fn, loss_inputs = loss_case(case, hidden, weight, targets, mask)
     options = dict(temperature=TEMPERATURE, mask=mask)
@@ -113,12 +113,12 @@ def check_loss(rank, group, case, dtype, chunk_size, targets_on_rank_1_only=Fals
     with recorded_collectives() as calls:
         result = fused_linear_loss(
             leaf_hidden, leaf_shard, targets, loss_fn, loss_inputs=loss_inputs, tp_group=group,
-            chunk_size=chunk_size, **options,
+            token_chunk=token_chunk, **options,
         )  # fmt: skip
         forward_calls = list(calls)
         result.loss.backward()
     rows = TOKENS if mask is None else int(mask.sum())
-    assert forward_calls == forward_collectives(rows, chunk_size), forward_calls
+    assert forward_calls == forward_collectives(rows, token_chunk), forward_calls
     assert calls == forward_calls + [("all_reduce", (rows, H))], calls
     expected = loss_reference(hidden, weight, targets, loss_fn, loss_inputs, **options)
     assert_values_match(result, expected, mask)
@@ -142,7 +142,7 @@ def check_partial_hidden_grad(rank, group):
     with recorded_collectives() as calls:
         fused_linear_loss(
             leaf_hidden, leaf_shard, targets, loss_fn, loss_inputs=loss_inputs, tp_group=group,
-            temperature=TEMPERATURE, chunk_size=7, reduce_hidden_grad=False,
+            temperature=TEMPERATURE, token_chunk=7, reduce_hidden_grad=False,
         ).loss.backward()  # fmt: skip
     assert calls == forward_collectives(TOKENS, 7), calls
     full = loss_reference(hidden, weight, targets, loss_fn, loss_inputs, TEMPERATURE).grad_hidden
@@ -159,7 +159,7 @@ def check_no_grad(rank, group):
     with recorded_collectives() as calls, torch.no_grad():
         result = fused_linear_loss(
             leaf_hidden, leaf_shard, targets, loss_fn, loss_inputs=loss_inputs, tp_group=group,
-            temperature=TEMPERATURE, chunk_size=7,
+            temperature=TEMPERATURE, token_chunk=7,
         )  # fmt: skip
     assert calls == forward_collectives(TOKENS, 7), calls  # no gradient to reduce
     assert result.loss.grad_fn is None
@@ -172,7 +172,7 @@ def check_logits_loss(rank, group):
     loss_fn, loss_inputs = loss_case("policy", hidden, weight, targets, mask)
     options = dict(temperature=TEMPERATURE, mask=mask)
     result, grad_hidden, grad_shard = run_stock(
-        hidden, shard_of(rank, weight), targets, loss_fn, loss_inputs, group, chunk_size=4, **options
+        hidden, shard_of(rank, weight), targets, loss_fn, loss_inputs, group, token_chunk=4, **options
     )
     expected = loss_reference(hidden, weight, targets, loss_fn, loss_inputs, **options)
     assert_values_match(result, expected, mask)
@@ -188,7 +188,7 @@ def check_declared_cross_entropy(rank, group, matching):
     leaf_hidden, leaf_shard = leaves(hidden, shard_of(rank, weight))
     with recorded_collectives() as calls:
         out = fused_linear_cross_entropy(
-            leaf_hidden, leaf_shard, targets, declared, tp_group=group, temperature=TEMPERATURE, chunk_size=7
+            leaf_hidden, leaf_shard, targets, declared, tp_group=group, temperature=TEMPERATURE, token_chunk=7
         )
         forward_calls = list(calls)
         per_token(out, declared.float()).sum().backward()
@@ -206,8 +206,8 @@ def check_declared_cross_entropy(rank, group, matching):
 def tensor_parallel_cases(rank, world_size):
     group = dist.new_group(list(range(world_size)))
     for case in ("sft", "policy", "custom"):
-        for chunk_size in (1, 7, None):
-            check_loss(rank, group, case, torch.float32, chunk_size)
+        for token_chunk in (1, 7, None):
+            check_loss(rank, group, case, torch.float32, token_chunk)
     check_loss(rank, group, "policy", torch.float32, 5, targets_on_rank_1_only=True)
     check_loss(rank, group, "custom", torch.float32, 3, masked=True)
     for case in ("policy", "custom"):

@@ -24,11 +24,11 @@ def masked_and_reference(op, mask_kind):
     if op == "fused":
         leaf = hidden
         logprob, entropy = fused_linear_logprob(
-            hidden, weight, targets, mask=mask, return_entropy=True, temperature=0.8, chunk_size=3
+            hidden, weight, targets, mask=mask, return_entropy=True, temperature=0.8, token_chunk=3
         )
     else:
         leaf = (hidden @ weight.t()).detach().requires_grad_()
-        logprob, entropy = logits_logprob(leaf, targets, mask=mask, return_entropy=True, temperature=0.8, chunk_size=3)
+        logprob, entropy = logits_logprob(leaf, targets, mask=mask, return_entropy=True, temperature=0.8, token_chunk=3)
     ((logprob * grad_logprob).sum() + (entropy * grad_entropy).sum()).backward()
     # Reference: the unmasked problem with the upstream gradients zeroed on unselected rows.
     expected = reference(hidden, weight, targets.clamp_min(0), 0.8, grad_logprob * mask, grad_entropy * mask)

@@ -21,12 +21,12 @@ def inputs(dtype=torch.float32, seed=0):
 
 def fused_loss(hidden, weight, targets, upstream, **options):
     """``(logprob, entropy, loss)``: the loss a weighted sum of both outputs."""
-    logprob, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, chunk_size=7, **options)
+    logprob, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, token_chunk=7, **options)
     return logprob, entropy, (logprob * upstream[0]).sum() + (entropy * upstream[1]).sum()
 
 
 def logits_loss(logits, targets, upstream, **options):
-    logprob, entropy = logits_logprob(logits, targets, return_entropy=True, chunk_size=7, **options)
+    logprob, entropy = logits_logprob(logits, targets, return_entropy=True, token_chunk=7, **options)
     return logprob, entropy, (logprob * upstream[0]).sum() + (entropy * upstream[1]).sum()
 
 

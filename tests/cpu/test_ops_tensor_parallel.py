@@ -12,7 +12,7 @@ from megatron_fused_lm import fused_linear_logprob, logits_logprob
 H, V_LOCAL, TOKENS = 24, 53, 31
 
 
-def check_fused(rank, group, dtype, chunk_size, targets_on_rank_1_only):
+def check_fused(rank, group, dtype, token_chunk, targets_on_rank_1_only):
     world = dist.get_world_size(group)
     hidden, weight, targets = make_case((TOKENS,), H, V_LOCAL * world, dtype, peaky=True, seed=7)
     if targets_on_rank_1_only:  # rank 0 owns no target: its shard still gets the -p term
@@ -24,7 +24,7 @@ def check_fused(rank, group, dtype, chunk_size, targets_on_rank_1_only):
     grad_logprob, grad_entropy = torch.randn(TOKENS), torch.randn(TOKENS)
     with recorded_collectives() as calls:
         logprob, entropy = fused_linear_logprob(
-            hidden_leaf, shard, targets, tp_group=group, temperature=0.7, return_entropy=True, chunk_size=chunk_size
+            hidden_leaf, shard, targets, tp_group=group, temperature=0.7, return_entropy=True, token_chunk=token_chunk
         )
         forward_counts = counts(calls)
         ((logprob * grad_logprob).sum() + (entropy * grad_entropy).sum()).backward()
@@ -53,14 +53,14 @@ def check_partial_hidden_grad(rank, group):
     assert relative_error(partial, full) <= 2e-5
 
 
-def check_logits(rank, group, chunk_size):
+def check_logits(rank, group, token_chunk):
     hidden, weight, targets = make_case((TOKENS,), H, 2 * V_LOCAL, torch.float64, peaky=False, seed=5)
     logits = (hidden @ weight.t()).float()
     shard = logits[:, rank * V_LOCAL : (rank + 1) * V_LOCAL].clone().requires_grad_()
     grad_logprob, grad_entropy = torch.randn(TOKENS), torch.randn(TOKENS)
     with recorded_collectives() as calls:
         logprob, entropy = logits_logprob(
-            shard, targets, tp_group=group, temperature=1.3, return_entropy=True, chunk_size=chunk_size
+            shard, targets, tp_group=group, temperature=1.3, return_entropy=True, token_chunk=token_chunk
         )
         ((logprob * grad_logprob).sum() + (entropy * grad_entropy).sum()).backward()
     assert counts(calls) == {ALL_GATHER: 1, "all_reduce": 0}, calls
@@ -88,13 +88,13 @@ def tensor_parallel_cases(rank, world_size):
     torch.manual_seed(1234)  # the same upstream gradients on every rank
     group = dist.new_group(list(range(world_size)))
     for dtype in (torch.float32, torch.bfloat16):
-        for chunk_size in (1, 7, None):
-            check_fused(rank, group, dtype, chunk_size, targets_on_rank_1_only=False)
+        for token_chunk in (1, 7, None):
+            check_fused(rank, group, dtype, token_chunk, targets_on_rank_1_only=False)
     check_fused(rank, group, torch.float32, 5, targets_on_rank_1_only=True)
     check_partial_hidden_grad(rank, group)
     check_masked(rank, group)
-    for chunk_size in (4, None):
-        check_logits(rank, group, chunk_size)
+    for token_chunk in (4, None):
+        check_logits(rank, group, token_chunk)
 
 
 def test_two_ranks():

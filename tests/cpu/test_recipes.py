@@ -125,7 +125,7 @@ def check_skyrl(tied: bool) -> None:
     model = harness.build_gpt(MODEL_SHAPE, sequence_parallel=True, tied=tied)
     config = FusedSkyRLTrainerSection(**SETTINGS)
     head = skyrl.wrap_actor_module([model], config)
-    assert head.fused and head.config == FusedLMConfig(enabled=True, chunk_size=5), head.fallback_reason
+    assert head.fused and head.config == FusedLMConfig(enabled=True, token_chunk=5), head.fallback_reason
     unwrap_model(model)
     packed_mask = harness.packed_attention_mask(cu_seqlens)
     starts = cu_seqlens[:-1].tolist()
@@ -374,7 +374,7 @@ def check_slime(tied: bool) -> None:
     policy_grads = stock_grads(model, policy_expected)
 
     head = slime.wrap_slime_model([model], args)
-    assert head.fused and slime.fused_head() is head and head.config.chunk_size == 5
+    assert head.fused and slime.fused_head() is head and head.config.token_chunk == 5
     label = f"slime tied={tied}"
     empty, found = slime.log_probs_and_entropy(
         run_model(model, packed, mask), args=args, unconcat_tokens=tokens, total_lengths=lengths,
@@ -449,7 +449,7 @@ def check_nemo_rl(tied: bool) -> None:
     nll_grads = stock_grads(model, nll_expected)
 
     head = nemo_rl.wrap_policy_model(model, policy_cfg)
-    assert head.fused and head.config.chunk_size == 5
+    assert head.fused and head.config.token_chunk == 5
     label = f"NeMo-RL tied={tied}"
     found, same_data = nemo_rl.prepare_loss_input(run_model(model, input_ids), data, None, head=head)
     assert same_data is data and found["next_token_logprobs"].shape == (len(tokens), width - 1), label
@@ -500,8 +500,8 @@ def test_every_recipe_matches_the_stock_model_in_its_trainers_layout():
 def test_skyrl_reads_its_trainer_section():
     config = FusedSkyRLTrainerSection(fused_linear_logprob=True)
     # SkyRL's logprobs_chunk_size (default 1024) is the fused head's tokens per chunk too.
-    assert FusedLMConfig.from_trainer_config(config) == FusedLMConfig(enabled=True, chunk_size=1024)
+    assert FusedLMConfig.from_trainer_config(config) == FusedLMConfig(enabled=True, token_chunk=1024)
     assert FusedLMConfig.from_trainer_config(SimpleNamespace(trainer=config)) == FusedLMConfig(
-        enabled=True, chunk_size=1024
+        enabled=True, token_chunk=1024
     )
-    assert FusedLMConfig.from_trainer_config(FusedSkyRLTrainerSection()) == FusedLMConfig(chunk_size=1024)
+    assert FusedLMConfig.from_trainer_config(FusedSkyRLTrainerSection()) == FusedLMConfig(token_chunk=1024)

@@ -53,7 +53,7 @@ SKYRL_VERSION = "0.3.0"
 TEMPERATURE = 0.8
 VALUE_ATOL = 2e-5
 GRAD_RTOL = 5e-5
-CONFIG = FusedLMConfig(enabled=True, chunk_size=5)
+CONFIG = FusedLMConfig(enabled=True, token_chunk=5)
 
 
 def skyrl_megatron_helpers():
@@ -177,7 +177,7 @@ class FusedLMConfigSection(skyrl.FusedLMSettings):
 
     def __init__(self):
         super().__init__(fused_linear_logprob=True)
-        self.logprobs_chunk_size = CONFIG.chunk_size
+        self.logprobs_chunk_size = CONFIG.token_chunk
 
 
 def parity_worker() -> None:

@@ -28,14 +28,15 @@ def run_case_here(case: dict) -> dict:
     import torch
 
     from devkit.oracle import max_abs_error, reference, relative_error
-    from megatron_fused_lm.ops.contract import NeededGrads, ShardProblem, ShardTargets, UpstreamGrads
-    from megatron_fused_lm.ops.softmax_stats import summarize
-    from megatron_fused_lm.ops.triton_backend import TritonBackend
-    from megatron_fused_lm.ops.triton_kernels.tiles import Tiles
+    from megatron_fused_lm.ops import TritonTuning
+    from megatron_fused_lm.ops.backends.triton_loss import TritonLoss
+    from megatron_fused_lm.ops.backends.triton_recompute import TritonRecompute
+    from megatron_fused_lm.ops.contract import NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
+    from megatron_fused_lm.ops.kernels.tiles import Tiles
+    from megatron_fused_lm.ops.softmax import summarize
 
     small_tiles = Tiles(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1, dot_precision="ieee")
-    backend = TritonBackend(
-        token_chunk=case.get("token_chunk"),
+    tuning = TritonTuning(
         forward_tiles=small_tiles,
         backward_tiles=small_tiles,
         tiles_per_split=2,
@@ -63,16 +64,17 @@ def run_case_here(case: dict) -> dict:
     grad_entropy = torch.randn(tokens) if case["entropy_grad"] else None
     # The backend alone, as the ops call it.
     if case.get("three_gemm"):
+        backend = TritonLoss(token_chunk=case.get("token_chunk"), tuning=tuning)
         logprob, entropy, grads = three_gemm_pass(
             backend, hidden, weight, targets, case["temperature"], grad_logprob, grad_entropy, case.get("shards", 1)
         )
     else:  # one rank: every target in this shard
-        problem = ShardProblem(
-            hidden, weight, ShardTargets(targets, torch.ones(tokens, dtype=torch.bool)), case["temperature"]
-        )
+        backend = TritonRecompute(token_chunk=case.get("token_chunk"), tuning=tuning)
+        problem = ShardProblem(hidden, weight, targets, case["temperature"])
         summary = summarize(backend.local_statistics(problem))
         upstream = UpstreamGrads(grad_logprob, grad_entropy)
-        grads = backend.local_gradients(problem, summary.saved, upstream, NeededGrads(hidden=True, weight=True))
+        saved = SavedStatistics(summary.lse, summary.mean_logit)
+        grads = backend.local_gradients(problem, saved, upstream, NeededGrads(hidden=True, weight=True))
         logprob, entropy = summary.logprob, summary.entropy
     expected = reference(hidden, weight, targets, case["temperature"], grad_logprob, grad_entropy)
     sampled = weight[:: -(-weight.shape[0] // case["reference_rows"])] if case.get("reference_rows") else weight
@@ -90,14 +92,15 @@ def run_case_here(case: dict) -> dict:
 
 
 def three_gemm_pass(backend, hidden, weight, targets, temperature, grad_logprob, grad_entropy, shards):
-    """``loss_gradients`` with the vocabulary split into ``shards`` equal shards, one backend call
-    per shard as each rank of a tensor-parallel group would make it; the chunk step merges the
-    shards' statistics as the group's all-gather does. Returns ``(logprob, entropy, Gradients)``
-    with the hidden gradient summed over the shards and the weight gradient's shards stacked."""
+    """The package's loss-in-forward pass (``run_loss_pass``) with the vocabulary split into
+    ``shards`` equal shards, one pass per shard as each rank of a tensor-parallel group would run
+    it; the chunk step merges the shards' statistics as the group's all-gather does. Returns
+    ``(logprob, entropy, Gradients)`` with the hidden gradient summed over the shards and the
+    weight gradient's shards stacked."""
     import torch
 
-    from megatron_fused_lm.ops.contract import Gradients, NeededGrads, ShardProblem, ShardTargets, UpstreamGrads
-    from megatron_fused_lm.ops.softmax_stats import merge_statistics, summarize
+    from megatron_fused_lm.ops.contract import Gradients, NeededGrads, ShardProblem, UpstreamGrads, run_loss_pass
+    from megatron_fused_lm.ops.softmax import merge_statistics, summarize
 
     tokens, vocab = targets.shape[0], weight.shape[0]
     shard_rows = vocab // shards
@@ -105,7 +108,7 @@ def three_gemm_pass(backend, hidden, weight, targets, temperature, grad_logprob,
         ShardProblem(
             hidden,
             weight[shard * shard_rows : (shard + 1) * shard_rows],
-            ShardTargets((targets - shard * shard_rows).clamp(0, shard_rows - 1), targets // shard_rows == shard),
+            torch.where(targets // shard_rows == shard, targets - shard * shard_rows, -1),
             temperature,
         )
         for shard in range(shards)
@@ -116,24 +119,24 @@ def three_gemm_pass(backend, hidden, weight, targets, temperature, grad_logprob,
 
         def record(rows, local_statistics, shard=shard):
             local[shard][rows.start] = local_statistics.clone()
-            return summarize(local_statistics).saved, UpstreamGrads(None, None)
+            return summarize(local_statistics), UpstreamGrads(None, None)
 
-        backend.loss_gradients(problem, record, NeededGrads(hidden=False, weight=False))
+        run_loss_pass(backend, problem, record, NeededGrads(hidden=False, weight=False))
     # ... then each shard's gradients, its chunks in order, merged with the others' statistics.
     logprob, entropy = torch.empty(tokens), torch.empty(tokens)
     partials = []
     for problem in problems:
         chunk_starts = []
 
-        def chunk_upstream(rows, local_statistics, chunk_starts=chunk_starts):
+        def chunk_step(rows, local_statistics, chunk_starts=chunk_starts):
             chunk_starts.append(rows.start)
             summary = summarize(merge_statistics(torch.stack([part[rows.start] for part in local])))
             logprob[rows], entropy[rows] = summary.logprob, summary.entropy
             upstream = [None if grad is None else grad[rows] for grad in (grad_logprob, grad_entropy)]
-            return summary.saved, UpstreamGrads(*upstream)
+            return summary, UpstreamGrads(*upstream)
 
-        stored = backend.loss_gradients(problem, chunk_upstream, NeededGrads(hidden=True, weight=True))
-        partials.append(stored.scaled(torch.ones(())))  # an upstream gradient of 1: unscaled
+        held = run_loss_pass(backend, problem, chunk_step, NeededGrads(hidden=True, weight=True))
+        partials.append(held.scaled(torch.ones(())))  # an upstream gradient of 1: unscaled
         assert chunk_starts == sorted(chunk_starts) and len(set(chunk_starts)) == len(chunk_starts)
     grad_hidden = torch.stack([grads.hidden.float() for grads in partials]).sum(0).to(hidden.dtype)
     return logprob, entropy, Gradients(grad_hidden, torch.cat([grads.weight for grads in partials]))

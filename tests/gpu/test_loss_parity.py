@@ -19,7 +19,8 @@ import torch
 
 from devkit.oracle import logprob_entropy, max_abs_error
 from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, losses
-from megatron_fused_lm.ops.stored_exponentials import MAX_ABOVE_REFERENCE, row_references
+from megatron_fused_lm.ops.backends.triton_reference import MAX_ABOVE_REFERENCE, row_references
+from megatron_fused_lm.ops.backends.triton_tuning import REFERENCE_ROWS
 
 pytestmark = [
     pytest.mark.gpu,
@@ -124,7 +125,7 @@ def test_three_gemm_path_refreshed_references(loss_name):
     hidden[:1024] += (3.0 * direction).bfloat16()
     weight[DOMINANT_ROW] = (30.0 * direction).bfloat16()
     targets[targets == DOMINANT_ROW] = 0
-    reference = row_references(hidden, weight, targets, 1.0)
+    reference = row_references(hidden, weight, targets, 1.0, REFERENCE_ROWS)
     row_max = (hidden.float() @ weight.float().t()).amax(dim=1)
     assert int((row_max > reference + MAX_ABOVE_REFERENCE).sum()) >= 256
     check_against_float64(hidden, weight, targets, gen, loss_name, "triton")

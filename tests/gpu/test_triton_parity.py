@@ -25,8 +25,8 @@ import torch
 
 from devkit.oracle import max_abs_error, reference, relative_error
 from megatron_fused_lm import fused_linear_logprob, logits_logprob
-from megatron_fused_lm.ops.contract import NeededGrads, ShardProblem, ShardTargets, UpstreamGrads
-from megatron_fused_lm.ops.softmax_stats import merge_statistics, summarize
+from megatron_fused_lm.ops.contract import NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
+from megatron_fused_lm.ops.softmax import merge_statistics, summarize
 
 pytestmark = [
     pytest.mark.gpu,
@@ -136,28 +136,28 @@ def test_parity_with_float64_oracle(shape, dtype, logit_scale):
 def test_targets_on_other_ranks(backend):
     """Simulated TP=3: each shard's statistics from the backend, merged as the collective would,
     and each shard's partial hidden gradient summed as the all-reduce would."""
-    from megatron_fused_lm.ops.backends import resolve_backend
+    from megatron_fused_lm.ops.backends import recompute_backend
 
     num_tokens, hidden_size, vocab, ranks = 300, 1000, 3 * 43307, 3
     inputs = make_inputs(num_tokens, hidden_size, vocab, torch.bfloat16, 20.0, seed=1)
     hidden, weight, targets, grad_logprob, grad_entropy = inputs
-    implementation = resolve_backend(backend, hidden.device, None)
+    implementation = recompute_backend(backend, hidden.device, None)
     shard = vocab // ranks
     stats, shards = [], []
     for rank in range(ranks):
         local = targets - rank * shard
-        owned = (local >= 0) & (local < shard)
-        shard_targets = ShardTargets(local.clamp(0, shard - 1), owned)
-        shards.append(ShardProblem(hidden, weight[rank * shard : (rank + 1) * shard], shard_targets, 1.0))
+        target_column = torch.where((local >= 0) & (local < shard), local, -1)
+        shards.append(ShardProblem(hidden, weight[rank * shard : (rank + 1) * shard], target_column, 1.0))
         stats.append(implementation.local_statistics(shards[-1]))
     summary = summarize(merge_statistics(torch.stack(stats)))
+    saved = SavedStatistics(summary.lse, summary.mean_logit)
     expected = reference(hidden, weight, targets, 1.0, grad_logprob, grad_entropy)
     stock = run("stock", *inputs)
     grad_hidden = torch.zeros(num_tokens, hidden_size, device="cuda", dtype=torch.bfloat16)
     grad_weight = []
     for problem in shards:
         grads = implementation.local_gradients(
-            problem, summary.saved, UpstreamGrads(grad_logprob, grad_entropy), NeededGrads(hidden=True, weight=True)
+            problem, saved, UpstreamGrads(grad_logprob, grad_entropy), NeededGrads(hidden=True, weight=True)
         )
         assert grads.hidden.dtype == torch.bfloat16  # the contract: partials in hidden's dtype
         grad_hidden += grads.hidden
@@ -225,17 +225,21 @@ def test_zero_tokens(backend):
 def test_backward_blocked_over_token_and_vocabulary_chunks():
     """Partial token chunks and partial vocabulary chunks of the Triton backward (the backend
     itself, as the ops call it, with a small dz block)."""
-    from megatron_fused_lm.ops.triton_backend import TritonBackend
+    from megatron_fused_lm.ops import TritonTuning
+    from megatron_fused_lm.ops.backends.triton_recompute import TritonRecompute
 
     inputs = make_inputs(2500, 1000, 129920, torch.bfloat16, 5.0, seed=5)
     hidden, weight, targets, grad_logprob, grad_entropy = inputs
     expected = reference(hidden, weight, targets, 1.0, grad_logprob, grad_entropy)
     stock = run("stock", *inputs)
-    blocked = TritonBackend(token_chunk=1000, dz_block_bytes=1000 * 20000 * 2)  # 3 x 7 blocks
-    problem = ShardProblem(hidden, weight, ShardTargets(targets, torch.ones_like(targets, dtype=torch.bool)), 1.0)
+    blocked = TritonRecompute(token_chunk=1000, tuning=TritonTuning(dz_block_bytes=1000 * 20000 * 2))  # 3 x 7 blocks
+    problem = ShardProblem(hidden, weight, targets, 1.0)
     summary = summarize(blocked.local_statistics(problem))
     grads = blocked.local_gradients(
-        problem, summary.saved, UpstreamGrads(grad_logprob, grad_entropy), NeededGrads(hidden=True, weight=True)
+        problem,
+        SavedStatistics(summary.lse, summary.mean_logit),
+        UpstreamGrads(grad_logprob, grad_entropy),
+        NeededGrads(hidden=True, weight=True),
     )
     results = (summary.logprob, summary.entropy, grads.hidden, grads.weight)
     check_against(

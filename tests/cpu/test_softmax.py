@@ -4,15 +4,16 @@ import pytest
 import torch
 
 from devkit.oracle import max_abs_error, reference_from_logits, relative_error
-from megatron_fused_lm.ops.contract import SavedStatistics, ShardTargets, UpstreamGrads
-from megatron_fused_lm.ops.softmax_stats import (
+from megatron_fused_lm.ops.softmax import (
     MAX,
     NUM_STATISTICS,
     SUMEXP,
+    block_logit_grad,
     block_statistics,
-    logit_grad,
+    chosen_logit_grad,
     merge_statistics,
     summarize,
+    zero_chosen,
 )
 
 ROWS, VOCAB = 9, 60
@@ -25,13 +26,16 @@ def make_logits(scale: float, seed: int = 0):
     return logits, targets
 
 
+def block_columns(targets, start, stop):
+    """The targets' columns in the block ``[start, stop)``, -1 where another block holds them."""
+    return torch.where((targets >= start) & (targets < stop), targets - start, -1)
+
+
 def blocks_statistics(logits, targets, edges):
     """Statistics ``[k, n, 4]`` of the column blocks ``[edges[i], edges[i + 1])``."""
     parts = []
     for start, stop in zip(edges[:-1], edges[1:], strict=True):
-        owned = (targets >= start) & (targets < stop)
-        local = (targets - start).clamp(0, max(stop - start - 1, 0))
-        parts.append(block_statistics(logits[:, start:stop].float(), local, owned))
+        parts.append(block_statistics(logits[:, start:stop].float(), block_columns(targets, start, stop)))
     return torch.stack(parts)
 
 
@@ -83,7 +87,7 @@ def test_block_statistics_of_one_block():
     logits, targets = make_logits(3.0, seed=4)
     owned = targets % 2 == 0  # the other rows' targets live elsewhere
     logits = logits.float().double()  # what the block sees
-    stats = block_statistics(logits.float(), targets, owned)
+    stats = block_statistics(logits.float(), torch.where(owned, targets, -1))
     row_max = logits.max(-1).values
     assert max_abs_error(stats[:, MAX], row_max) == 0
     assert relative_error(stats[:, SUMEXP], (logits - row_max[:, None]).exp().sum(-1)) <= 1e-6
@@ -98,20 +102,20 @@ def test_logit_grad_matches_autograd(with_logprob, with_entropy):
     grad_logprob = torch.randn(ROWS, generator=generator) if with_logprob else None
     grad_entropy = torch.randn(ROWS, generator=generator) if with_entropy else None
     expected = reference_from_logits(logits, targets, 1.0, grad_logprob, grad_entropy)
-    lse = torch.logsumexp(logits, -1)
-    saved = SavedStatistics(lse.float(), (lse - expected.entropy).float())
+    lse = torch.logsumexp(logits, -1).float()
+    mean_logit = (torch.logsumexp(logits, -1) - expected.entropy).float()
     # Two column blocks, as a rank's shard or a chunk of it sees them; targets outside a block
     # keep only the -p term there.
     grads = []
     for start, stop in ((0, 22), (22, VOCAB)):
-        owned = (targets >= start) & (targets < stop)
-        local = (targets - start).clamp(0, stop - start - 1)
         grads.append(
-            logit_grad(
+            block_logit_grad(
                 logits[:, start:stop].float(),
-                ShardTargets(local, owned),
-                saved,
-                UpstreamGrads(grad_logprob, grad_entropy),
+                block_columns(targets, start, stop),
+                lse,
+                mean_logit,
+                grad_logprob,
+                grad_entropy,
             )
         )
     assert relative_error(torch.cat(grads, 1), expected.grad_hidden) <= 1e-5
@@ -119,8 +123,34 @@ def test_logit_grad_matches_autograd(with_logprob, with_entropy):
 
 def test_logit_grad_without_upstream_is_zero():
     logits, targets = make_logits(1.0)
-    saved = SavedStatistics(torch.zeros(ROWS), torch.zeros(ROWS))
-    grad = logit_grad(
-        logits.float(), ShardTargets(targets, torch.ones(ROWS, dtype=torch.bool)), saved, UpstreamGrads(None, None)
-    )
+    grad = block_logit_grad(logits.float(), targets, torch.zeros(ROWS), torch.zeros(ROWS), None, None)
     assert torch.count_nonzero(grad) == 0
+
+
+@pytest.mark.parametrize("with_logprob,with_entropy", [(True, True), (True, False), (False, True)])
+def test_chosen_term_completes_the_zeroed_block(with_logprob, with_entropy):
+    # A confident chosen token (p_y about 1 - 1e-6), a dominant other token, and random rows: the
+    # block with the chosen elements zeroed plus the chosen term from the statistics is dz.
+    logits, targets = make_logits(2.0, seed=7)
+    logits[0, targets[0]] = 20.0
+    logits[1, (targets[1] + 1) % VOCAB] = 20.0
+    generator = torch.Generator().manual_seed(8)
+    grad_logprob = torch.randn(ROWS, generator=generator) if with_logprob else None
+    grad_entropy = torch.randn(ROWS, generator=generator) if with_entropy else None
+    expected = reference_from_logits(logits, targets, 1.0, grad_logprob, grad_entropy).grad_hidden
+    columns = torch.where(targets % 3 == 0, -1, targets)  # a third of the targets in another shard
+    summary = summarize(block_statistics(logits.float(), columns))
+    block = block_logit_grad(logits.float(), columns, summary.lse, summary.mean_logit, grad_logprob, grad_entropy)
+    zero_chosen(block, columns)
+    owned = columns >= 0
+    assert (block[owned, columns[owned]] == 0).all() and (block[~owned] != 0).any()
+    chosen = chosen_logit_grad(columns, summary, grad_logprob, grad_entropy)
+    assert (chosen[~owned] == 0).all()
+    block[torch.arange(ROWS)[owned], columns[owned]] = chosen[owned]
+    if grad_logprob is not None:  # what the shard that owns those rows' targets adds
+        block[torch.arange(ROWS)[~owned], targets[~owned]] += grad_logprob[~owned]
+    assert relative_error(block, expected) <= 1e-5
+    # The confident row's chosen term (1 - p_y about 8e-7): float32 statistics give 1 - p_y to
+    # about 1e-7 (log of a sum near 1); 1 - exp(z_y - lse) from logits near 20 would err by 2e-6.
+    scale = sum(grad[0].abs().item() for grad in (grad_logprob, grad_entropy) if grad is not None)
+    assert abs(chosen[0].item() - expected[0, targets[0]].item()) <= 3e-7 * scale

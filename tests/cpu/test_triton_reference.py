@@ -1,18 +1,17 @@
-"""The torch steps of the Triton three-GEMM path's direct products (``stored_exponentials``), against
-float64. The kernels around them run in test_triton_interpreter.py and, in bfloat16, in
-tests/gpu/test_loss_parity.py."""
+"""The torch steps of the Triton loss-in-forward pass (the reference of the stored block, and the
+direct products' per-row factor), against float64. The kernels around them run in
+test_triton_interpreter.py and, in bfloat16, in tests/gpu/test_loss_parity.py."""
 
 import torch
 
-from megatron_fused_lm.ops.stored_exponentials import (
+from megatron_fused_lm.ops.backends.triton_loss import direct_factor
+from megatron_fused_lm.ops.backends.triton_reference import (
     MAX_ABOVE_REFERENCE,
     REFERENCE_HEADROOM,
-    chosen_token_grad,
-    row_factor,
     row_references,
     stale_references,
 )
-from megatron_fused_lm.ops.stored_gradients import take_chosen
+from megatron_fused_lm.ops.softmax import block_statistics, chosen_logit_grad, summarize, zero_chosen
 
 
 def test_row_references_bracket_the_row_maximum():
@@ -42,9 +41,9 @@ def test_stale_references_take_the_maximum():
     assert refreshed.tolist() == [0.0, MAX_ABOVE_REFERENCE + 1, 10.0]
 
 
-def test_chosen_token_and_factor_give_dz():
-    # The factor times exp(z - r), with the chosen token's term added, is dz / T of the float64
-    # formula, including a chosen token with p near 1, where 1 - p is small.
+def test_factor_and_chosen_term_give_dz():
+    # The factor times exp(z - r), with the chosen token's element zeroed and its term added, is
+    # dz / T of the float64 formula, including a chosen token with p near 1, where 1 - p is small.
     torch.manual_seed(2)
     logits = torch.randn(4, 50, dtype=torch.float64) * 3
     logits[0, 7] = 14.0  # 1 - p_y about 1e-3
@@ -53,24 +52,26 @@ def test_chosen_token_and_factor_give_dz():
     grad_logprob = torch.tensor([0.5, -1.0, 2.0, 0.25])
     inv_temperature = 1 / 0.8
     lse = logits.logsumexp(1)
-    prob = (logits - lse[:, None]).exp()
-    expected = -grad_logprob.double()[:, None] * prob
+    expected = -grad_logprob.double()[:, None] * (logits - lse[:, None]).exp()
     owned = target_column >= 0
     expected[owned, targets[owned]] += grad_logprob.double()[owned]
     expected *= inv_temperature
     reference = logits.amax(1) + 5.0
     stored = (logits - reference[:, None]).exp().float()
-    taken = take_chosen(stored, target_column)
-    factor = row_factor(grad_logprob, lse.float(), reference.float(), inv_temperature)
-    chosen = chosen_token_grad(
-        target_column, logits[torch.arange(4), targets].float(), lse.float(), grad_logprob, inv_temperature
-    )
+    zero_chosen(stored, target_column)
+    assert stored[2, 0] != 0 and (stored[owned, targets[owned]] == 0).all()  # another shard's chosen token stays
+    summary = summarize(block_statistics(logits.float(), target_column))
+    # Row 2 as its own shard sees it: the owner's statistics would add its target logit.
+    factor = direct_factor(reference.float(), summary.lse, grad_logprob, inv_temperature)
+    chosen = chosen_logit_grad(target_column, summary, grad_logprob, None) * inv_temperature
     dz = factor[:, None].double() * stored.double()
     dz[owned, targets[owned]] += chosen.double()[owned]
-    assert stored[2, 0] != 0  # another shard's chosen token is left in the block
-    chosen_exp = (logits[torch.arange(4), targets] - reference).exp()
-    assert torch.allclose(taken.double(), torch.where(owned, chosen_exp, 0.0), rtol=1e-6)
     assert torch.allclose(dz, expected, rtol=1e-5, atol=1e-7 * expected.abs().max().item())
     # Near p = 1 the chosen term keeps the relative precision of the float32 log-prob (1e-6
-    # absolute at logits near 14, on 1 - p near 1e-3); 1 - exp(logprob) would lose more.
+    # absolute at logits near 14, on 1 - p near 1e-3).
     assert abs(chosen[0].item() / expected[0, 7].item() - 1) < 2e-3
+
+
+def test_factor_without_log_prob_term_is_zero():
+    factor = direct_factor(torch.zeros(3), torch.ones(3), None, 1.0)
+    assert factor.tolist() == [0.0, 0.0, 0.0]

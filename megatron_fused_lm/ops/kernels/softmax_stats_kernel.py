@@ -1,26 +1,12 @@
-"""Forward kernel: softmax statistics of ``hidden @ weight.T / T`` without storing the logits.
+"""Forward kernel: the softmax statistics of ``hidden @ weight.T / T`` without storing the logits,
+and, for the loss-in-forward path, the logits kept as exponentials against one reference per row.
 
-The vocabulary is cut into *splits* of ``tiles_per_split`` column tiles. A program owns one tile
-of ``block_m`` tokens and one split: it walks the split's column tiles, each one the product of a
-token tile and a weight tile over the whole hidden dimension (float32 accumulator, tensor cores,
-operands brought in by tensor descriptors), and folds each finished logits tile into running
-per-token statistics (max, sum-exp, exp-weighted logits measured from the max, target logit; see
-``softmax_stats``). A program writes one ``[block_m, 4]`` slice of ``parts [num_splits, n, 4]``;
-``merge_statistics`` combines the splits.
-
-For the three-GEMM path (a loss known in the forward) the kernel also keeps the logits for the
-gradient, as ``exp(z - reference)`` with one float32 ``reference`` per row (``stored_exp``, in
-bfloat16 or float32, whose exponent range is float32's): the statistics cannot be known before the
-store, but any reference within a few tens of the row's maximum keeps every exponential that
-matters a normal number, with the dtype's full relative precision, and no exponential overflows.
-With one reference per row the stored block is the logits' gradient up to a per-row factor (the
-chosen token aside), so the gradient products can read it as it is. A second launch in *refresh*
-mode rewrites the rows whose reference turned out too far below their maximum: only the row tiles
-that hold such a row do any work.
-
-Splitting the vocabulary gives ``token tiles x splits`` programs, so a few thousand tokens still
-fill the GPU, while each program reuses its hidden tile over many weight tiles. (A persistent grid
-measured no faster: each program already runs several whole tiles back to back.)
+A program owns one tile of ``block_m`` tokens and one vocabulary split of ``tiles_per_split``
+column tiles; it folds each finished logits tile into running per-token statistics (``softmax``
+order) and writes one ``[block_m, 4]`` slice of ``parts [num_splits, n, 4]``. With ``STORE_EXP``
+it also stores ``exp(z - reference)`` through a descriptor; ``REFRESH`` launches rewrite the row
+tiles that hold a row whose reference proved stale. ``docs/DESIGN.md`` ("The Triton backend")
+says why splits and why a reference.
 """
 
 from __future__ import annotations
@@ -31,8 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..softmax_stats import NUM_STATISTICS
+from ..softmax import NUM_STATISTICS
 from .descriptors import addressable, descriptor
+from .epilogue import grouped_tile, next_k_step, product_step
 from .tiles import Tiles
 
 
@@ -61,14 +48,9 @@ def softmax_stats_kernel(
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # Program -> (token tile, split), GROUP_M token tiles at a time across all splits (L2 reuse).
-    pid = tl.program_id(0)
     num_row_tiles = tl.cdiv(num_tokens, BLOCK_M)
-    programs_per_group = GROUP_M * num_splits
-    first_row_tile = (pid // programs_per_group) * GROUP_M
-    rows_in_group = tl.minimum(num_row_tiles - first_row_tile, GROUP_M)
-    row0 = (first_row_tile + (pid % programs_per_group) % rows_in_group) * BLOCK_M
-    split = (pid % programs_per_group) // rows_in_group
+    row_tile, split = grouped_tile(tl.program_id(0), num_row_tiles, num_splits, GROUP_M)
+    row0 = row_tile * BLOCK_M
     first_col_tile = split * tiles_per_split
     num_col_tiles = tl.minimum(tl.cdiv(vocab, BLOCK_N) - first_col_tile, tiles_per_split)
     k_steps = tl.cdiv(hidden_size, BLOCK_K)
@@ -88,17 +70,13 @@ def softmax_stats_kernel(
     sumexp_z = tl.zeros([BLOCK_M], tl.float32)
     target_logit = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    # One flat loop over (column tile, k step), its counters advanced at the top, so that the next
-    # tile's loads stay in flight during a tile's statistics.
     col0 = (first_col_tile - 1) * BLOCK_N
     k_step = k_steps - 1
     for _ in range(0, num_steps):
-        k_step = tl.where(k_step == k_steps - 1, 0, k_step + 1)
+        k_step = next_k_step(k_step, k_steps)
         if k_step == 0:
             col0 += BLOCK_N
-        hidden_tile = hidden_desc.load([row0, k_step * BLOCK_K])  # zeros past the edges
-        weight_tile = weight_desc.load([col0, k_step * BLOCK_K])
-        acc = tl.dot(hidden_tile, weight_tile.T, acc, input_precision=DOT_PRECISION)
+        acc = product_step(hidden_desc, weight_desc, row0, col0, k_step, acc, BLOCK_K, DOT_PRECISION)
 
         if k_step == k_steps - 1:
             # Offsets within the tile against scalars: no per-element column indices (registers).

@@ -1,17 +1,16 @@
-"""The chosen token's gradient terms of the three-GEMM direct products, in float32 (see
-``stored_exponentials``): the stored block holds every column but the chosen token's, whose
-``c = dz_y / T`` is added here, outside the 16-bit operands.
+"""The chosen token's gradient term, added in float32 outside the 16-bit operands (``held_gradients``
+has the torch code that computes the same):
 
 - ``finish_hidden_grad``: ``grad_hidden[t] = f[t] * product[t] + c[t] * W[y_t]``, one pass over the
-  chunk's float32 product ``[n, H]``, rounded once.
-- ``add_chosen_rows``: ``grad_weight[y] += sum over tokens t with y_t = y of c[t] * h[t]``, summed
-  in float32 per row and rounded once. The tokens come sorted by their row, and the first token of
-  each run sums the run: deterministic, no atomics, no host synchronization.
+  chunk's float32 product ``[n, H]``;
+- ``add_chosen_rows``: ``grad_weight[y] += sum over tokens t with y_t = y of c[t] * h[t]``, summed in
+  float32 per row. The tokens come sorted by their row, and the first token of each run sums the
+  run: deterministic, no atomics, no host synchronization.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import triton
@@ -32,12 +31,15 @@ def finish_hidden_grad_kernel(
     out_ptr,
     stride_out,
     hidden_size,
+    HAS_FACTOR: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     valid = cols < hidden_size
-    grad = tl.load(product_ptr + row * stride_product + cols, mask=valid, other=0.0) * tl.load(factor_ptr + row)
+    grad = tl.load(product_ptr + row * stride_product + cols, mask=valid, other=0.0)
+    if HAS_FACTOR:
+        grad *= tl.load(factor_ptr + row)
     target_column = tl.load(target_column_ptr + row)
     if target_column >= 0:
         chosen_row = tl.load(weight_ptr + target_column * stride_weight + cols, mask=valid, other=0.0)
@@ -83,22 +85,22 @@ def add_chosen_rows_kernel(
 
 def finish_hidden_grad(
     product: torch.Tensor,
-    factor: torch.Tensor,
+    factor: Optional[torch.Tensor],
     chosen: torch.Tensor,
     target_column: torch.Tensor,
     weight: torch.Tensor,
     out: torch.Tensor,
 ) -> None:
     """``out [n, H] = f * product + c * weight[target_column]`` (the last term where
-    ``target_column >= 0``). ``product [n, H]`` float32, ``factor``, ``chosen`` ``[n]`` float32,
-    ``target_column [n]`` int64, ``weight [V, H]``; unit last strides."""
+    ``target_column >= 0``). ``product [n, H]`` float32, ``factor`` (``None``: 1) and ``chosen``
+    ``[n]`` float32, ``target_column [n]`` int64, ``weight [V, H]``; unit last strides."""
     num_tokens, hidden_size = product.shape
     if num_tokens == 0:
         return
     grid = (num_tokens, triton.cdiv(hidden_size, BLOCK_H))
     finish_hidden_grad_kernel[grid](
-        product, product.stride(0), factor, chosen, target_column, weight, weight.stride(0), out, out.stride(0),
-        hidden_size, BLOCK_H=BLOCK_H,
+        product, product.stride(0), chosen if factor is None else factor, chosen, target_column, weight,
+        weight.stride(0), out, out.stride(0), hidden_size, HAS_FACTOR=factor is not None, BLOCK_H=BLOCK_H,
     )  # fmt: skip
 
 

@@ -1,0 +1,279 @@
+"""The public ops: per-token log-probs, entropy and losses over a vocabulary-parallel LM head, fused
+(from the hidden states and the weight shard, without building the ``[tokens, vocab_shard]``
+logits) and unfused (from a materialized logits shard, for the stock path)."""
+
+from __future__ import annotations
+
+from typing import Dict, NamedTuple, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import losses
+from .boundary import DeclaredCrossEntropyFunction, FusedLossFunction, fused_forward, logits_forward
+from .inputs import check_float, check_linear_inputs, select_rows
+from .loss_in_forward import LossFn, check_loss_inputs, check_per_token, per_token_losses
+from .options import HeadOptions
+
+Tensor = torch.Tensor
+
+
+class FusedLoss(NamedTuple):
+    """What ``fused_linear_loss`` and ``logits_loss`` return."""
+
+    loss: Tensor  # [] float32: the sum of the per-token losses; differentiable w.r.t. hidden and weight
+    logprob: Tensor  # [...] float32, detached: a metric
+    entropy: Tensor  # [...] float32, detached: a metric
+
+
+def fused_linear_logprob(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    entropy_grad: bool = True,
+    backend: str = "torch",
+    token_chunk: Optional[int] = None,
+    reduce_hidden_grad: bool = True,
+    mask: Optional[Tensor] = None,
+    max_rows: Optional[int] = None,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Log-probs (and entropy) of ``targets`` under ``softmax(hidden @ weight.T / temperature)``,
+    the vocabulary spread over ``tp_group``, without materializing the logits; the backward
+    recomputes them (four GEMMs in all).
+
+    Args:
+        hidden: ``[..., H]`` float32, bfloat16 or float16; the same on every rank of ``tp_group``.
+            It is cast to ``weight``'s dtype for the product; its gradient comes back in its own.
+        weight: ``[vocab_shard, H]``, this rank's vocabulary rows (padded rows included): rank
+            ``r`` owns global ids ``[r * vocab_shard, (r + 1) * vocab_shard)``.
+        targets: ``[...]`` (``hidden.shape[:-1]``) integer global vocabulary ids.
+        tp_group: the tensor-parallel group the vocabulary is split over; ``None`` for no split.
+        temperature: divides the logits.
+        return_entropy: also return the entropy of the distribution.
+        entropy_grad: with ``False`` the entropy is a metric: no graph, no backward term.
+        backend: ``"torch"``, ``"triton"`` or ``"auto"`` (Triton on CUDA when available; otherwise
+            the torch backend, with one logged warning).
+        token_chunk: rows per chunk (the torch backend's chunks; the Triton backward's token
+            chunks); ``None`` picks one that bounds the working set.
+        reduce_hidden_grad: ``True`` (default) gives the full gradient w.r.t. ``hidden`` on every
+            rank (one all-reduce, in the gradient's dtype). ``False`` gives this rank's partial,
+            for a caller whose own backward sums partials across ranks (a sequence-parallel
+            gather's reduce-scatter).
+        mask: optional bool ``[...]`` (``targets``' shape): only rows where it is True are
+            computed (their hidden rows are gathered before the product, so time and memory follow
+            the number selected); the others are 0 with zero gradient, and their targets are not
+            read. Under tensor parallelism every rank must pass the same mask. The number of
+            selected rows is read on the host (one synchronization) unless ``max_rows`` is given.
+        max_rows: with ``mask``, an upper bound on the rows it selects: the computation then
+            has the static shape ``[max_rows]`` (no host synchronization, so CUDA graphs can
+            capture it and ``torch.compile(fullgraph=True)`` can trace it); time and memory
+            follow ``max_rows``. A mask selecting more rows is an error.
+
+    Returns:
+        ``logprob [...]`` float32, or ``(logprob, entropy)`` with ``return_entropy=True``.
+        Gradients: w.r.t. ``hidden`` in hidden's dtype, w.r.t. ``weight`` (this shard's rows) in
+        the weight's dtype. Computed by the custom operators ``torch.ops.megatron_fused_lm.fused_*``
+        in float32 whatever the autocast context; no host synchronization without a mask (or
+        with ``max_rows``): an out-of-range target raises ``ValueError`` on the CPU and trips a
+        device-side assertion on a GPU.
+    """
+    check_linear_inputs(hidden, weight)
+    options = HeadOptions.checked(
+        temperature=temperature, token_chunk=token_chunk, tp_group=tp_group, backend=backend,
+        entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
+    )  # fmt: skip
+    selection = select_rows(targets, hidden.shape[:-1], mask, max_rows, weight.shape[0], tp_group)
+    logprob, entropy, _, _ = fused_forward(
+        selection.take(hidden).to(weight.dtype), weight, selection.target_column, **options.op_arguments()
+    )
+    logprob = selection.place(logprob)
+    return (logprob, selection.place(entropy)) if return_entropy else logprob
+
+
+def logits_logprob(
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    entropy_grad: bool = True,
+    token_chunk: Optional[int] = None,
+    mask: Optional[Tensor] = None,
+    max_rows: Optional[int] = None,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Log-probs (and entropy) of ``targets`` under ``softmax(logits / temperature)``, the
+    vocabulary spread over ``tp_group``: the stock (unfused) path.
+
+    Args:
+        logits: ``[..., vocab_shard]`` float32, bfloat16 or float16, this rank's vocabulary
+            columns: rank ``r`` owns global ids ``[r * vocab_shard, (r + 1) * vocab_shard)``.
+        targets: ``[...]`` (``logits.shape[:-1]``) integer global vocabulary ids.
+        tp_group, temperature, return_entropy, entropy_grad: as for ``fused_linear_logprob``.
+        token_chunk: rows per chunk of the float32 softmax; ``None`` (or a size of at least the
+            number of rows) runs one pass over all rows.
+        mask, max_rows: only rows where ``mask`` is True are computed; the others are 0 with zero
+            gradient and their targets are not read (as for ``fused_linear_logprob``).
+
+    Returns:
+        ``logprob [...]`` float32, or ``(logprob, entropy)``. The gradient goes to ``logits`` in
+        their dtype (this rank's shard only; nothing is reduced across ranks).
+    """
+    check_float("logits", logits)
+    if logits.dim() == 0 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must be [..., vocab_shard >= 1], got shape {tuple(logits.shape)}")
+    options = HeadOptions.checked(
+        temperature=temperature, token_chunk=token_chunk, tp_group=tp_group, entropy_grad=entropy_grad
+    )
+    selection = select_rows(targets, logits.shape[:-1], mask, max_rows, logits.shape[-1], tp_group)
+    logprob, entropy, _, _ = logits_forward(selection.take(logits), selection.target_column, **options.op_arguments())
+    logprob = selection.place(logprob)
+    return (logprob, selection.place(entropy)) if return_entropy else logprob
+
+
+def fused_linear_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    loss_fn: LossFn,
+    *,
+    loss_inputs: Optional[Dict[str, Tensor]] = None,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    temperature: float = 1.0,
+    mask: Optional[Tensor] = None,
+    backend: str = "torch",
+    token_chunk: Optional[int] = None,
+    reduce_hidden_grad: bool = True,
+) -> FusedLoss:
+    """``sum_t loss_fn(logprob_t, entropy_t, inputs_t)`` over the rows of
+    ``softmax(hidden @ weight.T / temperature)``, with its gradients computed in the forward
+    (three GEMMs): the per-token loss must be known before the step.
+
+    ``loss_fn(logprob, entropy, **inputs) -> losses`` is called on chunks of rows: ``logprob``
+    and ``entropy`` are float32 ``[rows]`` (requiring grad), ``inputs`` holds the same rows of each
+    tensor in ``loss_inputs``. It must return one float loss per row, ``[rows]``, computed from
+    that row alone: **the loss is the sum of what it returns over all chunks, so a function that
+    reduces or normalizes across rows (a mean, a per-sequence max, a normalizer that depends on
+    this step's log-probs) is wrong here.** Express normalizations as per-token weights among the
+    inputs instead (``losses.token_mean_weights``). Ready-made functions: ``losses.cross_entropy``,
+    ``losses.ClippedPolicyLoss``.
+
+    Args:
+        hidden, weight, targets, tp_group, temperature, backend, reduce_hidden_grad: as for
+            ``fused_linear_logprob``.
+        token_chunk: rows per three-GEMM chunk; ``None`` picks one that bounds the working set.
+        loss_fn: the per-token loss, as above.
+        loss_inputs: per-token inputs of ``loss_fn``: a dict of tensors shaped like ``targets``
+            (old log-probs, advantages, weights, ...), on hidden's device, needing no gradient;
+            under tensor parallelism the same on every rank.
+        mask: optional bool ``[...]``: only rows where it is True are computed and summed; the
+            others have log-prob and entropy 0. The number of selected rows is read on the host.
+
+    Returns:
+        ``FusedLoss(loss, logprob, entropy)``: ``loss`` a float32 scalar, differentiable w.r.t.
+        ``hidden`` (gradient in hidden's dtype) and ``weight`` (in the weight's dtype); ``logprob``
+        and ``entropy`` float32 ``[...]`` metrics, detached. The gradients are computed in the
+        forward and held in float32 until the backward, which multiplies them by the upstream
+        gradient and rounds each once into its dtype (then, with ``reduce_hidden_grad``, sums the
+        hidden gradient over ``tp_group``: one all-reduce); a second backward through the same
+        graph is an error. Under ``no_grad``, or when neither ``hidden`` nor ``weight`` needs a
+        gradient, only the loss and the metrics are computed. Nothing flows into ``loss_inputs``.
+    """
+    check_linear_inputs(hidden, weight)
+    options = HeadOptions.checked(
+        temperature=temperature, token_chunk=token_chunk, tp_group=tp_group, backend=backend,
+        reduce_hidden_grad=reduce_hidden_grad,
+    )  # fmt: skip
+    selection = select_rows(targets, hidden.shape[:-1], mask, None, weight.shape[0], tp_group)
+    inputs = check_loss_inputs(loss_fn, loss_inputs, hidden.shape[:-1], hidden.device)
+    if selection.rows is not None:
+        inputs = {name: value.index_select(0, selection.rows) for name, value in inputs.items()}
+    loss, logprob, entropy = FusedLossFunction.apply(
+        selection.take(hidden).to(weight.dtype),
+        weight,
+        selection.target_column,
+        loss_fn,
+        inputs,
+        options,
+        torch.is_grad_enabled(),
+    )
+    return FusedLoss(loss, selection.place(logprob), selection.place(entropy))
+
+
+def fused_linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    declared_weights: Tensor,
+    *,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    temperature: float = 1.0,
+    backend: str = "torch",
+    token_chunk: Optional[int] = None,
+    reduce_hidden_grad: bool = True,
+) -> Tensor:
+    """Per-token cross-entropy ``-logprob [...]`` (float32), its gradients computed in the forward
+    (three GEMMs) for an upstream gradient declared up to a scalar: ``c * declared_weights``.
+
+    This is the shape of Megatron's SFT loss, ``sum(losses * loss_mask) * scale``: declare the
+    loss mask (or any per-token weights) and the scale may stay unknown. The backward checks the
+    upstream gradient it receives (one host synchronization): proportional to ``declared_weights``
+    (within ``loss_in_forward.PROPORTIONAL_TOLERANCE``), it returns the held gradients times ``c``;
+    otherwise it recomputes the exact gradient for what arrived, at the cost of the fourth GEMM.
+    Either way the result is that of ``fused_linear_logprob``.
+
+    Args:
+        declared_weights: ``[...]`` (``targets``' shape) float or bool per-token weights, needing
+            no gradient, the same on every rank of ``tp_group``.
+        the rest: as for ``fused_linear_loss``.
+    """
+    check_linear_inputs(hidden, weight)
+    options = HeadOptions.checked(
+        temperature=temperature, token_chunk=token_chunk, tp_group=tp_group, backend=backend,
+        reduce_hidden_grad=reduce_hidden_grad,
+    )  # fmt: skip
+    selection = select_rows(targets, hidden.shape[:-1], None, None, weight.shape[0], tp_group)
+    declared = check_per_token("declared_weights", declared_weights, hidden.shape[:-1], hidden.device)
+    if not declared.dtype.is_floating_point and declared.dtype != torch.bool:
+        raise TypeError(f"declared_weights must be float or bool, got {declared.dtype}")
+    losses_per_token = DeclaredCrossEntropyFunction.apply(
+        selection.take(hidden).to(weight.dtype),
+        weight,
+        selection.target_column,
+        declared.float(),
+        losses.cross_entropy,
+        options,
+        torch.is_grad_enabled(),
+    )
+    return selection.place(losses_per_token)
+
+
+def logits_loss(
+    logits: Tensor,
+    targets: Tensor,
+    loss_fn: LossFn,
+    *,
+    loss_inputs: Optional[Dict[str, Tensor]] = None,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    temperature: float = 1.0,
+    mask: Optional[Tensor] = None,
+    token_chunk: Optional[int] = None,
+) -> FusedLoss:
+    """``fused_linear_loss`` on a materialized logits shard: the same loss, the same contract for
+    ``loss_fn`` and ``loss_inputs``, the gradient (to ``logits``) by the usual backward."""
+    logprob, entropy = logits_logprob(
+        logits, targets, tp_group=tp_group, temperature=temperature, return_entropy=True,
+        token_chunk=token_chunk, mask=mask,
+    )  # fmt: skip
+    inputs = check_loss_inputs(loss_fn, loss_inputs, logits.shape[:-1], logits.device)
+    logprob_rows, entropy_rows = logprob.reshape(-1), entropy.reshape(-1)
+    if mask is not None:
+        rows = mask.reshape(-1).nonzero().squeeze(-1)
+        logprob_rows, entropy_rows = logprob_rows[rows], entropy_rows[rows]
+        inputs = {name: value[rows] for name, value in inputs.items()}
+    loss = per_token_losses(loss_fn, logprob_rows, entropy_rows, inputs).sum()
+    return FusedLoss(loss, logprob.detach(), entropy.detach())

@@ -1,0 +1,66 @@
+"""The torch backend's four-GEMM path: walk the rows in chunks, each chunk's logits a float32 block
+in memory. Working set per call besides the inputs and the returned gradients: about three float32
+``[token_chunk, vocab_shard]`` blocks and, for a weight that is not float32, a float32 accumulator
+for ``grad_weight`` (``held_gradients.WeightAccumulator``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..chunking import BlockLogits, chunk_logit_grads, chunk_statistics
+from ..contract import Gradients, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
+from ..held_gradients import WeightAccumulator
+from ..products import add_product, float32_product
+
+BLOCK_BYTES = 256 * 2**20  # one float32 logits block, when token_chunk is None
+
+
+def chunk_rows(token_chunk: Optional[int], vocab_shard: int) -> int:
+    """Rows per chunk: ``token_chunk``, or as many as keep one float32 block at ``BLOCK_BYTES``."""
+    return token_chunk or max(1, BLOCK_BYTES // (4 * vocab_shard))
+
+
+def block_logits(problem: ShardProblem) -> BlockLogits:
+    """A chunk's float32 logits ``[rows, vocab_shard]``, divided by the temperature."""
+    hidden, weight_t, temperature = problem.hidden, problem.weight.t(), problem.temperature
+    return lambda rows: float32_product(hidden[rows], weight_t).div_(temperature)
+
+
+@dataclass(frozen=True)
+class TorchRecompute:
+    """``token_chunk``: rows per chunk (``chunk_rows``)."""
+
+    token_chunk: Optional[int] = None
+
+    def local_statistics(self, problem: ShardProblem) -> torch.Tensor:
+        """This shard's statistics ``[n, 4]`` (float32)."""
+        rows = chunk_rows(self.token_chunk, problem.weight.shape[0])
+        return chunk_statistics(block_logits(problem), problem.target_column, rows)
+
+    def local_gradients(
+        self, problem: ShardProblem, saved: SavedStatistics, upstream: UpstreamGrads, needed: NeededGrads
+    ) -> Gradients:
+        """This shard's gradients (``contract.Gradients`` gives their dtypes). The products run in
+        the weight's dtype, as the stock path's logits gradient does; each accumulates in float32,
+        and a chunk's hidden gradient is rounded once."""
+        hidden, weight = problem.hidden, problem.weight
+        grad_hidden = torch.empty_like(hidden) if needed.hidden else None
+        grad_weight = WeightAccumulator(weight) if needed.weight else None
+        logit_grads = chunk_logit_grads(
+            block_logits(problem),
+            problem.target_column,
+            saved,
+            upstream,
+            problem.temperature,
+            chunk_rows(self.token_chunk, weight.shape[0]),
+        )
+        for rows, grad in logit_grads:
+            grad = grad.to(weight.dtype)
+            if grad_hidden is not None:
+                add_product(grad_hidden[rows], grad, weight, accumulate=False)
+            if grad_weight is not None:
+                grad_weight.add(grad, hidden[rows])
+        return Gradients(grad_hidden, None if grad_weight is None else grad_weight.result())

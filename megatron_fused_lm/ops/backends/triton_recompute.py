@@ -1,0 +1,100 @@
+"""The Triton backend's four-GEMM path.
+
+- Forward: ``split_statistics`` gives ``[num_splits, n, 4]`` statistics straight from hidden and
+  weight tiles; ``merge_statistics`` merges the splits.
+- Backward, blocked over token chunks and vocabulary chunks so the working set stays bounded
+  (``triton_tuning``): per block, ``logit_grad_block`` recomputes the logits and writes ``dz / T``
+  in the weight's dtype, then cuBLAS adds ``dz @ w`` into a float32 ``[token chunk, H]``
+  accumulator for ``grad_hidden`` and ``dz.T @ h`` into ``grad_weight`` (rounded to the weight's
+  dtype once per token chunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ..contract import Gradients, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads, token_chunks
+from ..kernels.descriptors import addressable
+from ..kernels.logit_grad_kernel import logit_grad_block
+from ..kernels.softmax_stats_kernel import split_statistics
+from ..products import add_product
+from ..softmax import NUM_STATISTICS, merge_statistics
+from .triton_tuning import TOKEN_CHUNK, VOCAB_CHUNK_MULTIPLE, TritonTuning
+
+
+@dataclass(frozen=True)
+class TritonRecompute:
+    """``token_chunk``: backward rows per token chunk (``TOKEN_CHUNK``); ``tuning``: fixed choices."""
+
+    token_chunk: Optional[int] = None
+    tuning: TritonTuning = field(default_factory=TritonTuning)
+
+    def local_statistics(self, problem: ShardProblem) -> torch.Tensor:
+        """This shard's statistics ``[n, 4]`` (float32)."""
+        hidden, weight = problem.hidden, problem.weight
+        if hidden.shape[0] == 0:
+            return hidden.new_empty(0, NUM_STATISTICS, dtype=torch.float32)
+        tiles = self.tuning.forward_tiles_for(weight.dtype)
+        tiles_per_split = self.tuning.tiles_per_split_for(hidden.shape[0], weight.shape[0], tiles, weight.device)
+        parts = split_statistics(
+            hidden, weight, problem.target_column, 1.0 / problem.temperature, tiles, tiles_per_split
+        )
+        return merge_statistics(parts)
+
+    def local_gradients(
+        self, problem: ShardProblem, saved: SavedStatistics, upstream: UpstreamGrads, needed: NeededGrads
+    ) -> Gradients:
+        """This shard's gradients (``contract.Gradients`` gives their dtypes)."""
+        hidden, weight = problem.hidden, problem.weight
+        num_tokens, hidden_size = hidden.shape
+        vocab = weight.shape[0]
+        grad_hidden = hidden.new_empty(hidden.shape) if needed.hidden else None
+        grad_weight = weight.new_empty(weight.shape) if needed.weight else None
+        if num_tokens == 0:
+            return Gradients(grad_hidden, None if grad_weight is None else grad_weight.zero_())
+
+        token_chunk = min(self.token_chunk or TOKEN_CHUNK, num_tokens)
+        accumulator_bytes = token_chunk * hidden_size * 4 if needed.hidden else 0
+        gradient_bytes = sum(
+            grad.numel() * grad.element_size() for grad in (grad_hidden, grad_weight) if grad is not None
+        )
+        dz_bytes = self.tuning.dz_block_bytes_for(gradient_bytes, accumulator_bytes)
+        multiple = VOCAB_CHUNK_MULTIPLE
+        vocab_chunk = dz_bytes // weight.element_size() // token_chunk
+        vocab_chunk = min(vocab, max(multiple, vocab_chunk // multiple * multiple))
+        # Row stride a multiple of VOCAB_CHUNK_MULTIPLE: the kernel stores through a tensor descriptor.
+        logit_grads = weight.new_empty(token_chunk, -(-vocab_chunk // multiple) * multiple)
+        hidden_acc = hidden.new_empty(token_chunk, hidden_size, dtype=torch.float32) if needed.hidden else None
+        tiles = self.tuning.backward_tiles_for(weight.dtype)
+        programs = self.tuning.programs_for(weight.device)
+        hidden_operand, weight_operand = addressable(hidden), addressable(weight)
+        target_column = problem.target_column.contiguous()
+        saved = SavedStatistics(*(part.contiguous() for part in saved))
+        upstream = UpstreamGrads(*(None if part is None else part.contiguous() for part in upstream))
+
+        for tokens in token_chunks(num_tokens, token_chunk):
+            rows = tokens.stop - tokens.start
+            token_saved = SavedStatistics(*(part[tokens] for part in saved))
+            for columns in token_chunks(vocab, vocab_chunk):
+                block = logit_grad_block(
+                    logit_grads[:rows, : columns.stop - columns.start],
+                    hidden_operand[tokens],
+                    weight_operand[columns],
+                    target_column[tokens],
+                    columns.start,
+                    token_saved,
+                    upstream.rows(tokens),
+                    1.0 / problem.temperature,
+                    tiles,
+                    programs,
+                )
+                if hidden_acc is not None:
+                    add_product(hidden_acc[:rows], block, weight[columns], accumulate=columns.start > 0)
+                if grad_weight is not None:
+                    add_product(grad_weight[columns], block.t(), hidden[tokens], accumulate=tokens.start > 0)
+            if grad_hidden is not None:
+                grad_hidden[tokens] = hidden_acc[:rows]
+        return Gradients(grad_hidden, grad_weight)

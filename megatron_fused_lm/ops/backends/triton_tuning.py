@@ -1,0 +1,108 @@
+"""How the Triton backend shapes its launches and chunks: the rules, and ``TritonTuning``, the public
+object that fixes any of their choices instead (tile sweeps and the interpreter tests do).
+``docs/BENCHMARKS.md`` has the measurements behind each rule.
+
+- Tiles: 16-bit operands take 256 x 128 x 64 forward tiles and 128 x 256 x 64 recompute-backward
+  tiles, 8 warps, 3 stages, 8 token tiles per group; float32 operands take 64 x 64 x 32 tiles with
+  IEEE float32 products.
+- Vocabulary splits of the forward kernel: the column tiles per split (6 to 16) that leave the
+  least idle time in the last wave of programs.
+- Recompute backward: token chunks of ``TOKEN_CHUNK`` rows, and vocabulary chunks sized so that the
+  working set stays at ``WORKING_SET_BYTES`` plus ``WORKING_SET_GRADIENT_SHARE`` of the gradients'
+  bytes; a persistent grid of one program per multiprocessor.
+- Loss-in-forward pass: token chunks whose stored logits take at most ``STORED_LOGITS_BYTES``,
+  the rows split evenly over the chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..kernels.tiles import Tiles
+
+TOKEN_CHUNK = 8192
+WORKING_SET_BYTES = 256 * 2**20
+WORKING_SET_GRADIENT_SHARE = 0.1
+RESERVE_BYTES = 32 * 2**20  # of the working set, for the statistics and small temporaries
+VOCAB_CHUNK_MULTIPLE = 256  # keeps the cuBLAS products on whole tiles
+STORED_LOGITS_BYTES = 2**30
+REFERENCE_ROWS = 512  # weight rows sampled for each row's reference (plus the chosen token's)
+
+GPU_16BIT_TILES = Tiles(
+    block_m=256, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3, dot_precision="tf32"
+)
+GPU_16BIT_GRAD_TILES = Tiles(
+    block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, dot_precision="tf32"
+)
+GPU_FLOAT32_TILES = Tiles(
+    block_m=64, block_n=64, block_k=32, group_m=8, num_warps=8, num_stages=3, dot_precision="ieee"
+)
+TILES_PER_SPLIT = range(6, 17)  # candidates of the split rule
+
+
+@dataclass(frozen=True)
+class TritonTuning:
+    """Fixed choices for the Triton backend; each field left ``None`` is chosen per problem by the
+    rules above.
+
+    Attributes:
+        forward_tiles: the forward kernel's launch shape (also the loss-in-forward pass's).
+        backward_tiles: the recompute backward kernel's launch shape.
+        tiles_per_split: the forward kernel's column tiles per vocabulary split.
+        programs: programs of the persistent backward grid, and the wave size of the split rule
+            (the multiprocessor count).
+        dz_block_bytes: bytes of one recompute-backward ``dz`` block.
+        reference_rows: weight rows sampled for each row's reference in the loss-in-forward pass.
+    """
+
+    forward_tiles: Optional[Tiles] = None
+    backward_tiles: Optional[Tiles] = None
+    tiles_per_split: Optional[int] = None
+    programs: Optional[int] = None
+    dz_block_bytes: Optional[int] = None
+    reference_rows: Optional[int] = None
+
+    def forward_tiles_for(self, dtype: torch.dtype) -> Tiles:
+        return self.forward_tiles or (GPU_FLOAT32_TILES if dtype == torch.float32 else GPU_16BIT_TILES)
+
+    def backward_tiles_for(self, dtype: torch.dtype) -> Tiles:
+        return self.backward_tiles or (GPU_FLOAT32_TILES if dtype == torch.float32 else GPU_16BIT_GRAD_TILES)
+
+    def programs_for(self, device: torch.device) -> int:
+        """One program per multiprocessor: the 16-bit tiles take most of its shared memory."""
+        return self.programs or torch.cuda.get_device_properties(device).multi_processor_count
+
+    def tiles_per_split_for(self, num_tokens: int, vocab: int, tiles: Tiles, device: torch.device) -> int:
+        """The candidate whose programs, run ``programs`` at a time, leave the least idle time in
+        the last wave (ties: fewer splits)."""
+        if self.tiles_per_split is not None:
+            return self.tiles_per_split
+        programs = self.programs_for(device)
+        row_tiles, col_tiles = -(-num_tokens // tiles.block_m), -(-vocab // tiles.block_n)
+
+        def column_tiles_per_slot(per_split: int) -> int:
+            split_programs = row_tiles * -(-col_tiles // per_split)
+            return -(-split_programs // programs) * per_split
+
+        candidates = {min(per_split, col_tiles) for per_split in TILES_PER_SPLIT}
+        return min(candidates, key=lambda per_split: (column_tiles_per_slot(per_split), -per_split))
+
+    def dz_block_bytes_for(self, gradient_bytes: int, accumulator_bytes: int) -> int:
+        """Bytes of the recompute backward's ``dz`` block: what the working-set target leaves."""
+        if self.dz_block_bytes is not None:
+            return self.dz_block_bytes
+        budget = WORKING_SET_BYTES + WORKING_SET_GRADIENT_SHARE * gradient_bytes
+        return int(budget - accumulator_bytes - RESERVE_BYTES)
+
+
+def loss_token_chunk(num_tokens: int, vocab: int, bytes_per_logit: int, tiles: Tiles) -> int:
+    """Rows per loss-in-forward chunk: at most as many whole token tiles as ``STORED_LOGITS_BYTES``
+    holds, and as few as still need that many chunks, so that the rows split evenly (a short last
+    chunk would run every phase at low occupancy)."""
+    limit = max(tiles.block_m, STORED_LOGITS_BYTES // (bytes_per_logit * vocab) // tiles.block_m * tiles.block_m)
+    chunks = max(1, -(-num_tokens // limit))
+    even = max(1, -(-num_tokens // chunks))
+    return min(limit, -(-even // tiles.block_m) * tiles.block_m)

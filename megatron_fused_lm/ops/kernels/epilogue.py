@@ -1,0 +1,70 @@
+"""Triton functions the kernels share: the walk over output tiles and hidden steps, the per-row
+inputs of a gradient epilogue, and the logits' gradient itself (``softmax.logit_grad``, compiled
+from the same source the torch code runs)."""
+
+import types
+
+import triton
+import triton.language as tl
+
+from ..softmax import logit_grad
+
+# softmax.logit_grad's own code, with this module's globals (Triton looks for triton.language there).
+logit_grad_tile = triton.jit(types.FunctionType(logit_grad.__code__, globals(), logit_grad.__name__))
+
+
+@triton.jit
+def grouped_tile(index, num_row_tiles, num_columns, GROUP_M: tl.constexpr):
+    """``(row tile, column)`` of the ``index``-th program or tile, walking ``GROUP_M`` row tiles
+    across all ``num_columns`` columns (column tiles or vocabulary splits) before the next group,
+    so that the hidden rows and weight rows they share stay in L2."""
+    per_group = GROUP_M * num_columns
+    first_row_tile = (index // per_group) * GROUP_M
+    rows_in_group = tl.minimum(num_row_tiles - first_row_tile, GROUP_M)
+    within = index % per_group
+    return first_row_tile + within % rows_in_group, within // rows_in_group
+
+
+@triton.jit
+def next_k_step(k_step, k_steps):
+    """The hidden step after ``k_step`` in a flat loop over (tile, hidden step): 0 starts a tile.
+    The counters advance at the top of the loop, so the next tile's loads stay in flight during a
+    tile's epilogue."""
+    return tl.where(k_step == k_steps - 1, 0, k_step + 1)
+
+
+@triton.jit
+def product_step(hidden_desc, weight_desc, row0, col0, k_step, acc, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``acc`` plus one hidden step of the tile ``hidden[row0:] @ weight[col0:].T`` (float32
+    accumulator; the descriptors read zeros past the edges)."""
+    hidden_tile = hidden_desc.load([row0, k_step * BLOCK_K])
+    weight_tile = weight_desc.load([col0, k_step * BLOCK_K])
+    return tl.dot(hidden_tile, weight_tile.T, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def row_upstream(
+    rows,
+    row_valid,
+    target_column_ptr,
+    lse_ptr,
+    mean_logit_ptr,
+    grad_logprob_ptr,
+    grad_entropy_ptr,
+    HAS_GRAD_LOGPROB: tl.constexpr,
+    HAS_GRAD_ENTROPY: tl.constexpr,
+):
+    """``(target_column, lse, mean_logit, grad_logprob, grad_entropy)`` of the rows (``[BLOCK_M]``;
+    -1: the target is another shard's). The pointers of a term that is off are never read: its
+    values are stand-ins that ``logit_grad_tile`` ignores."""
+    target_column = tl.load(target_column_ptr + rows, mask=row_valid, other=-1)
+    lse = tl.load(lse_ptr + rows, mask=row_valid, other=0.0)
+    mean_logit = lse
+    grad_entropy = lse
+    if HAS_GRAD_ENTROPY:
+        mean_logit = tl.load(mean_logit_ptr + rows, mask=row_valid, other=0.0)
+        grad_entropy = tl.load(grad_entropy_ptr + rows, mask=row_valid, other=0.0)
+    grad_logprob = lse
+    if HAS_GRAD_LOGPROB:
+        grad_logprob = tl.load(grad_logprob_ptr + rows, mask=row_valid, other=0.0)
+    return target_column, lse, mean_logit, grad_logprob, grad_entropy

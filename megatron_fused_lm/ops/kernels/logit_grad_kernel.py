@@ -1,0 +1,131 @@
+"""Recompute backward kernel: recompute one ``[token chunk, vocabulary chunk]`` block of logits and
+write ``dz / T`` in the weight's dtype, ready for the two cuBLAS gradient products; neither the
+float32 product nor any other ``[tokens, vocab]``-sized intermediate reaches memory. The grid is
+persistent: one program per multiprocessor runs the tiles ``pid, pid + programs, ...``, so the next
+tile's loads are in flight during a tile's epilogue and store.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..contract import SavedStatistics, UpstreamGrads
+from .descriptors import descriptor
+from .epilogue import grouped_tile, logit_grad_tile, next_k_step, product_step, row_upstream
+from .tiles import Tiles
+
+
+@triton.jit
+def logit_grad_kernel(
+    hidden_desc,
+    weight_desc,
+    out_desc,
+    target_column_ptr,
+    lse_ptr,
+    mean_logit_ptr,
+    grad_logprob_ptr,
+    grad_entropy_ptr,
+    num_tokens,
+    vocab,
+    hidden_size,
+    first_column,
+    inv_temperature,
+    HAS_GRAD_LOGPROB: tl.constexpr,
+    HAS_GRAD_ENTROPY: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    num_row_tiles = tl.cdiv(num_tokens, BLOCK_M)
+    num_col_tiles = tl.cdiv(vocab, BLOCK_N)
+    k_steps = tl.cdiv(hidden_size, BLOCK_K)
+    my_tiles = tl.cdiv(num_row_tiles * num_col_tiles - pid, num_programs)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    tile = pid - num_programs
+    k_step = k_steps - 1
+    row0 = 0
+    col0 = 0
+    for _ in range(0, my_tiles * k_steps):
+        k_step = next_k_step(k_step, k_steps)
+        if k_step == 0:
+            tile += num_programs
+            row_tile, col_tile = grouped_tile(tile, num_row_tiles, num_col_tiles, GROUP_M)
+            row0 = row_tile * BLOCK_M
+            col0 = col_tile * BLOCK_N
+        acc = product_step(hidden_desc, weight_desc, row0, col0, k_step, acc, BLOCK_K, DOT_PRECISION)
+
+        if k_step == k_steps - 1:
+            # Rows and columns past the block compute finite junk that the store clips.
+            rows = row0 + tl.arange(0, BLOCK_M)
+            target_column, lse, mean_logit, grad_logprob, grad_entropy = row_upstream(
+                rows, rows < num_tokens, target_column_ptr, lse_ptr, mean_logit_ptr, grad_logprob_ptr,
+                grad_entropy_ptr, HAS_GRAD_LOGPROB, HAS_GRAD_ENTROPY,
+            )  # fmt: skip
+            logits = acc * inv_temperature
+            grad = logit_grad_tile(
+                tl.exp(logits - lse[:, None]),
+                mean_logit[:, None] - logits,
+                grad_logprob[:, None],
+                grad_entropy[:, None],
+                HAS_GRAD_LOGPROB,
+                HAS_GRAD_ENTROPY,
+            )
+            if HAS_GRAD_LOGPROB:
+                # Offsets within the tile against per-row scalars: no per-element column indices.
+                is_target = tl.arange(0, BLOCK_N)[None, :] == (target_column - first_column - col0)[:, None]
+                grad = tl.where(is_target, grad + grad_logprob[:, None], grad)
+            out_desc.store([row0, col0], (grad * inv_temperature).to(out_desc.dtype))
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+
+
+def logit_grad_block(
+    out: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_column: torch.Tensor,
+    first_column: int,
+    saved: SavedStatistics,
+    upstream: UpstreamGrads,
+    inv_temperature: float,
+    tiles: Tiles,
+    num_programs: int,
+) -> torch.Tensor:
+    """Fill ``out [n, v]`` (the weight's dtype, unit last stride, rows 16-byte aligned) with the
+    gradient with respect to ``hidden @ weight.T`` for ``hidden [n >= 1, H]`` and the vocabulary
+    block ``weight [v >= 1, H]`` that starts at the shard's row ``first_column`` (both
+    ``descriptors.addressable``).
+
+    ``target_column [n]`` (int64, the shard's encoding); ``saved`` and ``upstream`` hold ``[n]``
+    float32 contiguous tensors; a ``None`` upstream gradient contributes nothing. The grid has
+    ``num_programs`` programs (fewer if there are fewer tiles).
+    """
+    num_tokens, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    num_tiles = triton.cdiv(num_tokens, tiles.block_m) * triton.cdiv(vocab, tiles.block_n)
+    grad_logprob, grad_entropy = upstream
+    logit_grad_kernel[(min(num_tiles, num_programs),)](
+        descriptor(hidden, [tiles.block_m, tiles.block_k]),
+        descriptor(weight, [tiles.block_n, tiles.block_k]),
+        descriptor(out, [tiles.block_m, tiles.block_n]),
+        target_column,
+        saved.lse,
+        saved.mean_logit,
+        saved.lse if grad_logprob is None else grad_logprob,  # unread placeholder when absent
+        saved.lse if grad_entropy is None else grad_entropy,
+        num_tokens,
+        vocab,
+        hidden_size,
+        first_column,
+        inv_temperature,
+        HAS_GRAD_LOGPROB=grad_logprob is not None,
+        HAS_GRAD_ENTROPY=grad_entropy is not None,
+        **tiles.launch_options(),
+    )
+    return out

@@ -1,0 +1,90 @@
+"""The ops' scalar options, checked once, and the one object that carries them across the autograd
+boundary (``HeadOptions``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Optional
+
+import torch.distributed as dist
+
+from .distributed import group_by_name, group_name
+
+BACKENDS = ("torch", "triton", "auto")
+
+
+def check_backend(backend: str) -> str:
+    """``backend`` if it is one of ``BACKENDS``; ``TypeError`` for a non-string, else ``ValueError``."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, one of {', '.join(map(repr, BACKENDS))}; got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}; got {backend!r}")
+    return backend
+
+
+def check_token_chunk(token_chunk: Optional[int]) -> Optional[int]:
+    """``token_chunk`` as an ``int`` (or ``None``); ``TypeError`` unless it is an integer, ``ValueError``
+    unless it is positive."""
+    if token_chunk is None:
+        return None
+    if isinstance(token_chunk, bool) or not isinstance(token_chunk, numbers.Integral):
+        raise TypeError(f"token_chunk must be a positive integer or None, got {token_chunk!r}")
+    if token_chunk <= 0:
+        raise ValueError(f"token_chunk must be a positive number of tokens or None, got {token_chunk}")
+    return int(token_chunk)
+
+
+def check_temperature(temperature: float) -> float:
+    """``temperature`` as a float; ``TypeError`` unless it is a number, ``ValueError`` unless it is
+    positive and finite."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
+    if not temperature > 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+    return float(temperature)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadOptions:
+    """Every option of the ops, as the custom operators and autograd functions receive it: the
+    operators take exactly these fields as keyword arguments (``op_arguments``) and rebuild the
+    object from them; the public ops document each. Fields a path does not use keep their
+    defaults (the unfused path has no backend and no hidden gradient)."""
+
+    temperature: float = 1.0
+    backend: str = "torch"
+    token_chunk: Optional[int] = None
+    tp_group_name: Optional[str] = None  # the tensor-parallel group by its registered name
+    entropy_grad: bool = True
+    reduce_hidden_grad: bool = True
+
+    @classmethod
+    def checked(
+        cls,
+        *,
+        temperature: float,
+        token_chunk: Optional[int],
+        tp_group: Optional[dist.ProcessGroup],
+        backend: str = "torch",
+        entropy_grad: bool = True,
+        reduce_hidden_grad: bool = True,
+    ) -> HeadOptions:
+        """The options of a public call, each checked (``TypeError`` / ``ValueError``)."""
+        return cls(
+            temperature=check_temperature(temperature),
+            backend=check_backend(backend),
+            token_chunk=check_token_chunk(token_chunk),
+            tp_group_name=group_name(tp_group),
+            entropy_grad=bool(entropy_grad),
+            reduce_hidden_grad=bool(reduce_hidden_grad),
+        )
+
+    @property
+    def tp_group(self) -> Optional[dist.ProcessGroup]:
+        return group_by_name(self.tp_group_name)
+
+    def op_arguments(self) -> dict:
+        """The keyword arguments of a custom operator call."""
+        return dataclasses.asdict(self)

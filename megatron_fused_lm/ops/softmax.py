@@ -1,0 +1,151 @@
+"""The softmax math every path and backend shares, as named steps: a block's statistics, their merge,
+the per-token results, the logits' gradient ``dz`` and the chosen token's term of it.
+
+A leaf: it imports torch only, and ``logit_grad`` is plain arithmetic, so the Triton kernels compile
+the same function (``triton.jit(logit_grad)``). ``docs/DESIGN.md`` ("The math") derives each step.
+
+Encoding of the target: ``target_column [n]`` int64, the target's column in this block or shard,
+-1 where another shard owns it. Shapes: ``n`` tokens, ``v`` columns in a block; float32 unless
+stated.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+# Column order of a statistics tensor [..., 4]: the block's maximum m, sum exp(z - m),
+# sum exp(z - m) * (z - m), and the target's logit (0 where the block does not hold it).
+MAX, SUMEXP, SUMEXP_Z, TARGET = range(4)
+NUM_STATISTICS = 4
+
+
+class SoftmaxSummary(NamedTuple):
+    """Per-token results of the merged statistics (each ``[n]`` float32)."""
+
+    logprob: torch.Tensor
+    entropy: torch.Tensor
+    lse: torch.Tensor  # log sum exp z
+    mean_logit: torch.Tensor  # sum p z, the mean logit under the softmax
+    mean_minus_target: torch.Tensor  # mean - z_y, free of the cancellation of mean_logit - z_y
+
+
+def block_statistics(logits: torch.Tensor, target_column: torch.Tensor) -> torch.Tensor:
+    """Statistics ``[n, 4]`` of one block of float32 logits ``[n, v]``."""
+    row_max = logits.amax(dim=-1, keepdim=True)
+    shifted = logits - row_max
+    weights = shifted.exp()
+    stats = torch.empty(logits.shape[0], NUM_STATISTICS, dtype=torch.float32, device=logits.device)
+    stats[:, MAX] = row_max.squeeze(-1)
+    stats[:, SUMEXP] = weights.sum(dim=-1)
+    stats[:, SUMEXP_Z] = torch.linalg.vecdot(weights, shifted)  # no fourth block for the product
+    target_logit = logits.gather(-1, target_column.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    stats[:, TARGET] = torch.where(target_column >= 0, target_logit, 0.0)
+    return stats
+
+
+def merge_statistics(parts: torch.Tensor) -> torch.Tensor:
+    """Merge the statistics ``[k, n, 4]`` of ``k`` disjoint blocks into ``[n, 4]``. A block with no
+    columns carries ``max = -inf`` and ``sumexp = 0`` and contributes nothing."""
+    block_max = parts[..., MAX]
+    overall_max = block_max.amax(dim=0)
+    empty = block_max == -torch.inf
+    offset = torch.where(empty, 0.0, block_max - overall_max)
+    scale = torch.where(empty, 0.0, offset.exp())
+    merged = torch.empty_like(parts[0])
+    merged[:, MAX] = overall_max
+    merged[:, SUMEXP] = (parts[..., SUMEXP] * scale).sum(dim=0)
+    # Each block's exp-weighted logits re-measured from the overall maximum.
+    merged[:, SUMEXP_Z] = (scale * (parts[..., SUMEXP_Z] + parts[..., SUMEXP] * offset)).sum(dim=0)
+    merged[:, TARGET] = parts[..., TARGET].sum(dim=0)
+    return merged
+
+
+def summarize(stats: torch.Tensor) -> SoftmaxSummary:
+    """The per-token results of the whole vocabulary's merged statistics ``[n, 4]``."""
+    log_sumexp = stats[:, SUMEXP].log()
+    spread = stats[:, SUMEXP_Z] / stats[:, SUMEXP]  # mean logit minus max, <= 0
+    return SoftmaxSummary(
+        logprob=(stats[:, TARGET] - stats[:, MAX]) - log_sumexp,
+        entropy=log_sumexp - spread,
+        lse=stats[:, MAX] + log_sumexp,
+        mean_logit=stats[:, MAX] + spread,
+        mean_minus_target=spread + (stats[:, MAX] - stats[:, TARGET]),
+    )
+
+
+def logit_grad(prob, mean_minus_logit, grad_logprob, grad_entropy, HAS_GRAD_LOGPROB, HAS_GRAD_ENTROPY):
+    """``dz = p * (g_H * (mean - z) - g_lp)``: the gradient with respect to every logit but the
+    chosen token's, which adds ``g_lp`` (``chosen_logit_grad`` gives its whole term).
+
+    ``prob`` and ``mean_minus_logit`` are blocks, ``grad_logprob`` and ``grad_entropy`` per row and
+    broadcast against them (read only where their flag is on; at least one flag is on). The same
+    source runs as torch code and as a Triton function: the augmented assignments update the
+    caller's blocks in place in torch (``prob``, and ``mean_minus_logit`` when the entropy term is
+    on, are consumed) and rebind values in Triton.
+    """
+    if HAS_GRAD_ENTROPY:
+        grad = mean_minus_logit
+        grad *= grad_entropy
+        if HAS_GRAD_LOGPROB:
+            grad -= grad_logprob
+        grad *= prob
+    else:
+        grad = prob
+        grad *= -grad_logprob
+    return grad
+
+
+def block_logit_grad(
+    logits: torch.Tensor,
+    target_column: torch.Tensor,
+    lse: torch.Tensor,
+    mean_logit: torch.Tensor,
+    grad_logprob: Optional[torch.Tensor],
+    grad_entropy: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """``dz [n, v]`` for one block of float32 logits ``[n, v]`` (``lse``, ``mean_logit`` and the
+    upstream gradients ``[n]``, ``None``: no term), the chosen token's ``+g_lp`` added with a scatter
+    where the block owns the target."""
+    if grad_logprob is None and grad_entropy is None:
+        return torch.zeros_like(logits)
+    prob = torch.sub(logits, lse.unsqueeze(-1)).exp_()
+    mean_minus_logit = torch.sub(mean_logit.unsqueeze(-1), logits) if grad_entropy is not None else None
+    grad = logit_grad(
+        prob,
+        mean_minus_logit,
+        None if grad_logprob is None else grad_logprob.unsqueeze(-1),
+        None if grad_entropy is None else grad_entropy.unsqueeze(-1),
+        grad_logprob is not None,
+        grad_entropy is not None,
+    )
+    if grad_logprob is not None:
+        owned = target_column >= 0
+        grad.scatter_add_(-1, target_column.clamp(min=0).unsqueeze(-1), torch.where(owned, grad_logprob, 0.0)[:, None])
+    return grad
+
+
+def chosen_logit_grad(
+    target_column: torch.Tensor,
+    summary: SoftmaxSummary,
+    grad_logprob: Optional[torch.Tensor],
+    grad_entropy: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """``dz_y [n]``, the chosen token's whole gradient term, from the merged statistics:
+    ``g_lp * (1 - p_y) + g_H * p_y * (mean - z_y)`` where this shard owns the target, else 0.
+    ``-expm1(logprob)`` keeps ``1 - p_y`` as accurate as the log-prob where ``p_y`` is near 1, and
+    ``mean - z_y`` comes from the statistics measured from the maximum, not from a rounded block."""
+    grad = torch.zeros_like(summary.logprob)
+    if grad_logprob is not None:
+        grad = grad - grad_logprob * torch.expm1(summary.logprob)
+    if grad_entropy is not None:
+        grad = grad + grad_entropy * summary.logprob.exp() * summary.mean_minus_target
+    return torch.where(target_column >= 0, grad, 0.0)
+
+
+def zero_chosen(block: torch.Tensor, target_column: torch.Tensor) -> None:
+    """Zero the chosen token's element of each row of ``block [n, v]`` that holds its target: the
+    loss-in-forward path adds that term in float32 instead (``chosen_logit_grad``)."""
+    column = target_column.clamp(min=0).unsqueeze(1)
+    block.scatter_(1, column, torch.where(target_column.unsqueeze(1) >= 0, 0, block.gather(1, column)))

@@ -77,7 +77,10 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "dtype": str(dtype).removeprefix("torch."),
-        "versions": {name: package_version(name) for name in ("torch", "triton", "liger-kernel", "cut-cross-entropy")},
+        "versions": {
+            name: package_version(name)
+            for name in ("torch", "triton", "megatron-core", "liger-kernel", "cut-cross-entropy")
+        },
     }
     # Run from a checkout (PYTHONPATH), so the package's own version, not an installed one's.
     meta["versions"]["megatron-fused-lm"] = megatron_fused_lm.__version__

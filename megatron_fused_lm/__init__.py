@@ -6,36 +6,16 @@ torch; the Megatron-Core integration (``FusedLMConfig``, ``wrap_model``, ...) is
 use, so the ops do not pay for importing megatron-core.
 """
 
-from .ops import (
-    BACKENDS,
-    FusedLoss,
-    fused_linear_cross_entropy,
-    fused_linear_logprob,
-    fused_linear_loss,
-    logits_logprob,
-    logits_loss,
-    losses,
-)
+# The ops' public names are the package's.
+from .ops import *  # noqa: F403
+from .ops import __all__ as _OPS_NAMES
 from .packing import next_token_targets, response_mask, split_responses
 
 __version__ = "0.1.0"
 
 _INTEGRATION_NAMES = ("FusedLMConfig", "FusedLMHead", "unwrap_model", "wrap_model")
 
-__all__ = [
-    "BACKENDS",
-    "FusedLoss",
-    "fused_linear_cross_entropy",
-    "fused_linear_logprob",
-    "fused_linear_loss",
-    "logits_logprob",
-    "logits_loss",
-    "losses",
-    "next_token_targets",
-    "response_mask",
-    "split_responses",
-    *_INTEGRATION_NAMES,
-]
+__all__ = [*_OPS_NAMES, "next_token_targets", "response_mask", "split_responses", *_INTEGRATION_NAMES]
 
 
 def __getattr__(name):

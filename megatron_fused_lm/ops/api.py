@@ -9,10 +9,10 @@ from typing import Dict, NamedTuple, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import losses
 from .boundary import DeclaredCrossEntropyFunction, FusedLossFunction, fused_forward, logits_forward
-from .inputs import check_float, check_linear_inputs, select_rows
+from .inputs import RowSelection, check_float, check_linear_inputs, select_rows
 from .loss_in_forward import LossFn, check_loss_inputs, check_per_token, per_token_losses
+from .losses import cross_entropy
 from .options import HeadOptions
 
 Tensor = torch.Tensor
@@ -24,6 +24,17 @@ class FusedLoss(NamedTuple):
     loss: Tensor  # [] float32: the sum of the per-token losses; differentiable w.r.t. hidden and weight
     logprob: Tensor  # [...] float32, detached: a metric
     entropy: Tensor  # [...] float32, detached: a metric
+
+
+def _fused_rows(
+    hidden, weight, targets, mask, max_rows, tp_group, **options
+) -> tuple[HeadOptions, RowSelection, Tensor]:
+    """A fused op's checked options, its selected rows, and their hidden states in the weight's dtype
+    (the products run in it)."""
+    check_linear_inputs(hidden, weight)
+    options = HeadOptions.checked(tp_group=tp_group, **options)
+    selection = select_rows(targets, hidden.shape[:-1], mask, max_rows, weight.shape[0], tp_group)
+    return options, selection, selection.take(hidden).to(weight.dtype)
 
 
 def fused_linear_logprob(
@@ -81,15 +92,11 @@ def fused_linear_logprob(
         with ``max_rows``): an out-of-range target raises ``ValueError`` on the CPU and trips a
         device-side assertion on a GPU.
     """
-    check_linear_inputs(hidden, weight)
-    options = HeadOptions.checked(
-        temperature=temperature, token_chunk=token_chunk, tp_group=tp_group, backend=backend,
-        entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
+    options, selection, rows = _fused_rows(
+        hidden, weight, targets, mask, max_rows, tp_group, temperature=temperature, token_chunk=token_chunk,
+        backend=backend, entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
     )  # fmt: skip
-    selection = select_rows(targets, hidden.shape[:-1], mask, max_rows, weight.shape[0], tp_group)
-    logprob, entropy, _, _ = fused_forward(
-        selection.take(hidden).to(weight.dtype), weight, selection.target_column, **options.op_arguments()
-    )
+    logprob, entropy, _, _ = fused_forward(rows, weight, selection.target_column, **options.op_arguments())
     logprob = selection.place(logprob)
     return (logprob, selection.place(entropy)) if return_entropy else logprob
 
@@ -183,17 +190,15 @@ def fused_linear_loss(
         graph is an error. Under ``no_grad``, or when neither ``hidden`` nor ``weight`` needs a
         gradient, only the loss and the metrics are computed. Nothing flows into ``loss_inputs``.
     """
-    check_linear_inputs(hidden, weight)
-    options = HeadOptions.checked(
-        temperature=temperature, token_chunk=token_chunk, tp_group=tp_group, backend=backend,
-        reduce_hidden_grad=reduce_hidden_grad,
+    options, selection, rows = _fused_rows(
+        hidden, weight, targets, mask, None, tp_group, temperature=temperature, token_chunk=token_chunk,
+        backend=backend, reduce_hidden_grad=reduce_hidden_grad,
     )  # fmt: skip
-    selection = select_rows(targets, hidden.shape[:-1], mask, None, weight.shape[0], tp_group)
     inputs = check_loss_inputs(loss_fn, loss_inputs, hidden.shape[:-1], hidden.device)
     if selection.rows is not None:
         inputs = {name: value.index_select(0, selection.rows) for name, value in inputs.items()}
     loss, logprob, entropy = FusedLossFunction.apply(
-        selection.take(hidden).to(weight.dtype),
+        rows,
         weight,
         selection.target_column,
         loss_fn,
@@ -231,21 +236,19 @@ def fused_linear_cross_entropy(
             no gradient, the same on every rank of ``tp_group``.
         the rest: as for ``fused_linear_loss``.
     """
-    check_linear_inputs(hidden, weight)
-    options = HeadOptions.checked(
-        temperature=temperature, token_chunk=token_chunk, tp_group=tp_group, backend=backend,
-        reduce_hidden_grad=reduce_hidden_grad,
+    options, selection, rows = _fused_rows(
+        hidden, weight, targets, None, None, tp_group, temperature=temperature, token_chunk=token_chunk,
+        backend=backend, reduce_hidden_grad=reduce_hidden_grad,
     )  # fmt: skip
-    selection = select_rows(targets, hidden.shape[:-1], None, None, weight.shape[0], tp_group)
     declared = check_per_token("declared_weights", declared_weights, hidden.shape[:-1], hidden.device)
     if not declared.dtype.is_floating_point and declared.dtype != torch.bool:
         raise TypeError(f"declared_weights must be float or bool, got {declared.dtype}")
     losses_per_token = DeclaredCrossEntropyFunction.apply(
-        selection.take(hidden).to(weight.dtype),
+        rows,
         weight,
         selection.target_column,
         declared.float(),
-        losses.cross_entropy,
+        cross_entropy,
         options,
         torch.is_grad_enabled(),
     )

@@ -16,6 +16,9 @@ the rows' tensors and one ``HeadOptions``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
+import typing
 from typing import Dict, Optional
 
 import torch
@@ -76,30 +79,37 @@ def _open_backward(ctx, grad_logprob: Optional[Tensor], grad_entropy: Optional[T
     return tuple(inputs), SavedStatistics(lse, mean_logit), upstream
 
 
+def with_head_options(function):
+    """Give ``function(..., **options)`` the fields of ``HeadOptions`` as typed keyword-only
+    parameters: a custom operator's schema is read from its signature, and the fields are written
+    once, in ``HeadOptions``."""
+    signature = inspect.signature(function)
+    kept = [parameter for parameter in signature.parameters.values() if parameter.kind is not parameter.VAR_KEYWORD]
+    types = typing.get_type_hints(HeadOptions)
+    fields = [
+        inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, annotation=types[field.name])
+        for field in dataclasses.fields(HeadOptions)
+    ]
+    function.__signature__ = signature.replace(parameters=[*kept, *fields])
+    return function
+
+
 # The recompute path.
 
 
 @torch.library.custom_op("megatron_fused_lm::fused_forward", mutates_args=())
+@with_head_options
 def fused_forward(
     hidden: Tensor,
     weight: Tensor,
     target_column: Tensor,
-    *,
-    temperature: float,
-    backend: str,
-    token_chunk: Optional[int],
-    tp_group_name: Optional[str],
-    entropy_grad: bool,
-    reduce_hidden_grad: bool,
+    **options,
 ) -> Statistics:
     """Log-prob, entropy and the saved statistics of each row, over the whole vocabulary."""
-    options = HeadOptions(
-        temperature=temperature, backend=backend, token_chunk=token_chunk, tp_group_name=tp_group_name,
-        entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
-    )  # fmt: skip
-    problem = ShardProblem(hidden, weight, target_column, temperature)
+    options = HeadOptions(**options)
+    problem = ShardProblem(hidden, weight, target_column, options.temperature)
     with autocast_off(hidden.device):
-        stats = recompute_backend(backend, hidden.device, token_chunk).local_statistics(problem)
+        stats = recompute_backend(options.backend, hidden.device, options.token_chunk).local_statistics(problem)
         return _summary(stats, options)
 
 
@@ -109,6 +119,7 @@ def _(hidden, weight, target_column, **options) -> Statistics:
 
 
 @torch.library.custom_op("megatron_fused_lm::fused_backward", mutates_args=())
+@with_head_options
 def fused_backward(
     hidden: Tensor,
     weight: Tensor,
@@ -120,28 +131,20 @@ def fused_backward(
     *,
     need_hidden: bool,
     need_weight: bool,
-    temperature: float,
-    backend: str,
-    token_chunk: Optional[int],
-    tp_group_name: Optional[str],
-    entropy_grad: bool,
-    reduce_hidden_grad: bool,
+    **options,
 ) -> tuple[Tensor, Tensor]:
     """``(grad_hidden, grad_weight)``; an unneeded one is empty. The hidden gradient is summed
     over the group when ``reduce_hidden_grad``, else this rank's partial."""
-    options = HeadOptions(
-        temperature=temperature, backend=backend, token_chunk=token_chunk, tp_group_name=tp_group_name,
-        entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
-    )  # fmt: skip
-    problem = ShardProblem(hidden, weight, target_column, temperature)
+    options = HeadOptions(**options)
+    problem = ShardProblem(hidden, weight, target_column, options.temperature)
     with autocast_off(hidden.device):
-        grads = recompute_backend(backend, hidden.device, token_chunk).local_gradients(
+        grads = recompute_backend(options.backend, hidden.device, options.token_chunk).local_gradients(
             problem,
             SavedStatistics(lse, mean_logit),
             UpstreamGrads(grad_logprob, grad_entropy),
             NeededGrads(need_hidden, need_weight),
         )
-        if grads.hidden is not None and reduce_hidden_grad:
+        if grads.hidden is not None and options.reduce_hidden_grad:
             all_reduce_sum(grads.hidden, options.tp_group)
     return (
         hidden.new_empty(0) if grads.hidden is None else grads.hidden,
@@ -188,24 +191,17 @@ def _chunk_rows(logits: Tensor, token_chunk: Optional[int]) -> int:
 
 
 @torch.library.custom_op("megatron_fused_lm::logits_forward", mutates_args=())
+@with_head_options
 def logits_forward(
     logits: Tensor,
     target_column: Tensor,
-    *,
-    temperature: float,
-    backend: str,
-    token_chunk: Optional[int],
-    tp_group_name: Optional[str],
-    entropy_grad: bool,
-    reduce_hidden_grad: bool,
+    **options,
 ) -> Statistics:
     """Log-prob, entropy and the saved statistics of each row of a logits shard."""
-    options = HeadOptions(
-        temperature=temperature, backend=backend, token_chunk=token_chunk, tp_group_name=tp_group_name,
-        entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
-    )  # fmt: skip
+    options = HeadOptions(**options)
     with autocast_off(logits.device):
-        stats = chunk_statistics(_scaled(logits, temperature), target_column, _chunk_rows(logits, token_chunk))
+        rows = _chunk_rows(logits, options.token_chunk)
+        stats = chunk_statistics(_scaled(logits, options.temperature), target_column, rows)
         return _summary(stats, options)
 
 
@@ -215,6 +211,7 @@ def _(logits, target_column, **options) -> Statistics:
 
 
 @torch.library.custom_op("megatron_fused_lm::logits_backward", mutates_args=())
+@with_head_options
 def logits_backward(
     logits: Tensor,
     target_column: Tensor,
@@ -222,21 +219,16 @@ def logits_backward(
     mean_logit: Tensor,
     grad_logprob: Optional[Tensor],
     grad_entropy: Optional[Tensor],
-    *,
-    temperature: float,
-    backend: str,
-    token_chunk: Optional[int],
-    tp_group_name: Optional[str],
-    entropy_grad: bool,
-    reduce_hidden_grad: bool,
+    **options,
 ) -> Tensor:
     """The gradient with respect to the logits shard, in its dtype (the float32 softmax is
     recomputed one chunk at a time; the saved logits are never modified)."""
+    options = HeadOptions(**options)
     grad_logits = torch.empty_like(logits)
     with autocast_off(logits.device):
         logit_grads = chunk_logit_grads(
-            _scaled(logits, temperature), target_column, SavedStatistics(lse, mean_logit),
-            UpstreamGrads(grad_logprob, grad_entropy), temperature, _chunk_rows(logits, token_chunk),
+            _scaled(logits, options.temperature), target_column, SavedStatistics(lse, mean_logit),
+            UpstreamGrads(grad_logprob, grad_entropy), options.temperature, _chunk_rows(logits, options.token_chunk),
         )  # fmt: skip
         for rows, grad in logit_grads:
             grad_logits[rows] = grad

@@ -163,3 +163,37 @@ def test_inference_mode_then_training_behaves_like_the_stock_path():
                     lambda: logits_logprob(hidden @ inference_weight.t(), targets)):  # fmt: skip
         with pytest.raises(RuntimeError, match="Inference tensors"):
             compute().sum().backward()
+
+
+def opcheck_cases():
+    """``(operator, args, kwargs)`` for each custom operator: inputs that need gradients for the
+    forward operators (their registered autograd is checked), plain ones for the backward ones."""
+    from megatron_fused_lm.ops.options import HeadOptions
+
+    hidden, weight, targets, upstream, _ = inputs()
+    options = HeadOptions(token_chunk=7).op_arguments()
+    logits = (hidden @ weight.t()).detach()
+    lse, mean_logit = torch.randn(ROWS), torch.randn(ROWS)
+    ops = torch.ops.megatron_fused_lm
+    return {
+        "fused_forward": (
+            ops.fused_forward,
+            (hidden.requires_grad_(), weight.requires_grad_(), targets),
+            options,
+        ),
+        "fused_backward": (
+            ops.fused_backward,
+            (hidden.detach(), weight.detach(), targets, lse, mean_logit, upstream[0], upstream[1]),
+            dict(options, need_hidden=True, need_weight=True),
+        ),
+        "logits_forward": (ops.logits_forward, (logits.clone().requires_grad_(), targets), options),
+        "logits_backward": (ops.logits_backward, (logits, targets, lse, mean_logit, upstream[0], None), options),
+    }
+
+
+@pytest.mark.parametrize("name", ["fused_forward", "fused_backward", "logits_forward", "logits_backward"])
+def test_custom_operators_pass_opcheck(name):
+    # Schema, fake implementation, autograd registration and an AOT-compiled run with dynamic
+    # shapes against eager: what torch.compile and export rely on.
+    operator, args, kwargs = opcheck_cases()[name]
+    torch.library.opcheck(operator, args, kwargs)

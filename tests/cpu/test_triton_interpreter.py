@@ -5,7 +5,7 @@ The interpreter is chosen when Triton first loads, so each case runs in a subpro
 run as a script with the case as JSON. The backend is built here with small tiles (the CUDA tiles
 would take minutes to interpret), two vocabulary splits and a two-program backward grid, so that
 every case crosses several tiles, splits and programs. Each case runs the four-GEMM path
-(statistics, then the recomputing backward) or the three-GEMM one (``loss_gradients``).
+(statistics, then the recomputing backward) or the three-GEMM one (``contract.run_loss_pass``).
 """
 
 from __future__ import annotations
@@ -23,9 +23,53 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def held_gradient_kernels(case: dict) -> dict:
+    """The Triton kernels of ``held_gradients`` against the torch code beside them (what a CPU
+    tensor takes): relative differences of the scaled copy, the finished hidden rows (with and
+    without a factor) and the chosen rows added to a two-part float32 weight gradient."""
+    import torch
+
+    from devkit.oracle import relative_error
+    from megatron_fused_lm.ops.held_gradients import WeightAccumulator, finish_hidden_rows
+    from megatron_fused_lm.ops.kernels.chosen_token_kernel import add_chosen_rows, finish_hidden_grad
+    from megatron_fused_lm.ops.kernels.scale_kernel import scale_into
+
+    torch.manual_seed(case["seed"])
+    tokens, hidden_size, vocab = case["shape"]
+    dtype = getattr(torch, case["dtype"])
+    hidden, weight = torch.randn(tokens, hidden_size).to(dtype), torch.randn(vocab, hidden_size).to(dtype)
+    # Repeated rows, rows of another shard (-1) and tokens whose term is 0 (skipped by the kernel).
+    target_column = torch.randint(-1, 4, (tokens,))
+    chosen = torch.randn(tokens) * (torch.rand(tokens) > 0.2)
+    product, factor = torch.randn(tokens, hidden_size), torch.randn(tokens)
+    errors = {}
+    for with_factor in (False, True):
+        expected, actual = product.clone(), product.clone()
+        finish_hidden_rows(expected, factor if with_factor else None, chosen, target_column, weight)
+        finish_hidden_grad(actual, factor if with_factor else None, chosen, target_column, weight, actual)
+        errors[f"finish_hidden_factor_{with_factor}"] = relative_error(actual, expected)
+    expected, actual = WeightAccumulator(weight), WeightAccumulator(weight)
+    for accumulator in (expected, actual):
+        accumulator.add(torch.randn(tokens, vocab, generator=torch.Generator().manual_seed(1)).to(dtype), hidden)
+    expected.add_rows(target_column, chosen, hidden)
+    add_chosen_rows(actual.parts, target_column, chosen, hidden)
+    errors["chosen_rows"] = max(
+        relative_error(actual_part, expected_part)
+        for (_, actual_part), (_, expected_part) in zip(actual.parts, expected.parts, strict=True)
+    )
+    scale, source = torch.tensor(0.37), torch.randn(tokens, hidden_size)
+    scaled = torch.empty(tokens, hidden_size, dtype=dtype)
+    scale_into(source, scale, scaled)
+    errors["scale"] = relative_error(scaled, torch.mul(source, scale).to(dtype))
+    return errors
+
+
 def run_case_here(case: dict) -> dict:
     """Run one case in this process (the interpreter must already be on); returns its errors."""
     import torch
+
+    if case.get("kind") == "held_gradient_kernels":
+        return held_gradient_kernels(case)
 
     from devkit.oracle import max_abs_error, reference, relative_error
     from megatron_fused_lm.ops import TritonTuning
@@ -248,6 +292,14 @@ def test_three_gemm_two_shards(dtype, entropy_grad):
         entropy_grad=entropy_grad,
     )  # fmt: skip
     check(result, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_held_gradient_kernels_match_the_torch_code(dtype):
+    # Both sum the same float32 terms per element (the chosen rows in token order), and round the
+    # same float32 sum into the same dtype once.
+    errors = run_case(kind="held_gradient_kernels", dtype=dtype, shape=[41, 300, 9], seed=8)
+    assert all(error <= 1e-6 for error in errors.values()), errors
 
 
 @pytest.mark.parametrize("three_gemm", [False, True], ids=["recompute", "three_gemm"])

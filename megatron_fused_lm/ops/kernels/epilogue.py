@@ -42,6 +42,20 @@ def product_step(hidden_desc, weight_desc, row0, col0, k_step, acc, BLOCK_K: tl.
     return tl.dot(hidden_tile, weight_tile.T, acc, input_precision=DOT_PRECISION)
 
 
+def row_upstream_arguments(target_column, saved, upstream) -> tuple[tuple, dict]:
+    """The launch arguments ``row_upstream`` reads: its five pointers (the ``[n]`` tensors; an absent
+    upstream term points at ``saved.lse``, never read) and its two flags."""
+    grad_logprob, grad_entropy = upstream
+    pointers = (
+        target_column,
+        saved.lse,
+        saved.mean_logit,
+        saved.lse if grad_logprob is None else grad_logprob,
+        saved.lse if grad_entropy is None else grad_entropy,
+    )
+    return pointers, dict(HAS_GRAD_LOGPROB=grad_logprob is not None, HAS_GRAD_ENTROPY=grad_entropy is not None)
+
+
 @triton.jit
 def row_upstream(
     rows,

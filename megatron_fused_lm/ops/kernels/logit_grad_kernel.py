@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ..contract import SavedStatistics, UpstreamGrads
 from .descriptors import descriptor
-from .epilogue import grouped_tile, logit_grad_tile, next_k_step, product_step, row_upstream
+from .epilogue import grouped_tile, logit_grad_tile, next_k_step, product_step, row_upstream, row_upstream_arguments
 from .tiles import Tiles
 
 
@@ -109,23 +109,18 @@ def logit_grad_block(
     num_tokens, hidden_size = hidden.shape
     vocab = weight.shape[0]
     num_tiles = triton.cdiv(num_tokens, tiles.block_m) * triton.cdiv(vocab, tiles.block_n)
-    grad_logprob, grad_entropy = upstream
+    row_pointers, row_flags = row_upstream_arguments(target_column, saved, upstream)
     logit_grad_kernel[(min(num_tiles, num_programs),)](
         descriptor(hidden, [tiles.block_m, tiles.block_k]),
         descriptor(weight, [tiles.block_n, tiles.block_k]),
         descriptor(out, [tiles.block_m, tiles.block_n]),
-        target_column,
-        saved.lse,
-        saved.mean_logit,
-        saved.lse if grad_logprob is None else grad_logprob,  # unread placeholder when absent
-        saved.lse if grad_entropy is None else grad_entropy,
+        *row_pointers,
         num_tokens,
         vocab,
         hidden_size,
         first_column,
         inv_temperature,
-        HAS_GRAD_LOGPROB=grad_logprob is not None,
-        HAS_GRAD_ENTROPY=grad_entropy is not None,
+        **row_flags,
         **tiles.launch_options(),
     )
     return out

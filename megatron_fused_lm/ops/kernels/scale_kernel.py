@@ -1,5 +1,5 @@
 """``out = source * scale`` for a scalar that lives on the device, rounded once into ``out``'s
-dtype (``stored_gradients.scaled_copy`` says why a kernel)."""
+dtype (``held_gradients.scaled_copy`` says why a kernel)."""
 
 from __future__ import annotations
 

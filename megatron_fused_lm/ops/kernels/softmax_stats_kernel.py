@@ -125,7 +125,7 @@ def split_statistics(
 
     ``hidden [n >= 1, H]`` and ``weight [V, H]`` share a dtype (any strides); ``target_column
     [n]`` (int64, contiguous) is the target's row in ``weight``, or -1 where this shard does not
-    own it. Columns are the ``softmax_stats`` order (MAX, SUMEXP, SUMEXP_Z, TARGET).
+    own it. Columns are the ``softmax`` order (MAX, SUMEXP, SUMEXP_Z, TARGET).
 
     With ``stored_exp [n, V]`` (bfloat16 or float32, unit last stride, 16-byte aligned rows) and
     ``reference [n]`` (float32, contiguous), the kernel also stores every logit as

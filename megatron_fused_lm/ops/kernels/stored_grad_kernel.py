@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..contract import SavedStatistics, UpstreamGrads
-from .epilogue import logit_grad_tile, row_upstream
+from .epilogue import logit_grad_tile, row_upstream, row_upstream_arguments
 
 # Launch shape of this memory-bound pass (docs/BENCHMARKS.md has the sweep).
 ROWS_PER_PROGRAM = 16
@@ -87,7 +87,7 @@ def stored_logit_grads(
     it writes them, and no two programs share an element, so ``out`` may alias ``stored_exp``.
     """
     num_tokens, vocab = stored_exp.shape
-    grad_logprob, grad_entropy = upstream
+    row_pointers, row_flags = row_upstream_arguments(target_column, saved, upstream)
     grid = (triton.cdiv(vocab, COLUMNS_PER_PROGRAM), triton.cdiv(num_tokens, ROWS_PER_PROGRAM))
     stored_grad_kernel[grid](
         stored_exp,
@@ -95,16 +95,11 @@ def stored_logit_grads(
         out,
         out.stride(0),
         reference,
-        target_column,
-        saved.lse,
-        saved.mean_logit,
-        saved.lse if grad_logprob is None else grad_logprob,  # unread placeholder when absent
-        saved.lse if grad_entropy is None else grad_entropy,
+        *row_pointers,
         num_tokens,
         vocab,
         inv_temperature,
-        HAS_GRAD_LOGPROB=grad_logprob is not None,
-        HAS_GRAD_ENTROPY=grad_entropy is not None,
+        **row_flags,
         BLOCK_M=ROWS_PER_PROGRAM,
         BLOCK_N=COLUMNS_PER_PROGRAM,
         num_warps=NUM_WARPS,

@@ -1,0 +1,72 @@
+"""The package's import structure (docs/DESIGN.md, "Layout by execution path"), read from the
+source: no import circle among its modules, imports inside functions included; the math leaf
+imports nothing of the package; the ops import nothing of Megatron or of the integration, which
+imports the ops by their public names only."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "megatron_fused_lm"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def imports_of(path: Path) -> set:
+    """Every module a file imports, at any depth of its code, as absolute dotted names: for
+    ``from X import y``, the module ``X.y`` where ``y`` is one, else ``X``."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join([*base, node.module] if node.module else base)
+            for alias in node.names:
+                found.add(f"{module}.{alias.name}" if f"{module}.{alias.name}" in MODULES else module)
+    return found
+
+
+def graph() -> dict:
+    return {
+        name: {target for target in imports_of(path) if target in MODULES and target != name}
+        for name, path in MODULES.items()
+    }
+
+
+def test_no_import_circle():
+    edges = graph()
+    state = {}
+
+    def visit(node, trail):
+        state[node] = "open"
+        for target in sorted(edges[node]):
+            if state.get(target) == "open":
+                raise AssertionError("import circle: " + " -> ".join([*trail, node, target]))
+            if target not in state:
+                visit(target, [*trail, node])
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [])
+
+
+def test_the_math_leaf_and_the_layers():
+    edges = {name: imports_of(path) for name, path in MODULES.items()}
+    assert not {target for target in edges["megatron_fused_lm.ops.softmax"] if target.startswith("megatron_fused_lm")}
+    for name, targets in edges.items():
+        if name.startswith("megatron_fused_lm.ops"):
+            assert not any(target.startswith(("megatron.", "megatron_fused_lm.integration")) for target in targets), (
+                name
+            )
+        if name.startswith("megatron_fused_lm.integration"):
+            private = {target for target in targets if target.startswith("megatron_fused_lm.ops.")}
+            assert not private, (name, private)

@@ -1,0 +1,70 @@
+"""Every gradient follows the upstream scale exactly once: the loss times 0.37 (what Megatron's
+schedule and a loss normalization put on it after the forward) gives each gradient times 0.37.
+
+Per path (the recompute op, the loss-in-forward op, the declared cross-entropy) and per dtype
+(float32 and bfloat16 operands; a 16-bit weight gradient is held in two float32 halves), each of
+the hidden and the weight gradient is compared with 0.37 times the float64 oracle's. The bound is
+twice the same gradient's error at scale 1 (rounding, which the scale does not change): a gradient
+that skipped the scale, or took it twice, is off by 63 % or 170 % of its entries. The Triton
+backend holds its gradients in the same objects; its scaling kernel is compared with the torch code
+it replaces in test_triton_interpreter.py.
+"""
+
+import pytest
+import torch
+
+from devkit.oracle import loss_reference, make_case, policy_loss_inputs, reference, relative_error
+from megatron_fused_lm import fused_linear_cross_entropy, fused_linear_logprob, fused_linear_loss, losses
+
+SCALE = 0.37
+ROWS, HIDDEN, VOCAB = 23, 16, 97
+POLICY = losses.ClippedPolicyLoss(clip_low=0.2, clip_high=0.28, entropy_coef=0.1, kl_coef=0.05)
+
+
+def case(dtype):
+    hidden, weight, targets = make_case((ROWS,), HIDDEN, VOCAB, dtype, peaky=False, seed=3)
+    generator = torch.Generator().manual_seed(4)
+    true_logprob = reference(hidden, weight, targets).logprob
+    inputs = policy_loss_inputs(true_logprob, torch.rand(ROWS, generator=generator), generator)
+    upstream = torch.randn(2, ROWS, generator=generator)
+    return hidden, weight, targets, inputs, upstream
+
+
+def recompute(hidden, weight, targets, inputs, upstream):
+    logprob, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, token_chunk=7)
+    expected = reference(hidden, weight, targets, 1.0, upstream[0], upstream[1])
+    return (logprob * upstream[0]).sum() + (entropy * upstream[1]).sum(), expected
+
+
+def loss_in_forward(hidden, weight, targets, inputs, upstream):
+    result = fused_linear_loss(hidden, weight, targets, POLICY, loss_inputs=inputs, token_chunk=7)
+    return result.loss, loss_reference(hidden, weight, targets, POLICY, inputs)
+
+
+def declared_cross_entropy(hidden, weight, targets, inputs, upstream):
+    declared = inputs["weight"]
+    per_token = fused_linear_cross_entropy(hidden, weight, targets, declared, token_chunk=7)
+    expected = loss_reference(hidden, weight, targets, losses.cross_entropy, {"weight": declared})
+    return (per_token * declared).sum(), expected
+
+
+def gradient_errors(path, dtype, scale):
+    hidden, weight, targets, inputs, upstream = case(dtype)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    loss, expected = path(hidden, weight, targets, inputs, upstream)
+    (loss * scale).backward()
+    return [
+        relative_error(grad, scale * expected_grad)
+        for grad, expected_grad in ((hidden.grad, expected.grad_hidden), (weight.grad, expected.grad_weight))
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("path", [recompute, loss_in_forward, declared_cross_entropy], ids=lambda path: path.__name__)
+def test_each_gradient_takes_the_upstream_scale_once(path, dtype):
+    unscaled = gradient_errors(path, dtype, 1.0)
+    scaled = gradient_errors(path, dtype, SCALE)
+    for name, at_one, at_scale in zip(("hidden", "weight"), unscaled, scaled, strict=True):
+        assert at_one <= (1e-5 if dtype == torch.float32 else 2e-2), (name, at_one)
+        assert at_scale <= 2 * at_one + 1e-6, (name, at_scale, at_one)

@@ -24,18 +24,22 @@ import torch
 import triton.testing
 from harness import parse_shapes
 
-from megatron_fused_lm.ops import TritonTuning
+from megatron_fused_lm.ops import TritonTuning, held_gradients
 from megatron_fused_lm.ops.backends.triton_loss import TritonLoss
 from megatron_fused_lm.ops.contract import NeededGrads, ShardProblem, UpstreamGrads, run_loss_pass
 from megatron_fused_lm.ops.kernels.tiles import Tiles
 from megatron_fused_lm.ops.softmax import chosen_logit_grad, summarize
 
 TOKEN_CHUNKS = (None, 2048, 4096, 6656)
+# None: the rule's choice. The others fit a bf16 store; those marked fit a float32 store too
+# (the entropy term's block) within an H100's or H200's shared memory.
 FORWARD_CANDIDATES = (
     None,
     Tiles(256, 128, 64, 8, 8, 2, "tf32"),
     Tiles(128, 256, 64, 8, 8, 3, "tf32"),
-    Tiles(128, 128, 64, 8, 4, 4, "tf32"),
+    Tiles(128, 128, 64, 8, 8, 3, "tf32"),  # float32 store
+    Tiles(128, 128, 64, 8, 4, 4, "tf32"),  # float32 store
+    Tiles(256, 64, 64, 8, 8, 3, "tf32"),  # float32 store
 )
 
 
@@ -75,30 +79,51 @@ def chunk_step(upstream):
 
 
 def backend_pass(backend, problem, upstream):
+    """The package's pass over the whole problem."""
     return lambda: run_loss_pass(backend, problem, chunk_step(upstream), NeededGrads(True, True))
 
 
-def chunk_phases(problem, upstream, token_chunk):
+def chunk_phases(problem, upstream, token_chunk, entropy_grad):
     """Milliseconds of each phase of one chunk of ``token_chunk`` rows (default tuning), each the
-    pass's own method on the chunk."""
+    pass's own method on the chunk: without an entropy term the direct operand, with one the
+    ``dz`` operand (of a float32 block)."""
     chunk = ShardProblem(problem.hidden[:token_chunk], problem.weight, problem.target_column[:token_chunk], 1.0)
     rows = slice(0, token_chunk)
-    loss_pass = TritonLoss().start(chunk, NeededGrads(True, True))
-    summary = summarize(loss_pass.chunk_statistics(rows))
-    direct = UpstreamGrads(upstream[0][rows].contiguous(), None)
-    both = UpstreamGrads(direct.logprob, direct.logprob)  # the dz kernel with both terms
-    operand, factor = loss_pass.direct_operand(rows, summary, direct)
-    chosen = chosen_logit_grad(chunk.target_column, summary, *direct)
-    held = loss_pass.held()
-    return {
-        "statistics_storing": median_ms(lambda: loss_pass.chunk_statistics(rows)),
-        "direct_operand": median_ms(lambda: loss_pass.direct_operand(rows, summary, direct)),
-        "dz_operand": median_ms(lambda: loss_pass.dz_operand(rows, summary, both)),
-        "products": median_ms(lambda: loss_pass.products(rows, operand, factor)),
+    backend = TritonLoss(token_chunk=token_chunk, entropy_grad=entropy_grad)
+    state = backend.allocate(chunk, NeededGrads(True, True))
+    summary = summarize(backend.chunk_statistics(chunk, state, rows))
+    chunk_upstream = UpstreamGrads(
+        upstream[0][rows].contiguous(), upstream[1][rows].contiguous() if entropy_grad else None
+    )
+    if entropy_grad:
+        operand, factor = backend.dz_operand(chunk, state, rows, summary, chunk_upstream), None
+    else:
+        operand, factor = backend.direct_operand(chunk, state, rows, summary, chunk_upstream)
+    chosen = chosen_logit_grad(chunk.target_column, summary, *chunk_upstream)
+    phases = {
+        "statistics_storing": median_ms(lambda: backend.chunk_statistics(chunk, state, rows)),
+        "operand": median_ms(
+            lambda: (
+                backend.dz_operand(chunk, state, rows, summary, chunk_upstream)
+                if entropy_grad
+                else backend.direct_operand(chunk, state, rows, summary, chunk_upstream)
+            )
+        ),
+        "products": median_ms(lambda: backend.products(chunk, state, rows, operand, factor)),
         "chosen_term": median_ms(
-            lambda: held.add_chosen(rows, chunk.target_column, chosen, chunk.hidden, chunk.weight, factor)
+            lambda: held_gradients.add_chosen(
+                state.held_hidden,
+                state.held_weight,
+                rows,
+                chunk.target_column,
+                chosen,
+                chunk.hidden,
+                chunk.weight,
+                factor,
+            )
         ),
     }
+    return phases
 
 
 def idle_gaps(run, shown=12):
@@ -140,7 +165,9 @@ def main():
         if not args.entropy:
             upstream = (upstream[0], None)
         if args.gaps:
-            busy, idle, longest, by_kernel = idle_gaps(backend_pass(TritonLoss(), problem, upstream))
+            busy, idle, longest, by_kernel = idle_gaps(
+                backend_pass(TritonLoss(entropy_grad=args.entropy), problem, upstream)
+            )
             print(f"{shape}: kernels {busy:.2f} ms, idle between them {idle:.2f} ms; longest idle intervals:")
             for gap, before, after in longest:
                 print(f"  {gap:7.3f} ms after {before} before {after}")
@@ -152,7 +179,9 @@ def main():
         print(f"{shape}: three GEMMs {floor_ms:.2f} ms")
         for token_chunk in TOKEN_CHUNKS:
             for tiles in FORWARD_CANDIDATES:
-                backend = TritonLoss(token_chunk=token_chunk, tuning=TritonTuning(forward_tiles=tiles))
+                backend = TritonLoss(
+                    token_chunk=token_chunk, entropy_grad=args.entropy, tuning=TritonTuning(forward_tiles=tiles)
+                )
                 try:
                     ms = median_ms(backend_pass(backend, problem, upstream))
                 except Exception as error:  # a tile shape that does not fit the shared memory
@@ -169,7 +198,7 @@ def main():
                     )
                 )
                 print(f"  chunk {token_chunk} tiles {tiles and tiles[:6]}: {ms:.2f} ms = {ms / floor_ms:.3f}x floor")
-        phases = chunk_phases(problem, upstream, 2048)
+        phases = chunk_phases(problem, upstream, 2048, args.entropy)
         print("  one 2048-row chunk:", {name: round(ms, 3) for name, ms in phases.items()})
         results.append(dict(shape=shape, phases_2048=phases))
         del problem, upstream

@@ -9,9 +9,10 @@ from typing import Dict, NamedTuple, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from .boundary import DeclaredCrossEntropyFunction, FusedLossFunction, fused_forward, logits_forward
+from .boundary import DeclaredCrossEntropyFunction, HeldGradientsFunction, fused_forward, logits_forward, loss_pass
+from .contract import NeededGrads
 from .inputs import RowSelection, check_float, check_linear_inputs, select_rows
-from .loss_in_forward import LossFn, check_loss_inputs, check_per_token, per_token_losses
+from .loss_in_forward import LossFn, check_loss_inputs, check_per_token, has_entropy_term, per_token_losses
 from .losses import cross_entropy
 from .options import HeadOptions
 
@@ -35,6 +36,12 @@ def _fused_rows(
     options = HeadOptions.checked(tp_group=tp_group, **options)
     selection = select_rows(targets, hidden.shape[:-1], mask, max_rows, weight.shape[0], tp_group)
     return options, selection, selection.take(hidden).to(weight.dtype)
+
+
+def needed_grads(hidden: Tensor, weight: Tensor) -> NeededGrads:
+    """The gradients a backward will ask for: none under ``no_grad`` or ``inference_mode``."""
+    enabled = torch.is_grad_enabled()
+    return NeededGrads(enabled and hidden.requires_grad, enabled and weight.requires_grad)
 
 
 def fused_linear_logprob(
@@ -190,22 +197,19 @@ def fused_linear_loss(
         graph is an error. Under ``no_grad``, or when neither ``hidden`` nor ``weight`` needs a
         gradient, only the loss and the metrics are computed. Nothing flows into ``loss_inputs``.
     """
+    inputs = check_loss_inputs(loss_fn, loss_inputs, hidden.shape[:-1], hidden.device)
     options, selection, rows = _fused_rows(
         hidden, weight, targets, mask, None, tp_group, temperature=temperature, token_chunk=token_chunk,
-        backend=backend, reduce_hidden_grad=reduce_hidden_grad,
+        backend=backend, entropy_grad=has_entropy_term(loss_fn, tuple(inputs)), reduce_hidden_grad=reduce_hidden_grad,
     )  # fmt: skip
-    inputs = check_loss_inputs(loss_fn, loss_inputs, hidden.shape[:-1], hidden.device)
     if selection.rows is not None:
         inputs = {name: value.index_select(0, selection.rows) for name, value in inputs.items()}
-    loss, logprob, entropy = FusedLossFunction.apply(
-        rows,
-        weight,
-        selection.target_column,
-        loss_fn,
-        inputs,
-        options,
-        torch.is_grad_enabled(),
-    )
+    needed = needed_grads(rows, weight)
+    chunk_loss, state = loss_pass(rows, weight, selection.target_column, loss_fn, inputs, options, needed)
+    loss = chunk_loss.total
+    if needed.hidden or needed.weight:
+        loss = HeldGradientsFunction.apply(loss, rows, weight, options, state.held_hidden, *state.held_weight)
+    logprob, entropy = chunk_loss.logprob, chunk_loss.entropy
     return FusedLoss(loss, selection.place(logprob), selection.place(entropy))
 
 
@@ -238,20 +242,21 @@ def fused_linear_cross_entropy(
     """
     options, selection, rows = _fused_rows(
         hidden, weight, targets, None, None, tp_group, temperature=temperature, token_chunk=token_chunk,
-        backend=backend, reduce_hidden_grad=reduce_hidden_grad,
+        backend=backend, entropy_grad=False, reduce_hidden_grad=reduce_hidden_grad,
     )  # fmt: skip
     declared = check_per_token("declared_weights", declared_weights, hidden.shape[:-1], hidden.device)
     if not declared.dtype.is_floating_point and declared.dtype != torch.bool:
         raise TypeError(f"declared_weights must be float or bool, got {declared.dtype}")
-    losses_per_token = DeclaredCrossEntropyFunction.apply(
-        rows,
-        weight,
-        selection.target_column,
-        declared.float(),
-        cross_entropy,
-        options,
-        torch.is_grad_enabled(),
-    )
+    declared = declared.float()
+    needed = needed_grads(rows, weight)
+    column = selection.target_column
+    chunk_loss, state = loss_pass(rows, weight, column, cross_entropy, {"weight": declared}, options, needed)
+    losses_per_token = -chunk_loss.logprob
+    if needed.hidden or needed.weight:
+        losses_per_token = DeclaredCrossEntropyFunction.apply(
+            losses_per_token, rows, weight, column, declared, chunk_loss.lse, chunk_loss.mean_logit, options,
+            state.held_hidden, *state.held_weight,
+        )  # fmt: skip
     return selection.place(losses_per_token)
 
 

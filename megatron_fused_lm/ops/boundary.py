@@ -8,30 +8,35 @@ the rows' tensors and one ``HeadOptions``.
   travel as the operators' keyword-only arguments (``HeadOptions.op_arguments``), and the autograd
   context rebuilds the object from them by name. Only O(n) statistics are saved; the backward
   recomputes.
-- Loss-in-forward path (autograd functions: ``loss_fn`` is Python): ``FusedLossFunction`` and
-  ``DeclaredCrossEntropyFunction`` run ``contract.run_loss_pass`` in the forward and scale the
-  held gradients in the backward.
+- Loss-in-forward path (``loss_fn`` is Python, so no single operator can hold it): ``loss_pass``
+  runs ``contract.run_loss_pass`` with each phase a custom operator (``loss_statistics``,
+  ``loss_gradients``, the ``merge_statistics`` collective) and the loss's per-token gradients by
+  ``torch.func``, all of which ``torch.compile`` traces; ``HeldGradientsFunction`` and
+  ``DeclaredCrossEntropyFunction`` attach the held gradients to the graph and scale them in the
+  backward (eagerly narrowed in place; compiled, by ``finish_held_gradients`` /
+  ``declared_gradients``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import typing
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
 from .._logging import warn_once
+from . import held_gradients
 from .backends import loss_backend, recompute_backend
 from .chunking import BlockLogits, chunk_logit_grads, chunk_statistics
-from .contract import NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads, run_loss_pass
+from .contract import Gradients, LossState, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads, run_loss_pass
 from .distributed import all_reduce_sum, merge_across_group
-from .held_gradients import HeldGradients
 from .loss_in_forward import ChunkLoss, LossFn, proportional_scale
 from .options import HeadOptions
-from .softmax import summarize
+from .softmax import NUM_STATISTICS, SoftmaxSummary, summarize
 
 Tensor = torch.Tensor
 Statistics = tuple[Tensor, Tensor, Tensor, Tensor]  # logprob, entropy, lse, mean_logit: [n] float32
@@ -255,97 +260,270 @@ def _logits_gradients(ctx, grad_logprob, grad_entropy, _grad_lse, _grad_mean_log
 logits_forward.register_autograd(_logits_gradients, setup_context=_logits_setup_context)
 
 
-# The loss-in-forward path.
+# The loss-in-forward path: its phases as custom operators (what torch.compile sees of them), the
+# chunk loop and the loss's per-token gradients as traced Python, and the held gradients attached
+# to the graph by an autograd function whose backward scales them.
 
 
-def _held_gradients(
-    hidden: Tensor, weight: Tensor, target_column: Tensor, chunk_loss: ChunkLoss, options: HeadOptions, needed
-) -> Optional[HeldGradients]:
+@torch.library.custom_op("megatron_fused_lm::merge_statistics", mutates_args=())
+@with_head_options
+def merge_statistics(stats: Tensor, **options) -> Tensor:
+    """Every rank's shard statistics ``[k, 4]`` merged over the group (one all-gather)."""
+    return merge_across_group(stats, HeadOptions(**options).tp_group).clone()
+
+
+@merge_statistics.register_fake
+def _(stats, **options) -> Tensor:
+    return torch.empty_like(stats)
+
+
+def _loss_backend(device: torch.device, options: HeadOptions):
+    return loss_backend(options.backend, device, options.token_chunk, options.entropy_grad)
+
+
+@torch.library.custom_op("megatron_fused_lm::loss_statistics", mutates_args=("block", "reference"))
+@with_head_options
+def loss_statistics(
+    hidden: Tensor, weight: Tensor, target_column: Tensor, block: Tensor, reference: Tensor, *, start: int, stop: int,
+    **options,
+) -> Tensor:  # fmt: skip
+    """The backend's ``chunk_statistics`` for the rows ``[start, stop)``: ``[k, 4]``."""
+    options = HeadOptions(**options)
     problem = ShardProblem(hidden, weight, target_column, options.temperature)
+    state = LossState(block, reference, hidden.new_empty(0), [])
     with autocast_off(hidden.device):
-        backend = loss_backend(options.backend, hidden.device, options.token_chunk)
-        return run_loss_pass(backend, problem, chunk_loss, needed)
+        return _loss_backend(hidden.device, options).chunk_statistics(problem, state, slice(start, stop))
 
 
-def _needed_grads(ctx, grad_enabled: bool) -> NeededGrads:
-    # needs_input_grad ignores grad mode; under no_grad the forward computes no gradients.
-    return NeededGrads(*(grad_enabled and needed for needed in ctx.needs_input_grad[:2]))
+@loss_statistics.register_fake
+def _(hidden, weight, target_column, block, reference, *, start, stop, **options) -> Tensor:
+    return hidden.new_empty(stop - start, NUM_STATISTICS, dtype=torch.float32)
 
 
-def _take_held(ctx, name: str) -> HeldGradients:
-    """The gradients the forward held; a second backward through the graph has nothing left."""
-    held, ctx.held = ctx.held, None
-    if held is None:
-        raise RuntimeError(f"{name}: its gradients were used by an earlier backward")
-    return held
+@torch.library.custom_op("megatron_fused_lm::loss_gradients", mutates_args=("block", "held_hidden", "held_weight"))
+@with_head_options
+def loss_gradients(
+    hidden: Tensor,
+    weight: Tensor,
+    target_column: Tensor,
+    block: Tensor,
+    reference: Tensor,
+    held_hidden: Tensor,
+    held_weight: List[Tensor],
+    summary: List[Tensor],
+    grad_logprob: Optional[Tensor],
+    grad_entropy: Optional[Tensor],
+    *,
+    start: int,
+    stop: int,
+    **options,
+) -> None:
+    """The backend's ``chunk_gradients`` for the rows ``[start, stop)``; ``summary`` holds the
+    ``SoftmaxSummary`` fields in order."""
+    options = HeadOptions(**options)
+    problem = ShardProblem(hidden, weight, target_column, options.temperature)
+    state = LossState(block, reference, held_hidden, held_weight)
+    with autocast_off(hidden.device):
+        _loss_backend(hidden.device, options).chunk_gradients(
+            problem, state, slice(start, stop), SoftmaxSummary(*summary), UpstreamGrads(grad_logprob, grad_entropy)
+        )
 
 
-def _finished(held: HeldGradients, scale: Tensor, options: HeadOptions) -> tuple[Optional[Tensor], Optional[Tensor]]:
-    """The held gradients times the upstream ``scale``, each rounded once into its parameter's
-    dtype, the hidden gradient then summed over the group when asked (in that dtype, as the
+@loss_gradients.register_fake
+def _(*args, **options) -> None:
+    return None
+
+
+class OperatorLossBackend:
+    """The ``contract.LossBackend`` of the public loss ops: the backend ``options`` name, its phases
+    run through the custom operators above."""
+
+    def __init__(self, options: HeadOptions, device: torch.device):
+        self.options, self.backend = options, _loss_backend(device, options)
+
+    def allocate(self, problem: ShardProblem, needed: NeededGrads) -> LossState:
+        return self.backend.allocate(problem, needed)
+
+    def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice) -> Tensor:
+        return loss_statistics(
+            problem.hidden, problem.weight, problem.target_column, state.block, state.reference, start=rows.start,
+            stop=rows.stop, **self.options.op_arguments(),
+        )  # fmt: skip
+
+    def chunk_gradients(
+        self, problem: ShardProblem, state: LossState, rows: slice, summary: SoftmaxSummary, upstream: UpstreamGrads
+    ) -> None:
+        loss_gradients(
+            problem.hidden, problem.weight, problem.target_column, state.block, state.reference, state.held_hidden,
+            state.held_weight, list(summary), *upstream, start=rows.start, stop=rows.stop,
+            **self.options.op_arguments(),
+        )  # fmt: skip
+
+
+def loss_pass(
+    hidden: Tensor, weight: Tensor, target_column: Tensor, loss_fn: LossFn, inputs: Dict[str, Tensor], options: HeadOptions,
+    needed: NeededGrads,
+) -> tuple[ChunkLoss, LossState]:  # fmt: skip
+    """The three-GEMM pass over detached rows: the chunk step (the loss, log-probs, entropy and
+    saved statistics) and the state with the held gradients."""
+    problem = ShardProblem(hidden.detach(), weight.detach(), target_column, options.temperature)
+    merge = functools.partial(merge_statistics, **options.op_arguments())
+    upstream = needed.hidden or needed.weight
+    chunk_loss = ChunkLoss(loss_fn, inputs, hidden.shape[0], hidden.device, merge, options.entropy_grad, upstream)
+    state = run_loss_pass(OperatorLossBackend(options, hidden.device), problem, chunk_loss, needed)
+    return chunk_loss, state
+
+
+def _finish(held_hidden, held_weight, scale, dtypes, options: HeadOptions, narrow_in_place: bool) -> Gradients:
+    """The held gradients times the upstream ``scale``, each rounded once into its parameter's dtype
+    (``dtypes``), the hidden gradient then summed over the group when asked (in that dtype, as the
     recompute path and Megatron's column-parallel layer do)."""
-    grads = held.scaled(scale.float())
+    grads = held_gradients.scaled_gradients(held_hidden, held_weight, scale.float(), *dtypes, narrow_in_place)
     if grads.hidden is not None and options.reduce_hidden_grad:
         all_reduce_sum(grads.hidden, options.tp_group)
     return grads
 
 
-class FusedLossFunction(torch.autograd.Function):
-    """``(loss [], logprob [n], entropy [n])`` of ``loss_fn`` over the rows; the gradients are
-    finished in the forward."""
+def _tensors(grads: Gradients, held_hidden: Tensor) -> tuple[Tensor, Tensor]:
+    # A custom operator returns tensors, never None: a gradient not held is an empty tensor.
+    return tuple(held_hidden.new_empty(0) if grad is None else grad for grad in grads)
+
+
+def _gradients(tensors: tuple[Tensor, Tensor]) -> Gradients:
+    return Gradients(*(None if grad.dim() < 2 else grad for grad in tensors))
+
+
+@torch.library.custom_op("megatron_fused_lm::finish_held_gradients", mutates_args=())
+@with_head_options
+def finish_held_gradients(
+    held_hidden: Tensor, held_weight: List[Tensor], scale: Tensor, hidden_dtype: torch.dtype,
+    weight_dtype: torch.dtype, **options,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``_finish`` into new memory: what a compiled backward runs."""
+    grads = _finish(held_hidden, held_weight, scale, (hidden_dtype, weight_dtype), HeadOptions(**options), False)
+    return _tensors(grads, held_hidden)
+
+
+@finish_held_gradients.register_fake
+def _(held_hidden, held_weight, scale, hidden_dtype, weight_dtype, **options) -> tuple[Tensor, Tensor]:
+    hidden = torch.empty_like(held_hidden, dtype=hidden_dtype) if held_hidden.dim() == 2 else held_hidden.new_empty(0)
+    if not held_weight:
+        return hidden, held_hidden.new_empty(0)
+    rows = sum(part.shape[0] for part in held_weight)
+    return hidden, held_weight[0].new_empty(rows, held_weight[0].shape[1], dtype=weight_dtype)
+
+
+def finished(held_hidden, held_weight, scale, dtypes, options: HeadOptions) -> Gradients:
+    """The backward's gradients: eagerly, narrowed into the held memory (no second weight-sized
+    buffer); in a compiled graph, by ``finish_held_gradients`` into new memory."""
+    if torch.compiler.is_compiling():
+        return _gradients(finish_held_gradients(held_hidden, held_weight, scale, *dtypes, **options.op_arguments()))
+    return _finish(held_hidden, held_weight, scale, dtypes, options, True)
+
+
+class HeldGradientsFunction(torch.autograd.Function):
+    """``loss`` as the output of ``hidden`` and ``weight``, whose gradients were held in the forward:
+    the backward scales them by the upstream gradient."""
 
     @staticmethod
-    def forward(
-        ctx,
-        hidden,
-        weight,
-        target_column,
-        loss_fn: LossFn,
-        inputs: Dict[str, Tensor],
-        options: HeadOptions,
-        grad_enabled,
-    ):
-        chunk_loss = ChunkLoss(loss_fn, inputs, hidden.shape[0], hidden.device, options.tp_group)
-        needed = _needed_grads(ctx, grad_enabled)
-        ctx.held = _held_gradients(hidden, weight, target_column, chunk_loss, options, needed)
-        ctx.options = options
-        ctx.mark_non_differentiable(chunk_loss.logprob, chunk_loss.entropy)
-        return chunk_loss.total, chunk_loss.logprob, chunk_loss.entropy
+    def forward(ctx, loss, hidden, weight, options: HeadOptions, held_hidden, *held_weight):
+        ctx.save_for_backward(held_hidden, *held_weight)
+        ctx.options, ctx.dtypes, ctx.consumed = options, (hidden.dtype, weight.dtype), False
+        return loss.clone()
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_logprob, _grad_entropy):
-        held = _take_held(ctx, "fused_linear_loss")
-        return *_finished(held, grad_loss, ctx.options), None, None, None, None, None
+    def backward(ctx, grad_loss):
+        if not torch.compiler.is_compiling():
+            _consume(ctx, "fused_linear_loss")
+        held_hidden, *held_weight = ctx.saved_tensors
+        grads = finished(held_hidden, held_weight, grad_loss, ctx.dtypes, ctx.options)
+        return None, grads.hidden, grads.weight, None, None, *(None for _ in held_weight)
+
+
+def _consume(ctx, name: str) -> None:
+    # The held gradients are narrowed in place: a second backward (retain_graph) would read that.
+    if ctx.consumed:
+        raise RuntimeError(f"{name}: its gradients were used by an earlier backward")
+    ctx.consumed = True
+
+
+def _declared(
+    grad_losses, declared, held_hidden, held_weight, hidden, weight, target_column, lse, mean_logit,
+    options: HeadOptions, needed: NeededGrads, narrow_in_place: bool,
+) -> Gradients:  # fmt: skip
+    """The declared cross-entropy's gradients: the held ones times ``c`` where the upstream gradient
+    is ``c * declared`` (one host synchronization), else the exact gradient of what arrived,
+    recomputed (four GEMMs, one warning)."""
+    scale = proportional_scale(grad_losses, declared)
+    if scale is not None:
+        return _finish(held_hidden, held_weight, scale, (hidden.dtype, weight.dtype), options, narrow_in_place)
+    warn_once(
+        "megatron_fused_lm: the upstream gradient of fused_linear_cross_entropy is not proportional to the "
+        "declared weights; its gradients are recomputed exactly (four GEMMs instead of three)"
+    )
+    grads = fused_backward(
+        hidden, weight, target_column, lse, mean_logit, -grad_losses.float(), None, need_hidden=needed.hidden,
+        need_weight=needed.weight, **options.op_arguments(),
+    )  # fmt: skip
+    return Gradients(*(grad if need else None for grad, need in zip(grads, needed, strict=True)))
+
+
+@torch.library.custom_op("megatron_fused_lm::declared_gradients", mutates_args=())
+@with_head_options
+def declared_gradients(
+    grad_losses: Tensor, declared: Tensor, held_hidden: Tensor, held_weight: List[Tensor], hidden: Tensor,
+    weight: Tensor, target_column: Tensor, lse: Tensor, mean_logit: Tensor, need_hidden: bool, need_weight: bool,
+    **options,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``_declared`` into new memory: what a compiled backward runs."""
+    needed = NeededGrads(need_hidden, need_weight)
+    grads = _declared(
+        grad_losses, declared, held_hidden, held_weight, hidden, weight, target_column, lse, mean_logit,
+        HeadOptions(**options), needed, False,
+    )  # fmt: skip
+    return _tensors(grads, held_hidden)
+
+
+@declared_gradients.register_fake
+def _(
+    grad_losses,
+    declared,
+    held_hidden,
+    held_weight,
+    hidden,
+    weight,
+    target_column,
+    lse,
+    mean_logit,
+    need_hidden,
+    need_weight,
+    **options,
+):
+    return _empty_unless(need_hidden, hidden), _empty_unless(need_weight, weight)
 
 
 class DeclaredCrossEntropyFunction(torch.autograd.Function):
-    """Per-token ``-logprob [n]``, the gradients finished in the forward for an upstream gradient
-    ``c * declared [n]``; any other upstream gradient is recomputed exactly."""
+    """Per-token ``-logprob [n]`` as the output of ``hidden`` and ``weight``, whose gradients were
+    held in the forward for an upstream gradient ``c * declared``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target_column, declared, loss_fn: LossFn, options: HeadOptions, grad_enabled):
-        chunk_loss = ChunkLoss(loss_fn, {"weight": declared}, hidden.shape[0], hidden.device, options.tp_group)
-        needed = _needed_grads(ctx, grad_enabled)
-        ctx.held = _held_gradients(hidden, weight, target_column, chunk_loss, options, needed)
-        ctx.options = options
-        ctx.save_for_backward(hidden, weight, target_column, declared, chunk_loss.lse, chunk_loss.mean_logit)
-        return -chunk_loss.logprob
+    def forward(
+        ctx, losses, hidden, weight, target_column, declared, lse, mean_logit, options, held_hidden, *held_weight
+    ):
+        ctx.save_for_backward(hidden, weight, target_column, declared, lse, mean_logit, held_hidden, *held_weight)
+        ctx.options, ctx.consumed = options, False
+        return losses.clone()
 
     @staticmethod
     def backward(ctx, grad_losses):
-        hidden, weight, target_column, declared, lse, mean_logit = ctx.saved_tensors
-        held = _take_held(ctx, "fused_linear_cross_entropy")
-        scale = proportional_scale(grad_losses, declared)
-        if scale is not None:
-            return *_finished(held, scale, ctx.options), None, None, None, None, None
-        warn_once(
-            "megatron_fused_lm: the upstream gradient of fused_linear_cross_entropy is not proportional to the "
-            "declared weights; its gradients are recomputed exactly (four GEMMs instead of three)"
-        )
-        need_hidden, need_weight = ctx.needs_input_grad[:2]
-        grad_hidden, grad_weight = fused_backward(
-            hidden, weight, target_column, lse, mean_logit, -grad_losses.float(), None, need_hidden=need_hidden,
-            need_weight=need_weight, **ctx.options.op_arguments(),
-        )  # fmt: skip
-        grad_hidden, grad_weight = (grad_hidden if need_hidden else None), (grad_weight if need_weight else None)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            _consume(ctx, "fused_linear_cross_entropy")
+        hidden, weight, target_column, declared, lse, mean_logit, held_hidden, *held_weight = ctx.saved_tensors
+        needed = NeededGrads(*ctx.needs_input_grad[1:3])
+        arguments = (grad_losses, declared, held_hidden, held_weight, hidden, weight, target_column, lse, mean_logit)
+        if compiling:
+            grads = _gradients(declared_gradients(*arguments, *needed, **ctx.options.op_arguments()))
+        else:
+            grads = _declared(*arguments, ctx.options, needed, True)
+        return None, grads.hidden, grads.weight, None, None, None, None, None, None, *(None for _ in held_weight)

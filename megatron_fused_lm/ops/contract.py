@@ -3,8 +3,8 @@ that drives a loss-in-forward pass.
 
 A backend works on this rank's vocabulary shard only and never communicates. A recompute backend
 (``RecomputeBackend``) gives the shard's statistics in the forward and its gradients in the
-backward (four GEMMs). A loss-in-forward backend (``LossBackend``) gives a pass of named phases per
-token chunk, and ``run_loss_pass`` owns the chunk loop: every rank calls the chunk's step (which may
+backward (four GEMMs). A loss-in-forward backend (``LossBackend``) gives named phases per token
+chunk over the tensors of a ``LossState``, and ``run_loss_pass`` owns the chunk loop: every rank calls the chunk's step (which may
 communicate) exactly once per chunk, in order, whatever the backend does. ``docs/DESIGN.md``
 ("Contracts") says why each piece is where it is.
 
@@ -13,7 +13,7 @@ Shapes: ``n`` token rows, ``H`` hidden size, ``vocab_shard`` rows of this rank's
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, NamedTuple, Optional, Protocol
+from typing import Callable, Iterator, List, NamedTuple, Optional, Protocol
 
 import torch
 
@@ -89,35 +89,38 @@ class RecomputeBackend(Protocol):
         ...
 
 
-class HeldGradients(Protocol):
-    """A loss-in-forward pass's gradients, held in float32 until the backward."""
+class LossState(NamedTuple):
+    """The tensors a loss-in-forward pass keeps between its phases: what the phases mutate."""
 
-    def scaled(self, scale: torch.Tensor) -> Gradients:
-        """Both gradients times the upstream ``scale`` (0-dim float32), each rounded once into its
-        parameter's dtype; what was held is consumed."""
-        ...
+    block: torch.Tensor  # [token_chunk, vocab_shard]: the current chunk's logits, as the backend keeps them
+    reference: torch.Tensor  # [token_chunk] float32: each row's reference of the block (Triton), or [0]
+    held_hidden: torch.Tensor  # [n, H] float32: this shard's partial hidden gradient, or [0]
+    held_weight: List[torch.Tensor]  # float32 row parts of the weight gradient, or none
 
-
-class LossPass(Protocol):
-    """One loss-in-forward call of a backend: three GEMMs, one visit per token chunk."""
-
-    token_chunk: int  # rows per chunk; a function of the problem's shapes only, so equal on every rank
-
-    def chunk_statistics(self, rows: slice) -> torch.Tensor:
-        """The chunk's logits (the first GEMM) and this shard's statistics of them ``[k, 4]``."""
-        ...
-
-    def chunk_gradients(self, rows: slice, summary: SoftmaxSummary, upstream: UpstreamGrads) -> None:
-        """The chunk's ``dz`` and its two products (the other GEMMs), from the merged statistics."""
-        ...
-
-    def held(self) -> HeldGradients:
-        """The gradients summed over the chunks."""
-        ...
+    @property
+    def token_chunk(self) -> int:
+        """Rows per chunk: the block's; a function of the problem's shapes only, so equal on every rank."""
+        return self.block.shape[0]
 
 
 class LossBackend(Protocol):
-    def start(self, problem: ShardProblem, needed: NeededGrads) -> LossPass: ...
+    """The loss-in-forward path (three GEMMs), as named phases over a ``LossState``."""
+
+    def allocate(self, problem: ShardProblem, needed: NeededGrads) -> LossState:
+        """The pass's tensors: the block (its rows are the token chunk) and the held gradients."""
+        ...
+
+    def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice) -> torch.Tensor:
+        """The chunk's logits (the first GEMM) kept in ``state.block``, and this shard's statistics
+        of them ``[k, 4]``."""
+        ...
+
+    def chunk_gradients(
+        self, problem: ShardProblem, state: LossState, rows: slice, summary: SoftmaxSummary, upstream: UpstreamGrads
+    ) -> None:
+        """The chunk's ``dz`` and its two products (the other GEMMs) added to the held gradients,
+        from the merged statistics and the upstream gradients."""
+        ...
 
 
 # ``chunk_step(rows, local_statistics [k, 4]) -> (summary, upstream)``: merges a chunk's shard
@@ -131,15 +134,13 @@ def token_chunks(num_tokens: int, token_chunk: int) -> Iterator[slice]:
         yield slice(start, min(start + token_chunk, num_tokens))
 
 
-def run_loss_pass(
-    backend: LossBackend, problem: ShardProblem, chunk_step: ChunkStep, needed: NeededGrads
-) -> Optional[HeldGradients]:
+def run_loss_pass(backend: LossBackend, problem: ShardProblem, chunk_step: ChunkStep, needed: NeededGrads) -> LossState:
     """The three-GEMM pass: per token chunk, the backend's statistics, ``chunk_step`` (once per
     chunk, chunks in order, on every rank) and, when a gradient is needed, the backend's gradients.
-    Returns the held gradients, or ``None`` when none is needed."""
-    loss_pass = backend.start(problem, needed)
-    for rows in token_chunks(problem.hidden.shape[0], loss_pass.token_chunk):
-        summary, upstream = chunk_step(rows, loss_pass.chunk_statistics(rows))
+    Returns the state, whose held gradients are the pass's result."""
+    state = backend.allocate(problem, needed)
+    for rows in token_chunks(problem.hidden.shape[0], state.token_chunk):
+        summary, upstream = chunk_step(rows, backend.chunk_statistics(problem, state, rows))
         if needed.hidden or needed.weight:
-            loss_pass.chunk_gradients(rows, summary, upstream)
-    return loss_pass.held() if needed.hidden or needed.weight else None
+            backend.chunk_gradients(problem, state, rows, summary, upstream)
+    return state

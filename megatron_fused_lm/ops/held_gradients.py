@@ -2,21 +2,23 @@
 them by the upstream gradient and rounds each once (``docs/DESIGN.md``, "Precision"), and the
 chosen token's gradient term, which both backends add here in float32.
 
-Each step that has a Triton kernel takes it for CUDA tensors where Triton can run
-(``triton_runs``) and otherwise runs the torch code beside it, which computes the same.
+The weight gradient is held as float32 row parts: one for a float32 weight; two halves for a
+16-bit one, so that the rounded result fits in the first half's memory. Each step that has a
+Triton kernel takes it for CUDA tensors where Triton can run (``triton_runs``) and otherwise runs
+the torch code beside it, which computes the same.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import List, Optional
 
 import torch
 
-from .contract import Gradients, token_chunks
+from .contract import Gradients, NeededGrads, token_chunks
 from .products import add_product
 from .triton_support import triton_unavailable_reason
 
-NARROWING_ROWS = 4096  # rows per step when the float32 weight gradient is narrowed in place
+NARROWING_ROWS = 4096  # rows per step when the float32 weight gradient is narrowed
 
 
 def triton_runs(*tensors: torch.Tensor) -> bool:
@@ -42,6 +44,36 @@ def scaled_copy(source: torch.Tensor, scale: Optional[torch.Tensor], out: torch.
     return torch.mul(source, scale, out=out)
 
 
+def allocate(
+    hidden: torch.Tensor, weight: torch.Tensor, needed: NeededGrads
+) -> tuple[torch.Tensor, List[torch.Tensor]]:
+    """``(held_hidden [n, H], held_weight parts)`` in float32 for the gradients ``needed`` asks for
+    (a 1-D empty tensor and no parts for the others). Zero rows give zeros: no chunk writes them."""
+    empty = hidden.new_zeros if hidden.shape[0] == 0 else hidden.new_empty
+    held_hidden = empty(hidden.shape, dtype=torch.float32) if needed.hidden else hidden.new_empty(0)
+    held_weight = []
+    if needed.weight:
+        vocab = weight.shape[0]
+        middle = vocab if weight.dtype == torch.float32 else -(-vocab // 2)
+        held_weight = [
+            empty(stop - start, weight.shape[1], dtype=torch.float32)
+            for start, stop in ((0, middle), (middle, vocab))
+            if stop > start
+        ]
+    return held_hidden, held_weight
+
+
+def add_weight_product(
+    held_weight: List[torch.Tensor], logit_grads: torch.Tensor, hidden: torch.Tensor, accumulate: bool
+) -> None:
+    """Add ``logit_grads.T @ hidden`` (``[rows, V]``, ``[rows, H]``, one dtype) to the parts (or
+    write it, for the first chunk)."""
+    start = 0
+    for part in held_weight:
+        add_product(part, logit_grads[:, start : start + part.shape[0]].t(), hidden, accumulate=accumulate)
+        start += part.shape[0]
+
+
 def finish_hidden_rows(
     product: torch.Tensor,
     factor: Optional[torch.Tensor],
@@ -63,106 +95,80 @@ def finish_hidden_rows(
     product.addcmul_(coefficient, weight[target_column.clamp(min=0)].float())
 
 
-class WeightAccumulator:
-    """``grad_weight [V, H]`` summed over token chunks in float32 (``parts``: ``(first_row, [R, H])``
-    pieces), returned in the weight's dtype by ``result``. For a 16-bit weight the accumulator is
-    two halves, so that the result can be narrowed into the first half's memory."""
+def add_chosen_rows(
+    held_weight: List[torch.Tensor], target_column: torch.Tensor, chosen: torch.Tensor, hidden: torch.Tensor
+) -> None:
+    """Add ``chosen[t] * hidden[t]`` to the weight gradient's row ``target_column[t]`` for every token
+    with ``target_column[t] >= 0``, summed per row in float32 in a fixed order (deterministic);
+    ``chosen [n]`` float32, ``hidden [n, H]``."""
+    if triton_runs(hidden, *held_weight):
+        from .kernels.chosen_token_kernel import add_chosen_rows as add_chosen_rows_kernel
 
-    def __init__(self, weight: torch.Tensor):
-        self.dtype, self.shape = weight.dtype, weight.shape
-        vocab = weight.shape[0]
-        middle = vocab if weight.dtype == torch.float32 else -(-vocab // 2)
-        self.parts = [
-            (start, weight.new_empty(stop - start, weight.shape[1], dtype=torch.float32))
-            for start, stop in ((0, middle), (middle, vocab))
-            if stop > start
-        ]
-        self.added = False
+        add_chosen_rows_kernel(held_weight, target_column, chosen, hidden)
+        return
+    values = chosen.unsqueeze(1) * hidden.float()
+    # Tokens outside a part write zeros to distinct rows, so that none piles onto one row.
+    spare = torch.arange(target_column.shape[0], device=hidden.device)
+    start = 0
+    for part in held_weight:
+        inside = (target_column >= start) & (target_column < start + part.shape[0])
+        rows = torch.where(inside, target_column - start, spare % part.shape[0])
+        part.index_put_((rows,), torch.where(inside.unsqueeze(1), values, 0.0), accumulate=True)
+        start += part.shape[0]
 
-    def add(self, logit_grads: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Add ``logit_grads.T @ hidden`` for one token chunk (``logit_grads [rows, V]``, ``hidden
-        [rows, H]``, one dtype)."""
-        for start, part in self.parts:
-            add_product(part, logit_grads[:, start : start + part.shape[0]].t(), hidden, accumulate=self.added)
-        self.added = True
 
-    def add_rows(self, target_column: torch.Tensor, chosen: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Add ``chosen[t] * hidden[t]`` to row ``target_column[t]`` for every token ``t`` with
-        ``target_column[t] >= 0``, after this chunk's ``add``, summed per row in float32 in a fixed
-        order (deterministic); ``chosen [n]`` float32, ``hidden [n, H]``."""
-        if triton_runs(hidden, *(part for _, part in self.parts)):
-            from .kernels.chosen_token_kernel import add_chosen_rows
+def add_chosen(
+    held_hidden: torch.Tensor,
+    held_weight: List[torch.Tensor],
+    rows: slice,
+    target_column: torch.Tensor,
+    chosen: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    factor: Optional[torch.Tensor] = None,
+) -> None:
+    """Finish a chunk's rows: the hidden gradient's product (already in ``held_hidden[rows]``) times
+    ``factor`` plus ``chosen * weight[target_column]``, and ``chosen * hidden`` added to the weight
+    gradient's chosen rows. ``hidden`` are the chunk's rows."""
+    if held_hidden.dim() == 2:
+        finish_hidden_rows(held_hidden[rows], factor, chosen, target_column, weight)
+    if held_weight:
+        add_chosen_rows(held_weight, target_column, chosen, hidden)
 
-            add_chosen_rows(self.parts, target_column, chosen, hidden)
-            return
-        values = chosen.unsqueeze(1) * hidden.float()
-        # Tokens outside a part write zeros to distinct rows, so that none piles onto one row.
-        spare = torch.arange(target_column.shape[0], device=hidden.device)
-        for start, part in self.parts:
-            inside = (target_column >= start) & (target_column < start + part.shape[0])
-            rows = torch.where(inside, target_column - start, spare % part.shape[0])
-            part.index_put_((rows,), torch.where(inside.unsqueeze(1), values, 0.0), accumulate=True)
 
-    def result(self, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The gradient times ``scale`` (0-dim float32; ``None``: 1) in the weight's dtype, rounded
-        once; zeros when nothing was added. The accumulator is consumed."""
-        parts, self.parts = self.parts, []
-        if not self.added:
-            return torch.zeros(self.shape, dtype=self.dtype, device=parts[0][1].device)
-        (_, first), *rest = parts
-        if not rest:  # float32: the accumulator is the result
-            return scaled_copy(first, scale, first)
-        ((second_start, second),) = rest
-        out = torch.empty(0, dtype=self.dtype, device=first.device)
-        out.set_(first.untyped_storage(), 0, self.shape, (self.shape[1], 1))
-        # Narrowed row r lands in bytes [2rH, 2(r+1)H) of the first half, below the float32 rows not
-        # yet read (>= 4rH): each step reads its rows into a temporary before writing them.
-        for rows in token_chunks(first.shape[0], NARROWING_ROWS):
-            out[rows] = scaled_copy(first[rows], scale, out.new_empty(first[rows].shape))
-        for rows in token_chunks(second.shape[0], NARROWING_ROWS):  # onto float32 rows read above
-            out[second_start + rows.start : second_start + rows.stop] = scaled_copy(
-                second[rows], scale, out.new_empty(second[rows].shape)
+def scaled_gradients(
+    held_hidden: torch.Tensor,
+    held_weight: List[torch.Tensor],
+    scale: Optional[torch.Tensor],
+    hidden_dtype: torch.dtype,
+    weight_dtype: torch.dtype,
+    narrow_in_place: bool,
+) -> Gradients:
+    """Both held gradients times the upstream ``scale`` (0-dim float32; ``None``: 1), each rounded once into its
+    parameter's dtype (``None`` where not held). With ``narrow_in_place`` the weight gradient is
+    written into the held parts' own memory, which it then occupies (eager autograd); otherwise
+    into new memory (a custom operator may not return its inputs' memory)."""
+    hidden = None
+    if held_hidden.dim() == 2:
+        hidden = scaled_copy(held_hidden, scale, torch.empty_like(held_hidden, dtype=hidden_dtype))
+    if not held_weight:
+        return Gradients(hidden, None)
+    (first, *rest), hidden_size = held_weight, held_weight[0].shape[1]
+    shape = (sum(part.shape[0] for part in held_weight), hidden_size)
+    if not rest:  # float32: the held part is the result
+        return Gradients(hidden, scaled_copy(first, scale, first if narrow_in_place else torch.empty_like(first)))
+    if narrow_in_place:
+        out = torch.empty(0, dtype=weight_dtype, device=first.device)
+        out.set_(first.untyped_storage(), 0, shape, (hidden_size, 1))
+    else:
+        out = first.new_empty(shape, dtype=weight_dtype)
+    # In place, narrowed row r lands in bytes [2rH, 2(r+1)H) of the first part, below the float32
+    # rows not yet read (>= 4rH): each step reads its rows into a temporary before writing them.
+    start = 0
+    for part in held_weight:
+        for rows in token_chunks(part.shape[0], NARROWING_ROWS):
+            out[start + rows.start : start + rows.stop] = scaled_copy(
+                part[rows], scale, out.new_empty(part[rows].shape)
             )
-        return out
-
-
-class HeldGradients(NamedTuple):
-    """What the loss path keeps for its backward (``None``: not asked for); ``contract.HeldGradients``."""
-
-    hidden: Optional[torch.Tensor]  # [n, H] float32: this shard's partial hidden gradient
-    weight: Optional[WeightAccumulator]
-    hidden_dtype: torch.dtype
-
-    @classmethod
-    def allocate(cls, hidden: torch.Tensor, weight: torch.Tensor, needed) -> HeldGradients:
-        """Empty float32 holders for the gradients ``needed`` asks for."""
-        return cls(
-            hidden.new_empty(hidden.shape, dtype=torch.float32) if needed.hidden else None,
-            WeightAccumulator(weight) if needed.weight else None,
-            hidden.dtype,
-        )
-
-    def add_chosen(
-        self,
-        rows: slice,
-        target_column: torch.Tensor,
-        chosen: torch.Tensor,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        factor: Optional[torch.Tensor] = None,
-    ) -> None:
-        """Finish a chunk's rows: the hidden gradient's product (already in ``self.hidden[rows]``)
-        times ``factor`` plus ``chosen * weight[target_column]``, and ``chosen * hidden`` added to
-        the weight gradient's chosen rows. ``hidden`` are the chunk's rows."""
-        if self.hidden is not None:
-            finish_hidden_rows(self.hidden[rows], factor, chosen, target_column, weight)
-        if self.weight is not None:
-            self.weight.add_rows(target_column, chosen, hidden)
-
-    def scaled(self, scale: torch.Tensor) -> Gradients:
-        """Both gradients times the upstream ``scale`` (0-dim float32), each rounded once into its
-        parameter's dtype (``contract.Gradients``); the held tensors are consumed."""
-        hidden = None
-        if self.hidden is not None:
-            hidden = scaled_copy(self.hidden, scale, torch.empty_like(self.hidden, dtype=self.hidden_dtype))
-        return Gradients(hidden, None if self.weight is None else self.weight.result(scale))
+        start += part.shape[0]
+    return Gradients(hidden, out)

@@ -1,17 +1,16 @@
-"""The loss-in-forward path's shared step: the contract of a per-token ``loss_fn``, and what every
-rank does between a chunk's statistics and its gradients (``ChunkLoss``, the ``contract.ChunkStep``
-of ``run_loss_pass``): merge the chunk's statistics across the group, record its log-probs and
-entropy, and evaluate ``loss_fn`` and its per-token gradients."""
+"""The loss-in-forward path's shared step: the contract of a per-token ``loss_fn``, whether it has an
+entropy term, and what every rank does between a chunk's statistics and its gradients
+(``ChunkLoss``, the ``contract.ChunkStep`` of ``run_loss_pass``): merge the chunk's statistics
+across the group, record its log-probs and entropy, and evaluate ``loss_fn`` and its per-token
+gradients."""
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from .contract import UpstreamGrads
-from .distributed import merge_across_group
 from .softmax import SoftmaxSummary, summarize
 
 Tensor = torch.Tensor
@@ -63,36 +62,76 @@ def per_token_losses(loss_fn: LossFn, logprob: Tensor, entropy: Tensor, inputs: 
     return losses.float()
 
 
+@torch.compiler.assume_constant_result
+def has_entropy_term(loss_fn: LossFn, input_names: Tuple[str, ...]) -> bool:
+    """Whether ``loss_fn``'s value depends on the entropy: its ``entropy_grad`` attribute where it
+    declares one (the ready-made losses do), else a probe on one row of zeros on the CPU (a probe
+    that fails answers ``True``, the path that is exact either way). ``torch.compile`` evaluates it
+    once, at trace time."""
+    declared = getattr(loss_fn, "entropy_grad", None)
+    if declared is not None:
+        return bool(declared)
+    logprob, entropy = (torch.zeros(1, requires_grad=True) for _ in range(2))
+    try:
+        with torch.enable_grad():
+            total = per_token_losses(loss_fn, logprob, entropy, {name: torch.zeros(1) for name in input_names}).sum()
+        return total.requires_grad and torch.autograd.grad(total, entropy, allow_unused=True)[0] is not None
+    except Exception:
+        return True
+
+
 class ChunkLoss:
-    """The chunk step both backends' passes are driven with: merges a chunk's shard statistics
-    across the group (one all-gather), records its log-probs and entropy and the running loss,
-    and returns the loss's per-token gradients."""
+    """The chunk step both backends' passes are driven with: ``merge`` (the statistics all-gather)
+    on a chunk's shard statistics, its log-probs and entropy recorded with the running loss, and,
+    when ``upstream``, the loss's per-token gradients (the entropy's only when ``entropy_grad``)."""
 
     def __init__(
-        self, loss_fn: LossFn, inputs: Dict[str, Tensor], num_rows: int, device, tp_group: Optional[dist.ProcessGroup]
+        self,
+        loss_fn: LossFn,
+        inputs: Dict[str, Tensor],
+        num_rows: int,
+        device: torch.device,
+        merge: Callable[[Tensor], Tensor],
+        entropy_grad: bool,
+        upstream: bool,
     ):
-        self.loss_fn, self.inputs, self.tp_group = loss_fn, inputs, tp_group
+        self.loss_fn, self.inputs, self.merge = loss_fn, inputs, merge
+        self.entropy_grad, self.upstream = entropy_grad, upstream
         self.logprob, self.entropy, self.lse, self.mean_logit = (
             torch.empty(num_rows, dtype=torch.float32, device=device) for _ in range(4)
         )
         self.total = torch.zeros((), dtype=torch.float32, device=device)
 
     def __call__(self, rows: slice, local_statistics: Tensor) -> tuple[SoftmaxSummary, UpstreamGrads]:
-        summary = summarize(merge_across_group(local_statistics, self.tp_group))
+        summary = summarize(self.merge(local_statistics))
         for name in ("logprob", "entropy", "lse", "mean_logit"):
             getattr(self, name)[rows] = getattr(summary, name)
-        logprob = summary.logprob.detach().requires_grad_()
-        entropy = summary.entropy.detach().requires_grad_()
-        with torch.enable_grad():
-            losses = per_token_losses(
-                self.loss_fn, logprob, entropy, {name: value[rows] for name, value in self.inputs.items()}
-            )
-            total = losses.sum()
-        self.total += total.detach()
-        if not total.requires_grad:
+        inputs = {name: value[rows] for name, value in self.inputs.items()}
+
+        def total(logprob: Tensor, entropy: Tensor) -> Tensor:
+            return per_token_losses(self.loss_fn, logprob, entropy, inputs).sum()
+
+        if not self.upstream:
+            self.total += total(summary.logprob, summary.entropy)
             return summary, UpstreamGrads(None, None)
-        grad_logprob, grad_entropy = torch.autograd.grad(total, (logprob, entropy), allow_unused=True)
-        return summary, UpstreamGrads(grad_logprob, grad_entropy)
+        grad_logprob, grad_entropy, chunk_total = per_token_grads(total, summary.logprob, summary.entropy)
+        self.total += chunk_total
+        return summary, UpstreamGrads(grad_logprob, grad_entropy if self.entropy_grad else None)
+
+
+def per_token_grads(total: Callable[[Tensor, Tensor], Tensor], logprob: Tensor, entropy: Tensor):
+    """``(d total / d logprob, d total / d entropy, total)`` (``None`` for an input ``total`` does not
+    use): by autograd eagerly, which saved-tensor hooks (activation checkpointing) allow, and by
+    ``torch.func`` in a compiled graph, which ``torch.compile`` traces."""
+    if torch.compiler.is_compiling():
+        (grad_logprob, grad_entropy), value = torch.func.grad_and_value(total, argnums=(0, 1))(logprob, entropy)
+        return grad_logprob, grad_entropy, value
+    logprob, entropy = logprob.detach().requires_grad_(), entropy.detach().requires_grad_()
+    with torch.enable_grad():
+        value = total(logprob, entropy)
+    if not value.requires_grad:
+        return None, None, value
+    return (*torch.autograd.grad(value, (logprob, entropy), allow_unused=True), value.detach())
 
 
 # How far an upstream gradient may stray from ``c * declared_weights`` (relative to its largest

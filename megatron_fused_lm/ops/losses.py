@@ -4,6 +4,8 @@ Each is a ``loss_fn(logprob, entropy, **inputs) -> [rows]``: one loss per token,
 that token's float32 log-prob ``logprob_t`` and entropy ``H_t`` and its per-token inputs. The
 loss of a batch is their sum, so any normalization (a token mean, a per-sequence mean) is a
 per-token weight ``w_t`` passed among the inputs (``token_mean_weights`` makes the usual one).
+Each declares ``entropy_grad``, whether its value depends on the entropy, which saves
+``fused_linear_loss`` a probe of the function.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ def cross_entropy(logprob: Tensor, entropy: Tensor, *, weight: Tensor) -> Tensor
     cross-entropy over the masked tokens, or the loss mask itself for their sum.
     """
     return -weight * logprob
+
+
+cross_entropy.entropy_grad = False
 
 
 def kl_penalty(logprob: Tensor, ref_logprob: Tensor, estimator: str) -> Tensor:
@@ -73,6 +78,11 @@ class ClippedPolicyLoss:
     entropy_coef: float = 0.0
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+
+    @property
+    def entropy_grad(self) -> bool:
+        """Whether the loss depends on the entropy: with an entropy bonus."""
+        return self.entropy_coef != 0
 
     def __post_init__(self):
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from devkit.oracle import make_case, reference, relative_error
-from megatron_fused_lm import fused_linear_logprob, logits_logprob
+from megatron_fused_lm import (
+    fused_linear_cross_entropy,
+    fused_linear_logprob,
+    fused_linear_loss,
+    logits_logprob,
+    losses,
+)
 
 HIDDEN, VOCAB, ROWS = 24, 97, 19
 
@@ -167,18 +173,46 @@ def test_inference_mode_then_training_behaves_like_the_stock_path():
 
 def opcheck_cases():
     """``(operator, args, kwargs)`` for each custom operator: inputs that need gradients for the
-    forward operators (their registered autograd is checked), plain ones for the backward ones."""
+    forward operators (their registered autograd is checked), plain ones for the others; the loss
+    path's phases on a pass's own state after its first chunk's statistics."""
+    from megatron_fused_lm.ops.backends.torch_loss import TorchLoss
+    from megatron_fused_lm.ops.contract import NeededGrads, ShardProblem
     from megatron_fused_lm.ops.options import HeadOptions
+    from megatron_fused_lm.ops.softmax import summarize
 
     hidden, weight, targets, upstream, _ = inputs()
     options = HeadOptions(token_chunk=7).op_arguments()
     logits = (hidden @ weight.t()).detach()
     lse, mean_logit = torch.randn(ROWS), torch.randn(ROWS)
     ops = torch.ops.megatron_fused_lm
+    hidden, weight = hidden.detach(), weight.detach()
+    problem = ShardProblem(hidden, weight, targets, 1.0)
+    state = TorchLoss(token_chunk=7).allocate(problem, NeededGrads(True, True))
+    summary = list(summarize(TorchLoss(token_chunk=7).chunk_statistics(problem, state, slice(0, 7))))
+    chunk = dict(start=0, stop=7, **options)
+    phases = (hidden, weight, targets, state.block, state.reference)
+    held = [torch.randn(ROWS, HIDDEN), [torch.randn(VOCAB // 2, HIDDEN), torch.randn(VOCAB - VOCAB // 2, HIDDEN)]]
     return {
+        "merge_statistics": (ops.merge_statistics, (torch.randn(ROWS, 4),), options),
+        "loss_statistics": (ops.loss_statistics, phases, chunk),
+        "loss_gradients": (
+            ops.loss_gradients,
+            (*phases, state.held_hidden, state.held_weight, summary, upstream[0][:7], upstream[1][:7]),
+            chunk,
+        ),
+        "finish_held_gradients": (
+            ops.finish_held_gradients,
+            (*held, torch.tensor(0.37), torch.bfloat16, torch.bfloat16),
+            options,
+        ),
+        "declared_gradients": (
+            ops.declared_gradients,
+            (upstream[0] * 0.0 + 0.5, torch.ones(ROWS), *held, hidden, weight, targets, lse, mean_logit, True, True),
+            options,
+        ),
         "fused_forward": (
             ops.fused_forward,
-            (hidden.requires_grad_(), weight.requires_grad_(), targets),
+            (hidden.detach().requires_grad_(), weight.detach().requires_grad_(), targets),
             options,
         ),
         "fused_backward": (
@@ -191,9 +225,59 @@ def opcheck_cases():
     }
 
 
-@pytest.mark.parametrize("name", ["fused_forward", "fused_backward", "logits_forward", "logits_backward"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "fused_forward",
+        "fused_backward",
+        "logits_forward",
+        "logits_backward",
+        "merge_statistics",
+        "loss_statistics",
+        "loss_gradients",
+        "finish_held_gradients",
+        "declared_gradients",
+    ],
+)
 def test_custom_operators_pass_opcheck(name):
     # Schema, fake implementation, autograd registration and an AOT-compiled run with dynamic
     # shapes against eager: what torch.compile and export rely on.
     operator, args, kwargs = opcheck_cases()[name]
     torch.library.opcheck(operator, args, kwargs)
+
+
+POLICY = losses.ClippedPolicyLoss(clip_high=0.28, entropy_coef=0.01, kl_coef=0.05)
+
+
+def user_policy_loss(logprob, entropy, *, old_logprob, advantages):
+    """A loss written by a user, of ordinary tensor operations and with no declared attributes."""
+    ratio = (logprob - old_logprob).exp()
+    return -torch.minimum(advantages * ratio, advantages * ratio.clamp(0.8, 1.2)) - 0.01 * entropy
+
+
+@pytest.mark.parametrize("loss_fn", [POLICY, user_policy_loss], ids=["ready-made", "user"])
+def test_fullgraph_compile_of_the_loss_path_equals_eager(loss_fn):
+    hidden, weight, targets, upstream, _ = inputs()
+    with torch.no_grad():
+        current = fused_linear_logprob(hidden, weight, targets)
+    loss_inputs = dict(old_logprob=current + 0.1 * upstream[0], advantages=upstream[1])
+    if loss_fn is POLICY:
+        loss_inputs.update(ref_logprob=current - 0.1 * upstream[0], weight=torch.full((ROWS,), 1.0 / ROWS))
+
+    def loss_of(hidden, weight):
+        result = fused_linear_loss(hidden, weight, targets, loss_fn, loss_inputs=loss_inputs, token_chunk=7)
+        return result.logprob, result.entropy, 0.37 * result.loss
+
+    def declared_of(hidden, weight):
+        per_token = fused_linear_cross_entropy(hidden, weight, targets, loss_inputs["advantages"].abs(), token_chunk=7)
+        return per_token, 0.37 * (per_token * loss_inputs["advantages"].abs()).sum()
+
+    for function in (loss_of, declared_of):
+        results = {}
+        for name, run in (("eager", function), ("compiled", torch.compile(function, fullgraph=True))):
+            leaves = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            *outputs, loss = run(*leaves)
+            loss.backward()
+            results[name] = (*outputs, loss, *(leaf.grad for leaf in leaves))
+        for expected, actual in zip(results["eager"], results["compiled"], strict=True):
+            torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)

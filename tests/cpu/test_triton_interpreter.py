@@ -30,7 +30,8 @@ def held_gradient_kernels(case: dict) -> dict:
     import torch
 
     from devkit.oracle import relative_error
-    from megatron_fused_lm.ops.held_gradients import WeightAccumulator, finish_hidden_rows
+    from megatron_fused_lm.ops import held_gradients
+    from megatron_fused_lm.ops.contract import NeededGrads
     from megatron_fused_lm.ops.kernels.chosen_token_kernel import add_chosen_rows, finish_hidden_grad
     from megatron_fused_lm.ops.kernels.scale_kernel import scale_into
 
@@ -45,17 +46,17 @@ def held_gradient_kernels(case: dict) -> dict:
     errors = {}
     for with_factor in (False, True):
         expected, actual = product.clone(), product.clone()
-        finish_hidden_rows(expected, factor if with_factor else None, chosen, target_column, weight)
+        held_gradients.finish_hidden_rows(expected, factor if with_factor else None, chosen, target_column, weight)
         finish_hidden_grad(actual, factor if with_factor else None, chosen, target_column, weight, actual)
         errors[f"finish_hidden_factor_{with_factor}"] = relative_error(actual, expected)
-    expected, actual = WeightAccumulator(weight), WeightAccumulator(weight)
-    for accumulator in (expected, actual):
-        accumulator.add(torch.randn(tokens, vocab, generator=torch.Generator().manual_seed(1)).to(dtype), hidden)
-    expected.add_rows(target_column, chosen, hidden)
-    add_chosen_rows(actual.parts, target_column, chosen, hidden)
+    logit_grads = torch.randn(tokens, vocab, generator=torch.Generator().manual_seed(1)).to(dtype)
+    expected, actual = (held_gradients.allocate(hidden, weight, NeededGrads(False, True))[1] for _ in range(2))
+    for parts in (expected, actual):
+        held_gradients.add_weight_product(parts, logit_grads, hidden, accumulate=False)
+    held_gradients.add_chosen_rows(expected, target_column, chosen, hidden)
+    add_chosen_rows(actual, target_column, chosen, hidden)
     errors["chosen_rows"] = max(
-        relative_error(actual_part, expected_part)
-        for (_, actual_part), (_, expected_part) in zip(actual.parts, expected.parts, strict=True)
+        relative_error(actual_part, expected_part) for actual_part, expected_part in zip(actual, expected, strict=True)
     )
     scale, source = torch.tensor(0.37), torch.randn(tokens, hidden_size)
     scaled = torch.empty(tokens, hidden_size, dtype=dtype)
@@ -108,7 +109,7 @@ def run_case_here(case: dict) -> dict:
     grad_entropy = torch.randn(tokens) if case["entropy_grad"] else None
     # The backend alone, as the ops call it.
     if case.get("three_gemm"):
-        backend = TritonLoss(token_chunk=case.get("token_chunk"), tuning=tuning)
+        backend = TritonLoss(token_chunk=case.get("token_chunk"), entropy_grad=case["entropy_grad"], tuning=tuning)
         logprob, entropy, grads = three_gemm_pass(
             backend, hidden, weight, targets, case["temperature"], grad_logprob, grad_entropy, case.get("shards", 1)
         )
@@ -144,6 +145,7 @@ def three_gemm_pass(backend, hidden, weight, targets, temperature, grad_logprob,
     import torch
 
     from megatron_fused_lm.ops.contract import Gradients, NeededGrads, ShardProblem, UpstreamGrads, run_loss_pass
+    from megatron_fused_lm.ops.held_gradients import scaled_gradients
     from megatron_fused_lm.ops.softmax import merge_statistics, summarize
 
     tokens, vocab = targets.shape[0], weight.shape[0]
@@ -179,8 +181,11 @@ def three_gemm_pass(backend, hidden, weight, targets, temperature, grad_logprob,
             upstream = [None if grad is None else grad[rows] for grad in (grad_logprob, grad_entropy)]
             return summary, UpstreamGrads(*upstream)
 
-        held = run_loss_pass(backend, problem, chunk_step, NeededGrads(hidden=True, weight=True))
-        partials.append(held.scaled(torch.ones(())))  # an upstream gradient of 1: unscaled
+        state = run_loss_pass(backend, problem, chunk_step, NeededGrads(hidden=True, weight=True))
+        # An upstream gradient of 1: unscaled.
+        partials.append(
+            scaled_gradients(state.held_hidden, state.held_weight, torch.ones(()), hidden.dtype, weight.dtype, True)
+        )
         assert chunk_starts == sorted(chunk_starts) and len(set(chunk_starts)) == len(chunk_starts)
     grad_hidden = torch.stack([grads.hidden.float() for grads in partials]).sum(0).to(hidden.dtype)
     return logprob, entropy, Gradients(grad_hidden, torch.cat([grads.weight for grads in partials]))

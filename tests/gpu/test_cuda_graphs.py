@@ -1,6 +1,8 @@
 """The ops as PyTorch citizens on CUDA: CUDA-graph capture (forward only, and forward + backward)
 with replays bitwise equal to eager, ``torch.compile(fullgraph=True)``, no host synchronization
-under ``torch.cuda.set_sync_debug_mode``, autocast, and an out-of-range target caught on the device."""
+under ``torch.cuda.set_sync_debug_mode``, autocast, and an out-of-range target caught on the device.
+Both paths: the log-prob op (``path="logprob"``) and the loss op with its gradients finished in the
+forward (``path="loss"``, a clipped policy loss with an entropy bonus)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import textwrap
 import pytest
 import torch
 
-from megatron_fused_lm import fused_linear_logprob
+from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, losses
 
 pytestmark = [
     pytest.mark.gpu,
@@ -20,7 +22,9 @@ pytestmark = [
 ]
 
 BACKENDS = ("triton", "torch")
+PATHS = ("logprob", "loss")
 TOKENS, HIDDEN, VOCAB = 1024, 1024, 32003
+POLICY = losses.ClippedPolicyLoss(clip_high=0.28, entropy_coef=0.01)
 
 
 def make_inputs(seed, dtype=torch.bfloat16):
@@ -33,26 +37,42 @@ def make_inputs(seed, dtype=torch.bfloat16):
     return hidden, weight, targets, upstream, mask
 
 
-def step(hidden, weight, targets, upstream, backend, backward=True, **options):
-    """Log-prob and entropy, then (``backward``) the gradients of their weighted sum into
-    ``hidden.grad`` and ``weight.grad``."""
+def forward(hidden, weight, targets, upstream, backend, path="logprob", **options):
+    """``(logprob, entropy, loss)``: the loss the weighted sum of both (``path="logprob"``), or the
+    policy loss on them (``path="loss"``, its inputs made from ``upstream``)."""
+    if path == "loss":
+        weights = torch.full_like(upstream[0], 1e-3)
+        loss_inputs = dict(old_logprob=upstream[0] - 10.0, advantages=upstream[1], weight=weights)
+        result = fused_linear_loss(hidden, weight, targets, POLICY, loss_inputs=loss_inputs, backend=backend, **options)
+        return result.logprob, result.entropy, 0.37 * result.loss
     logprob, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, backend=backend, **options)
+    return logprob, entropy, (logprob * upstream[0]).sum() + (entropy * upstream[1]).sum()
+
+
+def step(hidden, weight, targets, upstream, backend, backward=True, path="logprob", **options):
+    """Log-prob and entropy, then (``backward``) the loss's gradients into ``hidden.grad`` and
+    ``weight.grad``."""
+    logprob, entropy, loss = forward(hidden, weight, targets, upstream, backend, path, **options)
     if backward:
-        ((logprob * upstream[0]).sum() + (entropy * upstream[1]).sum()).backward()
+        loss.backward()
     return logprob, entropy
 
 
-def eager_results(inputs, backend, backward, **options):
+def eager_results(inputs, backend, backward, path="logprob", **options):
     hidden, weight, targets, upstream, _ = inputs
     hidden, weight = hidden.clone().requires_grad_(backward), weight.clone().requires_grad_(backward)
-    outputs = step(hidden, weight, targets, upstream, backend, backward, **options)
+    outputs = step(hidden, weight, targets, upstream, backend, backward, path, **options)
     return [*outputs, hidden.grad, weight.grad] if backward else list(outputs)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("backward", [False, True], ids=["forward only", "forward and backward"])
-@pytest.mark.parametrize("masked", [False, True], ids=["all rows", "mask with max_rows"])
-def test_cuda_graph_replay_equals_eager(backend, backward, masked):
+@pytest.mark.parametrize(
+    "path, masked",
+    [("logprob", False), ("logprob", True), ("loss", False)],
+    ids=["all rows", "mask with max_rows", "loss"],
+)
+def test_cuda_graph_replay_equals_eager(backend, backward, path, masked):
     first, second = make_inputs(0), make_inputs(1)
     options = dict(mask=first[4], max_rows=TOKENS // 2) if masked else {}
     static = [tensor.clone() for tensor in first[:4]]
@@ -64,12 +84,12 @@ def test_cuda_graph_replay_equals_eager(backend, backward, masked):
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), context:
         for _ in range(2):  # warm up (Triton compiles) outside the capture
-            step(*static, backend, backward, **options)
+            step(*static, backend, backward, path, **options)
     torch.cuda.current_stream().wait_stream(side)
     static_hidden.grad = static_weight.grad = None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), context:
-        outputs = step(*static, backend, backward, **options)
+        outputs = step(*static, backend, backward, path, **options)
     for inputs in (first, second):  # replay on new data copied into the captured inputs
         with torch.no_grad():
             for target, source in zip(static, inputs[:4], strict=True):
@@ -80,7 +100,7 @@ def test_cuda_graph_replay_equals_eager(backend, backward, masked):
         torch.cuda.synchronize()
         replayed = [*outputs, static_hidden.grad, static_weight.grad] if backward else list(outputs)
         eager_options = dict(options, mask=inputs[4]) if masked else {}
-        expected = eager_results(inputs, backend, backward, **eager_options)
+        expected = eager_results(inputs, backend, backward, path, **eager_options)
         for got, want in zip(replayed, expected, strict=True):
             assert torch.equal(got, want)
 
@@ -88,12 +108,12 @@ def test_cuda_graph_replay_equals_eager(backend, backward, masked):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_host_synchronization(backend):
     inputs = make_inputs(2)
-    for options in ({}, dict(mask=inputs[4], max_rows=TOKENS // 2)):
-        eager_results(inputs, backend, True, **options)  # warm up: Triton compiles, cuBLAS loads
+    for path, options in (("logprob", {}), ("logprob", dict(mask=inputs[4], max_rows=TOKENS // 2)), ("loss", {})):
+        eager_results(inputs, backend, True, path, **options)  # warm up: Triton compiles, cuBLAS loads
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            eager_results(inputs, backend, True, **options)
+            eager_results(inputs, backend, True, path, **options)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     # A bare mask reads its row count on the host, as documented.
@@ -106,19 +126,17 @@ def test_no_host_synchronization(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fullgraph_compile_equals_eager(backend):
-    inputs = make_inputs(3)
-    hidden, weight, targets, upstream, _ = inputs
+@pytest.mark.parametrize("path", PATHS)
+def test_fullgraph_compile_equals_eager(backend, path):
+    hidden, weight, targets, upstream, _ = make_inputs(3)
 
-    def loss_fn(hidden, weight):
-        logprob, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, backend=backend)
-        return logprob, entropy, (logprob * upstream[0]).sum() + (entropy * upstream[1]).sum()
+    def function(hidden, weight):
+        return forward(hidden, weight, targets, upstream, backend, path)
 
-    compiled_fn = torch.compile(loss_fn, fullgraph=True)
     results = {}
-    for name, function in (("eager", loss_fn), ("compiled", compiled_fn)):
+    for name, run in (("eager", function), ("compiled", torch.compile(function, fullgraph=True))):
         leaves = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        logprob, entropy, loss = function(*leaves)
+        logprob, entropy, loss = run(*leaves)
         loss.backward()
         results[name] = (logprob, entropy, *(leaf.grad for leaf in leaves))
     for got, want in zip(results["compiled"], results["eager"], strict=True):
@@ -139,7 +157,7 @@ def test_autocast_gives_the_float32_numbers(backend):
 DEVICE_ASSERT_SCRIPT = textwrap.dedent(
     """
     import torch
-    from megatron_fused_lm import fused_linear_logprob
+    from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, losses
     hidden = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16)
     targets = torch.randint(0, 1000, (64,), device="cuda")

@@ -36,10 +36,11 @@ def recompute_backend(backend: str, device: torch.device, token_chunk: Optional[
     return TorchRecompute(token_chunk=token_chunk)
 
 
-def loss_backend(backend: str, device: torch.device, token_chunk: Optional[int]) -> LossBackend:
-    """The three-GEMM path's implementation of ``backend`` for tensors on ``device``."""
+def loss_backend(backend: str, device: torch.device, token_chunk: Optional[int], entropy_grad: bool) -> LossBackend:
+    """The three-GEMM path's implementation of ``backend`` for tensors on ``device``, for a loss with
+    (``entropy_grad``) or without an entropy term."""
     if _runs_triton(backend, device):
         from .triton_loss import TritonLoss
 
-        return TritonLoss(token_chunk=token_chunk)
-    return TorchLoss(token_chunk=token_chunk)
+        return TritonLoss(token_chunk=token_chunk, entropy_grad=entropy_grad)
+    return TorchLoss(token_chunk=token_chunk, entropy_grad=entropy_grad)

@@ -9,53 +9,47 @@ from typing import Optional
 
 import torch
 
-from ..contract import NeededGrads, ShardProblem, UpstreamGrads
-from ..held_gradients import HeldGradients
+from .. import held_gradients
+from ..contract import LossState, NeededGrads, ShardProblem, UpstreamGrads
 from ..products import add_product
 from ..softmax import SoftmaxSummary, block_logit_grad, block_statistics, chosen_logit_grad, zero_chosen
-from .torch_recompute import block_logits, chunk_rows
+from .torch_recompute import chunk_rows
 
 
 @dataclass(frozen=True)
 class TorchLoss:
-    """``token_chunk``: rows per chunk (``torch_recompute.chunk_rows``)."""
+    """``token_chunk``: rows per chunk (``torch_recompute.chunk_rows``); ``entropy_grad``: whether
+    the loss has an entropy term (the block is float32 either way)."""
 
     token_chunk: Optional[int] = None
+    entropy_grad: bool = True
 
-    def start(self, problem: ShardProblem, needed: NeededGrads) -> TorchLossPass:
-        return TorchLossPass(problem, needed, chunk_rows(self.token_chunk, problem.weight.shape[0]))
+    def allocate(self, problem: ShardProblem, needed: NeededGrads) -> LossState:
+        hidden, weight = problem.hidden, problem.weight
+        rows = min(chunk_rows(self.token_chunk, weight.shape[0]), max(hidden.shape[0], 1))
+        block = hidden.new_empty(rows, weight.shape[0], dtype=torch.float32)
+        return LossState(block, hidden.new_empty(0), *held_gradients.allocate(hidden, weight, needed))
 
+    def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice) -> torch.Tensor:
+        logits = state.block[: rows.stop - rows.start]
+        add_product(logits, problem.hidden[rows], problem.weight.t(), accumulate=False).div_(problem.temperature)
+        return block_statistics(logits, problem.target_column[rows])
 
-class TorchLossPass:
-    """One call's phases (``contract.LossPass``)."""
-
-    def __init__(self, problem: ShardProblem, needed: NeededGrads, token_chunk: int):
-        self.problem, self.token_chunk = problem, token_chunk
-        self.block_logits = block_logits(problem)
-        self.gradients = HeldGradients.allocate(problem.hidden, problem.weight, needed)
-        self.logits: Optional[torch.Tensor] = None  # the current chunk's, from its statistics to its gradient
-
-    def chunk_statistics(self, rows: slice) -> torch.Tensor:
-        self.logits = self.block_logits(rows)
-        return block_statistics(self.logits, self.problem.target_column[rows])
-
-    def chunk_gradients(self, rows: slice, summary: SoftmaxSummary, upstream: UpstreamGrads) -> None:
+    def chunk_gradients(
+        self, problem: ShardProblem, state: LossState, rows: slice, summary: SoftmaxSummary, upstream: UpstreamGrads
+    ) -> None:
         """``dz`` in float32 with the chosen tokens' elements zeroed (their term is added in float32
         by ``held_gradients``), the products in the weight's dtype accumulating in float32."""
-        problem, held = self.problem, self.gradients
-        logits, self.logits = self.logits, None
-        target_column = problem.target_column[rows]
+        weight, target_column = problem.weight, problem.target_column[rows]
+        logits = state.block[: rows.stop - rows.start]
         grad = block_logit_grad(logits, target_column, summary.lse, summary.mean_logit, *upstream)
-        del logits
         zero_chosen(grad, target_column)
-        operand = grad.div_(problem.temperature).to(problem.weight.dtype)
+        operand = grad.div_(problem.temperature).to(weight.dtype)
         del grad
-        if held.hidden is not None:
-            add_product(held.hidden[rows], operand, problem.weight, accumulate=False)
-        if held.weight is not None:
-            held.weight.add(operand, problem.hidden[rows])
+        if state.held_hidden.dim() == 2:
+            add_product(state.held_hidden[rows], operand, weight, accumulate=False)
+        held_gradients.add_weight_product(state.held_weight, operand, problem.hidden[rows], rows.start > 0)
         chosen = chosen_logit_grad(target_column, summary, *upstream) / problem.temperature
-        held.add_chosen(rows, target_column, chosen, problem.hidden[rows], problem.weight)
-
-    def held(self) -> HeldGradients:
-        return self.gradients
+        held_gradients.add_chosen(
+            state.held_hidden, state.held_weight, rows, target_column, chosen, problem.hidden[rows], weight
+        )

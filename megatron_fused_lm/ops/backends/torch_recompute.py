@@ -1,7 +1,7 @@
 """The torch backend's four-GEMM path: walk the rows in chunks, each chunk's logits a float32 block
 in memory. Working set per call besides the inputs and the returned gradients: about three float32
 ``[token_chunk, vocab_shard]`` blocks and, for a weight that is not float32, a float32 accumulator
-for ``grad_weight`` (``held_gradients.WeightAccumulator``)."""
+for ``grad_weight`` (``held_gradients``), narrowed into its own memory at the end."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Optional
 
 import torch
 
+from .. import held_gradients
 from ..chunking import BlockLogits, chunk_logit_grads, chunk_statistics
 from ..contract import Gradients, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
-from ..held_gradients import WeightAccumulator
 from ..products import add_product, float32_product
 
 BLOCK_BYTES = 256 * 2**20  # one float32 logits block, when token_chunk is None
@@ -48,7 +48,7 @@ class TorchRecompute:
         and a chunk's hidden gradient is rounded once."""
         hidden, weight = problem.hidden, problem.weight
         grad_hidden = torch.empty_like(hidden) if needed.hidden else None
-        grad_weight = WeightAccumulator(weight) if needed.weight else None
+        _, held_weight = held_gradients.allocate(hidden, weight, NeededGrads(hidden=False, weight=needed.weight))
         logit_grads = chunk_logit_grads(
             block_logits(problem),
             problem.target_column,
@@ -61,6 +61,7 @@ class TorchRecompute:
             grad = grad.to(weight.dtype)
             if grad_hidden is not None:
                 add_product(grad_hidden[rows], grad, weight, accumulate=False)
-            if grad_weight is not None:
-                grad_weight.add(grad, hidden[rows])
-        return Gradients(grad_hidden, None if grad_weight is None else grad_weight.result())
+            held_gradients.add_weight_product(held_weight, grad, hidden[rows], accumulate=rows.start > 0)
+        empty = hidden.new_empty(0)
+        grad_weight = held_gradients.scaled_gradients(empty, held_weight, None, hidden.dtype, weight.dtype, True).weight
+        return Gradients(grad_hidden, grad_weight)

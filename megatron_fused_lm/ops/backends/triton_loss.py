@@ -5,11 +5,11 @@
    maximum escaped their reference are stored again.
 2. ``chunk_gradients``: without an entropy term the stored block is ``dz`` up to a per-row factor,
    the chosen token aside, and cuBLAS reads it as it is (``reads_block_directly``, the fast path);
-   otherwise the ``dz`` kernel first rewrites it (``dz_operand``, the reference path). Then the
+   otherwise the ``dz`` kernel forms ``dz`` from it (``dz_operand``, the reference path). Then the
    two products in float32 and the chosen tokens' term (``held_gradients``).
 
-``docs/DESIGN.md`` ("The stored block") derives the factor and says why the chosen token's term is
-kept out of the 16-bit block.
+``docs/DESIGN.md`` ("The stored block") derives the factor and says which block dtype each case
+takes and why.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Optional
 
 import torch
 
-from ..contract import NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
-from ..held_gradients import HeldGradients
+from .. import held_gradients
+from ..contract import LossState, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
 from ..kernels.descriptors import addressable, addressable_empty
 from ..kernels.softmax_stats_kernel import refresh_stored_exp, split_statistics
 from ..kernels.stored_grad_kernel import stored_logit_grads
@@ -41,108 +41,112 @@ def direct_factor(
     return logit_grad(torch.exp(reference - lse), None, grad_logprob, None, True, False).mul_(inv_temperature)
 
 
+def reads_block_directly(state: LossState, weight: torch.Tensor, upstream: UpstreamGrads) -> bool:
+    """The fast-path predicate: the block has the weight's dtype and the loss no entropy term, so
+    ``dz = f * exp(z - r)`` for every column but the chosen token's and the products read the block
+    as it is, scaled per row."""
+    return state.block.dtype == weight.dtype and upstream.entropy is None
+
+
 @dataclass(frozen=True)
 class TritonLoss:
-    """``token_chunk``: rows per chunk (``triton_tuning.loss_token_chunk``); ``tuning``: fixed choices."""
+    """``token_chunk``: rows per chunk (``triton_tuning.loss_token_chunk``); ``entropy_grad``:
+    whether the loss has an entropy term (``triton_reference.stored_dtype``); ``tuning``: fixed
+    choices."""
 
     token_chunk: Optional[int] = None
+    entropy_grad: bool = True
     tuning: TritonTuning = field(default_factory=TritonTuning)
 
-    def start(self, problem: ShardProblem, needed: NeededGrads) -> TritonLossPass:
-        return TritonLossPass(problem, needed, self.token_chunk, self.tuning)
-
-
-class TritonLossPass:
-    """One call's phases (``contract.LossPass``)."""
-
-    def __init__(self, problem: ShardProblem, needed: NeededGrads, token_chunk: Optional[int], tuning: TritonTuning):
+    def allocate(self, problem: ShardProblem, needed: NeededGrads) -> LossState:
         hidden, weight = problem.hidden, problem.weight
         num_tokens, vocab = hidden.shape[0], weight.shape[0]
-        self.problem, self.tuning = problem, tuning
-        self.inv_temperature = 1.0 / problem.temperature
-        self.tiles = tuning.forward_tiles_for(weight.dtype)
-        block_dtype = stored_dtype(weight.dtype)
-        # The products can read the stored block itself only where it has the weight's dtype;
-        # elsewhere (float16 operands) dz goes to a block of its own.
-        self.block_is_operand = block_dtype == weight.dtype
-        bytes_per_logit = block_dtype.itemsize + (0 if self.block_is_operand else weight.element_size())
-        token_chunk = token_chunk or loss_token_chunk(num_tokens, vocab, bytes_per_logit, self.tiles)
-        self.token_chunk = min(token_chunk, max(num_tokens, 1))
-        self.gradients = HeldGradients.allocate(hidden, weight, needed)
-        self.stored = addressable_empty(hidden, self.token_chunk, vocab, block_dtype)
-        self.logit_grads = (
-            self.stored if self.block_is_operand else addressable_empty(hidden, self.token_chunk, vocab, weight.dtype)
-        )
-        self.hidden_operand, self.weight_operand = addressable(hidden), addressable(weight)
-        self.target_column = problem.target_column.contiguous()
-        self.reference: Optional[torch.Tensor] = None  # the current chunk's, from its statistics to its gradient
+        block_dtype = stored_dtype(weight.dtype, self.entropy_grad)
+        # A block of another dtype than the weight's has dz formed into a block of its own.
+        bytes_per_logit = block_dtype.itemsize + (0 if block_dtype == weight.dtype else weight.element_size())
+        tiles = self.tuning.forward_tiles_for(weight.dtype, block_dtype, weight.device)
+        token_chunk = self.token_chunk or loss_token_chunk(num_tokens, vocab, bytes_per_logit, tiles)
+        token_chunk = min(token_chunk, max(num_tokens, 1))
+        block = addressable_empty(hidden, token_chunk, vocab, block_dtype)
+        reference = hidden.new_empty(token_chunk, dtype=torch.float32)
+        return LossState(block, reference, *held_gradients.allocate(hidden, weight, needed))
 
-    def chunk_statistics(self, rows: slice) -> torch.Tensor:
-        """The forward kernel over the chunk: its statistics ``[k, 4]`` and its stored block."""
-        hidden, columns, block = (
-            self.hidden_operand[rows],
-            self.target_column[rows],
-            self.stored[: rows.stop - rows.start],
-        )
-        weight = self.weight_operand
-        tiles_per_split = self.tuning.tiles_per_split_for(hidden.shape[0], weight.shape[0], self.tiles, weight.device)
+    def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice) -> torch.Tensor:
+        """The forward kernel over the chunk: its statistics ``[k, 4]``, its stored block and each
+        row's reference (``state.reference``)."""
+        num_rows = rows.stop - rows.start
+        hidden, weight = addressable(problem.hidden[rows]), addressable(problem.weight)
+        columns, block = problem.target_column[rows].contiguous(), state.block[:num_rows]
+        inv_temperature = 1.0 / problem.temperature
+        tiles = self.tuning.forward_tiles_for(weight.dtype, block.dtype, weight.device)
+        tiles_per_split = self.tuning.tiles_per_split_for(num_rows, weight.shape[0], tiles, weight.device)
         sample_rows = self.tuning.reference_rows or REFERENCE_ROWS
-        reference = row_references(hidden, weight, columns, self.inv_temperature, sample_rows)
-        parts = split_statistics(
-            hidden, weight, columns, self.inv_temperature, self.tiles, tiles_per_split, block, reference
-        )
+        reference = row_references(hidden, weight, columns, inv_temperature, sample_rows)
+        parts = split_statistics(hidden, weight, columns, inv_temperature, tiles, tiles_per_split, block, reference)
         local = merge_statistics(parts)
-        self.reference, refresh = stale_references(reference, local[:, MAX])
-        refresh_stored_exp(
-            hidden, weight, self.inv_temperature, self.tiles, tiles_per_split, block, self.reference, refresh
-        )
+        reference, refresh = stale_references(reference, local[:, MAX])
+        state.reference[:num_rows] = reference
+        refresh_stored_exp(hidden, weight, inv_temperature, tiles, tiles_per_split, block, reference, refresh)
         return local
 
-    def reads_block_directly(self, upstream: UpstreamGrads) -> bool:
-        """The fast-path predicate: without an entropy term ``dz = f * exp(z - r)`` for every column
-        but the chosen token's, so the products read the stored block as it is, scaled per row."""
-        return self.block_is_operand and upstream.entropy is None
-
-    def chunk_gradients(self, rows: slice, summary: SoftmaxSummary, upstream: UpstreamGrads) -> None:
+    def chunk_gradients(
+        self, problem: ShardProblem, state: LossState, rows: slice, summary: SoftmaxSummary, upstream: UpstreamGrads
+    ) -> None:
         """The chunk's operand (the stored block, or ``dz``), its two products, the chosen term."""
         upstream = UpstreamGrads(*(None if grad is None else grad.contiguous() for grad in upstream))
-        columns = self.target_column[rows]
-        if self.reads_block_directly(upstream):
-            operand, factor = self.direct_operand(rows, summary, upstream)
+        if reads_block_directly(state, problem.weight, upstream):
+            operand, factor = self.direct_operand(problem, state, rows, summary, upstream)
         else:
-            operand, factor = self.dz_operand(rows, summary, upstream), None
-        self.products(rows, operand, factor)
-        chosen = chosen_logit_grad(columns, summary, *upstream).mul_(self.inv_temperature)
-        self.gradients.add_chosen(rows, columns, chosen, self.hidden_operand[rows], self.weight_operand, factor)
-
-    def direct_operand(
-        self, rows: slice, summary: SoftmaxSummary, upstream: UpstreamGrads
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored block with the chosen tokens' elements zeroed, and its per-row factor."""
-        block = self.stored[: rows.stop - rows.start]
-        zero_chosen(block, self.target_column[rows])
-        return block, direct_factor(self.reference, summary.lse, upstream.logprob, self.inv_temperature)
-
-    def dz_operand(self, rows: slice, summary: SoftmaxSummary, upstream: UpstreamGrads) -> torch.Tensor:
-        """``dz / T`` formed from the stored block by the ``dz`` kernel (chosen tokens' elements 0)."""
-        num_rows = rows.stop - rows.start
-        saved = SavedStatistics(summary.lse.contiguous(), summary.mean_logit.contiguous())
-        return stored_logit_grads(
-            self.stored[:num_rows], self.reference, self.logit_grads[:num_rows], self.target_column[rows], saved,
-            upstream, self.inv_temperature,
+            operand, factor = self.dz_operand(problem, state, rows, summary, upstream), None
+        self.products(problem, state, rows, operand, factor)
+        columns, inv_temperature = problem.target_column[rows].contiguous(), 1.0 / problem.temperature
+        chosen = chosen_logit_grad(columns, summary, *upstream).mul_(inv_temperature)
+        held_gradients.add_chosen(
+            state.held_hidden, state.held_weight, rows, columns, chosen, addressable(problem.hidden[rows]),
+            addressable(problem.weight), factor,
         )  # fmt: skip
 
-    def products(self, rows: slice, operand: torch.Tensor, factor: Optional[torch.Tensor]) -> None:
+    def direct_operand(
+        self, problem: ShardProblem, state: LossState, rows: slice, summary: SoftmaxSummary, upstream: UpstreamGrads
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored block with the chosen tokens' elements zeroed, and its per-row factor."""
+        num_rows = rows.stop - rows.start
+        block = state.block[:num_rows]
+        zero_chosen(block, problem.target_column[rows])
+        factor = direct_factor(state.reference[:num_rows], summary.lse, upstream.logprob, 1.0 / problem.temperature)
+        return block, factor
+
+    def dz_operand(
+        self, problem: ShardProblem, state: LossState, rows: slice, summary: SoftmaxSummary, upstream: UpstreamGrads
+    ) -> torch.Tensor:
+        """``dz / T`` in the weight's dtype (chosen tokens' elements 0), formed from the stored block
+        by the ``dz`` kernel: over the block itself where it has that dtype, else into a new block."""
+        num_rows, weight = rows.stop - rows.start, problem.weight
+        block = state.block[:num_rows]
+        out = (
+            block if block.dtype == weight.dtype else addressable_empty(block, num_rows, weight.shape[0], weight.dtype)
+        )
+        saved = SavedStatistics(summary.lse.contiguous(), summary.mean_logit.contiguous())
+        return stored_logit_grads(
+            block, state.reference[:num_rows], out, problem.target_column[rows].contiguous(), saved, upstream,
+            1.0 / problem.temperature,
+        )  # fmt: skip
+
+    def products(
+        self,
+        problem: ShardProblem,
+        state: LossState,
+        rows: slice,
+        operand: torch.Tensor,
+        factor: Optional[torch.Tensor],
+    ) -> None:
         """``operand @ W`` into the held hidden gradient (the factor is applied with the chosen term)
         and ``operand.T @ (f * h)`` into the weight gradient, accumulated in float32."""
-        held, weight = self.gradients, self.problem.weight
-        if held.hidden is not None:
-            add_product(held.hidden[rows], operand, weight, accumulate=False)
-        if held.weight is not None:
-            hidden = self.problem.hidden[rows]
+        weight = problem.weight
+        if state.held_hidden.dim() == 2:
+            add_product(state.held_hidden[rows], operand, weight, accumulate=False)
+        if state.held_weight:
+            hidden = problem.hidden[rows]
             if factor is not None:
                 hidden = (hidden * factor.unsqueeze(1)).to(weight.dtype)
-            held.weight.add(operand, hidden)
-
-    def held(self) -> HeldGradients:
-        return self.gradients
+            held_gradients.add_weight_product(state.held_weight, operand, hidden, accumulate=rows.start > 0)

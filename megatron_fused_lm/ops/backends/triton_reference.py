@@ -15,11 +15,13 @@ REFERENCE_HEADROOM = 20.0
 MAX_ABOVE_REFERENCE = 32.0
 
 
-def stored_dtype(weight_dtype: torch.dtype) -> torch.dtype:
-    """The block's dtype: one with float32's exponent range. bfloat16 and float32 operands keep the
-    block in their own dtype, so the products can read it; float16's exponent range is too narrow
-    for a per-row reference, so its block is float32 and ``dz`` is formed into a float16 block."""
-    return torch.float32 if weight_dtype == torch.float16 else weight_dtype
+def stored_dtype(weight_dtype: torch.dtype, entropy_grad: bool) -> torch.dtype:
+    """The block's dtype (``docs/DESIGN.md``, "The stored block"): the weight's where the products
+    read the block itself (bfloat16 or float32 operands, no entropy term); float32 where the entropy
+    term reads each logit back from it (``log e`` must keep float32's precision) or where the
+    weight is float16, whose exponent range is too narrow for a per-row reference. A float32 block
+    of 16-bit operands gets ``dz`` formed into a block of the weight's dtype."""
+    return torch.float32 if entropy_grad or weight_dtype == torch.float16 else weight_dtype
 
 
 def row_references(

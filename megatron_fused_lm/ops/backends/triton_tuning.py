@@ -4,7 +4,9 @@ object that fixes any of their choices instead (tile sweeps and the interpreter 
 
 - Tiles: 16-bit operands take 256 x 128 x 64 forward tiles and 128 x 256 x 64 recompute-backward
   tiles, 8 warps, 3 stages, 8 token tiles per group; float32 operands take 64 x 64 x 32 tiles with
-  IEEE float32 products.
+  IEEE float32 products. A forward kernel that stores a float32 block from 16-bit operands takes
+  the first of ``STORING_CANDIDATES`` whose shared memory (``shared_memory_bytes``: the pipelined
+  operand tiles and the store's staging tile) fits the device.
 - Vocabulary splits of the forward kernel: the column tiles per split (6 to 16) that leave the
   least idle time in the last wave of programs.
 - Recompute backward: token chunks of ``TOKEN_CHUNK`` rows, and vocabulary chunks sized so that the
@@ -40,7 +42,27 @@ GPU_16BIT_GRAD_TILES = Tiles(
 GPU_FLOAT32_TILES = Tiles(
     block_m=64, block_n=64, block_k=32, group_m=8, num_warps=8, num_stages=3, dot_precision="ieee"
 )
+GPU_16BIT_FLOAT32_STORE_TILES = Tiles(
+    block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3, dot_precision="tf32"
+)
+# Forward tiles of 16-bit operands, in order of preference, for the shared memory they leave the
+# store; the last fits every supported store on an H100 or H200.
+STORING_CANDIDATES = (GPU_16BIT_TILES, GPU_16BIT_FLOAT32_STORE_TILES)
+SHARED_MEMORY_MARGIN = 4096  # bytes Triton takes besides the tiles (barriers, reductions)
+HOPPER_SHARED_MEMORY = 232448  # bytes per block an H100 or H200 grants (its opt-in maximum)
 TILES_PER_SPLIT = range(6, 17)  # candidates of the split rule
+
+
+def shared_memory_bytes(tiles: Tiles, operand_bytes: int, store_bytes: int) -> int:
+    """Shared memory of a matrix kernel with these tiles: ``num_stages`` pipelined operand tiles
+    and, for a kernel that stores through a descriptor, one output tile of ``store_bytes``."""
+    operands = tiles.num_stages * (tiles.block_m + tiles.block_n) * tiles.block_k * operand_bytes
+    return operands + tiles.block_m * tiles.block_n * store_bytes + SHARED_MEMORY_MARGIN
+
+
+def shared_memory_limit(device: torch.device) -> int:
+    properties = torch.cuda.get_device_properties(device)
+    return getattr(properties, "shared_memory_per_block_optin", HOPPER_SHARED_MEMORY)
 
 
 @dataclass(frozen=True)
@@ -65,8 +87,19 @@ class TritonTuning:
     dz_block_bytes: Optional[int] = None
     reference_rows: Optional[int] = None
 
-    def forward_tiles_for(self, dtype: torch.dtype) -> Tiles:
-        return self.forward_tiles or (GPU_FLOAT32_TILES if dtype == torch.float32 else GPU_16BIT_TILES)
+    def forward_tiles_for(
+        self, dtype: torch.dtype, stored: Optional[torch.dtype] = None, device: Optional[torch.device] = None
+    ) -> Tiles:
+        """The forward kernel's tiles for operands of ``dtype``, storing a block of ``stored`` (or
+        nothing) on ``device``."""
+        if self.forward_tiles is not None:
+            return self.forward_tiles
+        if dtype == torch.float32:
+            return GPU_FLOAT32_TILES
+        store_bytes = 0 if stored is None else stored.itemsize
+        limit = HOPPER_SHARED_MEMORY if device is None else shared_memory_limit(device)
+        fitting = (tiles for tiles in STORING_CANDIDATES if shared_memory_bytes(tiles, 2, store_bytes) <= limit)
+        return next(fitting, STORING_CANDIDATES[-1])
 
     def backward_tiles_for(self, dtype: torch.dtype) -> Tiles:
         return self.backward_tiles or (GPU_FLOAT32_TILES if dtype == torch.float32 else GPU_16BIT_GRAD_TILES)

@@ -105,14 +105,14 @@ def finish_hidden_grad(
 
 
 def add_chosen_rows(
-    grad_weight_parts: Sequence[tuple[int, torch.Tensor]],
+    grad_weight_parts: Sequence[torch.Tensor],
     target_column: torch.Tensor,
     chosen: torch.Tensor,
     hidden: torch.Tensor,
 ) -> None:
     """Add ``chosen[t] * hidden[t]`` to the weight gradient's row ``target_column[t]`` (-1: none),
-    summed in float32 with one rounding per row. The gradient may be held in parts: each
-    ``(first_row, part [R, H])`` holds rows ``first_row`` to ``first_row + R``. ``chosen [n]``
+    summed in float32 with one rounding per row. The gradient may be held in row parts ``[R, H]``,
+    one after the other. ``chosen [n]``
     float32, ``hidden [n, H]``; unit last strides. Tokens with ``chosen == 0`` add nothing and are
     skipped."""
     num_tokens, hidden_size = hidden.shape
@@ -121,8 +121,10 @@ def add_chosen_rows(
     rows = torch.where(chosen != 0, target_column, -1)
     sorted_rows, order = torch.sort(rows, stable=True)
     grid = (num_tokens, triton.cdiv(hidden_size, BLOCK_H))
-    for first_row, part in grad_weight_parts:
+    first_row = 0
+    for part in grad_weight_parts:
         add_chosen_rows_kernel[grid](
             sorted_rows, order, chosen, hidden, hidden.stride(0), part, part.stride(0), first_row, part.shape[0],
             num_tokens, hidden_size, BLOCK_H=BLOCK_H,
         )  # fmt: skip
+        first_row += part.shape[0]

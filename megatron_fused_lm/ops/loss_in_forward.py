@@ -62,15 +62,18 @@ def per_token_losses(loss_fn: LossFn, logprob: Tensor, entropy: Tensor, inputs: 
     return losses.float()
 
 
-@torch.compiler.assume_constant_result
 def has_entropy_term(loss_fn: LossFn, input_names: Tuple[str, ...]) -> bool:
     """Whether ``loss_fn``'s value depends on the entropy: its ``entropy_grad`` attribute where it
-    declares one (the ready-made losses do), else a probe on one row of zeros on the CPU (a probe
+    declares one (the ready-made losses do), else ``probe_entropy_term``."""
+    declared = getattr(loss_fn, "entropy_grad", None)
+    return probe_entropy_term(loss_fn, input_names) if declared is None else bool(declared)
+
+
+@torch.compiler.assume_constant_result
+def probe_entropy_term(loss_fn: LossFn, input_names: Tuple[str, ...]) -> bool:
+    """Whether ``loss_fn`` depends on the entropy, by a probe on one row of zeros on the CPU (a probe
     that fails answers ``True``, the path that is exact either way). ``torch.compile`` evaluates it
     once, at trace time."""
-    declared = getattr(loss_fn, "entropy_grad", None)
-    if declared is not None:
-        return bool(declared)
     logprob, entropy = (torch.zeros(1, requires_grad=True) for _ in range(2))
     try:
         with torch.enable_grad():

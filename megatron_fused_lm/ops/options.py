@@ -86,5 +86,6 @@ class HeadOptions:
         return group_by_name(self.tp_group_name)
 
     def op_arguments(self) -> dict:
-        """The keyword arguments of a custom operator call."""
-        return dataclasses.asdict(self)
+        """The keyword arguments of a custom operator call (``asdict`` would deep-copy, which
+        ``torch.compile`` cannot trace)."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}

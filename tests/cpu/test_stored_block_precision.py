@@ -36,13 +36,13 @@ def case(kind, prob, seed=0):
     if kind != "random":
         offset = torch.randint(1, VOCAB, (ROWS,), generator=generator)
         top = targets if kind == "chosen" else (targets + offset) % VOCAB
-        logits, rows = hidden @ weight.t(), torch.arange(ROWS)
-        rest = torch.logsumexp(logits.index_put((rows, top), torch.tensor(-torch.inf, dtype=F64)), dim=1)
-        gap = rest + torch.log(torch.tensor(prob / (1 - prob), dtype=F64)) - logits[rows, top]
-        direction = weight[top]
-        hidden = rounded(
-            hidden + gap[:, None] * direction / (direction * direction).sum(1, keepdim=True), torch.bfloat16
-        )
+        rows, direction = torch.arange(ROWS), weight[top]
+        for _ in range(4):  # moving the row moves the other logits too: settle the gap
+            logits = hidden @ weight.t()
+            rest = torch.logsumexp(logits.index_put((rows, top), torch.tensor(-torch.inf, dtype=F64)), dim=1)
+            gap = rest + torch.log(torch.tensor(prob / (1 - prob), dtype=F64)) - logits[rows, top]
+            hidden = hidden + gap[:, None] * direction / (direction * direction).sum(1, keepdim=True)
+        hidden = rounded(hidden, torch.bfloat16)
     return hidden, weight, targets
 
 

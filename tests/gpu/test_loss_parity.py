@@ -177,12 +177,13 @@ def peaked_case(regime, dtypes, tokens=512, hidden_size=1000, vocab=32003, seed=
     if kind != "random":
         offset = torch.randint(1, vocab, (tokens,), device="cuda", generator=gen)
         top = targets if kind == "chosen" else (targets + offset) % vocab
-        logits = hidden @ weight.t()
-        rows = torch.arange(tokens, device="cuda")
-        rest = torch.logsumexp(logits.index_put((rows, top), torch.tensor(-torch.inf, device="cuda")), dim=1)
-        gap = rest + torch.log(torch.tensor(prob / (1 - prob), dtype=torch.float64)) - logits[rows, top]
-        direction = weight[top]
-        hidden = hidden + gap[:, None] * direction / (direction * direction).sum(1, keepdim=True)
+        rows, direction = torch.arange(tokens, device="cuda"), weight[top]
+        minus_inf = torch.tensor(-torch.inf, dtype=torch.float64, device="cuda")
+        for _ in range(4):  # moving the row moves the other logits too: settle the gap
+            logits = hidden @ weight.t()
+            rest = torch.logsumexp(logits.index_put((rows, top), minus_inf), dim=1)
+            gap = rest + torch.log(torch.tensor(prob / (1 - prob), dtype=torch.float64)) - logits[rows, top]
+            hidden = hidden + gap[:, None] * direction / (direction * direction).sum(1, keepdim=True)
     hidden_dtype, weight_dtype = dtypes
     return hidden.to(hidden_dtype), weight.to(weight_dtype), targets, gen
 

@@ -334,15 +334,39 @@ def _(*args, **options) -> None:
     return None
 
 
-class OperatorLossBackend:
-    """The ``contract.LossBackend`` of the public loss ops: the backend ``options`` name, its phases
-    run through the custom operators above."""
+def _allocate(hidden, weight, target_column, need_hidden, need_weight, options) -> List[Tensor]:
+    problem = ShardProblem(hidden, weight, target_column, options.temperature)
+    state = _loss_backend(hidden.device, options).allocate(problem, NeededGrads(need_hidden, need_weight))
+    return [state.block, state.reference, state.held_hidden, *state.held_weight]
 
-    def __init__(self, options: HeadOptions, device: torch.device):
-        self.options, self.backend = options, _loss_backend(device, options)
+
+@torch.library.custom_op("megatron_fused_lm::loss_allocate", mutates_args=())
+@with_head_options
+def loss_allocate(
+    hidden: Tensor, weight: Tensor, target_column: Tensor, need_hidden: bool, need_weight: bool, **options
+) -> List[Tensor]:
+    """The backend's ``allocate``: ``[block, reference, held_hidden, *held_weight]``."""
+    return _allocate(hidden, weight, target_column, need_hidden, need_weight, HeadOptions(**options))
+
+
+@loss_allocate.register_fake
+def _(hidden, weight, target_column, need_hidden, need_weight, **options) -> List[Tensor]:
+    # The same allocation on fake tensors gives the same shapes, dtypes and strides.
+    return _allocate(hidden, weight, target_column, need_hidden, need_weight, HeadOptions(**options))
+
+
+class OperatorLossBackend:
+    """The ``contract.LossBackend`` of the public loss ops: the backend ``options`` name, its steps
+    run through the custom operators above (so ``torch.compile`` never traces into a backend)."""
+
+    def __init__(self, options: HeadOptions):
+        self.options = options
 
     def allocate(self, problem: ShardProblem, needed: NeededGrads) -> LossState:
-        return self.backend.allocate(problem, needed)
+        block, reference, held_hidden, *held_weight = loss_allocate(
+            problem.hidden, problem.weight, problem.target_column, *needed, **self.options.op_arguments()
+        )
+        return LossState(block, reference, held_hidden, held_weight)
 
     def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice) -> Tensor:
         return loss_statistics(
@@ -370,7 +394,7 @@ def loss_pass(
     merge = functools.partial(merge_statistics, **options.op_arguments())
     upstream = needed.hidden or needed.weight
     chunk_loss = ChunkLoss(loss_fn, inputs, hidden.shape[0], hidden.device, merge, options.entropy_grad, upstream)
-    state = run_loss_pass(OperatorLossBackend(options, hidden.device), problem, chunk_loss, needed)
+    state = run_loss_pass(OperatorLossBackend(options), problem, chunk_loss, needed)
     return chunk_loss, state
 
 

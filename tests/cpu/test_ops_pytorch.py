@@ -194,6 +194,7 @@ def opcheck_cases():
     held = [torch.randn(ROWS, HIDDEN), [torch.randn(VOCAB // 2, HIDDEN), torch.randn(VOCAB - VOCAB // 2, HIDDEN)]]
     return {
         "merge_statistics": (ops.merge_statistics, (torch.randn(ROWS, 4),), options),
+        "loss_allocate": (ops.loss_allocate, (hidden, weight, targets, True, True), options),
         "loss_statistics": (ops.loss_statistics, phases, chunk),
         "loss_gradients": (
             ops.loss_gradients,
@@ -233,6 +234,7 @@ def opcheck_cases():
         "logits_forward",
         "logits_backward",
         "merge_statistics",
+        "loss_allocate",
         "loss_statistics",
         "loss_gradients",
         "finish_held_gradients",

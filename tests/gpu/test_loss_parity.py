@@ -154,7 +154,7 @@ def entropy_only(logprob, entropy, *, weight):
 def regime_losses(current, gen):
     """``{name: (loss_fn, loss_inputs)}`` for tokens whose log-probs are ``current``."""
     tokens = current.shape[0]
-    weight = torch.full((tokens,), 1.0 / tokens, device="cuda")
+    weight = torch.full((tokens,), 1.0 / max(tokens, 1), device="cuda")
     noisy = lambda: current + 0.05 * torch.randn(tokens, device="cuda", generator=gen)  # noqa: E731
     kl_only = losses.ClippedPolicyLoss(kl_coef=0.1)
     mixed = losses.ClippedPolicyLoss(clip_high=0.28, entropy_coef=0.01, kl_coef=0.05)

@@ -243,9 +243,11 @@ def opcheck_cases():
 )
 def test_custom_operators_pass_opcheck(name):
     # Schema, fake implementation, autograd registration and an AOT-compiled run with dynamic
-    # shapes against eager: what torch.compile and export rely on.
+    # shapes against eager: what torch.compile and export rely on. The allocation returns memory
+    # the pass then writes, so its values are not compared, only its shapes, dtypes and strides.
     operator, args, kwargs = opcheck_cases()[name]
-    torch.library.opcheck(operator, args, kwargs)
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(operator, args, kwargs, **({"test_utils": checks} if name == "loss_allocate" else {}))
 
 
 POLICY = losses.ClippedPolicyLoss(clip_high=0.28, entropy_coef=0.01, kl_coef=0.05)

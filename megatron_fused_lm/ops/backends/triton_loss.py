@@ -62,10 +62,8 @@ class TritonLoss:
         hidden, weight = problem.hidden, problem.weight
         num_tokens, vocab = hidden.shape[0], weight.shape[0]
         block_dtype = stored_dtype(weight.dtype, self.entropy_grad)
-        # A block of another dtype than the weight's has dz formed into a block of its own.
-        bytes_per_logit = block_dtype.itemsize + (0 if block_dtype == weight.dtype else weight.element_size())
         tiles = self.tuning.forward_tiles_for(weight.dtype, block_dtype, weight.device)
-        token_chunk = self.token_chunk or loss_token_chunk(num_tokens, vocab, bytes_per_logit, tiles)
+        token_chunk = self.token_chunk or loss_token_chunk(num_tokens, vocab, block_dtype.itemsize, tiles)
         token_chunk = min(token_chunk, max(num_tokens, 1))
         block = addressable_empty(hidden, token_chunk, vocab, block_dtype)
         reference = hidden.new_empty(token_chunk, dtype=torch.float32)

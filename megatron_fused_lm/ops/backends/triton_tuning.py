@@ -12,8 +12,9 @@ object that fixes any of their choices instead (tile sweeps and the interpreter 
 - Recompute backward: token chunks of ``TOKEN_CHUNK`` rows, and vocabulary chunks sized so that the
   working set stays at ``WORKING_SET_BYTES`` plus ``WORKING_SET_GRADIENT_SHARE`` of the gradients'
   bytes; a persistent grid of one program per multiprocessor.
-- Loss-in-forward pass: token chunks whose stored logits take at most ``STORED_LOGITS_BYTES``,
-  the rows split evenly over the chunks.
+- Loss-in-forward pass: token chunks whose stored block takes at most ``STORED_LOGITS_BYTES`` (a
+  float32 block of 16-bit operands has a ``dz`` block of half its size beside it while a chunk's
+  gradients are formed), the rows split evenly over the chunks.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ GPU_FLOAT32_TILES = Tiles(
     block_m=64, block_n=64, block_k=32, group_m=8, num_warps=8, num_stages=3, dot_precision="ieee"
 )
 GPU_16BIT_FLOAT32_STORE_TILES = Tiles(
-    block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3, dot_precision="tf32"
+    block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4, dot_precision="tf32"
 )
 # Forward tiles of 16-bit operands, in order of preference, for the shared memory they leave the
 # store; the last fits every supported store on an H100 or H200.
@@ -133,8 +134,8 @@ class TritonTuning:
 
 def loss_token_chunk(num_tokens: int, vocab: int, bytes_per_logit: int, tiles: Tiles) -> int:
     """Rows per loss-in-forward chunk: at most as many whole token tiles as ``STORED_LOGITS_BYTES``
-    holds, and as few as still need that many chunks, so that the rows split evenly (a short last
-    chunk would run every phase at low occupancy)."""
+    holds at ``bytes_per_logit`` (the stored block's), and as few as still need that many chunks,
+    so that the rows split evenly (a short last chunk would run every phase at low occupancy)."""
     limit = max(tiles.block_m, STORED_LOGITS_BYTES // (bytes_per_logit * vocab) // tiles.block_m * tiles.block_m)
     chunks = max(1, -(-num_tokens // limit))
     even = max(1, -(-num_tokens // chunks))

@@ -93,11 +93,9 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import logging
 import os
 import statistics
 import time
-import zlib
 from typing import Dict, List, Optional
 
 import torch
@@ -105,6 +103,13 @@ import torch.distributed as dist
 
 from devkit import distributed, measure
 from devkit.megatron_gpt import GPTShape, build_bf16_gpt
+from devkit.megatron_training import (
+    RecomputeCounter,
+    megatron_training,
+    move_by_one_rounding,
+    set_learning_rate,
+    sft_loss,
+)
 from megatron_fused_lm import losses
 from megatron_fused_lm.integration import FusedLMConfig, wrap_model
 
@@ -220,29 +225,6 @@ def step_microbatches(shape: GPTShape, tokens: torch.Tensor, device: torch.devic
     return batches
 
 
-def move_by_one_rounding(model: torch.nn.Module) -> None:
-    """Multiply every weight entry by 1 + s 2^-7, s in {-1, 0, 1} (about one bf16 spacing, so the
-    stored value moves by a rounding or two), with a sign pattern seeded by the weight's shape:
-    TP-replicated weights and the two stages' tied copies move alike."""
-    with torch.no_grad():
-        for parameter in model.parameters():
-            generator = torch.Generator().manual_seed(zlib.crc32(str(tuple(parameter.shape)).encode()))
-            sign = torch.randint(-1, 2, parameter.shape, generator=generator).to(parameter.device)
-            parameter.mul_(1 + sign.to(parameter.dtype) * 2.0**-7)
-
-
-class RecomputeCounter(logging.Handler):
-    """Counts the package's warnings that a backward recomputed the logits (the upstream gradient
-    was not the declared one); the warning is logged once per process."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.count = 0
-
-    def emit(self, record):
-        self.count += "recomputed" in record.getMessage()
-
-
 class Run:
     """One training run (fused head on or off; for the noise reference, initial weights moved by a
     rounding): the model chunks, their DDP and optimizer, the schedule."""
@@ -259,14 +241,7 @@ class Run:
         backend: str,
     ):
         from megatron.core import parallel_state
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.transformer.module import Float16Module
 
         self.layout, self.shape, self.device, self.name, self.fused = layout, shape, device, name, fused
         self.loss_path = loss_path
@@ -289,45 +264,14 @@ class Run:
             if perturbed:
                 move_by_one_rounding(gpt)
             self.gpts.append(gpt)
-        on_gpu = device.type == "cuda"
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
+        self.chunks, self.optimizer = megatron_training(
+            self.gpts,
+            device,
+            SFT_LEARNING_RATE,
             overlap_grad_reduce=layout.overlap_grad_reduce,
-            use_distributed_optimizer=layout.distributed_optimizer,
+            distributed_optimizer=layout.distributed_optimizer,
             overlap_param_gather=layout.overlap_param_gather,
-            # The tiny CPU model would fit one bucket: several, as the GPU model has, so that the
-            # overlapped reduction starts bucket by bucket during the backward.
-            bucket_size=None if on_gpu else 8 * shape.hidden**2,
         )
-        # Megatron-LM's setup: buckets on the first chunk only.
-        self.chunks = [
-            DistributedDataParallel(
-                config=gpt.config,
-                ddp_config=ddp_config,
-                module=Float16Module(gpt.config, gpt),
-                disable_bucketing=index > 0,
-            )
-            for index, gpt in enumerate(self.gpts)
-        ]
-        optimizer_config = OptimizerConfig(
-            optimizer="adam",
-            lr=SFT_LEARNING_RATE,
-            weight_decay=0.0,
-            adam_beta2=0.95,
-            clip_grad=1.0 if on_gpu else 0.0,  # Megatron's clipping asserts CUDA gradients at every step
-            bf16=True,
-            use_distributed_optimizer=layout.distributed_optimizer,
-        )
-        with contextlib.nullcontext() if on_gpu else distributed.cpu_tensors_named_cuda():
-            self.optimizer = get_megatron_optimizer(optimizer_config, self.chunks)
-        # The schedule reads these from the first chunk's config, as in Megatron-LM's setup.
-        config = self.gpts[0].config
-        config.finalize_model_grads_func = finalize_model_grads
-        sync = [chunk.no_sync for chunk in self.chunks]
-        config.no_sync_func = sync if virtual else sync[0]
-        if layout.overlap_grad_reduce:
-            grad_sync = [chunk.start_grad_sync for chunk in self.chunks]
-            config.grad_sync_func = grad_sync if virtual else grad_sync[0]
         self.head = wrap_model(self.chunks, FusedLMConfig(enabled=fused, backend=backend))
         assert self.head.fused == (fused and self.last_stage), (fused, self.last_stage)
         self.forward_backward = get_forward_backward_func()
@@ -536,8 +480,7 @@ class Run:
         micro_batches = self.layout.micro_batches
         mine = slice(self.dp_rank * micro_batches, (self.dp_rank + 1) * micro_batches)
         for phase, steps, step_function, data_seed, learning_rate in phases:
-            for group in self.optimizer.param_groups:  # as Megatron's learning-rate scheduler sets it
-                group["lr"] = learning_rate
+            set_learning_rate(self.optimizer, learning_rate)
             dataset = make_dataset(self.shape, steps, data_seed, micro_batches * dp_size)
             reported, times = [], []
             allocated_before = measure.reset_peak_memory(self.device)
@@ -589,14 +532,6 @@ def all_ranks_agree(flag: bool, device: torch.device) -> bool:
     agreed = torch.tensor([float(flag)], device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
     return bool(agreed.item())
-
-
-def sft_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
-    """Megatron's SFT loss of a micro-batch, the masked sum over the token count (the schedule
-    divides by the micro-batch count): the mean token loss for the all-ones mask used here."""
-    loss = (per_token_loss.float() * loss_mask).sum() / loss_mask.sum()
-    # A copy: the schedule divides the returned loss in place by the number of micro-batches.
-    return loss, {"loss": loss.detach().clone()}
 
 
 def policy_metrics(loss, ratio, entropy, response) -> Dict[str, torch.Tensor]:
@@ -721,7 +656,6 @@ def main() -> None:
     from megatron.core import parallel_state
 
     recompute = RecomputeCounter()
-    logging.getLogger("megatron_fused_lm").addHandler(recompute)
     try:
         runs, first_grads = [], {}
         for name, fused, perturbed in RUNS:

@@ -2,7 +2,8 @@
 
 - ``training_sft.png``: the SFT loss per step and the held-out loss, every run overlaid;
 - ``training_rl.png``: the RL reward and the response entropy per update, every run overlaid;
-- ``training_cost.png``: the median step time and the peak extra memory of each run and phase.
+- ``training_cost.png``: the median step time and the most memory a training step allocated beyond
+  what it started with (activations and the head's buffers), per run and phase.
 
     python benchmarks/report_training.py docs/real_training/real_training_h100.json [--out docs/real_training]
 """
@@ -46,12 +47,14 @@ def cost_figure(pyplot, record: dict, title: str):
     for offset, phase in ((-width / 2, "sft"), (width / 2, "rl")):
         positions = [index + offset for index in range(len(runs))]
         times = [record[phase][run]["median_step_ms"] for run in runs]
-        peaks = [(record[phase][run]["peak_extra_bytes"] or 0) / 2**30 for run in runs]
+        peaks = [(record[phase][run]["step_extra_bytes"] or 0) / 2**30 for run in runs]
         colours = [COLOURS[run] for run in runs]
         hatch = None if phase == "sft" else "//"
         axes[0].bar(positions, times, width, color=colours, hatch=hatch, edgecolor="white", label=phase.upper())
         axes[1].bar(positions, peaks, width, color=colours, hatch=hatch, edgecolor="white", label=phase.upper())
-    for axis, label in zip(axes, ("median step time, ms (RL: one update)", "peak extra memory, GiB"), strict=True):
+    for axis, label in zip(
+        axes, ("median step time, ms (RL: one update)", "a step's peak memory beyond its start, GiB"), strict=True
+    ):
         axis.set_xticks(range(len(runs)), runs)
         axis.set_ylabel(label)
         axis.grid(axis="y", alpha=0.3)

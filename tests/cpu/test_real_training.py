@@ -36,5 +36,8 @@ def test_fused_runs_train_like_stock_on_real_text(tmp_path):
         assert len(sft["eval"]["held_out_loss"]) == len(sft["eval"]["step"]) >= 2
     first_rl_entropy = {run: rl["curves"]["entropy"][0] for run, rl in record["rl"].items() if run != "reference"}
     assert max(first_rl_entropy.values()) - min(first_rl_entropy.values()) < 1e-3, first_rl_entropy
+    for run, rl in record["rl"].items():
+        peaked = rl["curves"]["sampled_p_over_0.9"]
+        assert len(peaked) == len(rl["curves"]["reward"]) and all(0.0 <= value <= 1.0 for value in peaked), run
     for name in ("loss", "held_out_loss"):
         assert set(record["comparison"]["sft"][name]) >= {"fused_max_difference", "recompute_max_difference"}

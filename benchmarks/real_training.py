@@ -62,7 +62,13 @@ from devkit.megatron_training import (
     set_learning_rate,
     sft_loss,
 )
-from megatron_fused_lm import fused_linear_cross_entropy, fused_linear_logprob, losses
+from megatron_fused_lm import (
+    fused_linear_cross_entropy,
+    fused_linear_logprob,
+    fused_linear_loss,
+    logits_loss,
+    losses,
+)
 from megatron_fused_lm.integration import FusedLMConfig, wrap_model
 
 EOS = "<|endoftext|>"
@@ -499,31 +505,55 @@ def phase_record(curves: Dict[str, list]) -> dict:
 
 
 def head_ms(training: Training, loss_path: str, size: Size, device: torch.device, phase: str) -> float:
-    """Forward + backward of the head alone on one micro-batch of the phase's shape, the run's
-    way: the stock output layer and Megatron's cross-entropy (SFT) or the policy loss on the
-    logits (RL); the fused ops otherwise."""
-    tokens = size.shape.micro_batch * size.shape.seq if phase == "sft" else (
-        size.prompts * size.samples // size.micro_batches * (size.prompt_tokens + size.completion_tokens - 1)
-    )  # fmt: skip
+    """Forward + backward of the head alone on one micro-batch of the phase's shape, by the ops the
+    run's step takes: stock, the output layer's product and Megatron's cross-entropy (SFT) or
+    ``logits_loss`` on the response rows (RL); fused, ``fused_linear_cross_entropy`` or
+    ``fused_linear_loss`` (three GEMMs), or ``fused_linear_logprob`` and the loss (recompute), on
+    the same rows."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    if phase == "sft":
+        rows, length = size.shape.micro_batch, size.shape.seq
+    else:
+        rows, length = (
+            size.prompts * size.samples // size.micro_batches,
+            size.prompt_tokens + size.completion_tokens - 1,
+        )
     weight = training.gpt.output_layer.weight.detach().requires_grad_()
     generator = torch.Generator(device=device).manual_seed(7)
-    hidden = torch.randn(tokens, weight.shape[1], device=device, generator=generator).to(weight.dtype).requires_grad_()
-    targets = torch.randint(0, weight.shape[0], (tokens,), device=device, generator=generator)
-    upstream = torch.randn(tokens, device=device, generator=generator)
+    hidden = torch.randn(rows, length, weight.shape[1], device=device, generator=generator)
+    hidden = hidden.to(weight.dtype).requires_grad_()
+    targets = torch.randint(0, weight.shape[0], (rows, length), device=device, generator=generator)
+    response = torch.zeros(rows, length, dtype=torch.bool, device=device)
+    response[:, size.prompt_tokens - 1 :] = True
+    inputs = {
+        "old_logprob": torch.full((rows, length), -1.0, device=device),
+        "ref_logprob": torch.full((rows, length), -1.0, device=device),
+        "advantages": torch.randn(rows, length, device=device, generator=generator),
+        "weight": losses.token_mean_weights(response),
+    }
 
     def step():
-        if loss_path == "three-gemm" and phase == "sft":
+        if phase == "sft" and loss_path == "stock":
+            loss = vocab_parallel_cross_entropy(hidden @ weight.t(), targets).sum()  # upcasts inside
+        elif phase == "sft" and loss_path == "three-gemm":
             loss = fused_linear_cross_entropy(
-                hidden, weight, targets, torch.ones(tokens, device=device), backend="auto"
+                hidden, weight, targets, torch.ones_like(hidden[..., 0]), backend="auto"
             ).sum()
+        elif phase == "sft":
+            loss = -fused_linear_logprob(hidden, weight, targets, backend="auto").sum()
         elif loss_path == "stock":
-            logits = hidden @ weight.t()
-            log_probs = torch.log_softmax(logits.float(), dim=-1)
-            logprob = log_probs.gather(1, targets[:, None]).squeeze(1)
-            loss = (logprob * upstream).sum() - (log_probs.exp() * log_probs).sum()
+            loss = logits_loss(hidden @ weight.t(), targets, POLICY_LOSS, loss_inputs=inputs, mask=response).loss
+        elif loss_path == "three-gemm":
+            loss = fused_linear_loss(
+                hidden, weight, targets, POLICY_LOSS, loss_inputs=inputs, mask=response, backend="auto"
+            ).loss
         else:
-            logprob, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, backend="auto")
-            loss = (logprob * upstream + entropy).sum()
+            logprob, entropy = fused_linear_logprob(
+                hidden, weight, targets, return_entropy=True, mask=response, backend="auto"
+            )
+            rows_inputs = {name: value[response] for name, value in inputs.items()}
+            loss = POLICY_LOSS(logprob[response], entropy[response], **rows_inputs).sum()
         loss.backward()
 
     for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels

@@ -538,7 +538,7 @@ def head_ms(training: Training, loss_path: str, size: Size, device: torch.device
             loss = vocab_parallel_cross_entropy(hidden @ weight.t(), targets).sum()  # upcasts inside
         elif phase == "sft" and loss_path == "three-gemm":
             loss = fused_linear_cross_entropy(
-                hidden, weight, targets, torch.ones_like(hidden[..., 0]), backend="auto"
+                hidden, weight, targets, torch.ones(rows, length, device=device), backend="auto"
             ).sum()
         elif phase == "sft":
             loss = -fused_linear_logprob(hidden, weight, targets, backend="auto").sum()

@@ -124,3 +124,19 @@ def result_row(measurement, failure, **fields):
     elif failure != "oom":
         row["note"] = failure
     return row
+
+
+def kernel_timeline(run: Callable[[], object]) -> list:
+    """The GPU kernels of one ``run()`` after a warm-up, as ``(start us, end us, name)`` in start
+    order, from the PyTorch profiler."""
+    run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        run()
+        torch.cuda.synchronize()
+    return sorted(
+        (event.time_range.start, event.time_range.end, event.name)
+        for event in profile.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+    )
+

@@ -22,7 +22,7 @@ import json
 
 import torch
 import triton.testing
-from harness import parse_shapes
+from harness import kernel_timeline, parse_shapes
 
 from megatron_fused_lm.ops import TritonTuning, held_gradients
 from megatron_fused_lm.ops.backends.triton_loss import TritonLoss
@@ -129,16 +129,7 @@ def chunk_phases(problem, upstream, token_chunk, entropy_grad):
 def idle_gaps(run, shown=12):
     """GPU busy and idle milliseconds of one ``run()`` (after a warm-up), its longest idle
     intervals as ``(ms, kernel before, kernel after)`` and ``(kernel, ms)`` longest first."""
-    run()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        run()
-        torch.cuda.synchronize()
-    kernels = sorted(
-        (event.time_range.start, event.time_range.end, event.name)
-        for event in profile.events()
-        if event.device_type == torch.autograd.DeviceType.CUDA
-    )
+    kernels = kernel_timeline(run)
     busy = sum(end - start for start, end, _ in kernels) / 1e3
     gaps = [
         ((after[0] - before[1]) / 1e3, before[2][:60], after[2][:60])

@@ -6,6 +6,9 @@ Use::
     head = wrap_model(model, config)                 # once, where the model is built
     logprob, entropy = head.logprobs(model(tokens, positions, mask), targets, return_entropy=True)
     loss = model(tokens, positions, mask, labels=labels)   # SFT: the stock [b, s] loss
+
+or, on megatron-core >= 0.18, through the model's own hook with nothing patched
+(``FusedOutputProcessor``, ``LogprobRequest``, ``LossRequest``; see ``output_processor``).
 """
 
 try:
@@ -19,5 +22,20 @@ except ImportError as error:
 
 from .config import FusedLMConfig  # noqa: E402
 from .head import FusedLMHead, unwrap_model, wrap_model  # noqa: E402
+from .output_processor import (  # noqa: E402
+    FusedOutputProcessor,
+    LogprobRequest,
+    LossRequest,
+    accepts_output_processor,
+)
 
-__all__ = ["FusedLMConfig", "FusedLMHead", "unwrap_model", "wrap_model"]
+__all__ = [
+    "FusedLMConfig",
+    "FusedLMHead",
+    "FusedOutputProcessor",
+    "LogprobRequest",
+    "LossRequest",
+    "accepts_output_processor",
+    "unwrap_model",
+    "wrap_model",
+]

@@ -75,6 +75,76 @@ class _HeadCall:
     reduce_hidden_grad: bool
 
 
+def project_input(
+    layer: torch.nn.Module, tp_group: Optional[dist.ProcessGroup], input_: torch.Tensor, weight: Optional[torch.Tensor]
+) -> Tuple[torch.Tensor, _HeadCall]:
+    """What the output layer's projection needs, without projecting: ``input_ [s/TP if sequence
+    parallel else s, b, h]`` -> ``hidden [s, b, h]`` (gathered along the sequence when the layer is
+    sequence parallel) and the ``_HeadCall`` for it. ``weight`` is the tied embedding's, or
+    ``None`` for the layer's own."""
+    expected = (layer.output_size_per_partition, layer.input_size)
+    if weight is None:
+        if layer.weight is None:
+            raise RuntimeError("the output layer owns no weight and none was passed as weight=")
+        weight = layer.weight
+    elif tuple(weight.shape) != expected:
+        raise RuntimeError(f"supplied weight's shape is {tuple(weight.shape)}, not {expected} as expected")
+    if layer.sequence_parallel:
+        # Its backward reduce-scatters the ranks' partial hidden gradients: the one reduction.
+        hidden = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=tp_group)
+        reduce_hidden_grad = False
+    else:
+        hidden = input_
+        reduce_hidden_grad = not getattr(layer, "disable_grad_reduce", False)
+    if not torch.is_grad_enabled():
+        weight = weight.detach()
+    return hidden, _HeadCall(weight, tp_group, reduce_hidden_grad)
+
+
+def call_logprobs(call: _HeadCall, config: FusedLMConfig, hidden: torch.Tensor, targets: torch.Tensor, **options):
+    """``fused_linear_logprob`` for one projection ``call``; ``options`` as ``FusedLMHead.logprobs``'s."""
+    return fused_linear_logprob(
+        hidden, call.weight, targets, tp_group=call.tp_group, backend=config.backend, token_chunk=config.token_chunk,
+        reduce_hidden_grad=call.reduce_hidden_grad, **options,
+    )  # fmt: skip
+
+
+def call_loss(
+    call: _HeadCall, config: FusedLMConfig, hidden: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, **options
+) -> FusedLoss:
+    """``fused_linear_loss`` for one projection ``call``; ``options`` as ``FusedLMHead.loss``'s."""
+    return fused_linear_loss(
+        hidden, call.weight, targets, loss_fn, tp_group=call.tp_group, backend=config.backend,
+        token_chunk=config.token_chunk, reduce_hidden_grad=call.reduce_hidden_grad, **options,
+    )  # fmt: skip
+
+
+def check_declared_shape(declared: Optional[torch.Tensor], labels: torch.Tensor) -> None:
+    """Declared loss weights ``[b, s]`` must have the labels' shape."""
+    if declared is not None and declared.shape != labels.shape:
+        raise ValueError(
+            f"the declared loss weights have shape {tuple(declared.shape)} but the labels {tuple(labels.shape)}; "
+            "declare this batch's weights before its forward, or clear them with declare_loss_weights(None)"
+        )
+
+
+def call_labels_loss(
+    call: _HeadCall,
+    config: FusedLMConfig,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    declared: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """The labels path's per-token cross-entropy for one projection ``call``: ``-logprob`` (four
+    GEMMs), or ``fused_linear_cross_entropy`` for the ``declared`` weights (three)."""
+    if declared is None:
+        return -call_logprobs(call, config, hidden, targets, temperature=1.0)
+    return fused_linear_cross_entropy(
+        hidden, call.weight, targets, declared, tp_group=call.tp_group, backend=config.backend,
+        token_chunk=config.token_chunk, reduce_hidden_grad=call.reduce_hidden_grad,
+    )  # fmt: skip
+
+
 class _Patch:
     """The patches of one model chunk, and how to take them off."""
 
@@ -83,7 +153,6 @@ class _Patch:
         self.chunk = chunk
         self.layer = layer
         self.tp_group = tensor_parallel_group(chunk, layer)
-        self.weight_shape = (layer.output_size_per_partition, layer.input_size)
 
     def apply(self) -> None:
         replacements = (
@@ -142,23 +211,7 @@ class _Patch:
         """
         if self.head._stock_logits_on():
             return self.stock(self.layer, "forward")(input_, weight=weight, runtime_gather_output=runtime_gather_output)
-        layer = self.layer
-        if weight is None:
-            if layer.weight is None:
-                raise RuntimeError("the output layer owns no weight and none was passed as weight=")
-            weight = layer.weight
-        elif tuple(weight.shape) != self.weight_shape:
-            raise RuntimeError(f"supplied weight's shape is {tuple(weight.shape)}, not {self.weight_shape} as expected")
-        if layer.sequence_parallel:
-            # Its backward reduce-scatters the ranks' partial hidden gradients: the one reduction.
-            hidden = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=self.tp_group)
-            reduce_hidden_grad = False
-        else:
-            hidden = input_
-            reduce_hidden_grad = not getattr(layer, "disable_grad_reduce", False)
-        if not torch.is_grad_enabled():
-            weight = weight.detach()
-        self.head._last_call = _HeadCall(weight, self.tp_group, reduce_hidden_grad)
+        hidden, self.head._last_call = project_input(self.layer, self.tp_group, input_, weight)
         return hidden, None
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -167,22 +220,12 @@ class _Patch:
         Inside ``head.stock_logits()`` the output layer returned the stock logits: the stock loss."""
         if self.head._stock_logits_on():
             return self.stock(self.chunk, "compute_language_model_loss")(labels, logits)
-        head, targets = self.head, labels.transpose(0, 1)
-        declared = head._declared_weights
-        if declared is None:
-            losses = -head._fused_logprobs(logits, targets, temperature=1.0)
-        else:
-            if declared.shape != labels.shape:
-                raise ValueError(
-                    f"the declared loss weights have shape {tuple(declared.shape)} but the labels {tuple(labels.shape)}; "
-                    "declare this batch's weights before its forward, or clear them with declare_loss_weights(None)"
-                )
-            call = head._call_for(logits)
-            losses = fused_linear_cross_entropy(
-                logits, call.weight, targets, declared.transpose(0, 1), tp_group=call.tp_group,
-                backend=head.config.backend, token_chunk=head.config.token_chunk,
-                reduce_hidden_grad=call.reduce_hidden_grad,
-            )  # fmt: skip
+        head, declared = self.head, self.head._declared_weights
+        check_declared_shape(declared, labels)
+        losses = call_labels_loss(
+            head._call_for(logits), head.config, logits, labels.transpose(0, 1),
+            None if declared is None else declared.transpose(0, 1),
+        )  # fmt: skip
         return losses.transpose(0, 1).contiguous()
 
 
@@ -285,11 +328,9 @@ class FusedLMHead:
             ``backward`` on (once); ``logprob`` and ``entropy`` detached ``[b, s]`` float32 metrics.
         """
         if self.fused:
-            call = self._call_for(output)
-            return fused_linear_loss(
-                output, call.weight, targets, loss_fn, loss_inputs=loss_inputs, tp_group=call.tp_group,
-                temperature=temperature, mask=mask, backend=self.config.backend, token_chunk=self.config.token_chunk,
-                reduce_hidden_grad=call.reduce_hidden_grad,
+            return call_loss(
+                self._call_for(output), self.config, output, targets, loss_fn, loss_inputs=loss_inputs,
+                temperature=temperature, mask=mask,
             )  # fmt: skip
         return logits_loss(
             output, targets, loss_fn, loss_inputs=loss_inputs, tp_group=self._logits_group(output),
@@ -368,17 +409,7 @@ class FusedLMHead:
         return call
 
     def _fused_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, **options):
-        call = self._call_for(hidden)
-        return fused_linear_logprob(
-            hidden,
-            call.weight,
-            targets,
-            tp_group=call.tp_group,
-            backend=self.config.backend,
-            token_chunk=self.config.token_chunk,
-            reduce_hidden_grad=call.reduce_hidden_grad,
-            **options,
-        )
+        return call_logprobs(self._call_for(hidden), self.config, hidden, targets, **options)
 
     def _logits_group(self, logits: torch.Tensor) -> Optional[dist.ProcessGroup]:
         # A [.., vocab/TP] shard needs the group; logits gathered to the full vocabulary do not.

@@ -4,6 +4,7 @@ provably exact for a chunk (or why not)."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, List, Optional
 
 import torch
@@ -145,10 +146,12 @@ def _scale_logits_is_stock(chunk: torch.nn.Module) -> bool:
 
 
 def derives_mtp_metrics_from_logits(chunk: torch.nn.Module) -> bool:
-    """Whether the chunk has multi-token-prediction heads and this megatron-core (>= 0.19) logs an
-    MTP acceptance rate computed from what the output layer returns."""
+    """Whether the chunk has multi-token-prediction heads and this megatron-core logs an MTP
+    acceptance rate computed from what the output layer returns (0.19 on): read from the public
+    tracker's signature, which takes the acceptance counts (``correct``) where it does."""
     if not getattr(getattr(chunk, "config", None), "mtp_num_layers", None):
         return False
-    from megatron.core.transformer import multi_token_prediction
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    return hasattr(multi_token_prediction, "_compute_mtp_acceptance_counts")
+    tracker = getattr(MTPLossLoggingHelper, "save_metrics_to_tracker", None)
+    return tracker is not None and "correct" in inspect.signature(tracker).parameters

@@ -1,0 +1,223 @@
+"""The fused head through Megatron-Core's own extension point (megatron-core >= 0.18):
+``GPTModel.forward(..., output_processor=..., output_processor_context=...)`` hands the final
+hidden states and the output layer to a caller's function and returns what it returns. Nothing
+is patched: the model stays stock, and a forward without the processor returns the stock logits.
+
+    processor = FusedOutputProcessor(model, config)
+    logprob, entropy = model(tokens, positions, mask, output_processor=processor,
+                             output_processor_context=LogprobRequest(targets, return_entropy=True))
+    result = model(tokens, positions, mask, output_processor=processor,
+                   output_processor_context=LossRequest(targets, loss_fn, loss_inputs=inputs, mask=response))
+    per_token = model(tokens, positions, mask, labels=labels, loss_mask=loss_mask, output_processor=processor)
+
+What a request returns is what ``FusedLMHead.logprobs`` / ``FusedLMHead.loss`` return for the same
+arguments, and the labels path returns the stock per-token loss ``[b, s]``, as the patched model
+does (three GEMMs when the processor declares Megatron's ``loss_mask``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+from .._logging import warn_once
+from ..ops import LossFn, logits_logprob, logits_loss
+from .config import FusedLMConfig
+from .head import (
+    call_labels_loss,
+    call_logprobs,
+    call_loss,
+    check_declared_shape,
+    project_input,
+)
+from .megatron_compat import (
+    derives_mtp_metrics_from_logits,
+    fallback_reason,
+    model_chunks,
+    output_layer_of,
+    tensor_parallel_group,
+)
+
+
+@dataclass(frozen=True)
+class LogprobRequest:
+    """``output_processor_context`` asking for log-probs (and entropy): the arguments of
+    ``FusedLMHead.logprobs``. ``targets`` ``[b, s]`` integer global ids; ``None`` takes the
+    forward's ``labels``. The forward returns ``logprob [b, s]`` float32, or ``(logprob, entropy)``."""
+
+    targets: Optional[torch.Tensor] = None
+    temperature: float = 1.0
+    return_entropy: bool = False
+    entropy_grad: bool = True
+    mask: Optional[torch.Tensor] = None
+    max_rows: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class LossRequest:
+    """``output_processor_context`` asking for a loss known in the forward: the arguments of
+    ``FusedLMHead.loss`` (``loss_inputs`` a dict of ``[b, s]`` tensors, ``mask`` bool ``[b, s]``).
+    The forward returns ``FusedLoss(loss, logprob, entropy)``."""
+
+    targets: Optional[torch.Tensor]
+    loss_fn: LossFn
+    loss_inputs: Optional[Dict[str, torch.Tensor]] = None
+    mask: Optional[torch.Tensor] = None
+    temperature: float = 1.0
+
+
+def accepts_output_processor(model: Any) -> bool:
+    """Whether every language model in ``model`` takes ``output_processor=`` in its forward
+    (megatron-core's GPTModel from 0.18): read from the forward's signature, not the release."""
+    chunks = [chunk for chunk in model_chunks(model) if output_layer_of(chunk) is not None]
+    return bool(chunks) and all(
+        "output_processor" in inspect.signature(type(chunk).forward).parameters for chunk in chunks
+    )
+
+
+class FusedOutputProcessor:
+    """The function to pass as ``output_processor=`` to a Megatron-Core language model.
+
+    Args:
+        model: the model it will be passed to (a GPTModel, possibly wrapped in DDP or
+            Float16Module, or its virtual-pipeline chunks), used only to check the release and
+            whether its output layers can be fused exactly.
+        config: ``FusedLMConfig``; disabled, the processor computes the stock way (logits).
+        declare_loss_mask: on the labels path (``labels=`` given), declare the forward's
+            ``loss_mask`` as the loss weights, as ``FusedLMHead.declare_loss_weights`` does: three
+            GEMMs when the upstream gradient of the per-token loss is proportional to it (Megatron's
+            SFT reduction), the exact recompute with one warning otherwise.
+
+    Attributes:
+        fused: whether the processor computes from the hidden states (``False``: the config is
+            disabled or an output layer cannot be fused; it then computes from the stock logits).
+        fallback_reason: ``None``, or the sentence saying why the fused path was not taken.
+
+    Raises:
+        TypeError: ``config`` is not a ``FusedLMConfig``.
+        RuntimeError: the model's forward takes no ``output_processor`` (megatron-core < 0.18, or
+            a model class without the hook); use ``wrap_model`` there.
+    """
+
+    def __init__(self, model: Any, config: FusedLMConfig, *, declare_loss_mask: bool = False):
+        if not isinstance(config, FusedLMConfig):
+            raise TypeError(f"config must be a FusedLMConfig, got {type(config).__name__}")
+        if not accepts_output_processor(model):
+            names = sorted({type(chunk).__name__ for chunk in model_chunks(model)})
+            raise RuntimeError(
+                f"the model ({', '.join(names)}) takes no output_processor= in its forward (megatron-core's "
+                "GPTModel has it from 0.18); use wrap_model(model, config) instead"
+            )
+        self.config = config
+        self.declare_loss_mask = declare_loss_mask
+        self.fallback_reason: Optional[str] = None
+        chunks = [(chunk, output_layer_of(chunk)) for chunk in model_chunks(model)]
+        chunks = [(chunk, layer) for chunk, layer in chunks if layer is not None]
+        self._groups = {id(layer): tensor_parallel_group(chunk, layer) for chunk, layer in chunks}
+        if config.enabled:
+            self.fallback_reason = next(filter(None, (fallback_reason(chunk, layer) for chunk, layer in chunks)), None)
+            if self.fallback_reason is not None:
+                warn_once(
+                    "megatron_fused_lm: the fused output processor computes from the stock logits: "
+                    f"{self.fallback_reason}."
+                )
+            elif any(derives_mtp_metrics_from_logits(chunk) for chunk, _ in chunks):
+                warn_once(
+                    "megatron_fused_lm: with the fused output processor, Megatron computes the multi-token-prediction "
+                    "losses (and their metrics) from its own logits before the processor runs."
+                )
+        self.fused = config.enabled and self.fallback_reason is None
+
+    def __call__(
+        self,
+        *,
+        hidden_states: torch.Tensor,
+        output_layer: torch.nn.Module,
+        output_weight: Optional[torch.Tensor],
+        labels: Optional[torch.Tensor],
+        loss_mask: Optional[torch.Tensor],
+        context: Any,
+        runtime_gather_output: Optional[bool],
+        compute_language_model_loss: Callable,
+        scale_logits: Callable,
+        **_: Any,
+    ):
+        """Called by the model's forward with its final hidden states ``[s/TP if sequence parallel
+        else s, b, h]``; returns what ``context`` asks for (see the request classes), or with
+        ``context=None`` and ``labels [b, s]`` the per-token cross-entropy ``[b, s]`` float32."""
+        if id(output_layer) not in self._groups:
+            raise RuntimeError("this FusedOutputProcessor was made for another model; make one for this model")
+        if context is None and labels is None:
+            raise ValueError(
+                "the fused output processor needs labels= or an output_processor_context (LogprobRequest, "
+                "LossRequest); for logits, call the model without output_processor"
+            )
+        if context is not None and not isinstance(context, (LogprobRequest, LossRequest)):
+            raise TypeError(
+                f"output_processor_context must be a LogprobRequest or a LossRequest, got {type(context).__name__}"
+            )
+        declared = loss_mask if (context is None and self.declare_loss_mask) else None
+        if context is None:
+            check_declared_shape(declared, labels)
+        targets = labels if context is None or context.targets is None else context.targets
+        if targets is None:
+            raise ValueError("the request has no targets and the forward no labels")
+        if not self.fused:
+            logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
+            logits = scale_logits(logits)
+            if context is None:
+                return compute_language_model_loss(labels, logits)
+            return self._from_logits(logits.transpose(0, 1), output_layer, targets, context)
+        hidden, call = project_input(output_layer, self._groups[id(output_layer)], hidden_states, output_weight)
+        hidden = scale_logits(hidden)  # a scalar (MuP), which commutes with the projection
+        if context is None:
+            losses = call_labels_loss(
+                call,
+                self.config,
+                hidden,
+                labels.transpose(0, 1),
+                None if declared is None else declared.transpose(0, 1),
+            )
+            return losses.transpose(0, 1).contiguous()
+        # [s, b] throughout, the hidden states' layout; the results come back [b, s].
+        flip = _sequence_first
+        if isinstance(context, LogprobRequest):
+            result = call_logprobs(
+                call, self.config, hidden, flip(targets), temperature=context.temperature,
+                return_entropy=context.return_entropy, entropy_grad=context.entropy_grad, mask=flip(context.mask),
+                max_rows=context.max_rows,
+            )  # fmt: skip
+            if context.return_entropy:
+                return tuple(value.transpose(0, 1).contiguous() for value in result)
+            return result.transpose(0, 1).contiguous()
+        inputs = None if context.loss_inputs is None else {k: flip(v) for k, v in context.loss_inputs.items()}
+        result = call_loss(
+            call, self.config, hidden, flip(targets), context.loss_fn, loss_inputs=inputs, mask=flip(context.mask),
+            temperature=context.temperature,
+        )  # fmt: skip
+        return result._replace(
+            logprob=result.logprob.transpose(0, 1).contiguous(), entropy=result.entropy.transpose(0, 1).contiguous()
+        )
+
+    def _from_logits(self, logits: torch.Tensor, layer: torch.nn.Module, targets: torch.Tensor, context):
+        """The stock computation on ``logits [b, s, vocab/TP]`` (or the full vocabulary, gathered)."""
+        full_vocab = getattr(layer, "output_size", None)
+        group = None if logits.shape[-1] == full_vocab else self._groups[id(layer)]
+        if isinstance(context, LogprobRequest):
+            return logits_logprob(
+                logits, targets, tp_group=group, temperature=context.temperature, return_entropy=context.return_entropy,
+                entropy_grad=context.entropy_grad, mask=context.mask, max_rows=context.max_rows,
+                token_chunk=self.config.token_chunk,
+            )  # fmt: skip
+        return logits_loss(
+            logits, targets, context.loss_fn, loss_inputs=context.loss_inputs, tp_group=group,
+            temperature=context.temperature, mask=context.mask, token_chunk=self.config.token_chunk,
+        )  # fmt: skip
+
+
+def _sequence_first(value: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``[b, s, ...]`` -> ``[s, b, ...]`` (a view), ``None`` kept."""
+    return None if value is None else value.transpose(0, 1)

@@ -1,0 +1,191 @@
+"""The fused head through Megatron-Core's ``output_processor`` hook (megatron-core >= 0.18), against
+the stock GPTModel: TP=1 and TP=2, sequence parallel on and off, tied and untied embeddings. On
+releases whose forward has no hook, the processor refuses the model with a clear error.
+
+For each case, on one float32 model, nothing patched:
+1. ``LogprobRequest`` (entropy, a response mask, a temperature): log-probs and entropy equal the
+   float64 oracle on the stock model's gathered logits, and every parameter's gradient of a random
+   weighted sum of both equals the stock one; a disabled config gives the same from the logits.
+2. ``LossRequest`` with a clipped policy loss: the loss equals the float64 oracle's, the gradients
+   the stock ones.
+3. The labels path: the per-token loss equals the stock model's; with ``declare_loss_mask`` and
+   Megatron's SFT reduction, the stock gradients without the recompute's warning.
+4. A forward without the processor returns the stock logits bitwise.
+Then multi-token prediction on the labels path and MuP output scaling on the log-probs (TP=2), and
+bad input.
+
+Tolerances as in test_integration_parity (float32 on both sides, measured errors about 2e-6): 2e-5
+absolute on values and 5e-5 of the largest entry of each stock gradient.
+"""
+
+import itertools
+import logging
+
+import pytest
+import torch
+
+from devkit import megatron_gpt as harness
+from megatron_fused_lm import _logging, losses
+from megatron_fused_lm.integration import (
+    FusedLMConfig,
+    FusedOutputProcessor,
+    LogprobRequest,
+    LossRequest,
+    accepts_output_processor,
+)
+
+VALUE_ATOL = 2e-5
+GRAD_RTOL = 5e-5
+TEMPERATURE = 0.8
+POLICY_LOSS = losses.ClippedPolicyLoss(clip_low=0.2, clip_high=0.28, entropy_coef=0.01, kl_coef=0.05)
+
+
+class RecordedWarnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def processed(model, batch, processor, context=None, **kwargs):
+    return harness.forward(model, batch, output_processor=processor, output_processor_context=context, **kwargs)
+
+
+def check_logprobs(model, batch, response, label):
+    targets = batch[3]
+    logprob, entropy = harness.oracle_logprob_entropy(harness.forward(model, batch), targets, TEMPERATURE)
+    harness.head_loss(logprob * response, entropy * response).backward()
+    stock_grads = harness.parameter_grads(model)
+    request = LogprobRequest(targets, temperature=TEMPERATURE, return_entropy=True, mask=response)
+    for enabled in (True, False):
+        case = f"{label} {'fused' if enabled else 'disabled'} LogprobRequest"
+        processor = FusedOutputProcessor(model, FusedLMConfig(enabled=enabled, token_chunk=5))
+        assert processor.fused == enabled and processor.fallback_reason is None, case
+        got_logprob, got_entropy = processed(model, batch, processor, request)
+        assert got_logprob.shape == targets.shape and got_logprob.dtype == torch.float32, case
+        harness.assert_max_error(got_logprob, (logprob * response).detach(), VALUE_ATOL, case)
+        harness.assert_max_error(got_entropy, (entropy * response).detach(), VALUE_ATOL, case)
+        harness.head_loss(got_logprob, got_entropy).backward()
+        harness.assert_grads_close(harness.parameter_grads(model), stock_grads, GRAD_RTOL, case)
+
+
+def check_loss(model, batch, response, label):
+    targets = batch[3]
+    with torch.no_grad():
+        current, _ = harness.oracle_logprob_entropy(harness.forward(model, batch), targets, TEMPERATURE)
+    noise = harness.random_weights(2, *current.shape, seed=21) * 0.3
+    inputs = {
+        "old_logprob": (current + noise[0]).float(),
+        "ref_logprob": (current + noise[1]).float(),
+        "advantages": harness.random_weights(*current.shape, seed=22),
+        "weight": losses.token_mean_weights(response),
+    }
+    logprob, entropy = harness.oracle_logprob_entropy(harness.forward(model, batch), targets, TEMPERATURE)
+    want = POLICY_LOSS(logprob, entropy, **{name: value.double() for name, value in inputs.items()})[response].sum()
+    want.backward()
+    stock_grads = harness.parameter_grads(model)
+    processor = FusedOutputProcessor(model, FusedLMConfig(enabled=True, token_chunk=5))
+    request = LossRequest(targets, POLICY_LOSS, loss_inputs=inputs, mask=response, temperature=TEMPERATURE)
+    result = processed(model, batch, processor, request)
+    case = f"{label} LossRequest"
+    assert abs(result.loss.item() - want.item()) <= VALUE_ATOL, f"{case}: {result.loss.item()} vs {want.item()}"
+    assert result.logprob.shape == targets.shape and torch.count_nonzero(result.logprob[~response]) == 0, case
+    result.loss.backward()
+    harness.assert_grads_close(harness.parameter_grads(model), stock_grads, GRAD_RTOL, case)
+
+
+def check_labels_path(model, batch, loss_mask, label):
+    targets = batch[3]
+    stock_loss = harness.forward(model, batch, labels=targets, loss_mask=loss_mask)
+    ((stock_loss * loss_mask).sum() / loss_mask.sum()).backward()
+    stock_grads = harness.parameter_grads(model)
+    _logging._already_warned.clear()
+    recorded = RecordedWarnings()
+    logging.getLogger("megatron_fused_lm").addHandler(recorded)
+    try:
+        for declare in (False, True):
+            case = f"{label} labels path, declare_loss_mask={declare}"
+            processor = FusedOutputProcessor(model, FusedLMConfig(enabled=True), declare_loss_mask=declare)
+            per_token = processed(model, batch, processor, labels=targets, loss_mask=loss_mask)
+            harness.assert_max_error(per_token, stock_loss.detach(), VALUE_ATOL, case)
+            ((per_token * loss_mask).sum() / loss_mask.sum()).backward()
+            harness.assert_grads_close(harness.parameter_grads(model), stock_grads, GRAD_RTOL, case)
+        assert not any("recomputed" in message for message in recorded.messages), recorded.messages
+    finally:
+        logging.getLogger("megatron_fused_lm").removeHandler(recorded)
+
+
+def check_bad_input() -> None:
+    model = harness.build_gpt(sequence_parallel=False, tied=False)
+    batch = harness.make_batch()
+    processor = FusedOutputProcessor(model, FusedLMConfig(enabled=True))
+    with pytest.raises(ValueError, match="needs labels= or an output_processor_context"):
+        processed(model, batch, processor)
+    with pytest.raises(TypeError, match="LogprobRequest or a LossRequest"):
+        processed(model, batch, processor, {"targets": batch[3]})
+    other = harness.build_gpt(sequence_parallel=False, tied=False)
+    with pytest.raises(RuntimeError, match="made for another model"):
+        processed(other, batch, processor, LogprobRequest(batch[3]))
+    with pytest.raises(TypeError, match="FusedLMConfig"):
+        FusedOutputProcessor(model, {"enabled": True})
+
+
+def check_mtp_and_mup() -> None:
+    """Multi-token prediction (Megatron computes its losses before the processor runs) on the
+    labels path, and MuP output scaling (megatron-core >= 0.17) on the log-probs."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    batch = harness.make_batch()
+    targets = batch[3]
+    loss_mask = torch.ones(targets.shape)
+    for sequence_parallel, tied in ((False, True), (True, False)):
+        label = f"MTP sequence_parallel={sequence_parallel} tied={tied}"
+        model = harness.build_gpt(sequence_parallel=sequence_parallel, tied=tied, mtp_num_layers=1)
+        stock_loss = harness.forward(model, batch, labels=targets, loss_mask=loss_mask)
+        harness.labels_loss(stock_loss).backward()
+        stock_grads = harness.parameter_grads(model)
+        assert any(name.startswith("mtp.") for name in stock_grads), label
+        processor = FusedOutputProcessor(model, FusedLMConfig(enabled=True))
+        loss = processed(model, batch, processor, labels=targets, loss_mask=loss_mask)
+        harness.assert_max_error(loss, stock_loss.detach(), VALUE_ATOL, label)
+        harness.labels_loss(loss).backward()
+        harness.assert_grads_close(harness.parameter_grads(model), stock_grads, GRAD_RTOL, label)
+    assert "use_mup" in TransformerConfig.__dataclass_fields__  # every release with the hook has MuP
+    response = torch.ones(targets.shape, dtype=torch.bool)
+    for tied in (False, True):
+        overrides = dict(use_mup=True, mup_output_mult=2.5)
+        model = harness.build_gpt(sequence_parallel=True, tied=tied, config_overrides=overrides)
+        check_logprobs(model, batch, response, f"MuP tied={tied}")
+
+
+def processor_worker() -> None:
+    harness.tensor_parallel(2)
+    if not accepts_output_processor(harness.build_gpt(sequence_parallel=False, tied=False)):
+        # Releases before 0.18: the forward has no hook, and the processor says so at once.
+        with pytest.raises(RuntimeError, match="takes no output_processor"):
+            FusedOutputProcessor(harness.build_gpt(sequence_parallel=False, tied=False), FusedLMConfig(enabled=True))
+        return
+    for size in (2, 1):
+        harness.tensor_parallel(size)
+        parallel_options = (False, True) if size > 1 else (False,)
+        for sequence_parallel, tied in itertools.product(parallel_options, (False, True)):
+            label = f"TP={size} sequence_parallel={sequence_parallel} tied={tied}"
+            model = harness.build_gpt(sequence_parallel=sequence_parallel, tied=tied)
+            batch = harness.make_batch()
+            stock_logits = harness.forward(model, batch).detach()
+            response = torch.arange(harness.SEQ).expand(harness.BATCH, harness.SEQ) >= harness.SEQ // 3
+            check_logprobs(model, batch, response, label)
+            check_loss(model, batch, response, label)
+            loss_mask = (harness.random_weights(harness.BATCH, harness.SEQ, seed=23) > -0.4).float()
+            check_labels_path(model, batch, loss_mask, label)
+            assert torch.equal(harness.forward(model, batch), stock_logits), f"{label}: the model is no longer stock"
+    harness.tensor_parallel(2)
+    check_mtp_and_mup()
+    harness.tensor_parallel(1)
+    check_bad_input()
+
+
+def test_output_processor_matches_stock_megatron_or_is_refused_clearly():
+    harness.spawn(processor_worker, 2)

@@ -210,6 +210,110 @@ def build_gpt(
     return model
 
 
+def build_hybrid(
+    *, sequence_parallel: bool = False, tied: bool = False, pattern: str = "*-*-", seed: int = 1234
+) -> torch.nn.Module:
+    """Megatron's hybrid language model (``HybridModel`` from megatron-core 0.19, ``MambaModel``
+    before) with attention (``*``) and MLP (``-``) layers of the local spec, ``CPU_TEST_SHAPE``'s
+    sizes, float32 on the CPU. Mamba layers need CUDA kernels, so the pattern has none; the stack's
+    final norm is TransformerEngine's in every release, so Megatron's local norm takes its place."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    try:
+        from megatron.core.models.hybrid import hybrid_block as stack_module
+        from megatron.core.models.hybrid.hybrid_model import HybridModel as model_class
+
+        stack_class, submodules_class = stack_module.HybridStack, stack_module.HybridStackSubmodules
+        arguments = {"hybrid_layer_pattern": pattern}
+    except ImportError:
+        from megatron.core.models.mamba.mamba_model import MambaModel as model_class
+        from megatron.core.ssm import mamba_block as stack_module
+
+        stack_class, submodules_class = stack_module.MambaStack, stack_module.MambaStackSubmodules
+        arguments = {"hybrid_override_pattern": pattern}
+    stack_module.TENorm = WrappedTorchNorm
+    local = get_gpt_layer_local_spec().submodules
+    attention = TransformerLayerSubmodules(
+        input_layernorm=local.input_layernorm, self_attention=local.self_attention, self_attn_bda=local.self_attn_bda
+    )
+    mlp = TransformerLayerSubmodules(pre_mlp_layernorm=local.pre_mlp_layernorm, mlp=local.mlp, mlp_bda=local.mlp_bda)
+    stack = ModuleSpec(
+        module=stack_class,
+        submodules=submodules_class(
+            attention_layer=ModuleSpec(module=TransformerLayer, submodules=attention),
+            mlp_layer=ModuleSpec(module=MLPLayer, submodules=mlp),
+        ),
+    )
+    size = tp_size()
+    config = TransformerConfig(
+        num_layers=len(pattern),
+        hidden_size=CPU_TEST_SHAPE.hidden,
+        num_attention_heads=CPU_TEST_SHAPE.heads,
+        tensor_model_parallel_size=size,
+        sequence_parallel=sequence_parallel and size > 1,
+        use_cpu_initialization=True,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        init_method_std=0.7,
+    )
+    seed_all(seed)
+    stack_argument = "hybrid_stack_spec" if "hybrid_layer_pattern" in arguments else "mamba_stack_spec"
+    model = model_class(
+        config=config,
+        vocab_size=CPU_TEST_SHAPE.vocab * size,
+        max_sequence_length=CPU_TEST_SHAPE.seq,
+        share_embeddings_and_output_weights=tied,
+        # The hybrid models' default; MambaModel's rotary path fails in megatron-core 0.13.1.
+        position_embedding_type="none",
+        **{stack_argument: stack},
+        **arguments,
+    )
+    return model.float()
+
+
+def stock_reference(model, batch, temperature: float, with_backward: bool = True) -> Dict:
+    """What the stock ``model`` gives on ``batch``: its logits, the float64 oracle's log-probs and
+    entropy, and (``with_backward``) the gradients of ``head_loss`` of those, its labels-path loss
+    and that loss's gradients."""
+    targets = batch[3]
+    logits = forward(model, batch)
+    logprob, entropy = oracle_logprob_entropy(logits, targets, temperature)
+    reference = dict(logits=logits.detach(), logprob=logprob.detach(), entropy=entropy.detach())
+    if with_backward:
+        head_loss(logprob, entropy).backward()
+        reference["grads"] = parameter_grads(model)
+        loss = forward(model, batch, labels=targets)
+        labels_loss(loss).backward()
+        reference["loss"], reference["loss_grads"] = loss.detach(), parameter_grads(model)
+    return reference
+
+
+def check_head(
+    model, head, batch, reference: Dict, label: str, *, temperature: float, value_atol: float, grad_rtol: float,
+    with_backward: bool = True,
+) -> None:  # fmt: skip
+    """``head``'s log-probs and entropy from the wrapped model's output match ``reference``
+    (``stock_reference``), and so do the gradients; the labels path gives the stock loss and its
+    gradients."""
+    targets = batch[3]
+    logprob, entropy = head.logprobs(forward(model, batch), targets, temperature=temperature, return_entropy=True)
+    assert_max_error(logprob, reference["logprob"], value_atol, f"{label} logprob")
+    assert_max_error(entropy, reference["entropy"], value_atol, f"{label} entropy")
+    if not with_backward:
+        return
+    head_loss(logprob, entropy).backward()
+    assert_grads_close(parameter_grads(model), reference["grads"], grad_rtol, f"{label} head grads")
+    loss = forward(model, batch, labels=targets)
+    assert_max_error(loss, reference["loss"], value_atol, f"{label} labels loss")
+    labels_loss(loss).backward()
+    assert_grads_close(parameter_grads(model), reference["loss_grads"], grad_rtol, f"{label} labels grads")
+
+
 def build_bf16_gpt(
     shape: GPTShape,
     device: torch.device,

@@ -16,12 +16,17 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 def model_chunks(model: Any) -> List[torch.nn.Module]:
     """The innermost language models of ``model``: a model, a list of virtual-pipeline chunks, or
-    either wrapped (DDP, Float16Module, ...) in modules that hold it as ``.module``."""
+    either wrapped (DDP, Float16Module, ...) in modules that hold it as ``.module``. A model with
+    no output layer of its own that holds a language model as ``.language_model`` (Megatron's
+    multimodal models: LLaVAModel, MIMO) stands for that language model."""
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     innermost = []
     for chunk in chunks:
         while isinstance(getattr(chunk, "module", None), torch.nn.Module):
             chunk = chunk.module
+        language_model = getattr(chunk, "language_model", None)
+        if output_layer_of(chunk) is None and isinstance(language_model, torch.nn.Module):
+            chunk = language_model
         innermost.append(chunk)
     return innermost
 

@@ -42,39 +42,14 @@ def _is_stock(chunk):
 
 
 def _stock_reference(model, batch, with_backward=True):
-    """Stock logits, oracle log-probs/entropy and their gradients, stock loss and its gradients."""
-    targets = batch[3]
-    logits = harness.forward(model, batch)
-    logprob, entropy = harness.oracle_logprob_entropy(logits, targets, TEMPERATURE)
-    reference = dict(logits=logits.detach(), logprob=logprob.detach(), entropy=entropy.detach())
-    if with_backward:
-        harness.head_loss(logprob, entropy).backward()
-        reference["grads"] = harness.parameter_grads(model)
-        loss = harness.forward(model, batch, labels=targets)
-        harness.labels_loss(loss).backward()
-        reference["loss"], reference["loss_grads"] = loss.detach(), harness.parameter_grads(model)
-    return reference
+    return harness.stock_reference(model, batch, TEMPERATURE, with_backward)
 
 
 def _check_head(model, head, batch, reference, label, with_backward=True):
-    """The head's log-probs/entropy from the model's output match the oracle (and the gradients
-    the stock ones); the labels path gives the stock loss and gradients."""
-    targets = batch[3]
-    logprob, entropy = head.logprobs(
-        harness.forward(model, batch), targets, temperature=TEMPERATURE, return_entropy=True
-    )
-    harness.assert_max_error(logprob, reference["logprob"], VALUE_ATOL, f"{label} logprob")
-    harness.assert_max_error(entropy, reference["entropy"], VALUE_ATOL, f"{label} entropy")
-    if not with_backward:
-        return
-    harness.head_loss(logprob, entropy).backward()
-    harness.assert_grads_close(harness.parameter_grads(model), reference["grads"], GRAD_RTOL, f"{label} head grads")
-    loss = harness.forward(model, batch, labels=targets)
-    harness.assert_max_error(loss, reference["loss"], VALUE_ATOL, f"{label} labels loss")
-    harness.labels_loss(loss).backward()
-    harness.assert_grads_close(
-        harness.parameter_grads(model), reference["loss_grads"], GRAD_RTOL, f"{label} labels grads"
-    )
+    harness.check_head(
+        model, head, batch, reference, label, temperature=TEMPERATURE, value_atol=VALUE_ATOL, grad_rtol=GRAD_RTOL,
+        with_backward=with_backward,
+    )  # fmt: skip
 
 
 def _check_fallback(model, batch, expected_words, warnings, label, with_backward=True):

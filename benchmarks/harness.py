@@ -139,4 +139,3 @@ def kernel_timeline(run: Callable[[], object]) -> list:
         for event in profile.events()
         if event.device_type == torch.autograd.DeviceType.CUDA
     )
-

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -312,6 +313,40 @@ def check_head(
     assert_max_error(loss, reference["loss"], value_atol, f"{label} labels loss")
     labels_loss(loss).backward()
     assert_grads_close(parameter_grads(model), reference["loss_grads"], grad_rtol, f"{label} labels grads")
+
+
+class RecordedWarnings(logging.Handler):
+    """The package logger's warnings while in ``with RecordedWarnings() as recorded:``, as
+    ``recorded.messages`` (spawned ranks have no pytest capture)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: List[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> "RecordedWarnings":
+        logging.getLogger("megatron_fused_lm").addHandler(self)
+        return self
+
+    def __exit__(self, *exception) -> None:
+        logging.getLogger("megatron_fused_lm").removeHandler(self)
+
+
+def policy_inputs(oracle_logprob: torch.Tensor, response: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """The inputs of a clipped policy loss with a KL term: old and reference log-probs near the
+    current ``oracle_logprob`` (the KL estimator is exp-sensitive), advantages, and token-mean
+    weights over ``response``; the same on every rank."""
+    from megatron_fused_lm import losses
+
+    noise = random_weights(2, *oracle_logprob.shape, seed=21) * 0.3
+    return {
+        "old_logprob": (oracle_logprob + noise[0]).float(),
+        "ref_logprob": (oracle_logprob + noise[1]).float(),
+        "advantages": random_weights(*oracle_logprob.shape, seed=22),
+        "weight": losses.token_mean_weights(response),
+    }
 
 
 def build_bf16_gpt(

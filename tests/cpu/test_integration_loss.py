@@ -16,7 +16,6 @@ absolute on per-token values and 5e-5 of the largest entry of each stock gradien
 """
 
 import itertools
-import logging
 
 import pytest
 import torch
@@ -31,30 +30,6 @@ TEMPERATURE = 0.9
 POLICY_LOSS = losses.ClippedPolicyLoss(clip_low=0.2, clip_high=0.28, entropy_coef=0.01, kl_coef=0.05)
 
 
-class RecordedWarnings(logging.Handler):
-    """The package logger's warnings, recorded (spawned ranks have no pytest capture)."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
-def policy_inputs(oracle_logprob: torch.Tensor, response: torch.Tensor):
-    """Old and reference log-probs near the current ones (the KL estimator is exp-sensitive),
-    advantages, and token-mean weights over the response; the same on every rank."""
-    noise = harness.random_weights(2, *oracle_logprob.shape, seed=21) * 0.3
-    advantages = harness.random_weights(*oracle_logprob.shape, seed=22)
-    return {
-        "old_logprob": (oracle_logprob + noise[0]).float(),
-        "ref_logprob": (oracle_logprob + noise[1]).float(),
-        "advantages": advantages,
-        "weight": losses.token_mean_weights(response),
-    }
-
-
 def oracle_policy_loss(logits_shard, targets, inputs, response):
     """The policy loss in float64 on the stock logits (vocabulary gathered), and its value."""
     logprob, entropy = harness.oracle_logprob_entropy(logits_shard, targets, TEMPERATURE)
@@ -67,7 +42,7 @@ def check_policy_loss(model, batch, response, label):
     targets = batch[3]
     with torch.no_grad():
         current, _ = harness.oracle_logprob_entropy(harness.forward(model, batch), targets, TEMPERATURE)
-    inputs = policy_inputs(current, response)
+    inputs = harness.policy_inputs(current, response)
     want = oracle_policy_loss(harness.forward(model, batch), targets, inputs, response)
     want.backward()
     stock_grads = harness.parameter_grads(model)
@@ -104,9 +79,7 @@ def check_labels_path(model, batch, loss_mask, label):
 
     head = wrap_model(model, FusedLMConfig(enabled=True))
     _logging._already_warned.clear()  # each case must warn again
-    recorded = RecordedWarnings()
-    logging.getLogger("megatron_fused_lm").addHandler(recorded)
-    try:
+    with harness.RecordedWarnings() as recorded:
         head.declare_loss_weights(loss_mask)
         for name, mask in (("declared", loss_mask), ("other", other_mask)):
             case = f"{label} labels path, {name} mask"
@@ -116,8 +89,6 @@ def check_labels_path(model, batch, loss_mask, label):
             harness.assert_grads_close(harness.parameter_grads(model), stock[name][1], GRAD_RTOL, case)
             recomputed = any("recomputed exactly" in message for message in recorded.messages)
             assert recomputed == (name == "other"), f"{case}: recompute warning {recorded.messages}"
-    finally:
-        logging.getLogger("megatron_fused_lm").removeHandler(recorded)
 
     head.declare_loss_weights(loss_mask[:, :-1])
     with pytest.raises(ValueError, match="declared loss weights have shape"):

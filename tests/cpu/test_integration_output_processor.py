@@ -19,7 +19,6 @@ absolute on values and 5e-5 of the largest entry of each stock gradient.
 """
 
 import itertools
-import logging
 
 import pytest
 import torch
@@ -38,15 +37,6 @@ VALUE_ATOL = 2e-5
 GRAD_RTOL = 5e-5
 TEMPERATURE = 0.8
 POLICY_LOSS = losses.ClippedPolicyLoss(clip_low=0.2, clip_high=0.28, entropy_coef=0.01, kl_coef=0.05)
-
-
-class RecordedWarnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
 
 
 def processed(model, batch, processor, context=None, **kwargs):
@@ -75,13 +65,7 @@ def check_loss(model, batch, response, label):
     targets = batch[3]
     with torch.no_grad():
         current, _ = harness.oracle_logprob_entropy(harness.forward(model, batch), targets, TEMPERATURE)
-    noise = harness.random_weights(2, *current.shape, seed=21) * 0.3
-    inputs = {
-        "old_logprob": (current + noise[0]).float(),
-        "ref_logprob": (current + noise[1]).float(),
-        "advantages": harness.random_weights(*current.shape, seed=22),
-        "weight": losses.token_mean_weights(response),
-    }
+    inputs = harness.policy_inputs(current, response)
     logprob, entropy = harness.oracle_logprob_entropy(harness.forward(model, batch), targets, TEMPERATURE)
     want = POLICY_LOSS(logprob, entropy, **{name: value.double() for name, value in inputs.items()})[response].sum()
     want.backward()
@@ -97,24 +81,27 @@ def check_loss(model, batch, response, label):
 
 
 def check_labels_path(model, batch, loss_mask, label):
+    """Megatron's SFT reduction over the forward's ``loss_mask`` (the declared three-GEMM path
+    takes it without a recompute) and over another mask (the declared path recomputes, warning)."""
     targets = batch[3]
-    stock_loss = harness.forward(model, batch, labels=targets, loss_mask=loss_mask)
-    ((stock_loss * loss_mask).sum() / loss_mask.sum()).backward()
-    stock_grads = harness.parameter_grads(model)
-    _logging._already_warned.clear()
-    recorded = RecordedWarnings()
-    logging.getLogger("megatron_fused_lm").addHandler(recorded)
-    try:
-        for declare in (False, True):
-            case = f"{label} labels path, declare_loss_mask={declare}"
+    other_mask = torch.roll(loss_mask, 1, dims=1)
+    stock_loss = harness.forward(model, batch, labels=targets, loss_mask=loss_mask).detach()
+    stock_grads = {}
+    for name, mask in (("loss_mask", loss_mask), ("other", other_mask)):
+        per_token = harness.forward(model, batch, labels=targets, loss_mask=loss_mask)
+        ((per_token * mask).sum() / mask.sum()).backward()
+        stock_grads[name] = harness.parameter_grads(model)
+    for declare, (name, mask) in itertools.product((False, True), (("loss_mask", loss_mask), ("other", other_mask))):
+        case = f"{label} labels path, declare_loss_mask={declare}, reduced over {name}"
+        _logging._already_warned.clear()
+        with harness.RecordedWarnings() as recorded:
             processor = FusedOutputProcessor(model, FusedLMConfig(enabled=True), declare_loss_mask=declare)
             per_token = processed(model, batch, processor, labels=targets, loss_mask=loss_mask)
-            harness.assert_max_error(per_token, stock_loss.detach(), VALUE_ATOL, case)
-            ((per_token * loss_mask).sum() / loss_mask.sum()).backward()
-            harness.assert_grads_close(harness.parameter_grads(model), stock_grads, GRAD_RTOL, case)
-        assert not any("recomputed" in message for message in recorded.messages), recorded.messages
-    finally:
-        logging.getLogger("megatron_fused_lm").removeHandler(recorded)
+            harness.assert_max_error(per_token, stock_loss, VALUE_ATOL, case)
+            ((per_token * mask).sum() / mask.sum()).backward()
+        harness.assert_grads_close(harness.parameter_grads(model), stock_grads[name], GRAD_RTOL, case)
+        recomputed = any("recomputed" in message for message in recorded.messages)
+        assert recomputed == (declare and name == "other"), f"{case}: {recorded.messages}"
 
 
 def check_bad_input() -> None:

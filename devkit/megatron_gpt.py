@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -102,6 +103,15 @@ def tensor_parallel(size: int) -> None:
 
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(size, 1)
+
+
+def tensor_parallel_cases() -> Iterator[Tuple[bool, bool, str]]:
+    """``(sequence_parallel, tied, label)`` for TP=2 with sequence parallelism off and on, then
+    TP=1, each with untied and tied embeddings; Megatron's groups set up for each TP size."""
+    for size in (2, 1):
+        tensor_parallel(size)
+        for sequence_parallel, tied in itertools.product((False, True) if size > 1 else (False,), (False, True)):
+            yield sequence_parallel, tied, f"TP={size} sequence_parallel={sequence_parallel} tied={tied}"
 
 
 def tp_size() -> int:

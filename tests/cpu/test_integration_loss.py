@@ -15,8 +15,6 @@ Tolerances as in test_integration_parity (float32 on both sides, measured errors
 absolute on per-token values and 5e-5 of the largest entry of each stock gradient.
 """
 
-import itertools
-
 import pytest
 import torch
 
@@ -100,18 +98,14 @@ def check_labels_path(model, batch, loss_mask, label):
 
 
 def loss_worker() -> None:
-    for size in (2, 1):
-        harness.tensor_parallel(size)
-        parallel_options = (False, True) if size > 1 else (False,)
-        for sequence_parallel, tied in itertools.product(parallel_options, (False, True)):
-            label = f"TP={size} sequence_parallel={sequence_parallel} tied={tied}"
-            model = harness.build_gpt(sequence_parallel=sequence_parallel, tied=tied)
-            batch = harness.make_batch()
-            positions = torch.arange(harness.SEQ).expand(harness.BATCH, harness.SEQ)
-            response = positions >= harness.SEQ // 3
-            check_policy_loss(model, batch, response, label)
-            loss_mask = (harness.random_weights(harness.BATCH, harness.SEQ, seed=23) > -0.4).float()
-            check_labels_path(model, batch, loss_mask, label)
+    for sequence_parallel, tied, label in harness.tensor_parallel_cases():
+        model = harness.build_gpt(sequence_parallel=sequence_parallel, tied=tied)
+        batch = harness.make_batch()
+        positions = torch.arange(harness.SEQ).expand(harness.BATCH, harness.SEQ)
+        response = positions >= harness.SEQ // 3
+        check_policy_loss(model, batch, response, label)
+        loss_mask = (harness.random_weights(harness.BATCH, harness.SEQ, seed=23) > -0.4).float()
+        check_labels_path(model, batch, loss_mask, label)
 
 
 def test_head_loss_and_declared_labels_path_match_stock_megatron():

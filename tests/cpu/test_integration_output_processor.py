@@ -154,20 +154,16 @@ def processor_worker() -> None:
         with pytest.raises(RuntimeError, match="takes no output_processor"):
             FusedOutputProcessor(harness.build_gpt(sequence_parallel=False, tied=False), FusedLMConfig(enabled=True))
         return
-    for size in (2, 1):
-        harness.tensor_parallel(size)
-        parallel_options = (False, True) if size > 1 else (False,)
-        for sequence_parallel, tied in itertools.product(parallel_options, (False, True)):
-            label = f"TP={size} sequence_parallel={sequence_parallel} tied={tied}"
-            model = harness.build_gpt(sequence_parallel=sequence_parallel, tied=tied)
-            batch = harness.make_batch()
-            stock_logits = harness.forward(model, batch).detach()
-            response = torch.arange(harness.SEQ).expand(harness.BATCH, harness.SEQ) >= harness.SEQ // 3
-            check_logprobs(model, batch, response, label)
-            check_loss(model, batch, response, label)
-            loss_mask = (harness.random_weights(harness.BATCH, harness.SEQ, seed=23) > -0.4).float()
-            check_labels_path(model, batch, loss_mask, label)
-            assert torch.equal(harness.forward(model, batch), stock_logits), f"{label}: the model is no longer stock"
+    for sequence_parallel, tied, label in harness.tensor_parallel_cases():
+        model = harness.build_gpt(sequence_parallel=sequence_parallel, tied=tied)
+        batch = harness.make_batch()
+        stock_logits = harness.forward(model, batch).detach()
+        response = torch.arange(harness.SEQ).expand(harness.BATCH, harness.SEQ) >= harness.SEQ // 3
+        check_logprobs(model, batch, response, label)
+        check_loss(model, batch, response, label)
+        loss_mask = (harness.random_weights(harness.BATCH, harness.SEQ, seed=23) > -0.4).float()
+        check_labels_path(model, batch, loss_mask, label)
+        assert torch.equal(harness.forward(model, batch), stock_logits), f"{label}: the model is no longer stock"
     harness.tensor_parallel(2)
     check_mtp_and_mup()
     harness.tensor_parallel(1)

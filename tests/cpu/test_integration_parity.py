@@ -20,8 +20,6 @@ gradient. A dropped or doubled term moves values by O(1); a hidden gradient redu
 at all is off by tens of percent.
 """
 
-import itertools
-
 import torch
 
 from devkit import megatron_gpt as harness
@@ -102,12 +100,9 @@ def check_case(sequence_parallel: bool, tied: bool, token_chunk, label: str) -> 
 
 
 def parity_worker() -> None:
-    for size in (2, 1):
-        harness.tensor_parallel(size)
-        parallel_options = (False, True) if size > 1 else (False,)
-        for sequence_parallel, tied, token_chunk in itertools.product(parallel_options, (False, True), (None, 5)):
-            label = f"TP={size} sequence_parallel={sequence_parallel} tied={tied} token_chunk={token_chunk}"
-            check_case(sequence_parallel, tied, token_chunk, label)
+    for sequence_parallel, tied, label in harness.tensor_parallel_cases():
+        for token_chunk in (None, 5):
+            check_case(sequence_parallel, tied, token_chunk, f"{label} token_chunk={token_chunk}")
 
 
 def test_head_and_labels_match_stock_megatron():

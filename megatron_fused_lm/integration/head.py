@@ -119,6 +119,16 @@ def call_loss(
     )  # fmt: skip
 
 
+def logits_group(
+    layer: torch.nn.Module, tp_group: Optional[dist.ProcessGroup], logits: torch.Tensor
+) -> Optional[dist.ProcessGroup]:
+    """The group the stock ``logits`` of ``layer`` are split over: ``tp_group`` for a
+    ``[..., vocab/TP]`` shard, ``None`` for logits gathered to the full vocabulary."""
+    full_vocab = getattr(layer, "output_size", None)
+    gathered = full_vocab is not None and logits.dim() > 0 and logits.shape[-1] == full_vocab
+    return None if gathered else tp_group
+
+
 def check_declared_shape(declared: Optional[torch.Tensor], labels: torch.Tensor) -> None:
     """Declared loss weights ``[b, s]`` must have the labels' shape."""
     if declared is not None and declared.shape != labels.shape:
@@ -416,10 +426,7 @@ class FusedLMHead:
         if not self._stock_layers:
             raise RuntimeError("this pipeline stage has no output layer, so there are no log-probs to compute")
         chunk, layer = self._stock_layers[-1]
-        group = tensor_parallel_group(chunk, layer)
-        full_vocab = getattr(layer, "output_size", None)
-        gathered = full_vocab is not None and logits.dim() > 0 and logits.shape[-1] == full_vocab
-        return None if gathered else group
+        return logits_group(layer, tensor_parallel_group(chunk, layer), logits)
 
 
 def wrap_model(model: Any, config: FusedLMConfig) -> FusedLMHead:

@@ -31,6 +31,7 @@ from .head import (
     call_logprobs,
     call_loss,
     check_declared_shape,
+    logits_group,
     project_input,
 )
 from .megatron_compat import (
@@ -160,8 +161,7 @@ class FusedOutputProcessor:
                 f"output_processor_context must be a LogprobRequest or a LossRequest, got {type(context).__name__}"
             )
         declared = loss_mask if (context is None and self.declare_loss_mask) else None
-        if context is None:
-            check_declared_shape(declared, labels)
+        check_declared_shape(declared, labels)
         targets = labels if context is None or context.targets is None else context.targets
         if targets is None:
             raise ValueError("the request has no targets and the forward no labels")
@@ -173,39 +173,27 @@ class FusedOutputProcessor:
             return self._from_logits(logits.transpose(0, 1), output_layer, targets, context)
         hidden, call = project_input(output_layer, self._groups[id(output_layer)], hidden_states, output_weight)
         hidden = scale_logits(hidden)  # a scalar (MuP), which commutes with the projection
-        if context is None:
-            losses = call_labels_loss(
-                call,
-                self.config,
-                hidden,
-                labels.transpose(0, 1),
-                None if declared is None else declared.transpose(0, 1),
-            )
-            return losses.transpose(0, 1).contiguous()
         # [s, b] throughout, the hidden states' layout; the results come back [b, s].
-        flip = _sequence_first
+        if context is None:
+            losses = call_labels_loss(call, self.config, hidden, _swap(labels), _swap(declared))
+            return _batch_first(losses)
         if isinstance(context, LogprobRequest):
             result = call_logprobs(
-                call, self.config, hidden, flip(targets), temperature=context.temperature,
-                return_entropy=context.return_entropy, entropy_grad=context.entropy_grad, mask=flip(context.mask),
+                call, self.config, hidden, _swap(targets), temperature=context.temperature,
+                return_entropy=context.return_entropy, entropy_grad=context.entropy_grad, mask=_swap(context.mask),
                 max_rows=context.max_rows,
             )  # fmt: skip
-            if context.return_entropy:
-                return tuple(value.transpose(0, 1).contiguous() for value in result)
-            return result.transpose(0, 1).contiguous()
-        inputs = None if context.loss_inputs is None else {k: flip(v) for k, v in context.loss_inputs.items()}
+            return tuple(map(_batch_first, result)) if context.return_entropy else _batch_first(result)
+        inputs = None if context.loss_inputs is None else {k: _swap(v) for k, v in context.loss_inputs.items()}
         result = call_loss(
-            call, self.config, hidden, flip(targets), context.loss_fn, loss_inputs=inputs, mask=flip(context.mask),
+            call, self.config, hidden, _swap(targets), context.loss_fn, loss_inputs=inputs, mask=_swap(context.mask),
             temperature=context.temperature,
         )  # fmt: skip
-        return result._replace(
-            logprob=result.logprob.transpose(0, 1).contiguous(), entropy=result.entropy.transpose(0, 1).contiguous()
-        )
+        return result._replace(logprob=_batch_first(result.logprob), entropy=_batch_first(result.entropy))
 
     def _from_logits(self, logits: torch.Tensor, layer: torch.nn.Module, targets: torch.Tensor, context):
         """The stock computation on ``logits [b, s, vocab/TP]`` (or the full vocabulary, gathered)."""
-        full_vocab = getattr(layer, "output_size", None)
-        group = None if logits.shape[-1] == full_vocab else self._groups[id(layer)]
+        group = logits_group(layer, self._groups[id(layer)], logits)
         if isinstance(context, LogprobRequest):
             return logits_logprob(
                 logits, targets, tp_group=group, temperature=context.temperature, return_entropy=context.return_entropy,
@@ -218,6 +206,11 @@ class FusedOutputProcessor:
         )  # fmt: skip
 
 
-def _sequence_first(value: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """``[b, s, ...]`` -> ``[s, b, ...]`` (a view), ``None`` kept."""
+def _swap(value: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``[b, s, ...]`` <-> ``[s, b, ...]`` as a view; ``None`` kept."""
     return None if value is None else value.transpose(0, 1)
+
+
+def _batch_first(value: torch.Tensor) -> torch.Tensor:
+    """A result ``[s, b]`` as the ``[b, s]`` a caller gets from the stock model."""
+    return value.transpose(0, 1).contiguous()

@@ -312,8 +312,7 @@ class Training:
             logprob, entropy = self.head.logprobs(
                 output, batch["labels"], return_entropy=True, mask=response, entropy_grad=True
             )
-            rows = {name: value[response] for name, value in inputs.items()}
-            loss = POLICY_LOSS(logprob[response], entropy[response], **rows).sum()
+            loss = response_policy_loss(logprob, entropy, inputs, response)
         else:  # head.loss: three GEMMs when fused, the logits' loss when stock
             result = self.head.loss(output, batch["labels"], POLICY_LOSS, loss_inputs=inputs, mask=response)
             loss, logprob, entropy = result.loss, result.logprob.detach(), result.entropy.detach()
@@ -349,6 +348,13 @@ class Training:
                 tokens = torch.cat([tokens, next_token], dim=1)
                 assert tokens.shape[1] == length + 1
         return tokens
+
+
+def response_policy_loss(logprob, entropy, inputs: Dict[str, torch.Tensor], response) -> torch.Tensor:
+    """The recompute path's RL loss by hand: ``POLICY_LOSS`` summed over the response rows of the
+    ``[b, s]`` log-probs, entropy and per-token inputs."""
+    rows = {name: value[response] for name, value in inputs.items()}
+    return POLICY_LOSS(logprob[response], entropy[response], **rows).sum()
 
 
 def longest_common_prefix(first: str, second: str) -> int:
@@ -552,8 +558,7 @@ def head_ms(training: Training, loss_path: str, size: Size, device: torch.device
             logprob, entropy = fused_linear_logprob(
                 hidden, weight, targets, return_entropy=True, mask=response, backend="auto"
             )
-            rows_inputs = {name: value[response] for name, value in inputs.items()}
-            loss = POLICY_LOSS(logprob[response], entropy[response], **rows_inputs).sum()
+            loss = response_policy_loss(logprob, entropy, inputs, response)
         loss.backward()
 
     for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels

@@ -4,8 +4,12 @@ Every method runs in one process on identical inputs (bf16 by default, logits wi
 deviation about 4). Sections (``--sections``):
 
 - ``rl``: per-token log-prob + entropy with random upstream gradients, at each ``--temperatures``:
-  ``stock`` (materialized bf16 logits, float32 softmax), our ``torch`` and ``triton`` backends, and
-  ``floor`` (the four cuBLAS GEMMs of any exact recompute method);
+  ``stock`` (materialized bf16 logits, float32 softmax), our ``torch`` and ``triton`` backends,
+  ``liger_flsce`` (liger-kernel's CuTe fused linear scaled cross-entropy, SM90; see
+  ``../shared/tools/gpu-cutedsl.sh`` for what a GPU host needs) and ``floor`` (the four cuBLAS GEMMs
+  of any exact recompute method);
+- ``forward``: the same without gradients (old and reference log-probs): ``triton``,
+  ``liger_flsce`` and ``floor1`` (the logits GEMM);
 - ``sft``: mean cross-entropy: ``stock``, ``ours`` (``fused_linear_loss`` with
   ``losses.cross_entropy``: the gradients finished in the forward, three GEMMs), ``recompute`` (the
   mean of ``-fused_linear_logprob``, as the labels path computes it: four GEMMs), ``liger``
@@ -53,12 +57,14 @@ from harness import (
 )
 from methods import (
     ENTROPY_COEF,
+    FORWARD_METHODS,
     FUSED_BACKEND,
     OLD_LOGPROB_NOISE,
     RL_LOSS_METHODS,
     RL_METHODS,
     SFT_METHODS,
     floor_step,
+    forward_step,
     import_competitors,
     policy_loss,
     policy_loss_inputs,
@@ -73,9 +79,9 @@ from devkit.measure import environment, release_memory
 from devkit.oracle import logprob_entropy, relative_error
 from megatron_fused_lm import losses, response_mask
 
-SECTIONS = ("rl", "sft", "rl_loss", "scaling", "fractions")
+SECTIONS = ("rl", "forward", "sft", "rl_loss", "scaling", "fractions")
 # Each section's floor: the row its others are divided by (``vs_floor``).
-FLOORS = {"rl": "floor", "sft": "floor", "rl_loss": "floor3"}
+FLOORS = {"rl": "floor", "forward": "floor1", "sft": "floor", "rl_loss": "floor3"}
 # (use, method) pairs of the scaling section: every SFT method that can run out of memory, and
 # the RL stock path next to our Triton backend.
 SCALING_SERIES = (
@@ -156,8 +162,11 @@ class Benchmark:
             for method in self.args.rl_methods:
                 if method == "floor":
                     continue
+                if method in self.missing:
+                    self.missing_row(method, section="rl", shape=name, temperature=temperature)
+                    continue
                 row, measurement = self.measure_row(
-                    lambda: rl_step(method, inputs, temperature),
+                    lambda: rl_step(method, inputs, temperature, competitors=self.competitors),
                     inputs,
                     section="rl",
                     shape=name,
@@ -169,6 +178,28 @@ class Benchmark:
                     row["logprob_max_error"] = sample_error(logprob, sample, ref_logprob)
                     row["entropy_max_error"] = sample_error(entropy, sample, ref_entropy)
         add_floor_ratios(self.rows[first:], FLOORS["rl"])
+
+    def forward(self, shape, inputs, sample):
+        """Log-prob + entropy without gradients against the logits GEMM alone (``floor1``)."""
+        name = shape_name(shape)
+        first = len(self.rows)
+        ref_logprob, ref_entropy = oracle(inputs, sample)
+        for method in self.args.forward_methods:
+            if method in self.missing:
+                self.missing_row(method, section="forward", shape=name)
+                continue
+            row, measurement = self.measure_row(
+                lambda: forward_step(method, inputs, self.competitors),
+                inputs,
+                section="forward",
+                shape=name,
+                method=method,
+            )
+            if measurement is not None and method != "floor1":
+                logprob, entropy = measurement.outputs
+                row["logprob_max_error"] = sample_error(logprob, sample, ref_logprob)
+                row["entropy_max_error"] = sample_error(entropy, sample, ref_entropy)
+        add_floor_ratios(self.rows[first:], FLOORS["forward"])
 
     def sft(self, shape, inputs, sample):
         name = shape_name(shape)
@@ -292,7 +323,7 @@ class Benchmark:
     def run(self):
         args = self.args
         sections = set(args.sections)
-        shapes = args.shapes if sections & {"rl", "sft", "rl_loss"} else []
+        shapes = args.shapes if sections & {"rl", "forward", "sft", "rl_loss"} else []
         fraction_shapes = args.fraction_shapes if "fractions" in sections else []
         meta = environment(self.device, self.dtype)
         # The settings, less where this run's files went and the device kind (meta names the device).
@@ -310,6 +341,8 @@ class Benchmark:
             sample = sample_rows(torch.arange(shape[0], device=self.device), args.sample)
             if shape in shapes and "rl" in sections:
                 self.rl(shape, inputs, sample)
+            if shape in shapes and "forward" in sections:
+                self.forward(shape, inputs, sample)
             if shape in shapes and "sft" in sections:
                 self.sft(shape, inputs, sample)
             if shape in shapes and "rl_loss" in sections:
@@ -384,10 +417,11 @@ def parse_args():
         "--shapes",
         type=parse_shapes,
         default=REFERENCE_SHAPES,
-        help="comma-separated TOKENSxHIDDENxVOCAB of the rl and sft sections",
+        help="comma-separated TOKENSxHIDDENxVOCAB of the rl, forward, sft and rl_loss sections",
     )
     parser.add_argument("--temperatures", type=comma_list(float), default="1.0,0.7")
     parser.add_argument("--rl-methods", type=comma_list(str), default=",".join(RL_METHODS))
+    parser.add_argument("--forward-methods", type=comma_list(str), default=",".join(FORWARD_METHODS))
     parser.add_argument("--sft-methods", type=comma_list(str), default=",".join(SFT_METHODS))
     parser.add_argument("--rl-loss-methods", type=comma_list(str), default=",".join(RL_LOSS_METHODS))
     parser.add_argument(
@@ -422,6 +456,7 @@ def parse_args():
     for option, chosen, known in (
         ("--sections", args.sections, SECTIONS),
         ("--rl-methods", args.rl_methods, RL_METHODS),
+        ("--forward-methods", args.forward_methods, FORWARD_METHODS),
         ("--sft-methods", args.sft_methods, SFT_METHODS),
         ("--rl-loss-methods", args.rl_loss_methods, RL_LOSS_METHODS),
     ):

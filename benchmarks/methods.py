@@ -13,8 +13,11 @@ from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, logits_lo
 
 FUSED_BACKEND = "triton"
 
-# Per-token log-prob + entropy (the RL use); "floor" is the four GEMMs of any exact recompute method.
-RL_METHODS = ("floor", "stock", "torch", "triton")
+# Per-token log-prob + entropy (the RL use); "floor" is the four GEMMs of any exact recompute method;
+# "liger_flsce" is liger-kernel's CuTe fused linear scaled cross-entropy (SM90), the strongest peer.
+RL_METHODS = ("floor", "stock", "torch", "triton", "liger_flsce")
+# Log-prob + entropy without gradients (old and reference log-probs); "floor1" is the logits GEMM.
+FORWARD_METHODS = ("floor1", "triton", "liger_flsce")
 # Mean cross-entropy (the SFT use); "floor" is the three GEMMs (logits, grad_hidden, grad_weight).
 # "ours" finishes the gradients in the forward (fused_linear_loss: three GEMMs), "recompute" is the
 # mean of the per-token op's log-probs (fused_linear_logprob: the logits again in the backward, four).
@@ -30,9 +33,11 @@ OLD_LOGPROB_NOISE = 0.1
 
 
 def import_competitors():
-    """``({method: loss function}, {method: why it is missing})`` for liger-kernel's fused linear
-    cross-entropy and Apple's cut-cross-entropy; both take ``(hidden, weight, targets,
-    reduction=...)``. They are optional benchmark extras, never package dependencies."""
+    """``({method: function}, {method: why it is missing})`` for liger-kernel's fused linear
+    cross-entropy and Apple's cut-cross-entropy, both ``(hidden, weight, targets, reduction=...)``,
+    and liger-kernel's CuTe fused linear scaled cross-entropy (``liger_flsce``: ``(hidden, weight,
+    targets, temperature) -> (logprob, entropy)``, where its SM90 kernel runs on this GPU, never its
+    torch fallback). They are optional benchmark extras, never package dependencies."""
     found, missing = {}, {}
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
@@ -46,7 +51,31 @@ def import_competitors():
         found["cce"] = linear_cross_entropy
     except ImportError as error:
         missing["cce"] = f"cut-cross-entropy is not installed ({error})"
+    try:
+        found["liger_flsce"] = liger_scaled_cross_entropy()
+    except (ImportError, RuntimeError) as error:
+        missing["liger_flsce"] = f"liger-kernel's CuTe kernel cannot run here ({error})"
     return found, missing
+
+
+def liger_scaled_cross_entropy():
+    """liger-kernel's fused linear scaled cross-entropy as ``(logprob, entropy)``; ``RuntimeError``
+    where it would take its torch fallback (no CUDA, not SM90, or CuTe-DSL missing)."""
+    from liger_kernel.ops import fused_linear_scaled_cross_entropy as flsce
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device")
+    implementation = flsce._resolve_implementation(torch.device("cuda"))
+    if implementation is flsce._FusedLinearPPOFallbackFunction:
+        raise RuntimeError("it resolves to its torch fallback on this device")
+
+    def logprob_entropy(hidden, weight, targets, temperature):
+        nll, entropy = flsce.LigerFusedLinearScaledCrossEntropyFunction.apply(
+            hidden, weight, targets, temperature, -100, 1, True
+        )
+        return -nll, entropy
+
+    return logprob_entropy
 
 
 def floor_step(inputs, recompute):
@@ -67,8 +96,9 @@ def floor_step(inputs, recompute):
     return step
 
 
-def rl_step(method, inputs, temperature, mask=None):
-    """Log-prob + entropy with the random upstream gradients; returns the detached results."""
+def rl_step(method, inputs, temperature, mask=None, competitors=None):
+    """Log-prob + entropy with the random upstream gradients; returns the detached results.
+    ``competitors`` (``import_competitors``) holds ``liger_flsce``."""
 
     def step():
         if method == "stock":
@@ -79,6 +109,8 @@ def rl_step(method, inputs, temperature, mask=None):
                 return_entropy=True,
                 mask=mask,
             )
+        elif method == "liger_flsce":
+            logprob, entropy = competitors[method](inputs.hidden, inputs.weight, inputs.targets, temperature)
         else:
             logprob, entropy = fused_linear_logprob(
                 inputs.hidden,
@@ -91,6 +123,23 @@ def rl_step(method, inputs, temperature, mask=None):
             )
         torch.autograd.backward([logprob, entropy], [inputs.grad_logprob, inputs.grad_entropy])
         return logprob.detach(), entropy.detach()
+
+    return step
+
+
+def forward_step(method, inputs, competitors=None):
+    """Log-prob + entropy under ``no_grad`` (detached inputs), as a trainer computes the old and
+    reference log-probs; ``floor1`` is the logits product alone, into a buffer allocated here."""
+    hidden, weight, targets = inputs.hidden.detach(), inputs.weight.detach(), inputs.targets
+    if method == "floor1":
+        logits = hidden.new_empty(hidden.shape[0], weight.shape[0])
+        return lambda: torch.mm(hidden, weight.t(), out=logits)
+
+    @torch.no_grad()
+    def step():
+        if method == "liger_flsce":
+            return competitors[method](hidden, weight, targets, 1.0)
+        return fused_linear_logprob(hidden, weight, targets, return_entropy=True, backend=method)
 
     return step
 

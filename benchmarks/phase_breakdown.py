@@ -14,8 +14,9 @@ bare cuBLAS product the path cannot avoid, timed alone at the full shape (``logi
 Phases (kernels matched by name): the Triton kernels by what they do; ``cuBLAS`` the vendor's
 products (the per-chunk ``grad_hidden`` and ``grad_weight`` products and, in the three-GEMM
 path, their float32 accumulation); ``small ops`` every other kernel (PyTorch's elementwise ops,
-reductions, copies, fills); ``idle`` the time between kernels (launch gaps and host work). The
-profiled step's span is its first kernel's start to its last kernel's end.
+reductions, copies, fills); ``idle`` the timed step's milliseconds less the profiled run's kernel
+time: launch gaps and host work. (The profiled run's own gaps, ``profiled_idle_ms``, are wider:
+the profiler's host work stalls the launches.)
 """
 
 from __future__ import annotations
@@ -114,9 +115,17 @@ def breakdown(step, inputs) -> dict:
         phases[phase] = phases.get(phase, 0.0) + (end - start) / 1e3
         launches[phase] = launches.get(phase, 0) + 1
     span = (kernels[-1][1] - kernels[0][0]) / 1e3
-    phases[IDLE] = span - sum(phases.values())
+    busy = sum(phases.values())
+    # The profiler's own host work widens the gaps of the profiled run; the timed run has none.
+    phases[IDLE] = max(total - busy, 0.0)
     inputs.clear_grads()
-    return {"ms": total, "profiled_span_ms": span, "phase_ms": phases, "launches": launches}
+    return {
+        "ms": total,
+        "profiled_span_ms": span,
+        "profiled_idle_ms": span - busy,
+        "phase_ms": phases,
+        "launches": launches,
+    }
 
 
 def markdown(record: dict) -> str:

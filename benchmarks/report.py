@@ -32,10 +32,12 @@ METHOD_STYLES = {
     "stock": ("stock (bf16 logits)", "tab:blue", "s"),
     "ours": ("ours (Triton)", "tab:orange", "o"),
     "liger": ("liger-kernel", "tab:purple", "^"),
+    "liger_flsce": ("liger-kernel CuTe (fused linear scaled CE)", "tab:pink", "P"),
     "cce": ("cut-cross-entropy", "tab:brown", "D"),
     "recompute": ("recompute (our per-token op, then the loss: 4 GEMMs)", "tab:green", "v"),
     "floor": ("GEMM floor (cuBLAS products alone)", "0.35", None),
     "floor3": ("GEMM floor (the three cuBLAS products alone)", "0.35", None),
+    "floor1": ("GEMM floor (the logits product alone)", "0.35", None),
 }
 SCALING_SERIES = {  # use -> the methods measured for it, in table and legend order
     "sft": ("stock", "ours", "recompute", "liger", "cce"),
@@ -140,10 +142,20 @@ def floor_table(rows, section, methods, header, ratios=None, floor="floor", grad
 
 def rl_table(rows, temperature):
     header = (
-        "| tokens x hidden x vocab | floor (4 GEMMs) | stock | ours (Triton) | ours / floor "
-        "| log-prob err stock / ours |"
+        "| tokens x hidden x vocab | floor (4 GEMMs) | stock | liger-kernel CuTe | ours (Triton) "
+        "| liger CuTe / floor | ours / floor | log-prob err stock / liger CuTe / ours |"
     )
-    return floor_table(rows, "rl", ("stock", "triton"), header, temperature=temperature)
+    methods = ("stock", "liger_flsce", "triton")
+    return floor_table(rows, "rl", methods, header, ratios=("liger_flsce", "triton"), temperature=temperature)
+
+
+def forward_table(rows):
+    header = (
+        "| tokens x hidden x vocab | floor (1 GEMM) | liger-kernel CuTe | ours (Triton) | liger CuTe / floor "
+        "| ours / floor | log-prob err liger CuTe / ours |"
+    )
+    methods = ("liger_flsce", "triton")
+    return floor_table(rows, "forward", methods, header, ratios=methods, floor="floor1")
 
 
 def sft_table(rows):
@@ -256,6 +268,8 @@ def markdown(results):
     parts = []
     for temperature in results["meta"]["temperatures"]:
         parts += [f"### RL, temperature {temperature:g}", rl_table(rows, temperature)]
+    if select(rows, section="forward"):
+        parts += ["### Forward only (no gradients)", forward_table(rows)]
     parts += ["### SFT", sft_table(rows)]
     if select(rows, section="rl_loss"):
         parts += ["### RL loss (three-GEMM)", rl_loss_table(rows)]
@@ -453,7 +467,7 @@ def write_plots(results, folder):
         temperature = results["meta"]["temperatures"][0]
         path = os.path.join(folder, "bench_rl.png")
         title = f"RL: per-token log-prob + entropy, temperature {temperature:g}"
-        bar_panels(pyplot, results, "rl", ("stock", "triton", "floor"), title, path, temperature)
+        bar_panels(pyplot, results, "rl", ("stock", "liger_flsce", "triton", "floor"), title, path, temperature)
         written.append(path)
     if "sft" in sections:
         path = os.path.join(folder, "bench_sft.png")

@@ -14,11 +14,11 @@ from typing import List, Optional
 
 import torch
 
-from .contract import Gradients, NeededGrads, token_chunks
+from .contract import Gradients, NeededGrads
 from .products import add_product
 from .triton_support import triton_unavailable_reason
 
-NARROWING_ROWS = 4096  # rows per step when the float32 weight gradient is narrowed
+NARROWING_ROWS = 4096  # rows of the first step when the float32 weight gradient is narrowed in place
 
 
 def triton_runs(*tensors: torch.Tensor) -> bool:
@@ -136,6 +136,21 @@ def add_chosen(
         add_chosen_rows(held_weight, target_column, chosen, hidden)
 
 
+def narrowing_steps(rows: int) -> List[slice]:
+    """The steps that narrow a float32 part of ``rows`` rows into its own memory: ``[0,
+    NARROWING_ROWS)``, then ``[a, 2a)`` until ``rows``.
+
+    Narrowed row ``r`` lands in bytes ``[2rH, 2(r+1)H)``, over float32 rows ``[r/2, (r+1)/2)``. A
+    step ``[a, b)`` with ``b <= 2a`` therefore writes only over rows below ``a``, read by earlier
+    steps, and reads bytes ``[4aH, 4bH)``, above all it writes: it runs as one launch, without a
+    temporary. Only the first step, which writes over what it reads, goes through a temporary."""
+    steps, start, stop = [], 0, min(NARROWING_ROWS, rows)
+    while start < rows:
+        steps.append(slice(start, stop))
+        start, stop = stop, min(2 * stop, rows)
+    return steps
+
+
 def scaled_gradients(
     held_hidden: torch.Tensor,
     held_weight: List[torch.Tensor],
@@ -162,13 +177,14 @@ def scaled_gradients(
         out.set_(first.untyped_storage(), 0, shape, (hidden_size, 1))
     else:
         out = first.new_empty(shape, dtype=weight_dtype)
-    # In place, narrowed row r lands in bytes [2rH, 2(r+1)H) of the first part, below the float32
-    # rows not yet read (>= 4rH): each step reads its rows into a temporary before writing them.
     start = 0
-    for part in held_weight:
-        for rows in token_chunks(part.shape[0], NARROWING_ROWS):
-            out[start + rows.start : start + rows.stop] = scaled_copy(
-                part[rows], scale, out.new_empty(part[rows].shape)
-            )
+    for index, part in enumerate(held_weight):
+        overlapping = narrow_in_place and index == 0
+        for rows in narrowing_steps(part.shape[0]) if overlapping else (slice(0, part.shape[0]),):
+            target = out[start + rows.start : start + rows.stop]
+            if overlapping and rows.start == 0:
+                target.copy_(scaled_copy(part[rows], scale, target.new_empty(target.shape)))
+            else:
+                scaled_copy(part[rows], scale, target)
         start += part.shape[0]
     return Gradients(hidden, out)

@@ -68,3 +68,26 @@ def test_each_gradient_takes_the_upstream_scale_once(path, dtype):
     for name, at_one, at_scale in zip(("hidden", "weight"), unscaled, scaled, strict=True):
         assert at_one <= (1e-5 if dtype == torch.float32 else 2e-2), (name, at_one)
         assert at_scale <= 2 * at_one + 1e-6, (name, at_scale, at_one)
+
+
+@pytest.mark.parametrize("narrow_in_place", [True, False], ids=["in-place", "new-memory"])
+def test_the_held_weight_gradient_is_narrowed_once_scaled_in_every_step(monkeypatch, narrow_in_place):
+    # A first step of 3 rows makes the in-place narrowing take six steps over the first half (3, 3,
+    # 6, 12, 24 and 1 rows), each writing over float32 rows an earlier step read: a step that wrote
+    # over rows not yet read would leave entries far from the oracle's.
+    from megatron_fused_lm.ops import held_gradients
+
+    monkeypatch.setattr(held_gradients, "NARROWING_ROWS", 3)
+    generator = torch.Generator().manual_seed(5)
+    held = torch.randn(VOCAB, HIDDEN, generator=generator, dtype=torch.float64)
+    parts = [held[:49].float().clone(), held[49:].float().clone()]
+    first_address = parts[0].data_ptr()
+    grads = held_gradients.scaled_gradients(
+        torch.empty(0), parts, torch.tensor(SCALE), torch.bfloat16, torch.bfloat16, narrow_in_place
+    )
+    assert [step.stop for step in held_gradients.narrowing_steps(49)] == [3, 6, 12, 24, 48, 49]
+    expected = (held.float().double() * SCALE).to(torch.bfloat16)
+    assert grads.weight.dtype == torch.bfloat16 and grads.weight.shape == (VOCAB, HIDDEN)
+    # One rounding of the float32 product: within one bfloat16 step of the float64 oracle's.
+    torch.testing.assert_close(grads.weight.double(), expected.double(), rtol=2**-8, atol=0)
+    assert (grads.weight.data_ptr() == first_address) == narrow_in_place

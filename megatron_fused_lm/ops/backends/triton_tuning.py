@@ -4,9 +4,10 @@ object that fixes any of their choices instead (tile sweeps and the interpreter 
 
 - Tiles: 16-bit operands take 256 x 128 x 64 forward tiles and 128 x 256 x 64 recompute-backward
   tiles, 8 warps, 3 stages, 8 token tiles per group; float32 operands take 64 x 64 x 32 tiles with
-  IEEE float32 products. A forward kernel that stores a float32 block from 16-bit operands takes
-  the first of ``STORING_CANDIDATES`` whose shared memory (``shared_memory_bytes``: the pipelined
-  operand tiles and the store's staging tile) fits the device.
+  IEEE float32 products. A forward kernel that stores a block from 16-bit operands takes the first
+  of ``STORING_CANDIDATES`` whose shared memory (``shared_memory_bytes``: the pipelined operand
+  tiles and the store's half-tile staging) fits the device: 256 x 128 x 64 with 4 stages for a
+  bfloat16 block, 128 x 256 x 64 with 3 for a float32 one.
 - Vocabulary splits of the forward kernel: the column tiles per split (6 to 16) that leave the
   least idle time in the last wave of programs.
 - Recompute backward: token chunks of ``TOKEN_CHUNK`` rows, and vocabulary chunks sized so that the
@@ -43,22 +44,24 @@ GPU_16BIT_GRAD_TILES = Tiles(
 GPU_FLOAT32_TILES = Tiles(
     block_m=64, block_n=64, block_k=32, group_m=8, num_warps=8, num_stages=3, dot_precision="ieee"
 )
-GPU_16BIT_FLOAT32_STORE_TILES = Tiles(
-    block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4, dot_precision="tf32"
+# Forward tiles of 16-bit operands that store a block, in order of preference; a kernel takes the
+# first that fits the device with its store (a bfloat16 block: the first; a float32 one: the
+# second on an H100 or H200; the last fits either within 163 KiB).
+STORING_CANDIDATES = (
+    Tiles(block_m=256, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4, dot_precision="tf32"),
+    Tiles(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, dot_precision="tf32"),
+    Tiles(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4, dot_precision="tf32"),
 )
-# Forward tiles of 16-bit operands, in order of preference, for the shared memory they leave the
-# store; the last fits every supported store on an H100 or H200.
-STORING_CANDIDATES = (GPU_16BIT_TILES, GPU_16BIT_FLOAT32_STORE_TILES)
-SHARED_MEMORY_MARGIN = 4096  # bytes Triton takes besides the tiles (barriers, reductions)
+SHARED_MEMORY_MARGIN = 2560  # bytes Triton takes besides the tiles (barriers, reductions)
 HOPPER_SHARED_MEMORY = 232448  # bytes per block an H100 or H200 grants (its opt-in maximum)
 TILES_PER_SPLIT = range(6, 17)  # candidates of the split rule
 
 
 def shared_memory_bytes(tiles: Tiles, operand_bytes: int, store_bytes: int) -> int:
-    """Shared memory of a matrix kernel with these tiles: ``num_stages`` pipelined operand tiles
-    and, for a kernel that stores through a descriptor, one output tile of ``store_bytes``."""
+    """Shared memory of the forward kernel with these tiles: ``num_stages`` pipelined operand tiles
+    and, when it stores the block, the staging of one half-width output tile of ``store_bytes``."""
     operands = tiles.num_stages * (tiles.block_m + tiles.block_n) * tiles.block_k * operand_bytes
-    return operands + tiles.block_m * tiles.block_n * store_bytes + SHARED_MEMORY_MARGIN
+    return operands + tiles.block_m * tiles.block_n // 2 * store_bytes + SHARED_MEMORY_MARGIN
 
 
 def shared_memory_limit(device: torch.device) -> int:
@@ -97,9 +100,10 @@ class TritonTuning:
             return self.forward_tiles
         if dtype == torch.float32:
             return GPU_FLOAT32_TILES
-        store_bytes = 0 if stored is None else stored.itemsize
+        if stored is None:
+            return GPU_16BIT_TILES
         limit = HOPPER_SHARED_MEMORY if device is None else shared_memory_limit(device)
-        fitting = (tiles for tiles in STORING_CANDIDATES if shared_memory_bytes(tiles, 2, store_bytes) <= limit)
+        fitting = (tiles for tiles in STORING_CANDIDATES if shared_memory_bytes(tiles, 2, stored.itemsize) <= limit)
         return next(fitting, STORING_CANDIDATES[-1])
 
     def backward_tiles_for(self, dtype: torch.dtype) -> Tiles:

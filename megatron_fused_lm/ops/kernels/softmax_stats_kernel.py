@@ -100,7 +100,12 @@ def softmax_stats_kernel(
                 # Where the maximum lies far above the reference this overflows; those rows are
                 # refreshed against their maximum, which this same product then stores exactly.
                 rebase = tl.exp(new_max - reference)
-                exp_desc.store([row0, col0], (weights * rebase[:, None]).to(exp_desc.dtype))
+                stored = (weights * rebase[:, None]).to(exp_desc.dtype)
+                # Stored as two half-width tiles: half the staging shared memory, which leaves the
+                # operands a deeper pipeline or wider tiles (triton_tuning).
+                left, right = tl.split(tl.permute(tl.reshape(stored, [BLOCK_M, 2, BLOCK_N // 2]), [0, 2, 1]))
+                exp_desc.store([row0, col0], left)
+                exp_desc.store([row0, col0 + BLOCK_N // 2], right)
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
 
     if not REFRESH:
@@ -178,7 +183,7 @@ def _launch(
         parts.stride(0),
         parts.stride(1),
         inv_temperature,
-        None if stored_exp is None else descriptor(stored_exp, [tiles.block_m, tiles.block_n]),
+        None if stored_exp is None else descriptor(stored_exp, [tiles.block_m, tiles.block_n // 2]),
         reference,
         refresh,
         STORE_EXP=stored_exp is not None,

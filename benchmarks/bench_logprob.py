@@ -174,9 +174,7 @@ class Benchmark:
                     temperature=temperature,
                 )
                 if measurement is not None:
-                    logprob, entropy = measurement.outputs
-                    row["logprob_max_error"] = sample_error(logprob, sample, ref_logprob)
-                    row["entropy_max_error"] = sample_error(entropy, sample, ref_entropy)
+                    record_errors(row, measurement.outputs, sample, (ref_logprob, ref_entropy))
         add_floor_ratios(self.rows[first:], FLOORS["rl"])
 
     def forward(self, shape, inputs, sample):
@@ -196,9 +194,7 @@ class Benchmark:
                 method=method,
             )
             if measurement is not None and method != "floor1":
-                logprob, entropy = measurement.outputs
-                row["logprob_max_error"] = sample_error(logprob, sample, ref_logprob)
-                row["entropy_max_error"] = sample_error(entropy, sample, ref_entropy)
+                record_errors(row, measurement.outputs, sample, (ref_logprob, ref_entropy))
         add_floor_ratios(self.rows[first:], FLOORS["forward"])
 
     def sft(self, shape, inputs, sample):
@@ -278,9 +274,7 @@ class Benchmark:
                     selected_tokens=int(mask.sum()),
                 )
                 if measurement is not None:
-                    logprob, entropy = measurement.outputs
-                    row["logprob_max_error"] = sample_error(logprob, sample, ref_logprob)
-                    row["entropy_max_error"] = sample_error(entropy, sample, ref_entropy)
+                    record_errors(row, measurement.outputs, sample, (ref_logprob, ref_entropy))
 
     def scaling(self):
         hidden_size, vocab = self.args.scaling_shape
@@ -359,6 +353,13 @@ class Benchmark:
         print(json.dumps({key: meta[key] for key in ("device", "date", "versions")}))
         print_table(self.rows)
         return {"meta": meta, "rows": self.rows}
+
+
+def record_errors(row, outputs, sample, reference):
+    """The log-prob and entropy errors on the rows ``sample`` of a step's ``(logprob, entropy)``
+    against the float64 ``reference`` (``oracle``)."""
+    for name, values, expected in zip(("logprob", "entropy"), outputs, reference, strict=True):
+        row[f"{name}_max_error"] = sample_error(values, sample, expected)
 
 
 def record_loss_errors(row, outputs, sample, reference):

@@ -45,8 +45,10 @@ from ..ops import (
 )
 from .config import FusedLMConfig
 from .megatron_compat import (
+    MainGradWritten,
     derives_mtp_metrics_from_logits,
     fallback_reason,
+    float32_main_grad,
     model_chunks,
     output_layer_of,
     tensor_parallel_group,
@@ -110,12 +112,24 @@ def call_logprobs(call: _HeadCall, config: FusedLMConfig, hidden: torch.Tensor, 
 
 
 def call_loss(
-    call: _HeadCall, config: FusedLMConfig, hidden: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, **options
+    call: _HeadCall,
+    config: FusedLMConfig,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    loss_fn: LossFn,
+    main_grad_scale: Optional[float] = None,
+    **options,
 ) -> FusedLoss:
-    """``fused_linear_loss`` for one projection ``call``; ``options`` as ``FusedLMHead.loss``'s."""
+    """``fused_linear_loss`` for one projection ``call``; ``main_grad_scale`` and ``options`` as
+    ``FusedLMHead.loss``'s."""
+    weight, accumulation = call.weight, {}
+    if main_grad_scale is not None and weight.requires_grad and torch.is_grad_enabled():
+        into = float32_main_grad(weight)
+        weight = MainGradWritten.apply(weight)
+        accumulation = dict(weight_grad_into=into, weight_grad_scale=main_grad_scale)
     return fused_linear_loss(
-        hidden, call.weight, targets, loss_fn, tp_group=call.tp_group, backend=config.backend,
-        token_chunk=config.token_chunk, reduce_hidden_grad=call.reduce_hidden_grad, **options,
+        hidden, weight, targets, loss_fn, tp_group=call.tp_group, backend=config.backend,
+        token_chunk=config.token_chunk, reduce_hidden_grad=call.reduce_hidden_grad, **accumulation, **options,
     )  # fmt: skip
 
 
@@ -317,6 +331,7 @@ class FusedLMHead:
         loss_inputs: Optional[Dict[str, torch.Tensor]] = None,
         mask: Optional[torch.Tensor] = None,
         temperature: float = 1.0,
+        main_grad_scale: Optional[float] = None,
     ) -> FusedLoss:
         """The summed per-token loss ``sum_t loss_fn(logprob_t, entropy_t, inputs_t)``, with the
         gradients finished in the forward when the head is fused (``fused_linear_loss``: three
@@ -332,6 +347,16 @@ class FusedLMHead:
             loss_inputs: per-token inputs of ``loss_fn``, a dict of ``[b, s]`` tensors.
             mask: optional bool ``[b, s]``: only these positions are computed and summed.
             temperature: divides the logits.
+            main_grad_scale: inside Megatron's DistributedDataParallel (float32 gradient buffers),
+                the upstream gradient this loss will receive (``1 / num_microbatches`` unless the
+                schedule sums per-token losses, times any scale the trainer puts on it). The fused
+                head then adds that multiple of the output weight's gradient straight into its
+                ``main_grad`` in the forward, as Megatron's layers with gradient-accumulation
+                fusion do: no float32 weight-sized buffer lives until the backward, and the
+                gradient is never rounded to the weight's dtype. A loss that receives another
+                upstream gradient still gets the exact gradient, by a second pass, with one
+                warning. ``None`` (default): the gradient is returned to autograd as usual. The
+                stock head ignores it.
 
         Returns:
             ``FusedLoss(loss, logprob, entropy)``: ``loss`` a float32 scalar to call
@@ -339,8 +364,8 @@ class FusedLMHead:
         """
         if self.fused:
             return call_loss(
-                self._call_for(output), self.config, output, targets, loss_fn, loss_inputs=loss_inputs,
-                temperature=temperature, mask=mask,
+                self._call_for(output), self.config, output, targets, loss_fn, main_grad_scale,
+                loss_inputs=loss_inputs, temperature=temperature, mask=mask,
             )  # fmt: skip
         return logits_loss(
             output, targets, loss_fn, loss_inputs=loss_inputs, tp_group=self._logits_group(output),

@@ -160,3 +160,44 @@ def derives_mtp_metrics_from_logits(chunk: torch.nn.Module) -> bool:
 
     tracker = getattr(MTPLossLoggingHelper, "save_metrics_to_tracker", None)
     return tracker is not None and "correct" in inspect.signature(tracker).parameters
+
+
+def float32_main_grad(weight: torch.Tensor) -> torch.Tensor:
+    """The float32 ``main_grad`` Megatron's DistributedDataParallel gives ``weight`` (a view into
+    its gradient buffer), or ``ValueError`` saying why there is none to add into."""
+    main_grad = getattr(weight, "main_grad", None)
+    if not isinstance(main_grad, torch.Tensor):
+        raise ValueError(
+            "main_grad_scale adds the head's weight gradient into the weight's main_grad, and this weight has none: "
+            "wrap the model in megatron.core's DistributedDataParallel first"
+        )
+    if main_grad.dtype != torch.float32:
+        raise ValueError(
+            f"main_grad_scale needs a float32 main_grad (DistributedDataParallelConfig(grad_reduce_in_fp32=True)); "
+            f"this one is {main_grad.dtype}"
+        )
+    return main_grad
+
+
+class MainGradWritten(torch.autograd.Function):
+    """``weight`` as it is, for an op that adds the weight's gradient into ``weight.main_grad``
+    itself and gives this view no gradient. Its backward does what Megatron's own linear layers do
+    when they wrote ``main_grad``: it sets ``weight.grad_added_to_main_grad`` and hands DDP's hook a
+    dummy gradient (zeros for a weight shared with the embedding on this stage, ``zero_out_wgrad``,
+    whose own gradient is added on top; otherwise uninitialized), so that the hook still fires (an
+    overlapped gradient reduction waits for it) and adds nothing twice."""
+
+    @staticmethod
+    def forward(ctx, weight):
+        ctx.set_materialize_grads(False)
+        ctx.weight = weight
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight = ctx.weight
+        if grad is not None:  # something besides the op used the view: pass its gradient on
+            return grad
+        weight.grad_added_to_main_grad = True
+        make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+        return make(weight.shape, dtype=weight.dtype, device=weight.device)

@@ -60,14 +60,16 @@ class LogprobRequest:
 @dataclass(frozen=True)
 class LossRequest:
     """``output_processor_context`` asking for a loss known in the forward: the arguments of
-    ``FusedLMHead.loss`` (``loss_inputs`` a dict of ``[b, s]`` tensors, ``mask`` bool ``[b, s]``).
-    The forward returns ``FusedLoss(loss, logprob, entropy)``."""
+    ``FusedLMHead.loss`` (``loss_inputs`` a dict of ``[b, s]`` tensors, ``mask`` bool ``[b, s]``,
+    ``main_grad_scale`` the upstream gradient the loss will receive, to add the weight gradient
+    into ``main_grad`` in the forward). The forward returns ``FusedLoss(loss, logprob, entropy)``."""
 
     targets: Optional[torch.Tensor]
     loss_fn: LossFn
     loss_inputs: Optional[Dict[str, torch.Tensor]] = None
     mask: Optional[torch.Tensor] = None
     temperature: float = 1.0
+    main_grad_scale: Optional[float] = None
 
 
 def accepts_output_processor(model: Any) -> bool:
@@ -186,8 +188,8 @@ class FusedOutputProcessor:
             return tuple(map(_batch_first, result)) if context.return_entropy else _batch_first(result)
         inputs = None if context.loss_inputs is None else {k: _swap(v) for k, v in context.loss_inputs.items()}
         result = call_loss(
-            call, self.config, hidden, _swap(targets), context.loss_fn, loss_inputs=inputs, mask=_swap(context.mask),
-            temperature=context.temperature,
+            call, self.config, hidden, _swap(targets), context.loss_fn, context.main_grad_scale, loss_inputs=inputs,
+            mask=_swap(context.mask), temperature=context.temperature,
         )  # fmt: skip
         return result._replace(logprob=_batch_first(result.logprob), entropy=_batch_first(result.entropy))
 

@@ -4,17 +4,25 @@ logits) and unfused (from a materialized logits shard, for the stock path)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from .boundary import DeclaredCrossEntropyFunction, HeldGradientsFunction, fused_forward, logits_forward, loss_pass
+from .boundary import (
+    AccumulatedGradientsFunction,
+    DeclaredCrossEntropyFunction,
+    HeldGradientsFunction,
+    fused_forward,
+    logits_forward,
+    loss_pass,
+)
 from .contract import NeededGrads
-from .inputs import RowSelection, check_float, check_linear_inputs, select_rows
+from .inputs import RowSelection, check_accumulator, check_float, check_linear_inputs, select_rows
 from .loss_in_forward import LossFn, check_loss_inputs, check_per_token, has_entropy_term, per_token_losses
 from .losses import cross_entropy
-from .options import HeadOptions
+from .options import HeadOptions, check_weight_grad_scale
 
 Tensor = torch.Tensor
 
@@ -162,6 +170,8 @@ def fused_linear_loss(
     backend: str = "torch",
     token_chunk: Optional[int] = None,
     reduce_hidden_grad: bool = True,
+    weight_grad_into: Optional[Tensor] = None,
+    weight_grad_scale: float = 1.0,
 ) -> FusedLoss:
     """``sum_t loss_fn(logprob_t, entropy_t, inputs_t)`` over the rows of
     ``softmax(hidden @ weight.T / temperature)``, with its gradients computed in the forward
@@ -186,6 +196,15 @@ def fused_linear_loss(
             under tensor parallelism the same on every rank.
         mask: optional bool ``[...]``: only rows where it is True are computed and summed; the
             others have log-prob and entropy 0. The number of selected rows is read on the host.
+        weight_grad_into: optional float32 ``[vocab_shard, H]`` contiguous tensor (Megatron's
+            ``main_grad``, say) into which the forward adds ``weight_grad_scale`` times the
+            weight's gradient, in float32 and never rounded; no float32 weight-sized buffer is
+            then held until the backward, and ``weight`` gets no autograd gradient. Eager mode
+            only; ignored when no weight gradient is needed (``no_grad``, a frozen weight).
+        weight_grad_scale: with ``weight_grad_into``, the upstream gradient the loss will receive
+            (what the trainer multiplies it by: ``1 / num_microbatches``, a loss scale). The
+            backward checks it (one host synchronization); a different one still gives the exact
+            gradient, the difference added by a second pass, with one warning.
 
     Returns:
         ``FusedLoss(loss, logprob, entropy)``: ``loss`` a float32 scalar, differentiable w.r.t.
@@ -205,12 +224,39 @@ def fused_linear_loss(
     if selection.rows is not None:
         inputs = {name: value.index_select(0, selection.rows) for name, value in inputs.items()}
     needed = needed_grads(rows, weight)
+    if weight_grad_into is not None and needed.weight:
+        return _accumulating_loss(
+            rows, weight, selection, loss_fn, inputs, options, needed, weight_grad_into, weight_grad_scale
+        )
     chunk_loss, state = loss_pass(rows, weight, selection.target_column, loss_fn, inputs, options, needed)
     loss = chunk_loss.total
     if needed.hidden or needed.weight:
         loss = HeldGradientsFunction.apply(loss, rows, weight, options, state.held_hidden, *state.held_weight)
     logprob, entropy = chunk_loss.logprob, chunk_loss.entropy
     return FusedLoss(loss, selection.place(logprob), selection.place(entropy))
+
+
+def _accumulating_loss(
+    rows, weight, selection, loss_fn, inputs, options: HeadOptions, needed, weight_grad_into, weight_grad_scale
+) -> FusedLoss:
+    """``fused_linear_loss`` with the weight gradient added into ``weight_grad_into`` in the forward."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("fused_linear_loss: weight_grad_into runs eagerly only, not under torch.compile")
+    check_accumulator(weight_grad_into, weight)
+    scale = check_weight_grad_scale(weight_grad_scale)
+    options = dataclasses.replace(options, weight_grad_accumulates=True)
+    column = selection.target_column
+    chunk_loss, state = loss_pass(rows, weight, column, loss_fn, inputs, options, needed, weight_grad_into, scale)
+
+    def correct(difference: Tensor) -> None:
+        loss_pass(
+            rows, weight, column, loss_fn, inputs, options, NeededGrads(False, True), weight_grad_into, difference
+        )
+
+    loss = AccumulatedGradientsFunction.apply(
+        chunk_loss.total, rows, weight, options, scale, correct, state.held_hidden
+    )
+    return FusedLoss(loss, selection.place(chunk_loss.logprob), selection.place(chunk_loss.entropy))
 
 
 def fused_linear_cross_entropy(

@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import inspect
 import typing
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 import torch
 
@@ -34,7 +34,7 @@ from .backends import loss_backend, recompute_backend
 from .chunking import BlockLogits, chunk_logit_grads, chunk_statistics
 from .contract import Gradients, LossState, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads, run_loss_pass
 from .distributed import all_reduce_sum, merge_across_group
-from .loss_in_forward import ChunkLoss, LossFn, proportional_scale
+from .loss_in_forward import PROPORTIONAL_TOLERANCE, ChunkLoss, LossFn, proportional_scale
 from .options import HeadOptions
 from .softmax import NUM_STATISTICS, SoftmaxSummary, summarize
 
@@ -278,7 +278,9 @@ def _(stats, **options) -> Tensor:
 
 
 def _loss_backend(device: torch.device, options: HeadOptions):
-    return loss_backend(options.backend, device, options.token_chunk, options.entropy_grad)
+    return loss_backend(
+        options.backend, device, options.token_chunk, options.entropy_grad, options.weight_grad_accumulates
+    )
 
 
 @torch.library.custom_op("megatron_fused_lm::loss_statistics", mutates_args=("block", "reference"))
@@ -357,15 +359,21 @@ def _(hidden, weight, target_column, need_hidden, need_weight, **options) -> Lis
 
 class OperatorLossBackend:
     """The ``contract.LossBackend`` of the public loss ops: the backend ``options`` name, its steps
-    run through the custom operators above (so ``torch.compile`` never traces into a backend)."""
+    run through the custom operators above (so ``torch.compile`` never traces into a backend).
+    With ``options.weight_grad_accumulates`` the weight gradient goes into ``weight_grad_into``
+    (float32, the weight's shape) instead of held parts of its own."""
 
-    def __init__(self, options: HeadOptions):
-        self.options = options
+    def __init__(self, options: HeadOptions, weight_grad_into: Optional[Tensor] = None):
+        self.options, self.weight_grad_into = options, weight_grad_into
 
     def allocate(self, problem: ShardProblem, needed: NeededGrads) -> LossState:
+        accumulating = self.options.weight_grad_accumulates
         block, reference, held_hidden, *held_weight = loss_allocate(
-            problem.hidden, problem.weight, problem.target_column, *needed, **self.options.op_arguments()
-        )
+            problem.hidden, problem.weight, problem.target_column, needed.hidden, needed.weight and not accumulating,
+            **self.options.op_arguments(),
+        )  # fmt: skip
+        if accumulating and needed.weight:
+            held_weight = [self.weight_grad_into]
         return LossState(block, reference, held_hidden, held_weight)
 
     def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice) -> Tensor:
@@ -386,15 +394,19 @@ class OperatorLossBackend:
 
 def loss_pass(
     hidden: Tensor, weight: Tensor, target_column: Tensor, loss_fn: LossFn, inputs: Dict[str, Tensor], options: HeadOptions,
-    needed: NeededGrads,
+    needed: NeededGrads, weight_grad_into: Optional[Tensor] = None, grad_scale: Union[float, Tensor] = 1.0,
 ) -> tuple[ChunkLoss, LossState]:  # fmt: skip
     """The three-GEMM pass over detached rows: the chunk step (the loss, log-probs, entropy and
-    saved statistics) and the state with the held gradients."""
+    saved statistics) and the state with the held gradients, which are those of ``grad_scale``
+    times the loss (the weight's added into ``weight_grad_into`` with
+    ``options.weight_grad_accumulates``)."""
     problem = ShardProblem(hidden.detach(), weight.detach(), target_column, options.temperature)
     merge = functools.partial(merge_statistics, **options.op_arguments())
     upstream = needed.hidden or needed.weight
-    chunk_loss = ChunkLoss(loss_fn, inputs, hidden.shape[0], hidden.device, merge, options.entropy_grad, upstream)
-    state = run_loss_pass(OperatorLossBackend(options), problem, chunk_loss, needed)
+    chunk_loss = ChunkLoss(
+        loss_fn, inputs, hidden.shape[0], hidden.device, merge, options.entropy_grad, upstream, grad_scale
+    )
+    state = run_loss_pass(OperatorLossBackend(options, weight_grad_into), problem, chunk_loss, needed)
     return chunk_loss, state
 
 
@@ -462,6 +474,45 @@ class HeldGradientsFunction(torch.autograd.Function):
         held_hidden, *held_weight = ctx.saved_tensors
         grads = finished(held_hidden, held_weight, grad_loss, ctx.dtypes, ctx.options)
         return None, grads.hidden, grads.weight, None, None, *(None for _ in held_weight)
+
+
+class AccumulatedGradientsFunction(torch.autograd.Function):
+    """``loss`` as the output of ``hidden`` and ``weight`` when the pass added ``weight_grad_scale``
+    times the weight gradient into a caller's accumulator in the forward: the backward scales the
+    held hidden gradient by ``upstream / weight_grad_scale`` and gives the weight no gradient. An
+    upstream gradient other than the declared scale (beyond float32 rounding; one host
+    synchronization) gets the difference added exactly by ``correct(upstream - weight_grad_scale)``,
+    a second pass (one warning)."""
+
+    @staticmethod
+    def forward(ctx, loss, hidden, weight, options: HeadOptions, weight_grad_scale: float, correct, held_hidden):
+        ctx.save_for_backward(held_hidden)
+        ctx.options, ctx.hidden_dtype, ctx.consumed = options, hidden.dtype, False
+        ctx.weight_grad_scale, ctx.correct = weight_grad_scale, correct
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        _consume(ctx, "fused_linear_loss")
+        (held_hidden,) = ctx.saved_tensors
+        upstream = grad_loss.float()
+        grad_hidden = None
+        if held_hidden.dim() == 2:
+            ratio = upstream / ctx.weight_grad_scale
+            grad_hidden = held_gradients.scaled_copy(
+                held_hidden, ratio, torch.empty_like(held_hidden, dtype=ctx.hidden_dtype)
+            )
+            if ctx.options.reduce_hidden_grad:
+                all_reduce_sum(grad_hidden, ctx.options.tp_group)
+        declared = ctx.weight_grad_scale
+        if not bool((upstream - declared).abs() <= PROPORTIONAL_TOLERANCE * abs(declared)):
+            warn_once(
+                f"megatron_fused_lm: fused_linear_loss declared weight_grad_scale={declared:g} but its loss received "
+                f"an upstream gradient of {float(upstream):g}; the weight gradient is corrected by a second pass "
+                "(declare the scale the loss receives to avoid it)"
+            )
+            ctx.correct(upstream - declared)
+        return None, grad_hidden, None, None, None, None, None
 
 
 def _consume(ctx, name: str) -> None:

@@ -32,6 +32,22 @@ def check_linear_inputs(hidden: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"hidden size {tuple(hidden.shape)[-1:]} does not match weight's {weight.shape[1]}")
 
 
+def check_accumulator(accumulator: torch.Tensor, weight: torch.Tensor) -> None:
+    """``TypeError`` / ``ValueError`` unless ``accumulator`` is a contiguous float32 tensor of the
+    weight's shape on its device, needing no gradient."""
+    if not isinstance(accumulator, torch.Tensor):
+        raise TypeError(f"weight_grad_into must be a torch.Tensor, got {type(accumulator).__name__}")
+    if accumulator.dtype != torch.float32:
+        raise TypeError(f"weight_grad_into must be float32, got {accumulator.dtype}")
+    if accumulator.shape != weight.shape or accumulator.device != weight.device:
+        raise ValueError(
+            f"weight_grad_into must have the weight's shape {tuple(weight.shape)} on {weight.device}, got "
+            f"{tuple(accumulator.shape)} on {accumulator.device}"
+        )
+    if not accumulator.is_contiguous() or accumulator.requires_grad:
+        raise ValueError("weight_grad_into must be contiguous and need no gradient")
+
+
 def check_on_device(condition: torch.Tensor, message: str) -> None:
     """``ValueError(message)`` unless the bool scalar ``condition`` holds, without a host sync: on
     the CPU (outside compiled graphs) at once; on a GPU or in a compiled graph as an asynchronous

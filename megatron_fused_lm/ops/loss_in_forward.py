@@ -6,7 +6,7 @@ gradients."""
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -86,7 +86,8 @@ def probe_entropy_term(loss_fn: LossFn, input_names: Tuple[str, ...]) -> bool:
 class ChunkLoss:
     """The chunk step both backends' passes are driven with: ``merge`` (the statistics all-gather)
     on a chunk's shard statistics, its log-probs and entropy recorded with the running loss, and,
-    when ``upstream``, the loss's per-token gradients (the entropy's only when ``entropy_grad``)."""
+    when ``upstream``, the loss's per-token gradients (the entropy's only when ``entropy_grad``),
+    times ``grad_scale`` (a float or a 0-dim float32 tensor; 1: as they are)."""
 
     def __init__(
         self,
@@ -97,9 +98,10 @@ class ChunkLoss:
         merge: Callable[[Tensor], Tensor],
         entropy_grad: bool,
         upstream: bool,
+        grad_scale: Union[float, Tensor] = 1.0,
     ):
         self.loss_fn, self.inputs, self.merge = loss_fn, inputs, merge
-        self.entropy_grad, self.upstream = entropy_grad, upstream
+        self.entropy_grad, self.upstream, self.grad_scale = entropy_grad, upstream, grad_scale
         self.logprob, self.entropy, self.lse, self.mean_logit = (
             torch.empty(num_rows, dtype=torch.float32, device=device) for _ in range(4)
         )
@@ -119,7 +121,10 @@ class ChunkLoss:
             return summary, UpstreamGrads(None, None)
         grad_logprob, grad_entropy, chunk_total = per_token_grads(total, summary.logprob, summary.entropy)
         self.total += chunk_total
-        return summary, UpstreamGrads(grad_logprob, grad_entropy if self.entropy_grad else None)
+        grads = UpstreamGrads(grad_logprob, grad_entropy if self.entropy_grad else None)
+        if not (isinstance(self.grad_scale, float) and self.grad_scale == 1.0):
+            grads = UpstreamGrads(*(None if grad is None else grad * self.grad_scale for grad in grads))
+        return summary, grads
 
 
 def per_token_grads(total: Callable[[Tensor, Tensor], Tensor], logprob: Tensor, entropy: Tensor):

@@ -46,6 +46,16 @@ def check_temperature(temperature: float) -> float:
     return float(temperature)
 
 
+def check_weight_grad_scale(scale: float) -> float:
+    """``scale`` as a float; ``TypeError`` unless it is a number, ``ValueError`` unless it is finite
+    and not 0 (the held hidden gradient is divided by it)."""
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"weight_grad_scale must be a number, got {type(scale).__name__}")
+    if scale == 0 or not math.isfinite(scale):
+        raise ValueError(f"weight_grad_scale must be a finite nonzero number, got {scale}")
+    return float(scale)
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadOptions:
     """Every option of the ops, as the custom operators and autograd functions receive it: the
@@ -59,6 +69,7 @@ class HeadOptions:
     tp_group_name: Optional[str] = None  # the tensor-parallel group by its registered name
     entropy_grad: bool = True
     reduce_hidden_grad: bool = True
+    weight_grad_accumulates: bool = False  # the loss path adds the weight gradient into a caller's tensor
 
     @classmethod
     def checked(

@@ -11,6 +11,12 @@ For each case, on one float32 model:
    declaration (another mask) still gets the stock gradients, by the recompute, with a warning;
    declared weights of another shape are an error.
 
+3. Inside Megatron's DistributedDataParallel (float32 gradient buffers, overlapped reduction),
+   ``head.loss(..., main_grad_scale=...)`` adds the output weight's gradient into its
+   ``main_grad`` in the forward: after the backward every parameter's ``main_grad`` equals that of
+   the stock head (logits, Megatron's own backward) through the same DDP, for a declared scale
+   equal to the one the loss receives and for another (then corrected, with a warning).
+
 Tolerances as in test_integration_parity (float32 on both sides, measured errors about 2e-6): 2e-5
 absolute on per-token values and 5e-5 of the largest entry of each stock gradient.
 """
@@ -106,6 +112,61 @@ def loss_worker() -> None:
         check_policy_loss(model, batch, response, label)
         loss_mask = (harness.random_weights(harness.BATCH, harness.SEQ, seed=23) > -0.4).float()
         check_labels_path(model, batch, loss_mask, label)
+
+
+MAIN_GRAD_UPSTREAM = 0.5  # what the schedule multiplies the loss by (1 / num_microbatches)
+
+
+def ddp_main_grads(ddp) -> dict:
+    """Every parameter's ``main_grad`` after the gradient reduction, cloned, by name."""
+    ddp.finish_grad_sync()
+    return {name: parameter.main_grad.clone() for name, parameter in ddp.module.named_parameters()}
+
+
+def check_main_grad_route(model, batch, response, label):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True, bucket_size=4096)
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    targets = batch[3]
+    with torch.no_grad():
+        current, _ = harness.oracle_logprob_entropy(harness.forward(model, batch), targets, TEMPERATURE)
+    inputs = harness.policy_inputs(current, response)
+    grads = {}
+    for run, enabled, declared in (
+        ("stock", False, None),
+        ("declared", True, MAIN_GRAD_UPSTREAM),
+        ("other", True, 1.0),
+    ):
+        ddp.zero_grad_buffer()
+        head = wrap_model(ddp, FusedLMConfig(enabled=enabled, token_chunk=5))
+        _logging._already_warned.clear()
+        with harness.RecordedWarnings() as recorded:
+            result = head.loss(
+                harness.forward(ddp, batch), targets, POLICY_LOSS, loss_inputs=inputs, mask=response,
+                temperature=TEMPERATURE, main_grad_scale=declared,
+            )  # fmt: skip
+            (MAIN_GRAD_UPSTREAM * result.loss).backward()
+        corrected = any("corrected by a second pass" in message for message in recorded.messages)
+        assert corrected == (run == "other"), f"{label} {run}: {recorded.messages}"
+        grads[run] = ddp_main_grads(ddp)
+        assert all(parameter.grad is None for parameter in model.parameters()), f"{label} {run}"
+    for run in ("declared", "other"):
+        harness.assert_grads_close(grads[run], grads["stock"], GRAD_RTOL, f"{label} main_grad, {run} scale")
+
+
+def main_grad_worker() -> None:
+    from devkit.distributed import run_cuda_placements_on_cpu
+
+    run_cuda_placements_on_cpu()  # later releases' gradient reduction asks for the current CUDA stream
+    for sequence_parallel, tied, label in harness.tensor_parallel_cases():
+        model = harness.build_gpt(sequence_parallel=sequence_parallel, tied=tied)
+        positions = torch.arange(harness.SEQ).expand(harness.BATCH, harness.SEQ)
+        check_main_grad_route(model, harness.make_batch(), positions >= harness.SEQ // 3, label)
+
+
+def test_main_grad_route_matches_stock_megatron_ddp():
+    harness.spawn(main_grad_worker, 2)
 
 
 def test_head_loss_and_declared_labels_path_match_stock_megatron():

@@ -91,3 +91,53 @@ def test_the_held_weight_gradient_is_narrowed_once_scaled_in_every_step(monkeypa
     # One rounding of the float32 product: within one bfloat16 step of the float64 oracle's.
     torch.testing.assert_close(grads.weight.double(), expected.double(), rtol=2**-8, atol=0)
     assert (grads.weight.data_ptr() == first_address) == narrow_in_place
+
+
+@pytest.mark.parametrize("peaky", [False, True], ids=["flat", "peaked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("declared", [SCALE, 1.0], ids=["declared-scale", "other-scale"])
+def test_weight_grad_into_receives_the_scaled_weight_gradient_once(declared, dtype, peaky):
+    # The forward adds `declared` times the weight gradient into the accumulator; the loss then
+    # receives SCALE. Declared right, nothing more happens; declared wrong, the backward adds the
+    # difference. Either way the accumulator gains SCALE times the float64 oracle's gradient,
+    # never rounded (float32 products), and the weight gets no autograd gradient.
+    hidden, weight, targets = make_case((ROWS,), HIDDEN, VOCAB, dtype, peaky=peaky, seed=3)
+    generator = torch.Generator().manual_seed(4)
+    inputs = policy_loss_inputs(
+        reference(hidden, weight, targets).logprob, torch.rand(ROWS, generator=generator), generator
+    )
+    expected = loss_reference(hidden, weight, targets, POLICY, inputs)
+    before = 1e-2 * torch.randn(VOCAB, HIDDEN, generator=generator)  # about the gradient's size
+    accumulator = before.clone()
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    result = fused_linear_loss(
+        hidden, weight, targets, POLICY, loss_inputs=inputs, token_chunk=7, weight_grad_into=accumulator,
+        weight_grad_scale=declared,
+    )  # fmt: skip
+    (result.loss * SCALE).backward()
+    assert weight.grad is None
+    added = (accumulator.double() - before.double()) / SCALE
+    # float32 products over float32 or bf16 operands, then one float32 sum with `before`.
+    bound = 1e-5 if dtype == torch.float32 else 2e-2
+    assert relative_error(added, expected.grad_weight) <= bound
+    assert relative_error(hidden.grad, SCALE * expected.grad_hidden) <= 2 * bound
+
+
+def test_weight_grad_into_is_checked_and_left_alone_without_a_weight_gradient():
+    hidden, weight, targets, inputs, _ = case(torch.float32)
+    call = dict(loss_inputs=inputs, token_chunk=7)
+    with pytest.raises(TypeError, match="weight_grad_into must be float32"):
+        fused_linear_loss(
+            hidden, weight.requires_grad_(), targets, POLICY, weight_grad_into=weight.detach().double(), **call
+        )
+    with pytest.raises(ValueError, match="the weight's shape"):
+        fused_linear_loss(hidden, weight, targets, POLICY, weight_grad_into=torch.zeros(VOCAB, HIDDEN + 1), **call)
+    with pytest.raises(ValueError, match="weight_grad_scale must be a finite nonzero"):
+        fused_linear_loss(
+            hidden, weight, targets, POLICY, weight_grad_into=torch.zeros(VOCAB, HIDDEN), weight_grad_scale=0.0, **call
+        )
+    accumulator = torch.zeros(VOCAB, HIDDEN)
+    with torch.no_grad():
+        fused_linear_loss(hidden, weight, targets, POLICY, weight_grad_into=accumulator, **call)
+    assert not accumulator.any()

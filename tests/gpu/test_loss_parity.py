@@ -262,3 +262,27 @@ def test_odd_sizes_temperature_and_mask(shape, temperature, masked, backend):
             current = fused_linear_logprob(hidden, weight, targets, backend=backend, temperature=temperature)
         for loss_fn, loss_inputs in regime_losses(current, gen).values():
             check_regime(hidden, weight, targets, loss_fn, loss_inputs, backend, temperature, mask)
+
+
+@pytest.mark.parametrize("declared", [LOSS_SCALE, 1.0], ids=["declared-scale", "other-scale"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("loss_name", ["sft", "policy"])
+def test_weight_grad_into_against_float64(loss_name, backend, declared):
+    # Several chunks; the weight gradient added into a float32 accumulator (Megatron's main_grad)
+    # in the forward, never rounded: within the recompute path's error, which rounds it to bf16.
+    hidden, weight, targets, gen = make_case(4096, 2048, 151936)
+    loss_fn, loss_inputs = loss_cases(hidden, weight, targets, gen)[loss_name]
+    expected = float64_reference(hidden, weight, targets, loss_fn, loss_inputs)
+    recompute = recompute_path(hidden, weight, targets, loss_fn, loss_inputs, backend)
+    before = 1e-3 * torch.randn(weight.shape, device="cuda", generator=gen)  # about the gradient's size
+    accumulator = before.clone()
+    leaves = [tensor.detach().requires_grad_() for tensor in (hidden, weight)]
+    result = fused_linear_loss(
+        *leaves, targets, loss_fn, loss_inputs=loss_inputs, backend=backend, weight_grad_into=accumulator,
+        weight_grad_scale=declared,
+    )  # fmt: skip
+    (LOSS_SCALE * result.loss).backward()
+    assert leaves[1].grad is None
+    added = accumulator.double() - before.double()
+    assert relative_l2(added, expected[3]) <= GRAD_RATIO * relative_l2(recompute[3], expected[3])
+    assert relative_l2(leaves[0].grad, expected[2]) <= GRAD_RATIO * relative_l2(recompute[2], expected[2])

@@ -36,11 +36,14 @@ def recompute_backend(backend: str, device: torch.device, token_chunk: Optional[
     return TorchRecompute(token_chunk=token_chunk)
 
 
-def loss_backend(backend: str, device: torch.device, token_chunk: Optional[int], entropy_grad: bool) -> LossBackend:
+def loss_backend(
+    backend: str, device: torch.device, token_chunk: Optional[int], entropy_grad: bool, weight_grad_accumulates: bool
+) -> LossBackend:
     """The three-GEMM path's implementation of ``backend`` for tensors on ``device``, for a loss with
-    (``entropy_grad``) or without an entropy term."""
+    (``entropy_grad``) or without an entropy term; with ``weight_grad_accumulates`` the held weight
+    gradient is a caller's accumulator, which every chunk adds to."""
     if _runs_triton(backend, device):
         from .triton_loss import TritonLoss
 
-        return TritonLoss(token_chunk=token_chunk, entropy_grad=entropy_grad)
-    return TorchLoss(token_chunk=token_chunk, entropy_grad=entropy_grad)
+        return TritonLoss(token_chunk, entropy_grad, weight_grad_accumulates)
+    return TorchLoss(token_chunk, entropy_grad, weight_grad_accumulates)

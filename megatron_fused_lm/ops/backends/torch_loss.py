@@ -19,10 +19,12 @@ from .torch_recompute import chunk_rows
 @dataclass(frozen=True)
 class TorchLoss:
     """``token_chunk``: rows per chunk (``torch_recompute.chunk_rows``); ``entropy_grad``: whether
-    the loss has an entropy term (the block is float32 either way)."""
+    the loss has an entropy term (the block is float32 either way); ``weight_grad_accumulates``:
+    the held weight gradient is a caller's accumulator, added to from the first chunk on."""
 
     token_chunk: Optional[int] = None
     entropy_grad: bool = True
+    weight_grad_accumulates: bool = False
 
     def allocate(self, problem: ShardProblem, needed: NeededGrads) -> LossState:
         hidden, weight = problem.hidden, problem.weight
@@ -48,7 +50,8 @@ class TorchLoss:
         del grad
         if state.held_hidden.dim() == 2:
             add_product(state.held_hidden[rows], operand, weight, accumulate=False)
-        held_gradients.add_weight_product(state.held_weight, operand, problem.hidden[rows], rows.start > 0)
+        accumulate = rows.start > 0 or self.weight_grad_accumulates
+        held_gradients.add_weight_product(state.held_weight, operand, problem.hidden[rows], accumulate)
         chosen = chosen_logit_grad(target_column, summary, *upstream) / problem.temperature
         held_gradients.add_chosen(
             state.held_hidden, state.held_weight, rows, target_column, chosen, problem.hidden[rows], weight

@@ -51,11 +51,13 @@ def reads_block_directly(state: LossState, weight: torch.Tensor, upstream: Upstr
 @dataclass(frozen=True)
 class TritonLoss:
     """``token_chunk``: rows per chunk (``triton_tuning.loss_token_chunk``); ``entropy_grad``:
-    whether the loss has an entropy term (``triton_reference.stored_dtype``); ``tuning``: fixed
-    choices."""
+    whether the loss has an entropy term (``triton_reference.stored_dtype``);
+    ``weight_grad_accumulates``: the held weight gradient is a caller's accumulator, added to from
+    the first chunk on; ``tuning``: fixed choices."""
 
     token_chunk: Optional[int] = None
     entropy_grad: bool = True
+    weight_grad_accumulates: bool = False
     tuning: TritonTuning = field(default_factory=TritonTuning)
 
     def allocate(self, problem: ShardProblem, needed: NeededGrads) -> LossState:
@@ -147,4 +149,5 @@ class TritonLoss:
             hidden = problem.hidden[rows]
             if factor is not None:
                 hidden = (hidden * factor.unsqueeze(1)).to(weight.dtype)
-            held_gradients.add_weight_product(state.held_weight, operand, hidden, accumulate=rows.start > 0)
+            accumulate = rows.start > 0 or self.weight_grad_accumulates
+            held_gradients.add_weight_product(state.held_weight, operand, hidden, accumulate)

@@ -210,7 +210,7 @@ class Benchmark:
                 )
             else:
                 self.measure_row(
-                    lambda: sft_step(method, self.competitors, inputs),
+                    lambda: sft_step(method, self.competitors, inputs, self.args.loss_token_chunk),
                     inputs,
                     record=lambda row, grad: self.record_sft_error(row, method, inputs, sample, reference, grad),
                     section="sft",
@@ -251,7 +251,7 @@ class Benchmark:
                 self.measure_row(lambda: floor_step(inputs, recompute=False), inputs, **fields)
             else:
                 self.measure_row(
-                    lambda: rl_loss_step(method, inputs, loss_fn, loss_inputs),
+                    lambda: rl_loss_step(method, inputs, loss_fn, loss_inputs, self.args.loss_token_chunk),
                     inputs,
                     record=lambda row, outputs: record_loss_errors(row, outputs, sample, reference),
                     **fields,
@@ -445,6 +445,12 @@ def parse_args():
     parser.add_argument("--fractions", type=comma_list(float), default="1,0.5,0.25")
     parser.add_argument(
         "--sequence-length", type=int, default=4096, help="tokens per packed sequence in the fractions section"
+    )
+    parser.add_argument(
+        "--loss-token-chunk",
+        type=int,
+        default=None,
+        help="sft and rl_loss: rows per chunk of ours (fused_linear_loss's token_chunk; default its rule)",
     )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the logic on tiny shapes")

@@ -21,9 +21,9 @@ FORWARD_METHODS = ("floor1", "triton", "liger_flsce")
 # Mean cross-entropy (the SFT use); "floor" is the three GEMMs (logits, grad_hidden, grad_weight).
 # "ours" finishes the gradients in the forward (fused_linear_loss: three GEMMs), "recompute" is the
 # mean of the per-token op's log-probs (fused_linear_logprob: the logits again in the backward, four).
-SFT_METHODS = ("floor", "stock", "ours", "recompute", "liger", "cce")
+SFT_METHODS = ("floor", "stock", "ours", "ours_main_grad", "recompute", "liger", "cce")
 # A policy loss known in the forward (the RL loss); "floor3" is the three GEMMs, as for SFT.
-RL_LOSS_METHODS = ("floor3", "stock", "recompute", "ours")
+RL_LOSS_METHODS = ("floor3", "stock", "recompute", "ours", "ours_main_grad")
 
 # The RL-loss section's per-token loss: DAPO's asymmetric clip with an entropy bonus, token mean.
 CLIP_LOW, CLIP_HIGH, ENTROPY_COEF = 0.2, 0.28, 0.01
@@ -144,24 +144,44 @@ def forward_step(method, inputs, competitors=None):
     return step
 
 
+def main_grad_for(method, inputs):
+    """For ``ours_main_grad``: a float32 accumulator of the weight's shape, made before the
+    measurement as Megatron's DDP keeps one per parameter (its ``main_grad``); else ``None``."""
+    if method != "ours_main_grad":
+        return None
+    return torch.zeros(inputs.weight.shape, dtype=torch.float32, device=inputs.weight.device)
+
+
+def main_grad_route(weight, main_grad):
+    """``fused_linear_loss``'s weight arguments inside Megatron's DDP, as ``FusedLMHead.loss(...,
+    main_grad_scale=1.0)`` passes them: the weight gradient added into ``main_grad`` in the
+    forward, and the weight behind the integration's ``MainGradWritten``, which hands autograd the
+    dummy gradient Megatron's own layers hand it (weight-sized, allocated in the backward)."""
+    from megatron_fused_lm.integration.megatron_compat import MainGradWritten
+
+    return dict(weight=MainGradWritten.apply(weight), weight_grad_into=main_grad, weight_grad_scale=1.0)
+
+
 def sft_weights(inputs):
     """The per-token weights of the mean cross-entropy over every token (``losses.cross_entropy``)."""
     return losses.token_mean_weights(torch.ones_like(inputs.targets, dtype=torch.float32))
 
 
-def sft_loss(method, competitors, hidden, weight, targets, reduction, weights=None):
+def sft_loss(method, competitors, hidden, weight, targets, reduction, weights=None, token_chunk=None, main_grad=None):
     """Cross-entropy per token (``reduction="none"``) or its mean. ``recompute`` is the negated
     log-prob of the per-token op, as Megatron's labels path computes it; ``ours`` is
     ``fused_linear_loss`` with ``losses.cross_entropy`` and token-mean ``weights`` (made here when
-    not given)."""
+    not given); ``ours_main_grad`` the same through ``main_grad_route`` with ``main_grad``."""
     if method in ("liger", "cce"):
         return competitors[method](hidden, weight, targets, reduction=reduction)
-    if method == "ours":
+    if method in ("ours", "ours_main_grad"):
         if weights is None:
             weights = losses.token_mean_weights(torch.ones_like(targets, dtype=torch.float32))
+        route = main_grad_route(weight, main_grad) if method == "ours_main_grad" else {"weight": weight}
         result = fused_linear_loss(
-            hidden, weight, targets, losses.cross_entropy, loss_inputs={"weight": weights}, backend=FUSED_BACKEND
-        )
+            hidden, targets=targets, loss_fn=losses.cross_entropy, loss_inputs={"weight": weights},
+            backend=FUSED_BACKEND, token_chunk=token_chunk, **route,
+        )  # fmt: skip
         return result.loss if reduction == "mean" else -result.logprob
     if method == "stock":
         nll = -logits_logprob(hidden @ weight.t(), targets)
@@ -172,13 +192,16 @@ def sft_loss(method, competitors, hidden, weight, targets, reduction, weights=No
     return nll.mean() if reduction == "mean" else nll
 
 
-def sft_step(method, competitors, inputs):
+def sft_step(method, competitors, inputs, token_chunk=None):
     """``loss.backward()`` of the mean cross-entropy; returns the hidden states' gradient (for the
     error check; the benchmark drops it after reading the sampled rows)."""
     weights = sft_weights(inputs)  # made before the measurement, as a trainer would have it
+    main_grad = main_grad_for(method, inputs)
 
     def step():
-        loss = sft_loss(method, competitors, inputs.hidden, inputs.weight, inputs.targets, "mean", weights)
+        loss = sft_loss(
+            method, competitors, inputs.hidden, inputs.weight, inputs.targets, "mean", weights, token_chunk, main_grad
+        )
         loss.backward()
         return inputs.hidden.grad
 
@@ -222,14 +245,16 @@ def policy_loss_inputs(inputs, kl_coef=0.0, seed=2):
     return loss_inputs
 
 
-def rl_loss_step(method, inputs, loss_fn, loss_inputs):
+def rl_loss_step(method, inputs, loss_fn, loss_inputs, token_chunk=None):
     """``loss.backward()`` of the summed per-token ``loss_fn``; returns ``(loss, logprob, entropy,
     hidden's gradient)``, detached, for the error check.
 
     - ``stock``: bf16 logits materialized, then ``logits_loss`` (float32 softmax, autograd);
     - ``recompute``: ``fused_linear_logprob`` with entropy, ``loss_fn`` on its flattened results
       and autograd into the per-token op's backward (four GEMMs);
-    - ``ours``: ``fused_linear_loss`` (three GEMMs, the gradients finished in the forward)."""
+    - ``ours``: ``fused_linear_loss`` (three GEMMs, the gradients finished in the forward);
+    - ``ours_main_grad``: the same through ``main_grad_route``."""
+    main_grad = main_grad_for(method, inputs)
 
     def step():
         hidden, weight, targets = inputs.hidden, inputs.weight, inputs.targets
@@ -239,10 +264,12 @@ def rl_loss_step(method, inputs, loss_fn, loss_inputs):
             logprob, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, backend=FUSED_BACKEND)
             flat = {name: value.reshape(-1) for name, value in loss_inputs.items()}
             loss = loss_fn(logprob.reshape(-1), entropy.reshape(-1), **flat).sum()
-        elif method == "ours":
+        elif method in ("ours", "ours_main_grad"):
+            route = main_grad_route(weight, main_grad) if method == "ours_main_grad" else {"weight": weight}
             loss, logprob, entropy = fused_linear_loss(
-                hidden, weight, targets, loss_fn, loss_inputs=loss_inputs, backend=FUSED_BACKEND
-            )
+                hidden, targets=targets, loss_fn=loss_fn, loss_inputs=loss_inputs, backend=FUSED_BACKEND,
+                token_chunk=token_chunk, **route,
+            )  # fmt: skip
         else:
             raise ValueError(f"unknown RL-loss method {method!r}")
         loss.backward()

@@ -35,6 +35,7 @@ METHOD_STYLES = {
     "liger_flsce": ("liger-kernel CuTe (fused linear scaled CE)", "tab:pink", "P"),
     "cce": ("cut-cross-entropy", "tab:brown", "D"),
     "recompute": ("recompute (our per-token op, then the loss: 4 GEMMs)", "tab:green", "v"),
+    "ours_main_grad": ("ours, weight gradient into Megatron's main_grad", "tab:red", "X"),
     "floor": ("GEMM floor (cuBLAS products alone)", "0.35", None),
     "floor3": ("GEMM floor (the three cuBLAS products alone)", "0.35", None),
     "floor1": ("GEMM floor (the logits product alone)", "0.35", None),
@@ -161,22 +162,25 @@ def forward_table(rows):
 def sft_table(rows):
     header = (
         "| tokens x hidden x vocab | floor (3 GEMMs) | stock | liger-kernel | cut-cross-entropy "
-        "| recompute (4 GEMMs) | ours (3 GEMMs) | recompute / floor | ours / floor "
-        "| log-prob err stock / liger / cce / recompute / ours "
-        "| grad_hidden err stock / liger / cce / recompute / ours |"
+        "| recompute (4 GEMMs) | ours (3 GEMMs) | ours into main_grad | recompute / floor | ours / floor "
+        "| ours into main_grad / floor | log-prob err stock / liger / cce / recompute / ours / ours into main_grad "
+        "| grad_hidden err stock / liger / cce / recompute / ours / ours into main_grad |"
     )
-    methods = ("stock", "liger", "cce", "recompute", "ours")
-    return floor_table(rows, "sft", methods, header, ratios=("recompute", "ours"), grad_errors=True)
+    methods = ("stock", "liger", "cce", "recompute", "ours", "ours_main_grad")
+    ratios = ("recompute", "ours", "ours_main_grad")
+    return floor_table(rows, "sft", methods, header, ratios=ratios, grad_errors=True)
 
 
 def rl_loss_table(rows):
     header = (
         "| tokens x hidden x vocab | floor (3 GEMMs) | stock | recompute (4 GEMMs) | ours (3 GEMMs) "
-        "| recompute / floor | ours / floor | log-prob err stock / recompute / ours "
-        "| grad_hidden err stock / recompute / ours |"
+        "| ours into main_grad | recompute / floor | ours / floor | ours into main_grad / floor "
+        "| log-prob err stock / recompute / ours / ours into main_grad "
+        "| grad_hidden err stock / recompute / ours / ours into main_grad |"
     )
-    methods = ("stock", "recompute", "ours")
-    return floor_table(rows, "rl_loss", methods, header, ratios=("recompute", "ours"), floor="floor3", grad_errors=True)
+    methods = ("stock", "recompute", "ours", "ours_main_grad")
+    ratios = ("recompute", "ours", "ours_main_grad")
+    return floor_table(rows, "rl_loss", methods, header, ratios=ratios, floor="floor3", grad_errors=True)
 
 
 def scaling_table(rows):

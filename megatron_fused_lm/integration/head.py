@@ -122,15 +122,21 @@ def call_loss(
 ) -> FusedLoss:
     """``fused_linear_loss`` for one projection ``call``; ``main_grad_scale`` and ``options`` as
     ``FusedLMHead.loss``'s."""
-    weight, accumulation = call.weight, {}
-    if main_grad_scale is not None and weight.requires_grad and torch.is_grad_enabled():
-        into = float32_main_grad(weight)
-        weight = MainGradWritten.apply(weight)
-        accumulation = dict(weight_grad_into=into, weight_grad_scale=main_grad_scale)
+    weight, accumulation = main_grad_route(call.weight, main_grad_scale)
     return fused_linear_loss(
         hidden, weight, targets, loss_fn, tp_group=call.tp_group, backend=config.backend,
         token_chunk=config.token_chunk, reduce_hidden_grad=call.reduce_hidden_grad, **accumulation, **options,
     )  # fmt: skip
+
+
+def main_grad_route(weight: torch.Tensor, main_grad_scale: Optional[float]) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """``(weight, arguments)`` for a three-GEMM op: with a ``main_grad_scale`` and a weight gradient
+    to compute, the weight behind ``MainGradWritten`` and the op's ``weight_grad_into`` (its
+    float32 ``main_grad``) and ``weight_grad_scale``; otherwise the weight as it is and none."""
+    if main_grad_scale is None or not (weight.requires_grad and torch.is_grad_enabled()):
+        return weight, {}
+    into = float32_main_grad(weight)
+    return MainGradWritten.apply(weight), dict(weight_grad_into=into, weight_grad_scale=main_grad_scale)
 
 
 def logits_group(
@@ -158,14 +164,17 @@ def call_labels_loss(
     hidden: torch.Tensor,
     targets: torch.Tensor,
     declared: Optional[torch.Tensor],
+    main_grad_scale: Optional[float] = None,
 ) -> torch.Tensor:
     """The labels path's per-token cross-entropy for one projection ``call``: ``-logprob`` (four
-    GEMMs), or ``fused_linear_cross_entropy`` for the ``declared`` weights (three)."""
+    GEMMs), or ``fused_linear_cross_entropy`` for the ``declared`` weights (three), the weight
+    gradient into ``main_grad`` with a ``main_grad_scale`` (``main_grad_route``)."""
     if declared is None:
         return -call_logprobs(call, config, hidden, targets, temperature=1.0)
+    weight, accumulation = main_grad_route(call.weight, main_grad_scale)
     return fused_linear_cross_entropy(
-        hidden, call.weight, targets, declared, tp_group=call.tp_group, backend=config.backend,
-        token_chunk=config.token_chunk, reduce_hidden_grad=call.reduce_hidden_grad,
+        hidden, weight, targets, declared, tp_group=call.tp_group, backend=config.backend,
+        token_chunk=config.token_chunk, reduce_hidden_grad=call.reduce_hidden_grad, **accumulation,
     )  # fmt: skip
 
 
@@ -248,7 +257,7 @@ class _Patch:
         check_declared_shape(declared, labels)
         losses = call_labels_loss(
             head._call_for(logits), head.config, logits, labels.transpose(0, 1),
-            None if declared is None else declared.transpose(0, 1),
+            None if declared is None else declared.transpose(0, 1), head._declared_main_grad_scale,
         )  # fmt: skip
         return losses.transpose(0, 1).contiguous()
 
@@ -275,6 +284,7 @@ class FusedLMHead:
         self._stock_layers: List[Tuple[torch.nn.Module, torch.nn.Module]] = []
         self._last_call: Optional[_HeadCall] = None
         self._declared_weights: Optional[torch.Tensor] = None
+        self._declared_main_grad_scale: Optional[float] = None
         self._detached = False
         self._stock_logits_depth = threading.local()  # per thread: a context holds for its own thread
 
@@ -372,7 +382,7 @@ class FusedLMHead:
             temperature=temperature, mask=mask, token_chunk=self.config.token_chunk,
         )  # fmt: skip
 
-    def declare_loss_weights(self, weights: Optional[torch.Tensor]) -> None:
+    def declare_loss_weights(self, weights: Optional[torch.Tensor], main_grad_scale: Optional[float] = None) -> None:
         """Declare the per-token weights of the labels-path loss, so that ``model(...,
         labels=labels)`` finishes the gradients in its forward (three GEMMs instead of four).
 
@@ -385,6 +395,12 @@ class FusedLMHead:
         multi-token-prediction loss) it recomputes the exact gradient (four GEMMs, one warning).
         While a forward's gradients wait for its backward they hold one extra copy of the hidden
         gradient and the weight-shard gradient. A stock (unfused) head ignores the declaration.
+
+        ``main_grad_scale``: inside Megatron's DistributedDataParallel (float32 gradient buffers),
+        the scale ``c`` itself, declared too: the forward then adds the output weight's gradient
+        for ``c * weights`` straight into its ``main_grad`` and holds no weight-shard copy (as
+        ``loss``'s ``main_grad_scale``); another upstream gradient gets the difference by a second
+        pass, with one warning.
         """
         if weights is not None:
             if not isinstance(weights, torch.Tensor):
@@ -393,6 +409,7 @@ class FusedLMHead:
                 raise ValueError(f"loss weights must be [b, s] like the labels, got shape {tuple(weights.shape)}")
             weights = weights.detach()
         self._declared_weights = weights
+        self._declared_main_grad_scale = None if weights is None else main_grad_scale
 
     @contextlib.contextmanager
     def stock_logits(self) -> Iterator[None]:

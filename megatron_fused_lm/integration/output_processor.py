@@ -93,6 +93,9 @@ class FusedOutputProcessor:
             ``loss_mask`` as the loss weights, as ``FusedLMHead.declare_loss_weights`` does: three
             GEMMs when the upstream gradient of the per-token loss is proportional to it (Megatron's
             SFT reduction), the exact recompute with one warning otherwise.
+        main_grad_scale: with ``declare_loss_mask``, the scale of that reduction, declared too:
+            the output weight's gradient then goes straight into its ``main_grad`` in the forward
+            (``FusedLMHead.declare_loss_weights`` says how).
 
     Attributes:
         fused: whether the processor computes from the hidden states (``False``: the config is
@@ -105,7 +108,14 @@ class FusedOutputProcessor:
             a model class without the hook); use ``wrap_model`` there.
     """
 
-    def __init__(self, model: Any, config: FusedLMConfig, *, declare_loss_mask: bool = False):
+    def __init__(
+        self,
+        model: Any,
+        config: FusedLMConfig,
+        *,
+        declare_loss_mask: bool = False,
+        main_grad_scale: Optional[float] = None,
+    ):
         if not isinstance(config, FusedLMConfig):
             raise TypeError(f"config must be a FusedLMConfig, got {type(config).__name__}")
         if not accepts_output_processor(model):
@@ -116,6 +126,7 @@ class FusedOutputProcessor:
             )
         self.config = config
         self.declare_loss_mask = declare_loss_mask
+        self.main_grad_scale = main_grad_scale
         self.fallback_reason: Optional[str] = None
         chunks = [(chunk, output_layer_of(chunk)) for chunk in model_chunks(model)]
         chunks = [(chunk, layer) for chunk, layer in chunks if layer is not None]
@@ -177,7 +188,7 @@ class FusedOutputProcessor:
         hidden = scale_logits(hidden)  # a scalar (MuP), which commutes with the projection
         # [s, b] throughout, the hidden states' layout; the results come back [b, s].
         if context is None:
-            losses = call_labels_loss(call, self.config, hidden, _swap(labels), _swap(declared))
+            losses = call_labels_loss(call, self.config, hidden, _swap(labels), _swap(declared), self.main_grad_scale)
             return _batch_first(losses)
         if isinstance(context, LogprobRequest):
             result = call_logprobs(

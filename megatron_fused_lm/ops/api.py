@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .boundary import (
+    AccumulatedCrossEntropyFunction,
     AccumulatedGradientsFunction,
     DeclaredCrossEntropyFunction,
     HeldGradientsFunction,
@@ -236,27 +237,55 @@ def fused_linear_loss(
     return FusedLoss(loss, selection.place(logprob), selection.place(entropy))
 
 
+def _accumulating_options(
+    options: HeadOptions, weight: Tensor, weight_grad_into: Tensor, weight_grad_scale: float
+) -> tuple[HeadOptions, float]:
+    """The options of a pass that adds the weight gradient into ``weight_grad_into``, and the
+    checked scale, after the checks of both arguments."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("weight_grad_into runs eagerly only, not under torch.compile")
+    check_accumulator(weight_grad_into, weight)
+    scale = check_weight_grad_scale(weight_grad_scale)
+    return dataclasses.replace(options, weight_grad_accumulates=True), scale
+
+
 def _accumulating_loss(
     rows, weight, selection, loss_fn, inputs, options: HeadOptions, needed, weight_grad_into, weight_grad_scale
 ) -> FusedLoss:
     """``fused_linear_loss`` with the weight gradient added into ``weight_grad_into`` in the forward."""
-    if torch.compiler.is_compiling():
-        raise NotImplementedError("fused_linear_loss: weight_grad_into runs eagerly only, not under torch.compile")
-    check_accumulator(weight_grad_into, weight)
-    scale = check_weight_grad_scale(weight_grad_scale)
-    options = dataclasses.replace(options, weight_grad_accumulates=True)
+    options, scale = _accumulating_options(options, weight, weight_grad_into, weight_grad_scale)
     column = selection.target_column
     chunk_loss, state = loss_pass(rows, weight, column, loss_fn, inputs, options, needed, weight_grad_into, scale)
 
-    def correct(difference: Tensor) -> None:
-        loss_pass(
-            rows, weight, column, loss_fn, inputs, options, NeededGrads(False, True), weight_grad_into, difference
-        )
+    def correct(difference: Tensor) -> Tensor:
+        _, extra = loss_pass(rows, weight, column, loss_fn, inputs, options, needed, weight_grad_into, difference)
+        return extra.held_hidden
 
     loss = AccumulatedGradientsFunction.apply(
         chunk_loss.total, rows, weight, options, scale, correct, state.held_hidden
     )
     return FusedLoss(loss, selection.place(chunk_loss.logprob), selection.place(chunk_loss.entropy))
+
+
+def _accumulating_cross_entropy(
+    rows, weight, column, declared, options: HeadOptions, needed, weight_grad_into, weight_grad_scale
+) -> Tensor:
+    """``fused_linear_cross_entropy``'s per-token losses with the weight gradient added into
+    ``weight_grad_into`` in the forward."""
+    options, scale = _accumulating_options(options, weight, weight_grad_into, weight_grad_scale)
+    inputs = {"weight": declared}
+    chunk_loss, state = loss_pass(rows, weight, column, cross_entropy, inputs, options, needed, weight_grad_into, scale)
+
+    def correct(missing: Tensor) -> Tensor:
+        # The gradient is linear in the per-token upstream: a pass weighted by what is missing adds it.
+        _, extra = loss_pass(
+            rows, weight, column, cross_entropy, {"weight": missing}, options, needed, weight_grad_into
+        )
+        return extra.held_hidden
+
+    return AccumulatedCrossEntropyFunction.apply(
+        -chunk_loss.logprob, rows, weight, options, declared, scale, correct, state.held_hidden
+    )
 
 
 def fused_linear_cross_entropy(
@@ -270,6 +299,8 @@ def fused_linear_cross_entropy(
     backend: str = "torch",
     token_chunk: Optional[int] = None,
     reduce_hidden_grad: bool = True,
+    weight_grad_into: Optional[Tensor] = None,
+    weight_grad_scale: float = 1.0,
 ) -> Tensor:
     """Per-token cross-entropy ``-logprob [...]`` (float32), its gradients computed in the forward
     (three GEMMs) for an upstream gradient declared up to a scalar: ``c * declared_weights``.
@@ -284,6 +315,10 @@ def fused_linear_cross_entropy(
     Args:
         declared_weights: ``[...]`` (``targets``' shape) float or bool per-token weights, needing
             no gradient, the same on every rank of ``tp_group``.
+        weight_grad_into, weight_grad_scale: as for ``fused_linear_loss``, with the upstream
+            gradient declared as ``weight_grad_scale * declared_weights``: the forward adds that
+            weight gradient into ``weight_grad_into``; the backward checks what arrives and adds
+            the difference by a second pass when it differs.
         the rest: as for ``fused_linear_loss``.
     """
     options, selection, rows = _fused_rows(
@@ -296,6 +331,11 @@ def fused_linear_cross_entropy(
     declared = declared.float()
     needed = needed_grads(rows, weight)
     column = selection.target_column
+    if weight_grad_into is not None and needed.weight:
+        losses_per_token = _accumulating_cross_entropy(
+            rows, weight, column, declared, options, needed, weight_grad_into, weight_grad_scale
+        )
+        return selection.place(losses_per_token)
     chunk_loss, state = loss_pass(rows, weight, column, cross_entropy, {"weight": declared}, options, needed)
     losses_per_token = -chunk_loss.logprob
     if needed.hidden or needed.weight:

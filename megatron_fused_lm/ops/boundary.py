@@ -476,13 +476,33 @@ class HeldGradientsFunction(torch.autograd.Function):
         return None, grads.hidden, grads.weight, None, None, *(None for _ in held_weight)
 
 
+def _accumulated_hidden(ctx, held_hidden: Tensor, ratio: Optional[Tensor], extra: Optional[Tensor]) -> Optional[Tensor]:
+    """The hidden gradient of an accumulating pass: the held one times ``ratio`` (the upstream
+    over the declared scale), or plus ``extra`` (a correcting pass's), rounded once into hidden's
+    dtype, then summed over the group when asked."""
+    if held_hidden.dim() != 2:
+        return None
+    total = held_hidden if extra is None else held_hidden + extra
+    grad = held_gradients.scaled_copy(total, ratio, torch.empty_like(total, dtype=ctx.hidden_dtype))
+    if ctx.options.reduce_hidden_grad:
+        all_reduce_sum(grad, ctx.options.tp_group)
+    return grad
+
+
+def _warn_of_correction(name: str, declared: float, received: str) -> None:
+    warn_once(
+        f"megatron_fused_lm: {name} declared weight_grad_scale={declared:g} but its loss received {received}; the "
+        "weight gradient is corrected by a second pass (declare what the loss receives to avoid it)"
+    )
+
+
 class AccumulatedGradientsFunction(torch.autograd.Function):
     """``loss`` as the output of ``hidden`` and ``weight`` when the pass added ``weight_grad_scale``
-    times the weight gradient into a caller's accumulator in the forward: the backward scales the
-    held hidden gradient by ``upstream / weight_grad_scale`` and gives the weight no gradient. An
-    upstream gradient other than the declared scale (beyond float32 rounding; one host
-    synchronization) gets the difference added exactly by ``correct(upstream - weight_grad_scale)``,
-    a second pass (one warning)."""
+    (``s``) times the weight gradient into a caller's accumulator in the forward: the backward
+    gives the weight no gradient and the hidden gradient for the upstream ``c`` it receives. For
+    ``c == s`` (within ``PROPORTIONAL_TOLERANCE``; one host synchronization) that is the held one
+    times ``c / s``; otherwise ``correct(c - s)``, a second pass, adds the difference to the
+    accumulator and returns its hidden gradient (one warning)."""
 
     @staticmethod
     def forward(ctx, loss, hidden, weight, options: HeadOptions, weight_grad_scale: float, correct, held_hidden):
@@ -495,24 +515,45 @@ class AccumulatedGradientsFunction(torch.autograd.Function):
     def backward(ctx, grad_loss):
         _consume(ctx, "fused_linear_loss")
         (held_hidden,) = ctx.saved_tensors
-        upstream = grad_loss.float()
-        grad_hidden = None
-        if held_hidden.dim() == 2:
-            ratio = upstream / ctx.weight_grad_scale
-            grad_hidden = held_gradients.scaled_copy(
-                held_hidden, ratio, torch.empty_like(held_hidden, dtype=ctx.hidden_dtype)
-            )
-            if ctx.options.reduce_hidden_grad:
-                all_reduce_sum(grad_hidden, ctx.options.tp_group)
+        upstream, declared = grad_loss.float(), ctx.weight_grad_scale
+        if bool((upstream - declared).abs() <= PROPORTIONAL_TOLERANCE * abs(declared)):
+            return None, _accumulated_hidden(ctx, held_hidden, upstream / declared, None), *(None,) * 5
+        _warn_of_correction("fused_linear_loss", declared, f"an upstream gradient of {float(upstream):g}")
+        extra = ctx.correct(upstream - declared)
+        return None, _accumulated_hidden(ctx, held_hidden, None, extra), *(None,) * 5
+
+
+class AccumulatedCrossEntropyFunction(torch.autograd.Function):
+    """Per-token ``-logprob [n]`` as the output of ``hidden`` and ``weight`` when the pass added the
+    weight gradient for the upstream ``weight_grad_scale * declared`` (``s * d``) into a caller's
+    accumulator in the forward. The backward gives the weight no gradient; for an upstream ``u =
+    c * d`` with ``c == s`` (one host synchronization) the hidden gradient is the held one times
+    ``c / s``; for any other ``u``, ``correct(u - s * d)``, a second pass, adds the difference to
+    the accumulator and returns its hidden gradient (one warning)."""
+
+    @staticmethod
+    def forward(
+        ctx, losses, hidden, weight, options: HeadOptions, declared, weight_grad_scale: float, correct, held_hidden
+    ):
+        ctx.save_for_backward(declared, held_hidden)
+        ctx.options, ctx.hidden_dtype, ctx.consumed = options, hidden.dtype, False
+        ctx.weight_grad_scale, ctx.correct = weight_grad_scale, correct
+        return losses.clone()
+
+    @staticmethod
+    def backward(ctx, grad_losses):
+        _consume(ctx, "fused_linear_cross_entropy")
+        declared_weights, held_hidden = ctx.saved_tensors
         declared = ctx.weight_grad_scale
-        if not bool((upstream - declared).abs() <= PROPORTIONAL_TOLERANCE * abs(declared)):
-            warn_once(
-                f"megatron_fused_lm: fused_linear_loss declared weight_grad_scale={declared:g} but its loss received "
-                f"an upstream gradient of {float(upstream):g}; the weight gradient is corrected by a second pass "
-                "(declare the scale the loss receives to avoid it)"
-            )
-            ctx.correct(upstream - declared)
-        return None, grad_hidden, None, None, None, None, None
+        scale = proportional_scale(grad_losses, declared_weights)
+        if scale is not None and bool((scale - declared).abs() <= PROPORTIONAL_TOLERANCE * abs(declared)):
+            return None, _accumulated_hidden(ctx, held_hidden, scale / declared, None), *(None,) * 6
+        received = "an upstream gradient not proportional to the declared weights"
+        if scale is not None:
+            received = f"{float(scale):g} times the declared weights"
+        _warn_of_correction("fused_linear_cross_entropy", declared, received)
+        extra = ctx.correct(grad_losses.float() - declared * declared_weights)
+        return None, _accumulated_hidden(ctx, held_hidden, None, extra), *(None,) * 6
 
 
 def _consume(ctx, name: str) -> None:

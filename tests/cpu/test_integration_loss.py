@@ -15,7 +15,9 @@ For each case, on one float32 model:
    ``head.loss(..., main_grad_scale=...)`` adds the output weight's gradient into its
    ``main_grad`` in the forward: after the backward every parameter's ``main_grad`` equals that of
    the stock head (logits, Megatron's own backward) through the same DDP, for a declared scale
-   equal to the one the loss receives and for another (then corrected, with a warning).
+   equal to the one the loss receives and for another (then corrected, with a warning). The same
+   for the labels path with ``declare_loss_weights(loss_mask, main_grad_scale=...)``, plus an
+   upstream gradient of another mask.
 
 Tolerances as in test_integration_parity (float32 on both sides, measured errors about 2e-6): 2e-5
 absolute on per-token values and 5e-5 of the largest entry of each stock gradient.
@@ -153,6 +155,39 @@ def check_main_grad_route(model, batch, response, label):
         assert all(parameter.grad is None for parameter in model.parameters()), f"{label} {run}"
     for run in ("declared", "other"):
         harness.assert_grads_close(grads[run], grads["stock"], GRAD_RTOL, f"{label} main_grad, {run} scale")
+    check_main_grad_labels_path(ddp, model, batch, label)
+
+
+def check_main_grad_labels_path(ddp, model, batch, label):
+    """The labels path with declared loss weights and their scale: Megatron's SFT reduction
+    ``sum(losses * loss_mask) / count`` times the micro-batch scale receives ``c * loss_mask``."""
+    targets = batch[3]
+    loss_mask = (harness.random_weights(harness.BATCH, harness.SEQ, seed=29) > -0.4).float()
+    scale = MAIN_GRAD_UPSTREAM / float(loss_mask.sum())
+    grads = {}
+    cases = (
+        ("stock", False, loss_mask, None, False),
+        ("declared", True, loss_mask, scale, False),
+        ("other scale", True, loss_mask, 1.0, True),
+        ("other mask", True, torch.roll(loss_mask, 1, dims=1), scale, True),
+    )
+    for run, enabled, reduced_mask, declared_scale, corrected in cases:
+        ddp.zero_grad_buffer()
+        head = wrap_model(ddp, FusedLMConfig(enabled=enabled, token_chunk=5))
+        head.declare_loss_weights(loss_mask, main_grad_scale=declared_scale)
+        _logging._already_warned.clear()
+        with harness.RecordedWarnings() as recorded:
+            per_token = harness.forward(ddp, batch, labels=targets)
+            (MAIN_GRAD_UPSTREAM * megatron_sft_loss(per_token, reduced_mask)).backward()
+        assert any("second pass" in message for message in recorded.messages) == corrected, f"{label} {run}"
+        grads[run] = ddp_main_grads(ddp)
+        head.declare_loss_weights(None)
+    for run in ("declared", "other scale"):
+        harness.assert_grads_close(grads[run], grads["stock"], GRAD_RTOL, f"{label} labels path main_grad, {run}")
+    ddp.zero_grad_buffer()
+    wrap_model(ddp, FusedLMConfig(enabled=False))
+    (MAIN_GRAD_UPSTREAM * megatron_sft_loss(harness.forward(ddp, batch, labels=targets), cases[3][2])).backward()
+    harness.assert_grads_close(grads["other mask"], ddp_main_grads(ddp), GRAD_RTOL, f"{label} labels path, other mask")
 
 
 def main_grad_worker() -> None:

@@ -117,6 +117,10 @@ def check_bad_input() -> None:
         processed(other, batch, processor, LogprobRequest(batch[3]))
     with pytest.raises(TypeError, match="FusedLMConfig"):
         FusedOutputProcessor(model, {"enabled": True})
+    # A main_grad route asked of a model outside Megatron's DDP: said, not ignored.
+    request = LossRequest(batch[3], losses.cross_entropy, main_grad_scale=1.0)
+    with pytest.raises(ValueError, match="has none: wrap the model in megatron.core's DistributedDataParallel"):
+        processed(model, batch, processor, request)
 
 
 def check_mtp_and_mup() -> None:

@@ -141,3 +141,32 @@ def test_weight_grad_into_is_checked_and_left_alone_without_a_weight_gradient():
     with torch.no_grad():
         fused_linear_loss(hidden, weight, targets, POLICY, weight_grad_into=accumulator, **call)
     assert not accumulator.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("upstream", ["declared", "other-scale", "not-proportional"])
+def test_declared_cross_entropy_into_weight_grad_into_is_exact_for_any_upstream(upstream, dtype):
+    # Declared: SCALE times the weights. What arrives: that; the weights times 1.0; or random
+    # per-token values. Each time the accumulator gains the weight gradient of what arrived and the
+    # hidden gradient is that of what arrived, against the float64 oracle.
+    hidden, weight, targets = make_case((ROWS,), HIDDEN, VOCAB, dtype, peaky=True, seed=5)
+    generator = torch.Generator().manual_seed(6)
+    declared = torch.rand(ROWS, generator=generator)
+    arriving = {
+        "declared": SCALE * declared,
+        "other-scale": declared,
+        "not-proportional": torch.randn(ROWS, generator=generator),
+    }[upstream]
+    expected = loss_reference(hidden, weight, targets, losses.cross_entropy, {"weight": arriving})
+    before = 1e-2 * torch.randn(VOCAB, HIDDEN, generator=generator)
+    accumulator = before.clone()
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    per_token = fused_linear_cross_entropy(
+        hidden, weight, targets, declared, token_chunk=7, weight_grad_into=accumulator, weight_grad_scale=SCALE
+    )
+    (per_token * arriving).sum().backward()
+    assert weight.grad is None
+    bound = 1e-5 if dtype == torch.float32 else 2e-2
+    assert relative_error(accumulator.double() - before.double(), expected.grad_weight) <= bound
+    assert relative_error(hidden.grad, expected.grad_hidden) <= 2 * bound

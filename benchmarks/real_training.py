@@ -77,9 +77,12 @@ HELD_OUT_MODULUS = 20
 RUNS = (
     ("stock", False, "stock", False),
     ("fused", True, "three-gemm", False),
+    ("main_grad", True, "main-grad", False),
     ("recompute", True, "recompute", False),
     ("reference", False, "stock", True),
 )
+# The runs every comparison needs: RL starts from stock's SFT weights; the reference is the noise.
+REQUIRED_RUNS = ("stock", "reference")
 # A small entropy bonus: at 0.01 it outweighs the reward's gradient here and the entropy climbs.
 CLIP_LOW, CLIP_HIGH, ENTROPY_COEF, KL_COEF = 0.2, 0.28, 0.001, 0.05
 POLICY_LOSS = losses.ClippedPolicyLoss(
@@ -225,6 +228,8 @@ def micro_batches(windows: torch.Tensor, device: torch.device, loss_mask: Option
         position_ids=torch.arange(length, device=device).unsqueeze(0).expand(batch, length),
         attention_mask=torch.triu(torch.ones(1, 1, length, length, dtype=torch.bool, device=device), diagonal=1),
         loss_mask=(torch.ones(batch, length) if loss_mask is None else loss_mask).to(device),
+        # The loss mask's token count, known on the host (the main_grad run declares its scale).
+        tokens=float(length * batch if loss_mask is None else loss_mask.sum()),
     )
 
 
@@ -235,6 +240,7 @@ class Training:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.size, self.device, self.loss_path = size, device, loss_path
+        self.num_microbatches = 1
         self.gpt = build_bf16_gpt(size.shape, device, tied=False, sequence_parallel=False, seed=1234)
         if state is not None:
             self.gpt.load_state_dict(state)
@@ -247,6 +253,7 @@ class Training:
 
     def schedule(self, forward_step, batches: List[Dict], forward_only: bool = False):
         length = batches[0]["input_ids"].shape[1]
+        self.num_microbatches = len(batches)  # the schedule divides each micro-batch's loss by it
         return self.forward_backward(
             forward_step_func=forward_step,
             data_iterator=[iter(batches)],
@@ -277,11 +284,18 @@ class Training:
         values["step_extra_bytes"] = None if peak is None else peak - allocated_before
         return values
 
+    def main_grad_scale(self, scale: float) -> Optional[float]:
+        """``scale``, what the loss will be multiplied by, for the run that adds the head's weight
+        gradient into ``main_grad`` in the forward; ``None`` for the others."""
+        return scale if self.loss_path == "main-grad" else None
+
     # SFT
     def sft_forward_step(self, iterator, model):
         batch = next(iterator)
-        if self.loss_path == "three-gemm":
-            self.head.declare_loss_weights(batch["loss_mask"])
+        if self.loss_path in ("three-gemm", "main-grad"):
+            # sft_loss's sum over the token count, which the schedule divides by the micro-batches.
+            scale = 1.0 / (self.num_microbatches * batch["tokens"])
+            self.head.declare_loss_weights(batch["loss_mask"], main_grad_scale=self.main_grad_scale(scale))
         per_token = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
         return per_token, functools.partial(sft_loss, batch["loss_mask"])
 
@@ -314,7 +328,10 @@ class Training:
             )
             loss = response_policy_loss(logprob, entropy, inputs, response)
         else:  # head.loss: three GEMMs when fused, the logits' loss when stock
-            result = self.head.loss(output, batch["labels"], POLICY_LOSS, loss_inputs=inputs, mask=response)
+            result = self.head.loss(
+                output, batch["labels"], POLICY_LOSS, loss_inputs=inputs, mask=response,
+                main_grad_scale=self.main_grad_scale(1.0 / self.num_microbatches),
+            )  # fmt: skip
             loss, logprob, entropy = result.loss, result.logprob.detach(), result.entropy.detach()
         log_ratio = (logprob.detach() - batch["old_logprob"])[response]
         kl = losses.kl_penalty(logprob.detach()[response], batch["ref_logprob"][response], "k3")
@@ -515,8 +532,10 @@ def head_ms(training: Training, loss_path: str, size: Size, device: torch.device
     run's step takes: stock, the output layer's product and Megatron's cross-entropy (SFT) or
     ``logits_loss`` on the response rows (RL); fused, ``fused_linear_cross_entropy`` or
     ``fused_linear_loss`` (three GEMMs), or ``fused_linear_logprob`` and the loss (recompute), on
-    the same rows."""
+    the same rows (the main_grad run's ops are the three-GEMM ones)."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    loss_path = "three-gemm" if loss_path == "main-grad" else loss_path
 
     if phase == "sft":
         rows, length = size.shape.micro_batch, size.shape.seq
@@ -588,7 +607,7 @@ def compare(records: Dict[str, dict], phase: str, names: List[str]) -> tuple[dic
         noise = (series(records["reference"], name) - stock).abs().max().item()
         tolerance = NOISE_FACTOR * noise + NOISE_FLOOR
         entry = {"reference_max_difference": noise, "tolerance": tolerance}
-        for run in ("fused", "recompute"):
+        for run in (run for run in records if run not in REQUIRED_RUNS):
             difference = (series(records[run], name) - stock).abs().max().item()
             entry[f"{run}_max_difference"] = difference
             if not difference <= tolerance:
@@ -609,7 +628,17 @@ def main() -> None:
     parser.add_argument("--json", default="real_training.json")
     parser.add_argument("--sft-steps", type=int, help="override the size's")
     parser.add_argument("--rl-steps", type=int, help="override the size's")
+    parser.add_argument(
+        "--runs",
+        default=",".join(name for name, *_ in RUNS),
+        help=f"a comma-separated subset of the runs; {' and '.join(REQUIRED_RUNS)} always run",
+    )
     args = parser.parse_args()
+    chosen = set(args.runs.split(",")) | set(REQUIRED_RUNS)
+    unknown = chosen - {name for name, *_ in RUNS}
+    if unknown:
+        parser.error(f"--runs: unknown {', '.join(sorted(unknown))}")
+    runs = [run for run in RUNS if run[0] in chosen]
     size = SIZES[args.size]
     overrides = {key: value for key, value in (("sft_steps", args.sft_steps), ("rl_steps", args.rl_steps)) if value}
     size = dataclasses.replace(size, **overrides)
@@ -623,7 +652,7 @@ def main() -> None:
         corpus = build_corpus(size)
         distributed.log(f"corpus: {corpus.stats}")
         sft, states = {}, {}
-        for name, fused, loss_path, perturbed in RUNS:
+        for name, fused, loss_path, perturbed in runs:
             sft[name], states[name] = run_sft(name, fused, loss_path, perturbed, size, corpus, device)
             measure.release_memory()
         # What SFT measured, kept should the RL phase not finish.
@@ -631,14 +660,14 @@ def main() -> None:
             args.json, {"size": dict(dataclasses.asdict(size), name=args.size), "corpus": corpus.stats, "sft": sft}
         )
         rl = {}
-        for name, fused, loss_path, perturbed in RUNS:
+        for name, fused, loss_path, perturbed in runs:
             rl[name] = run_rl(name, fused, loss_path, perturbed, size, corpus, device, states["stock"])
             measure.release_memory()
         sft_summary, sft_failures = compare(sft, "sft", ["loss", "held_out_loss"])
         rl_summary, rl_failures = compare(rl, "rl", ["reward", "entropy", "kl", "loss"])
         failures = sft_failures + rl_failures
         if recompute.count:
-            failures.append("a backward of the three-GEMM run recomputed the logits")
+            failures.append("a backward of a three-GEMM run recomputed the logits or corrected main_grad")
         distributed.write_json(
             args.json,
             {

@@ -14,10 +14,17 @@ import argparse
 import json
 import os
 
-COLOURS = {"stock": "#4d4d4d", "fused": "#d62728", "recompute": "#1f77b4", "reference": "#bdbdbd"}
+COLOURS = {
+    "stock": "#4d4d4d",
+    "fused": "#d62728",
+    "main_grad": "#ff7f0e",
+    "recompute": "#1f77b4",
+    "reference": "#bdbdbd",
+}
 LABELS = {
     "stock": "stock (bf16 logits)",
     "fused": "fused, three GEMMs",
+    "main_grad": "fused, three GEMMs, weight gradient into main_grad",
     "recompute": "fused, recompute (four GEMMs)",
     "reference": "stock, weights moved by one rounding (noise)",
 }

@@ -98,8 +98,9 @@ def move_by_one_rounding(model: torch.nn.Module) -> None:
 
 
 class RecomputeCounter(logging.Handler):
-    """Counts the package's warnings that a backward recomputed the logits (the upstream gradient
-    was not the declared one); the warning is logged once per process."""
+    """Counts the package's warnings that a backward recomputed the logits or corrected a weight
+    gradient added into ``main_grad`` by a second pass (the upstream gradient was not the declared
+    one); each warning is logged once per process."""
 
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -107,4 +108,5 @@ class RecomputeCounter(logging.Handler):
         logging.getLogger("megatron_fused_lm").addHandler(self)
 
     def emit(self, record):
-        self.count += "recomputed" in record.getMessage()
+        message = record.getMessage()
+        self.count += "recomputed" in message or "second pass" in message

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from devkit.oracle import logprob_entropy, max_abs_error
-from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, losses
+from megatron_fused_lm import fused_linear_cross_entropy, fused_linear_logprob, fused_linear_loss, losses
 from megatron_fused_lm.ops.backends.triton_reference import MAX_ABOVE_REFERENCE, row_references
 from megatron_fused_lm.ops.backends.triton_tuning import REFERENCE_ROWS
 
@@ -282,6 +282,33 @@ def test_weight_grad_into_against_float64(loss_name, backend, declared):
         weight_grad_scale=declared,
     )  # fmt: skip
     (LOSS_SCALE * result.loss).backward()
+    assert leaves[1].grad is None
+    added = accumulator.double() - before.double()
+    assert relative_l2(added, expected[3]) <= GRAD_RATIO * relative_l2(recompute[3], expected[3])
+    assert relative_l2(leaves[0].grad, expected[2]) <= GRAD_RATIO * relative_l2(recompute[2], expected[2])
+
+
+@pytest.mark.parametrize("arriving", ["declared", "not-proportional"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_declared_cross_entropy_into_weight_grad_into_against_float64(backend, arriving):
+    # The labels path's declared loss weights and scale, the weight gradient added into a float32
+    # accumulator; the upstream gradient as declared, or not proportional to the declaration (a
+    # second pass adds what is missing).
+    hidden, weight, targets, gen = make_case(4096, 2048, 151936)
+    declared = torch.rand(targets.shape, device="cuda", generator=gen)
+    upstream = (
+        LOSS_SCALE * declared if arriving == "declared" else torch.randn(targets.shape, device="cuda", generator=gen)
+    )
+    weights = {"weight": upstream / LOSS_SCALE}  # float64_reference multiplies by LOSS_SCALE
+    expected = float64_reference(hidden, weight, targets, losses.cross_entropy, weights)
+    recompute = recompute_path(hidden, weight, targets, losses.cross_entropy, weights, backend)
+    before = 1e-3 * torch.randn(weight.shape, device="cuda", generator=gen)  # about the gradient's size
+    accumulator = before.clone()
+    leaves = [tensor.detach().requires_grad_() for tensor in (hidden, weight)]
+    per_token = fused_linear_cross_entropy(
+        *leaves, targets, declared, backend=backend, weight_grad_into=accumulator, weight_grad_scale=LOSS_SCALE
+    )
+    (per_token * upstream).sum().backward()
     assert leaves[1].grad is None
     added = accumulator.double() - before.double()
     assert relative_l2(added, expected[3]) <= GRAD_RATIO * relative_l2(recompute[3], expected[3])

@@ -489,6 +489,13 @@ def _accumulated_hidden(ctx, held_hidden: Tensor, ratio: Optional[Tensor], extra
     return grad
 
 
+def _remember_accumulation(ctx, hidden: Tensor, options: HeadOptions, weight_grad_scale: float, correct) -> None:
+    """What an accumulating pass's backward reads: the options, the hidden gradient's dtype, the
+    declared scale and the correcting pass."""
+    ctx.options, ctx.hidden_dtype, ctx.consumed = options, hidden.dtype, False
+    ctx.weight_grad_scale, ctx.correct = weight_grad_scale, correct
+
+
 def _warn_of_correction(name: str, declared: float, received: str) -> None:
     warn_once(
         f"megatron_fused_lm: {name} declared weight_grad_scale={declared:g} but its loss received {received}; the "
@@ -507,8 +514,7 @@ class AccumulatedGradientsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, loss, hidden, weight, options: HeadOptions, weight_grad_scale: float, correct, held_hidden):
         ctx.save_for_backward(held_hidden)
-        ctx.options, ctx.hidden_dtype, ctx.consumed = options, hidden.dtype, False
-        ctx.weight_grad_scale, ctx.correct = weight_grad_scale, correct
+        _remember_accumulation(ctx, hidden, options, weight_grad_scale, correct)
         return loss.clone()
 
     @staticmethod
@@ -536,8 +542,7 @@ class AccumulatedCrossEntropyFunction(torch.autograd.Function):
         ctx, losses, hidden, weight, options: HeadOptions, declared, weight_grad_scale: float, correct, held_hidden
     ):
         ctx.save_for_backward(declared, held_hidden)
-        ctx.options, ctx.hidden_dtype, ctx.consumed = options, hidden.dtype, False
-        ctx.weight_grad_scale, ctx.correct = weight_grad_scale, correct
+        _remember_accumulation(ctx, hidden, options, weight_grad_scale, correct)
         return losses.clone()
 
     @staticmethod

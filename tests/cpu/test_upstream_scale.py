@@ -170,3 +170,15 @@ def test_declared_cross_entropy_into_weight_grad_into_is_exact_for_any_upstream(
     bound = 1e-5 if dtype == torch.float32 else 2e-2
     assert relative_error(accumulator.double() - before.double(), expected.grad_weight) <= bound
     assert relative_error(hidden.grad, expected.grad_hidden) <= 2 * bound
+
+
+def test_weight_grad_into_refuses_a_fullgraph_compile_by_name():
+    # The correction may need a host synchronization and a second pass: eager only, said plainly.
+    hidden, weight, targets, inputs, _ = case(torch.float32)
+    accumulator = torch.zeros(VOCAB, HIDDEN)
+
+    def step(hidden, weight):
+        return fused_linear_loss(hidden, weight, targets, POLICY, loss_inputs=inputs, weight_grad_into=accumulator).loss
+
+    with pytest.raises(Exception, match="weight_grad_into runs eagerly only"):
+        torch.compile(step, fullgraph=True)(hidden.requires_grad_(), weight.requires_grad_())

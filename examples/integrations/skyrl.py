@@ -16,15 +16,19 @@ SkyRL's layouts (``num_actions = A``; position ``t`` of the output scores token 
 - packed (``remove_microbatch_padding: true``, the default): the output is ``[1, T, ...]`` with the
   sequences laid end to end at ``packed_seq_params.cu_seqlens_q_padded``; ``attention_mask [B, S]``
   marks each row's tokens (left-padded prompt, right-padded response), the response tokens of row
-  ``i`` being the marked ones among its last ``A`` columns.
+  ``i`` being the marked ones among its last ``A`` columns. Under context parallelism the output is
+  this rank's ``[1, T / CP, ...]`` rows (``packed_layout``'s ``cp_group``); the log-probs and
+  entropy come back whole on every rank, as SkyRL's own functions return them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
+import torch.distributed as dist
 
 from megatron_fused_lm import (
     FusedLMConfig,
@@ -83,11 +87,26 @@ class ActionLayout:
         scored: bool, the same shape: the rows that score an action token.
         actions: bool ``[B, A]``: the action slots those rows fill, in row order (all of them when
             padded: SkyRL scores padding slots too, and masks them with its ``loss_mask``).
+        rank_rows: under context parallelism, int64 ``[T / CP]``: the packed positions this rank's
+            output rows hold, in their order (``targets`` and ``scored`` cover every position);
+            ``None`` at CP = 1.
+        gather: under context parallelism, this rank's per-row values ``[T / CP]`` -> every packed
+            position's ``[T]`` (SkyRL's ``allgather_cp_sharded_packed_tensor``).
     """
 
     targets: Tensor
     scored: Tensor
     actions: Tensor
+    rank_rows: Optional[Tensor] = None
+    gather: Optional[Callable[[Tensor], Tensor]] = None
+
+    def on_this_rank(self, per_position: Tensor) -> Tensor:
+        """Per-position values ``[1, T]`` -> those of this rank's output rows."""
+        return per_position if self.rank_rows is None else per_position[:, self.rank_rows]
+
+    def everywhere(self, per_row: Tensor) -> Tensor:
+        """This rank's per-row values -> every position's ``[1, T]`` (differentiable)."""
+        return per_row if self.gather is None else self.gather(per_row.squeeze(0)).unsqueeze(0)
 
     def to_actions(self, per_row: Tensor) -> Tensor:
         """Per-row values (the output's leading shape) -> ``[B, A]``, 0 in unfilled slots."""
@@ -114,15 +133,20 @@ def packed_layout(
     attention_mask: Tensor,
     num_actions: int,
     sub_seq_lengths: Optional[list] = None,
+    cp_group: Optional[dist.ProcessGroup] = None,
 ) -> ActionLayout:
-    """The layout of a packed micro-batch (one sequence per row; CP = 1).
+    """The layout of a packed micro-batch (one sequence per row).
 
     Args:
-        packed_targets: int ``[1, T]``: the tokens at their packed positions (``data["packed_targets"]``).
+        packed_targets: int ``[1, T]``: the tokens at their packed positions, all of them, on every
+            context-parallel rank (``data["packed_targets"]``).
         cu_seqlens_padded: int ``[B + 1]``: ``packed_seq_params.cu_seqlens_q_padded``.
         attention_mask: ``[B, S]``: the rows' tokens (``data["attention_mask"]``).
         num_actions: ``A``.
         sub_seq_lengths: SkyRL's controller-side packing (several sequences per row); not covered.
+        cp_group: SkyRL's context-parallel group (``mpu.get_context_parallel_group()``) when CP > 1:
+            the output then holds this rank's two chunks of every sequence, as SkyRL's
+            ``preprocess_packed_seqs`` laid them out.
     """
     if sub_seq_lengths is not None:
         raise NotImplementedError("several sequences per row (use_sequence_packing) is not covered by this recipe")
@@ -130,7 +154,33 @@ def packed_layout(
     response_lengths = actions.sum(dim=1)
     prompt_lengths = attention_mask.bool().sum(dim=1) - response_lengths
     scored = response_mask(cu_seqlens_padded, prompt_lengths, response_lengths).unsqueeze(0)
-    return ActionLayout(next_token_targets(packed_targets, cu_seqlens_padded), scored, actions)
+    layout = ActionLayout(next_token_targets(packed_targets, cu_seqlens_padded), scored, actions)
+    if cp_group is None or dist.get_world_size(cp_group) == 1:
+        return layout
+    rows = context_parallel_rows(cu_seqlens_padded, dist.get_rank(cp_group), dist.get_world_size(cp_group))
+
+    def gather(per_row: Tensor) -> Tensor:
+        from skyrl.backends.skyrl_train.distributed.megatron.model_utils import allgather_cp_sharded_packed_tensor
+
+        return allgather_cp_sharded_packed_tensor(per_row, cu_seqlens_padded, cp_group)
+
+    return dataclasses.replace(layout, rank_rows=rows.to(packed_targets.device), gather=gather)
+
+
+def context_parallel_rows(cu_seqlens_padded: Tensor, cp_rank: int, cp_size: int) -> Tensor:
+    """The packed positions rank ``cp_rank`` of ``cp_size`` holds, int64 ``[T / cp_size]``: of every
+    sequence (padded to a multiple of ``2 * cp_size``), chunk ``cp_rank`` and chunk ``2 * cp_size - 1
+    - cp_rank`` of its ``2 * cp_size`` equal chunks, the sequences in order (Megatron's load-balanced
+    split, which SkyRL's packing follows). Reads the boundaries on the host."""
+    bounds = cu_seqlens_padded.tolist()
+    rows = []
+    for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
+        if (stop - start) % (2 * cp_size):
+            raise ValueError(f"a packed sequence of {stop - start} rows does not split into 2 x {cp_size} chunks")
+        chunk = (stop - start) // (2 * cp_size)
+        for index in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            rows.append(torch.arange(start + index * chunk, start + (index + 1) * chunk))
+    return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
 
 
 def action_log_probs(
@@ -150,12 +200,20 @@ def action_log_probs(
     Returns float32 ``[B, A]`` tensors.
     """
     result = head.logprobs(
-        output, layout.targets, temperature=temperature, return_entropy=with_entropy,
-        entropy_grad=entropy_grad, mask=layout.scored,
+        output, layout.on_this_rank(layout.targets), temperature=temperature, return_entropy=with_entropy,
+        entropy_grad=entropy_grad, mask=layout.on_this_rank(layout.scored),
     )  # fmt: skip
     if with_entropy:
-        return layout.to_actions(result[0]), layout.to_actions(result[1])
-    return layout.to_actions(result)
+        return tuple(layout.to_actions(layout.everywhere(value)) for value in result)
+    return layout.to_actions(layout.everywhere(result))
+
+
+def _check_one_rank_layout(layout: ActionLayout) -> None:
+    if layout.rank_rows is not None:
+        raise NotImplementedError(
+            "the losses in the forward take CP = 1 layouts; under context parallelism use action_log_probs "
+            "with SkyRL's own loss"
+        )
 
 
 def cross_entropy_loss(
@@ -172,6 +230,7 @@ def cross_entropy_loss(
     ``loss_mask [B, A]``: SkyRL's pre-scaled mask. Returns the ``FusedLoss``; ``layout.to_actions(
     result.logprob)`` gives the detached ``action_log_probs`` for SkyRL's ``loss_fn_outputs``.
     """
+    _check_one_rank_layout(layout)
     weight = layout.to_rows(loss_mask.float() * grad_sum_correction_factor)
     return head.loss(
         output, layout.targets, losses.cross_entropy, loss_inputs={"weight": weight}, mask=layout.scored,
@@ -232,9 +291,10 @@ def policy_loss(
         kl_entropy_microbatch_scale: ``num_microbatches / max(1, num_real_microbatches)``.
 
     Raises:
-        NotImplementedError: another ``policy_loss_type``, or an active off-policy correction: use
-            ``action_log_probs`` with SkyRL's own loss for those.
+        NotImplementedError: another ``policy_loss_type``, an active off-policy correction, or a
+            context-parallel layout: use ``action_log_probs`` with SkyRL's own loss for those.
     """
+    _check_one_rank_layout(layout)
     if algorithm.policy_loss_type not in ("regular", "dual_clip"):
         raise NotImplementedError(f"policy_loss_type {algorithm.policy_loss_type!r}: use action_log_probs")
     correction = algorithm.off_policy_correction

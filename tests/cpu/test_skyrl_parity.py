@@ -11,6 +11,14 @@ parallelism (SkyRL turns it on whenever TP > 1), temperature 0.8:
    ``vocab_parallel_entropy_packed_sequences`` (its masked entropy mean) against ``packed_layout``
    with ``action_log_probs``, values and gradients.
 
+3. packed rows under context parallelism (CP = 2, TP = 1): each rank holds the rows SkyRL's own
+   ``preprocess_packed_seqs`` gives it; ``from_parallel_logits_to_logprobs_packed_sequences`` and
+   ``vocab_parallel_entropy_packed_sequences`` with SkyRL's CP group on this rank's logits, against
+   ``packed_layout(..., cp_group=...)`` with ``action_log_probs`` on this rank's hidden states:
+   the values, and the gradients of the rank's hidden states and of the weight. A CP model cannot
+   run on CPU, so both sides take the same random hidden states and weight, and the recipe's head
+   is the fused op on them.
+
 Both sides compute in float32 from the same float32 model; they differ by summation order only
 (measured: about 1e-6, printed by rank 0), so values must agree to 2e-5 and gradients to 5e-5 of the
 largest entry of SkyRL's, as in test_integration_parity. A row scored one position off, a temperature
@@ -47,7 +55,7 @@ from devkit.rollouts import (
     weighted,
 )
 from examples.integrations import skyrl
-from megatron_fused_lm import FusedLMConfig, unwrap_model
+from megatron_fused_lm import FusedLMConfig, fused_linear_logprob, unwrap_model
 
 SKYRL_VERSION = "0.3.0"
 TEMPERATURE = 0.8
@@ -191,6 +199,77 @@ def parity_worker() -> None:
     if torch.distributed.get_rank() == 0:
         for name, error in errors.items():
             print(f"SkyRL {SKYRL_VERSION} parity, {name}: {error:.2e}", flush=True)
+
+
+class OpsHead:
+    """What ``action_log_probs`` asks of a head, over a plain weight: the fused op."""
+
+    def __init__(self, weight):
+        self.weight = weight
+
+    def logprobs(self, output, targets, **options):
+        return fused_linear_logprob(output, self.weight, targets, token_chunk=CONFIG.token_chunk, **options)
+
+
+def context_parallel_worker() -> None:
+    torch._dynamo.config.disable = True
+    megatron_utils, model_utils = skyrl_megatron_helpers()
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=2)
+    cp_group = parallel_state.get_context_parallel_group()
+    tokens = sample_tokens(seed=23)
+    sequences, attention_mask, _, _ = skyrl_batches(tokens)
+    local_packed, packed_seq_params = megatron_utils.preprocess_packed_seqs(sequences, attention_mask)
+    cu_seqlens = packed_seq_params.cu_seqlens_q_padded
+    packed_targets = pack(tokens, cu_seqlens)
+    loss_mask = attention_mask[:, -ACTIONS:].float()
+    # The rows this rank holds, by SkyRL's own index function (the recipe computes its own).
+    total = packed_targets.shape[1]
+    _, _, sequence, offset, lengths = model_utils._packed_sequence_indices(cu_seqlens, total, "cpu")
+    rank_for_row, local_index = model_utils._packed_cp_rank_and_local_indices(cu_seqlens, sequence, offset, lengths, 2)
+    mine = rank_for_row == parallel_state.get_context_parallel_rank()
+    rows = torch.empty(total // 2, dtype=torch.long)
+    rows[local_index[mine]] = torch.arange(total)[mine]
+    assert torch.equal(packed_targets[0, rows], local_packed.reshape(-1)), (packed_targets[0, rows], local_packed)
+
+    hidden = harness.random_weights(1, total, MODEL_SHAPE.hidden, seed=31)
+    weight = harness.random_weights(MODEL_SHAPE.vocab, MODEL_SHAPE.hidden, seed=32) * 0.7
+    errors, grads = {}, {}
+    for side in ("theirs", "ours"):
+        leaves = [hidden[:, rows].clone().requires_grad_(), weight.clone().requires_grad_()]
+        if side == "theirs":
+            logits = leaves[0] @ leaves[1].t() / TEMPERATURE
+            vocab = logits.shape[-1]
+            logprob = model_utils.from_parallel_logits_to_logprobs_packed_sequences(
+                logits, packed_targets, cu_seqlens, sequences.shape[1], 0, vocab,
+                parallel_state.get_tensor_model_parallel_group(), inference_only=False, cp_group=cp_group,
+                chunk_size=None, attention_mask=attention_mask,
+            )[:, -ACTIONS:]  # fmt: skip
+            entropy_mean, entropy_for_loss = model_utils.vocab_parallel_entropy_packed_sequences(
+                logits, cu_seqlens, sequences.shape[1], ACTIONS, attention_mask, loss_mask, cp_group=cp_group
+            )
+        else:
+            layout = skyrl.packed_layout(packed_targets, cu_seqlens, attention_mask, ACTIONS, cp_group=cp_group)
+            assert torch.equal(layout.rank_rows, rows), "the recipe's rows are SkyRL's"
+            logprob, entropy = skyrl.action_log_probs(
+                OpsHead(leaves[1]), leaves[0], layout, temperature=TEMPERATURE, with_entropy=True
+            )
+            entropy_mean = entropy_for_loss = (entropy * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+        (weighted([logprob * loss_mask], seed=43) + entropy_for_loss).backward()
+        grads[side] = {"hidden": leaves[0].grad, "weight": leaves[1].grad}
+        grads[side]["values"] = (logprob * loss_mask).detach(), entropy_mean.detach()
+    compare(errors, "CP=2 log-prob", grads["ours"]["values"][0], grads["theirs"]["values"][0])
+    compare(errors, "CP=2 entropy mean", grads["ours"]["values"][1], grads["theirs"]["values"][1])
+    compare_grads(
+        errors, "CP=2 gradients", *({k: g[k] for k in ("hidden", "weight")} for g in (grads["ours"], grads["theirs"]))
+    )
+    if torch.distributed.get_rank() == 0:
+        for name, error in errors.items():
+            print(f"SkyRL {SKYRL_VERSION} CP parity, {name}: {error:.2e}", flush=True)
+
+
+def test_recipe_under_context_parallelism_matches_skyrls_own():
+    harness.spawn(context_parallel_worker, 2)
 
 
 def test_skyrl_is_the_release_compared():

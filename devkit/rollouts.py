@@ -4,6 +4,7 @@ float64 per-row log-probs on them."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -85,3 +86,35 @@ def weighted(values: Sequence[torch.Tensor], seed: int) -> torch.Tensor:
     return sum(
         (megatron_gpt.random_weights(*value.shape, seed=seed + i) * value).sum() for i, value in enumerate(values)
     )
+
+
+def skyrl_algorithm(**overrides):
+    """SkyRL's ``trainer.algorithm`` fields the policy-loss recipe reads (dual clip, KL and entropy on)."""
+    from examples.integrations import skyrl
+
+    correction = SimpleNamespace(**dict.fromkeys(skyrl.OFF_POLICY_CORRECTION_OPTIONS))
+    values = dict(
+        policy_loss_type="dual_clip", eps_clip_low=0.2, eps_clip_high=0.28, clip_ratio_c=3.0, use_kl_loss=True,
+        kl_loss_coef=0.05, kl_estimator_type="k3", use_entropy_loss=True, entropy_loss_coef=0.01,
+        off_policy_correction=correction,
+    )  # fmt: skip
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+def skyrl_policy_oracle(logprob, entropy, inputs, loss_mask, algorithm, correction, scale):
+    """SkyRL's ``loss_func`` for ``dual_clip`` with KL (k3) and entropy terms, float64, from
+    ``ppo_policy_loss``, ``compute_approx_kl`` and ``masked_mean`` in SkyRL 0.3.0."""
+    old, advantages, ref = (inputs[name].double() for name in ("old_logprob", "advantages", "ref_logprob"))
+    mask = loss_mask.double()
+    ratio = (logprob - old).clamp(-20, 20).exp()
+    clipped_ratio = ratio.clamp(1 - algorithm.eps_clip_low, 1 + algorithm.eps_clip_high)
+    pg = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    pg = torch.where(advantages < 0, torch.minimum(-advantages * algorithm.clip_ratio_c, pg), pg)
+    log_ratio = (ref - logprob).clamp(-20, 20)
+    kl = (log_ratio.exp() - log_ratio - 1).clamp(-10, 10) * mask
+    kl_loss = ((kl * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    entropy_mean = (entropy * mask).sum() / mask.sum().clamp(min=1)
+    return (pg * mask).sum() * correction + (
+        algorithm.kl_loss_coef * kl_loss - algorithm.entropy_loss_coef * entropy_mean
+    ) * scale

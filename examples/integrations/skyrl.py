@@ -17,8 +17,8 @@ SkyRL's layouts (``num_actions = A``; position ``t`` of the output scores token 
   sequences laid end to end at ``packed_seq_params.cu_seqlens_q_padded``; ``attention_mask [B, S]``
   marks each row's tokens (left-padded prompt, right-padded response), the response tokens of row
   ``i`` being the marked ones among its last ``A`` columns. Under context parallelism the output is
-  this rank's ``[1, T / CP, ...]`` rows (``packed_layout``'s ``cp_group``); the log-probs and
-  entropy come back whole on every rank, as SkyRL's own functions return them.
+  this rank's ``[1, T / CP, ...]`` rows (``packed_layout``'s ``cp_group``); the log-probs,
+  entropy and loss values come back whole on every rank, as SkyRL's own functions return them.
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ class ActionLayout:
             ``None`` at CP = 1.
         gather: under context parallelism, this rank's per-row values ``[T / CP]`` -> every packed
             position's ``[T]`` (SkyRL's ``allgather_cp_sharded_packed_tensor``).
+        cp_group: under context parallelism, the group ``gather`` and the losses sum over.
     """
 
     targets: Tensor
@@ -99,6 +100,7 @@ class ActionLayout:
     actions: Tensor
     rank_rows: Optional[Tensor] = None
     gather: Optional[Callable[[Tensor], Tensor]] = None
+    cp_group: Optional[dist.ProcessGroup] = None
 
     def on_this_rank(self, per_position: Tensor) -> Tensor:
         """Per-position values ``[1, T]`` -> those of this rank's output rows."""
@@ -164,7 +166,7 @@ def packed_layout(
 
         return allgather_cp_sharded_packed_tensor(per_row, cu_seqlens_padded, cp_group)
 
-    return dataclasses.replace(layout, rank_rows=rows.to(packed_targets.device), gather=gather)
+    return dataclasses.replace(layout, rank_rows=rows.to(packed_targets.device), gather=gather, cp_group=cp_group)
 
 
 def context_parallel_rows(cu_seqlens_padded: Tensor, cp_rank: int, cp_size: int) -> Tensor:
@@ -208,12 +210,29 @@ def action_log_probs(
     return layout.to_actions(layout.everywhere(result))
 
 
-def _check_one_rank_layout(layout: ActionLayout) -> None:
-    if layout.rank_rows is not None:
-        raise NotImplementedError(
-            "the losses in the forward take CP = 1 layouts; under context parallelism use action_log_probs "
-            "with SkyRL's own loss"
-        )
+def layout_loss(
+    head: FusedLMHead, output: Tensor, layout: ActionLayout, loss_fn, per_row_inputs: dict, temperature: float
+) -> FusedLoss:
+    """``head.loss`` over the layout's scored rows, ``per_row_inputs`` given per packed position.
+
+    Under context parallelism each rank's loss covers its own rows, which gives each rank's
+    parameters exactly the gradient SkyRL's whole-batch loss gives them through its gathered
+    log-probs; its value is made the whole batch's (summed over the group, the gradient left
+    alone) and the metrics are gathered, as SkyRL reports them."""
+    result = head.loss(
+        output, layout.on_this_rank(layout.targets), loss_fn,
+        loss_inputs={name: layout.on_this_rank(value) for name, value in per_row_inputs.items()},
+        mask=layout.on_this_rank(layout.scored), temperature=temperature,
+    )  # fmt: skip
+    if layout.cp_group is None:
+        return result
+    total = result.loss.detach().clone()
+    dist.all_reduce(total, group=layout.cp_group)
+    return FusedLoss(
+        result.loss + (total - result.loss.detach()),
+        layout.everywhere(result.logprob),
+        layout.everywhere(result.entropy),
+    )
 
 
 def cross_entropy_loss(
@@ -230,12 +249,8 @@ def cross_entropy_loss(
     ``loss_mask [B, A]``: SkyRL's pre-scaled mask. Returns the ``FusedLoss``; ``layout.to_actions(
     result.logprob)`` gives the detached ``action_log_probs`` for SkyRL's ``loss_fn_outputs``.
     """
-    _check_one_rank_layout(layout)
     weight = layout.to_rows(loss_mask.float() * grad_sum_correction_factor)
-    return head.loss(
-        output, layout.targets, losses.cross_entropy, loss_inputs={"weight": weight}, mask=layout.scored,
-        temperature=temperature,
-    )  # fmt: skip
+    return layout_loss(head, output, layout, losses.cross_entropy, {"weight": weight}, temperature)
 
 
 @dataclass(frozen=True)
@@ -291,10 +306,9 @@ def policy_loss(
         kl_entropy_microbatch_scale: ``num_microbatches / max(1, num_real_microbatches)``.
 
     Raises:
-        NotImplementedError: another ``policy_loss_type``, an active off-policy correction, or a
-            context-parallel layout: use ``action_log_probs`` with SkyRL's own loss for those.
+        NotImplementedError: another ``policy_loss_type``, or an active off-policy correction: use
+            ``action_log_probs`` with SkyRL's own loss for those.
     """
-    _check_one_rank_layout(layout)
     if algorithm.policy_loss_type not in ("regular", "dual_clip"):
         raise NotImplementedError(f"policy_loss_type {algorithm.policy_loss_type!r}: use action_log_probs")
     correction = algorithm.off_policy_correction
@@ -324,7 +338,5 @@ def policy_loss(
         "kl_weight": kl_weight,
         "entropy_weight": mask * (entropy_coef * scale) / mask.sum().clamp(min=1),
     }
-    return head.loss(
-        output, layout.targets, loss_fn, loss_inputs={name: layout.to_rows(value.float()) for name, value in per_action.items()},
-        mask=layout.scored, temperature=temperature,
-    )  # fmt: skip
+    per_row = {name: layout.to_rows(value.float()) for name, value in per_action.items()}
+    return layout_loss(head, output, layout, loss_fn, per_row, temperature)

@@ -44,18 +44,20 @@ import torch
 from megatron.core import parallel_state
 
 from devkit import megatron_gpt as harness
-from devkit.oracle import max_abs_error, relative_error
+from devkit.oracle import max_abs_error, policy_loss_inputs, relative_error
 from devkit.rollouts import (
     ACTIONS,
     MODEL_SHAPE,
     pack,
     run_model,
     sample_tokens,
+    skyrl_algorithm,
     skyrl_batches,
+    skyrl_policy_oracle,
     weighted,
 )
 from examples.integrations import skyrl
-from megatron_fused_lm import FusedLMConfig, fused_linear_logprob, unwrap_model
+from megatron_fused_lm import FusedLMConfig, fused_linear_logprob, fused_linear_loss, unwrap_model
 
 SKYRL_VERSION = "0.3.0"
 TEMPERATURE = 0.8
@@ -202,13 +204,16 @@ def parity_worker() -> None:
 
 
 class OpsHead:
-    """What ``action_log_probs`` asks of a head, over a plain weight: the fused op."""
+    """What the recipe asks of a head, over a plain weight: the fused ops."""
 
     def __init__(self, weight):
         self.weight = weight
 
     def logprobs(self, output, targets, **options):
         return fused_linear_logprob(output, self.weight, targets, token_chunk=CONFIG.token_chunk, **options)
+
+    def loss(self, output, targets, loss_fn, **options):
+        return fused_linear_loss(output, self.weight, targets, loss_fn, token_chunk=CONFIG.token_chunk, **options)
 
 
 def context_parallel_worker() -> None:
@@ -263,9 +268,65 @@ def context_parallel_worker() -> None:
     compare_grads(
         errors, "CP=2 gradients", *({k: g[k] for k in ("hidden", "weight")} for g in (grads["ours"], grads["theirs"]))
     )
+    check_context_parallel_losses(model_utils, hidden, weight, rows, packed_targets, cu_seqlens, sequences,
+                                  attention_mask, cp_group, errors)  # fmt: skip
     if torch.distributed.get_rank() == 0:
         for name, error in errors.items():
             print(f"SkyRL {SKYRL_VERSION} CP parity, {name}: {error:.2e}", flush=True)
+
+
+def check_context_parallel_losses(
+    model_utils, hidden, weight, rows, packed_targets, cu_seqlens, sequences, attention_mask, cp_group, errors
+) -> None:
+    """The recipe's losses in the forward under CP against SkyRL's SFT and policy losses on SkyRL's
+    gathered log-probs: each rank's value (the whole batch's) and its hidden rows' and weight's
+    gradients. The policy loss has no entropy term here: SkyRL's packed entropy gives only a masked
+    mean, not the per-action values its loss takes."""
+    loss_mask = attention_mask[:, -ACTIONS:].float()
+    correction, scale = 4.0, 1.5  # num_microbatches * dp_size, num_microbatches / num_real_microbatches
+    algorithm = skyrl_algorithm(entropy_loss_coef=0.0)
+    sft_mask = loss_mask / loss_mask.sum()
+
+    def their_logprob(local_hidden, local_weight):
+        logits = local_hidden @ local_weight.t() / TEMPERATURE
+        return model_utils.from_parallel_logits_to_logprobs_packed_sequences(
+            logits, packed_targets, cu_seqlens, sequences.shape[1], 0, logits.shape[-1],
+            parallel_state.get_tensor_model_parallel_group(), inference_only=False, cp_group=cp_group,
+            chunk_size=None, attention_mask=attention_mask,
+        )[:, -ACTIONS:]  # fmt: skip
+
+    with torch.no_grad():
+        current = their_logprob(hidden[:, rows], weight)
+    inputs = policy_loss_inputs(current.double(), loss_mask, torch.Generator().manual_seed(3))
+    inputs["advantages"] = inputs["advantages"] / loss_mask.sum()  # SkyRL's token_mean scaling
+    layout = skyrl.packed_layout(packed_targets, cu_seqlens, attention_mask, ACTIONS, cp_group=cp_group)
+    for name in ("cross_entropy_loss", "policy_loss"):
+        results = {}
+        for side in ("theirs", "ours"):
+            leaves = [hidden[:, rows].clone().requires_grad_(), weight.clone().requires_grad_()]
+            if side == "theirs":
+                logprob = their_logprob(*leaves)
+                if name == "cross_entropy_loss":
+                    loss = -(logprob * sft_mask).sum() * correction
+                else:
+                    loss = skyrl_policy_oracle(
+                        logprob, torch.zeros_like(logprob), inputs, loss_mask, algorithm, correction, scale
+                    )
+            elif name == "cross_entropy_loss":
+                loss = skyrl.cross_entropy_loss(
+                    OpsHead(leaves[1]), leaves[0], layout, sft_mask, correction, temperature=TEMPERATURE
+                ).loss
+            else:
+                loss = skyrl.policy_loss(
+                    OpsHead(leaves[1]), leaves[0], layout, old_log_probs=inputs["old_logprob"],
+                    advantages=inputs["advantages"], loss_mask=loss_mask, base_log_probs=inputs["ref_logprob"],
+                    rollout_log_probs=None, algorithm=algorithm, grad_sum_correction_factor=correction,
+                    kl_entropy_microbatch_scale=scale, temperature=TEMPERATURE,
+                ).loss  # fmt: skip
+            loss.backward()
+            results[side] = loss.detach().float(), {"hidden": leaves[0].grad, "weight": leaves[1].grad}
+        compare(errors, f"CP=2 {name} value", results["ours"][0], results["theirs"][0])
+        compare_grads(errors, f"CP=2 {name} gradients", results["ours"][1], results["theirs"][1])
 
 
 def test_recipe_under_context_parallelism_matches_skyrls_own():

@@ -196,8 +196,8 @@ class MainGradWritten(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         weight = ctx.weight
-        if grad is not None:  # something besides the op used the view: pass its gradient on
-            return grad
+        if grad is not None:  # another use of the view: its gradient joins main_grad, as the op's did
+            weight.main_grad.add_(grad)
         weight.grad_added_to_main_grad = True
         make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
         return make(weight.shape, dtype=weight.dtype, device=weight.device)

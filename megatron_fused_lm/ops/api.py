@@ -237,32 +237,37 @@ def fused_linear_loss(
     return FusedLoss(loss, selection.place(logprob), selection.place(entropy))
 
 
-def _accumulating_options(
-    options: HeadOptions, weight: Tensor, weight_grad_into: Tensor, weight_grad_scale: float
-) -> tuple[HeadOptions, float]:
-    """The options of a pass that adds the weight gradient into ``weight_grad_into``, and the
-    checked scale, after the checks of both arguments."""
+def _accumulating_pass(
+    rows, weight, column, loss_fn, inputs, options: HeadOptions, needed, weight_grad_into, weight_grad_scale
+):
+    """The three-GEMM pass that adds ``weight_grad_scale`` times the weight gradient into
+    ``weight_grad_into`` (both checked): ``(options, scale, chunk_loss, state, rerun)``, where
+    ``rerun(inputs, grad_scale)`` runs the pass again on other per-token inputs, its gradients times
+    ``grad_scale``, adding its weight gradient too, and returns its held hidden gradient."""
     if torch.compiler.is_compiling():
         raise NotImplementedError("weight_grad_into runs eagerly only, not under torch.compile")
     check_accumulator(weight_grad_into, weight)
     scale = check_weight_grad_scale(weight_grad_scale)
-    return dataclasses.replace(options, weight_grad_accumulates=True), scale
+    options = dataclasses.replace(options, weight_grad_accumulates=True)
+    chunk_loss, state = loss_pass(rows, weight, column, loss_fn, inputs, options, needed, weight_grad_into, scale)
+
+    def rerun(other_inputs, grad_scale) -> Tensor:
+        _, extra = loss_pass(rows, weight, column, loss_fn, other_inputs, options, needed, weight_grad_into, grad_scale)
+        return extra.held_hidden
+
+    return options, scale, chunk_loss, state, rerun
 
 
 def _accumulating_loss(
     rows, weight, selection, loss_fn, inputs, options: HeadOptions, needed, weight_grad_into, weight_grad_scale
 ) -> FusedLoss:
-    """``fused_linear_loss`` with the weight gradient added into ``weight_grad_into`` in the forward."""
-    options, scale = _accumulating_options(options, weight, weight_grad_into, weight_grad_scale)
-    column = selection.target_column
-    chunk_loss, state = loss_pass(rows, weight, column, loss_fn, inputs, options, needed, weight_grad_into, scale)
-
-    def correct(difference: Tensor) -> Tensor:
-        _, extra = loss_pass(rows, weight, column, loss_fn, inputs, options, needed, weight_grad_into, difference)
-        return extra.held_hidden
-
+    """``fused_linear_loss`` with the weight gradient added into ``weight_grad_into`` in the forward;
+    a different upstream ``c`` is corrected by the pass again, its gradients times ``c - s``."""
+    options, scale, chunk_loss, state, rerun = _accumulating_pass(
+        rows, weight, selection.target_column, loss_fn, inputs, options, needed, weight_grad_into, weight_grad_scale
+    )
     loss = AccumulatedGradientsFunction.apply(
-        chunk_loss.total, rows, weight, options, scale, correct, state.held_hidden
+        chunk_loss.total, rows, weight, options, scale, lambda difference: rerun(inputs, difference), state.held_hidden
     )
     return FusedLoss(loss, selection.place(chunk_loss.logprob), selection.place(chunk_loss.entropy))
 
@@ -271,21 +276,15 @@ def _accumulating_cross_entropy(
     rows, weight, column, declared, options: HeadOptions, needed, weight_grad_into, weight_grad_scale
 ) -> Tensor:
     """``fused_linear_cross_entropy``'s per-token losses with the weight gradient added into
-    ``weight_grad_into`` in the forward."""
-    options, scale = _accumulating_options(options, weight, weight_grad_into, weight_grad_scale)
-    inputs = {"weight": declared}
-    chunk_loss, state = loss_pass(rows, weight, column, cross_entropy, inputs, options, needed, weight_grad_into, scale)
-
-    def correct(missing: Tensor) -> Tensor:
-        # The gradient is linear in the per-token upstream: a pass weighted by what is missing adds it.
-        _, extra = loss_pass(
-            rows, weight, column, cross_entropy, {"weight": missing}, options, needed, weight_grad_into
-        )
-        return extra.held_hidden
-
-    return AccumulatedCrossEntropyFunction.apply(
-        -chunk_loss.logprob, rows, weight, options, declared, scale, correct, state.held_hidden
+    ``weight_grad_into`` in the forward. The gradient is linear in the per-token upstream: another
+    upstream is corrected by the pass again, weighted by what is missing."""
+    options, scale, chunk_loss, state, rerun = _accumulating_pass(
+        rows, weight, column, cross_entropy, {"weight": declared}, options, needed, weight_grad_into, weight_grad_scale
     )
+    return AccumulatedCrossEntropyFunction.apply(
+        -chunk_loss.logprob, rows, weight, options, declared, scale, lambda missing: rerun({"weight": missing}, None),
+        state.held_hidden,
+    )  # fmt: skip
 
 
 def fused_linear_cross_entropy(

@@ -394,7 +394,7 @@ class OperatorLossBackend:
 
 def loss_pass(
     hidden: Tensor, weight: Tensor, target_column: Tensor, loss_fn: LossFn, inputs: Dict[str, Tensor], options: HeadOptions,
-    needed: NeededGrads, weight_grad_into: Optional[Tensor] = None, grad_scale: Union[float, Tensor] = 1.0,
+    needed: NeededGrads, weight_grad_into: Optional[Tensor] = None, grad_scale: Union[float, Tensor, None] = None,
 ) -> tuple[ChunkLoss, LossState]:  # fmt: skip
     """The three-GEMM pass over detached rows: the chunk step (the loss, log-probs, entropy and
     saved statistics) and the state with the held gradients, which are those of ``grad_scale``
@@ -411,10 +411,11 @@ def loss_pass(
 
 
 def _finish(held_hidden, held_weight, scale, dtypes, options: HeadOptions, narrow_in_place: bool) -> Gradients:
-    """The held gradients times the upstream ``scale``, each rounded once into its parameter's dtype
-    (``dtypes``), the hidden gradient then summed over the group when asked (in that dtype, as the
-    recompute path and Megatron's column-parallel layer do)."""
-    grads = held_gradients.scaled_gradients(held_hidden, held_weight, scale.float(), *dtypes, narrow_in_place)
+    """The held gradients times the upstream ``scale`` (``None``: 1), each rounded once into its
+    parameter's dtype (``dtypes``), the hidden gradient then summed over the group when asked (in
+    that dtype, as the recompute path and Megatron's column-parallel layer do)."""
+    scale = None if scale is None else scale.float()
+    grads = held_gradients.scaled_gradients(held_hidden, held_weight, scale, *dtypes, narrow_in_place)
     if grads.hidden is not None and options.reduce_hidden_grad:
         all_reduce_sum(grads.hidden, options.tp_group)
     return grads
@@ -477,16 +478,11 @@ class HeldGradientsFunction(torch.autograd.Function):
 
 
 def _accumulated_hidden(ctx, held_hidden: Tensor, ratio: Optional[Tensor], extra: Optional[Tensor]) -> Optional[Tensor]:
-    """The hidden gradient of an accumulating pass: the held one times ``ratio`` (the upstream
-    over the declared scale), or plus ``extra`` (a correcting pass's), rounded once into hidden's
-    dtype, then summed over the group when asked."""
-    if held_hidden.dim() != 2:
-        return None
+    """The hidden gradient of an accumulating pass (``_finish`` without a weight gradient): the held
+    one times ``ratio`` (the upstream over the declared scale), or plus ``extra`` (a correcting
+    pass's)."""
     total = held_hidden if extra is None else held_hidden + extra
-    grad = held_gradients.scaled_copy(total, ratio, torch.empty_like(total, dtype=ctx.hidden_dtype))
-    if ctx.options.reduce_hidden_grad:
-        all_reduce_sum(grad, ctx.options.tp_group)
-    return grad
+    return _finish(total, [], ratio, (ctx.hidden_dtype, None), ctx.options, False).hidden
 
 
 def _remember_accumulation(ctx, hidden: Tensor, options: HeadOptions, weight_grad_scale: float, correct) -> None:

@@ -87,7 +87,7 @@ class ChunkLoss:
     """The chunk step both backends' passes are driven with: ``merge`` (the statistics all-gather)
     on a chunk's shard statistics, its log-probs and entropy recorded with the running loss, and,
     when ``upstream``, the loss's per-token gradients (the entropy's only when ``entropy_grad``),
-    times ``grad_scale`` (a float or a 0-dim float32 tensor; 1: as they are)."""
+    times ``grad_scale`` (a float or a 0-dim float32 tensor; ``None``: as they are)."""
 
     def __init__(
         self,
@@ -98,7 +98,7 @@ class ChunkLoss:
         merge: Callable[[Tensor], Tensor],
         entropy_grad: bool,
         upstream: bool,
-        grad_scale: Union[float, Tensor] = 1.0,
+        grad_scale: Optional[Union[float, Tensor]] = None,
     ):
         self.loss_fn, self.inputs, self.merge = loss_fn, inputs, merge
         self.entropy_grad, self.upstream, self.grad_scale = entropy_grad, upstream, grad_scale
@@ -122,7 +122,7 @@ class ChunkLoss:
         grad_logprob, grad_entropy, chunk_total = per_token_grads(total, summary.logprob, summary.entropy)
         self.total += chunk_total
         grads = UpstreamGrads(grad_logprob, grad_entropy if self.entropy_grad else None)
-        if not (isinstance(self.grad_scale, float) and self.grad_scale == 1.0):
+        if self.grad_scale is not None:
             grads = UpstreamGrads(*(None if grad is None else grad * self.grad_scale for grad in grads))
         return summary, grads
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import itertools
 import logging
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from unittest import mock
 
 import torch
 
@@ -417,6 +419,25 @@ def packed_attention_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
     sequence = torch.searchsorted(cu_seqlens[1:].long(), positions, right=True)
     visible = (sequence[:, None] == sequence[None, :]) & (positions[None, :] <= positions[:, None])
     return ~visible[None, None]
+
+
+def split_for_this_cp_rank(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """This context-parallel rank's part of ``batch`` (tensors ``[b, s, ...]``) by Megatron's own
+    ``get_batch_on_this_cp_rank``: 0.18 on asks whether CP is hybrid (it is not here); 0.13.1 builds
+    its chunk index in pinned CUDA memory, which a CPU lacks, so there that index stays on the CPU."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    batch = {name: value.clone() for name, value in batch.items()}
+    options = (
+        {"is_hybrid_cp": False} if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters else {}
+    )
+    make_tensor = torch.tensor
+
+    def cpu_tensor(*args, pin_memory=False, **kwargs):
+        return make_tensor(*args, **kwargs)
+
+    with mock.patch("torch.tensor", cpu_tensor), mock.patch.object(torch.Tensor, "cuda", lambda self, **_: self):
+        return get_batch_on_this_cp_rank(batch, **options)
 
 
 def random_weights(*shape, seed: int, device=None) -> torch.Tensor:

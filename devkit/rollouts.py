@@ -1,15 +1,17 @@
 """Micro-batches of sampled rollouts (prompt then response) and the model runs the trainer-recipe
-tests share: the samples, their packing, SkyRL's padded and packed layouts, and the stock model's
-float64 per-row log-probs on them."""
+tests share: the samples, their packing, SkyRL's padded and packed layouts, the stock model's
+float64 per-row log-probs on them, the trainers' loss formulas, and a head over a plain weight."""
 
 from __future__ import annotations
 
+import argparse
 from types import SimpleNamespace
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from devkit import megatron_gpt
+from megatron_fused_lm import fused_linear_logprob, fused_linear_loss
 
 # Three samples: prompt and response lengths; the responses fill up to ACTIONS slots (SkyRL's
 # num_actions), the prompts up to PROMPT_COLUMNS, so SkyRL's padded rows are 14 wide (even, for
@@ -118,3 +120,64 @@ def skyrl_policy_oracle(logprob, entropy, inputs, loss_mask, algorithm, correcti
     return (pg * mask).sum() * correction + (
         algorithm.kl_loss_coef * kl_loss - algorithm.entropy_loss_coef * entropy_mean
     ) * scale
+
+
+def slime_args(temperature: float, *flags: str) -> argparse.Namespace:
+    """slime's ``args``: the recipe's flags parsed as slime parses them, and the slime settings the
+    recipes read (GRPO with dual clip, KL (k3) and entropy terms)."""
+    from examples.integrations import slime
+
+    args = slime.add_fused_lm_arguments(argparse.ArgumentParser()).parse_args(list(flags))
+    args.__dict__.update(
+        rollout_temperature=temperature, entropy_coef=0.01, allgather_cp=False, eps_clip=0.2, eps_clip_high=0.28,
+        eps_clip_c=3.0, use_kl_loss=True, kl_loss_coef=0.05, kl_loss_type="k3", use_unbiased_kl=False,
+        advantage_estimator="grpo", use_opsm=False, use_tis=False, get_mismatch_metrics=False,
+        custom_pg_loss_reducer_function_path=None, use_rollout_logprobs=False,
+    )  # fmt: skip
+    return args
+
+
+def slime_sample_mean(
+    mask_pieces: Sequence[torch.Tensor], mask_sums: Sequence[torch.Tensor]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """slime's ``sum_of_sample_mean`` (``get_sum_of_sample_mean`` without rollout sums): the
+    concatenated per-token values split per sample as ``mask_pieces`` are (each sample's loss mask,
+    or under CP this rank's pieces of it), masked, and divided by each sample's whole mask sum."""
+
+    def reduce(values: torch.Tensor) -> torch.Tensor:
+        pieces = values.split([piece.numel() for piece in mask_pieces])
+        return sum(
+            (piece * mask).sum() / total.clamp(min=1)
+            for piece, mask, total in zip(pieces, mask_pieces, mask_sums, strict=True)
+        )
+
+    return reduce
+
+
+def slime_policy_oracle(logprob, entropy, inputs: Dict[str, torch.Tensor], args, reduce) -> torch.Tensor:
+    """slime's ``policy_loss_function`` (``compute_policy_loss`` with dual clip, ``compute_approx_kl``
+    k3), float64, on the concatenated response tokens; ``inputs``: ``old_logprob``, ``advantages``
+    and ``ref_logprob`` of those tokens."""
+    old, advantages, ref = (inputs[name].double() for name in ("old_logprob", "advantages", "ref_logprob"))
+    ratio = (logprob - old).exp()
+    pg = torch.maximum(-ratio * advantages, -ratio.clamp(1 - args.eps_clip, 1 + args.eps_clip_high) * advantages)
+    pg = torch.where(advantages < 0, torch.minimum(-args.eps_clip_c * advantages, pg), pg)
+    kl = (ref - logprob).exp() - 1 - (ref - logprob)
+    return reduce(pg) - args.entropy_coef * reduce(entropy) + args.kl_loss_coef * reduce(kl)
+
+
+class OpsHead:
+    """What a recipe asks of a ``FusedLMHead``, over a plain weight ``[V, h]``: the fused ops. The
+    context-parallel recipe tests start from the hidden states, as Megatron's attention has no CPU
+    kernel under CP."""
+
+    fused = True
+
+    def __init__(self, weight: torch.Tensor, token_chunk: int):
+        self.weight, self.token_chunk = weight, token_chunk
+
+    def logprobs(self, output, targets, **options):
+        return fused_linear_logprob(output, self.weight, targets, token_chunk=self.token_chunk, **options)
+
+    def loss(self, output, targets, loss_fn, **options):
+        return fused_linear_loss(output, self.weight, targets, loss_fn, token_chunk=self.token_chunk, **options)

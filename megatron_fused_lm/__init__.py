@@ -9,13 +9,20 @@ use, so the ops do not pay for importing megatron-core.
 # The ops' public names are the package's.
 from .ops import *  # noqa: F403
 from .ops import __all__ as _OPS_NAMES
-from .packing import next_token_targets, response_mask, split_responses
+from .packing import context_parallel_positions, next_token_targets, response_mask, split_responses
 
 __version__ = "0.1.0"
 
 _INTEGRATION_NAMES = ("FusedLMConfig", "FusedLMHead", "unwrap_model", "wrap_model")
 
-__all__ = [*_OPS_NAMES, "next_token_targets", "response_mask", "split_responses", *_INTEGRATION_NAMES]
+__all__ = [
+    *_OPS_NAMES,
+    "context_parallel_positions",
+    "next_token_targets",
+    "response_mask",
+    "split_responses",
+    *_INTEGRATION_NAMES,
+]
 
 
 def __getattr__(name):

@@ -16,6 +16,10 @@ Shapes and dtypes, checked by every helper with its own error:
   tensor, or a list of ints).
 - Per-token tensors: ``[T]``, or ``[1, T]`` as Megatron's model returns them for a packed
   micro-batch (its batch dimension is 1).
+
+Under context parallelism a rank's output holds only some positions (``context_parallel_positions``):
+build the targets and masks over every position with the helpers below, then index them with those
+positions.
 """
 
 from __future__ import annotations
@@ -203,3 +207,41 @@ def next_token_targets(tokens: torch.Tensor, cu_seqlens: torch.Tensor, fill: int
     ends = cu_seqlens[1:].to(tokens.device)
     flat_targets[ends[ends > 0] - 1] = fill  # an empty sequence ends where the one before it does
     return targets
+
+
+def context_parallel_positions(cu_seqlens: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """The positions rank ``cp_rank`` of ``cp_size`` holds under Megatron's load-balanced context
+    parallelism, in the order of its output rows: every sequence is cut into ``2 * cp_size`` equal
+    chunks and the rank holds chunk ``cp_rank``, then chunk ``2 * cp_size - 1 - cp_rank``, sequence
+    after sequence (``get_batch_on_this_cp_rank`` per sequence, as the THD trainers split).
+
+    Args:
+        cu_seqlens: integer ``[S + 1]``, the padded one: every sequence's length must be a multiple
+            of ``2 * cp_size`` (any length at ``cp_size == 1``).
+        cp_rank, cp_size: ``mpu.get_context_parallel_rank()`` and ``..._world_size()``.
+
+    Returns:
+        int64 ``[T / cp_size]`` on ``cu_seqlens``' device; every position ``arange(T)`` at
+        ``cp_size == 1``. Index per-position tensors ``[1, T]`` with it (``values[:, positions]``).
+    """
+    cu_seqlens = _checked_cu_seqlens(cu_seqlens)
+    for name, value in (("cp_rank", cp_rank), ("cp_size", cp_size)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be in [0, cp_size) with cp_size >= 1, got cp_rank={cp_rank}, cp_size={cp_size}")
+    positions = torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device)
+    if cp_size == 1:
+        return positions
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    uneven = (lengths % (2 * cp_size) != 0).nonzero()
+    if uneven.numel():
+        index = int(uneven[0])
+        raise ValueError(
+            f"sequence {index} has {int(lengths[index])} positions, not a multiple of 2 x cp_size = {2 * cp_size}: "
+            "pass the cu_seqlens padded for context parallelism"
+        )
+    sequence = torch.searchsorted(cu_seqlens[1:], positions, right=True)
+    chunk = (positions - cu_seqlens[sequence]) // (lengths[sequence] // (2 * cp_size))
+    # Chunk cp_rank precedes chunk 2 * cp_size - 1 - cp_rank in the sequence, so position order is row order.
+    return positions[(chunk == cp_rank) | (chunk == 2 * cp_size - 1 - cp_rank)]

@@ -34,6 +34,7 @@ from megatron_fused_lm import (
     FusedLMConfig,
     FusedLMHead,
     FusedLoss,
+    context_parallel_positions,
     losses,
     next_token_targets,
     response_mask,
@@ -159,7 +160,7 @@ def packed_layout(
     layout = ActionLayout(next_token_targets(packed_targets, cu_seqlens_padded), scored, actions)
     if cp_group is None or dist.get_world_size(cp_group) == 1:
         return layout
-    rows = context_parallel_rows(cu_seqlens_padded, dist.get_rank(cp_group), dist.get_world_size(cp_group))
+    rows = context_parallel_positions(cu_seqlens_padded, dist.get_rank(cp_group), dist.get_world_size(cp_group))
 
     def gather(per_row: Tensor) -> Tensor:
         from skyrl.backends.skyrl_train.distributed.megatron.model_utils import allgather_cp_sharded_packed_tensor
@@ -167,22 +168,6 @@ def packed_layout(
         return allgather_cp_sharded_packed_tensor(per_row, cu_seqlens_padded, cp_group)
 
     return dataclasses.replace(layout, rank_rows=rows.to(packed_targets.device), gather=gather, cp_group=cp_group)
-
-
-def context_parallel_rows(cu_seqlens_padded: Tensor, cp_rank: int, cp_size: int) -> Tensor:
-    """The packed positions rank ``cp_rank`` of ``cp_size`` holds, int64 ``[T / cp_size]``: of every
-    sequence (padded to a multiple of ``2 * cp_size``), chunk ``cp_rank`` and chunk ``2 * cp_size - 1
-    - cp_rank`` of its ``2 * cp_size`` equal chunks, the sequences in order (Megatron's load-balanced
-    split, which SkyRL's packing follows). Reads the boundaries on the host."""
-    bounds = cu_seqlens_padded.tolist()
-    rows = []
-    for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
-        if (stop - start) % (2 * cp_size):
-            raise ValueError(f"a packed sequence of {stop - start} rows does not split into 2 x {cp_size} chunks")
-        chunk = (stop - start) // (2 * cp_size)
-        for index in (cp_rank, 2 * cp_size - 1 - cp_rank):
-            rows.append(torch.arange(start + index * chunk, start + (index + 1) * chunk))
-    return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
 
 
 def action_log_probs(

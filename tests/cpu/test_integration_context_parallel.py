@@ -18,9 +18,6 @@ The CP=1 results are a float64 oracle's. Tolerances: float32 inputs, so 2e-5 on 
 about 2e-6, as in test_integration_parity) and 5e-5 of the largest entry of each gradient.
 """
 
-import inspect
-from unittest import mock
-
 import torch
 
 from devkit import megatron_gpt as harness
@@ -47,25 +44,6 @@ def full_batch():
     }, torch.randn(VOCAB, HIDDEN, generator=generator) * 1.5
 
 
-def this_rank(batch):
-    """This CP rank's part of ``batch`` by Megatron's function: 0.18 on ask whether CP is hybrid
-    (it is not here); 0.13.1 builds its chunk index in pinned CUDA memory, which a CPU lacks, so
-    there that index stays on the CPU."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    batch = {name: value.clone() for name, value in batch.items()}
-    options = (
-        {"is_hybrid_cp": False} if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters else {}
-    )
-    make_tensor = torch.tensor
-
-    def cpu_tensor(*args, pin_memory=False, **kwargs):
-        return make_tensor(*args, **kwargs)
-
-    with mock.patch("torch.tensor", cpu_tensor), mock.patch.object(torch.Tensor, "cuda", lambda self, **_: self):
-        return get_batch_on_this_cp_rank(batch, **options)
-
-
 def worker() -> None:
     from megatron.core import parallel_state
 
@@ -73,7 +51,7 @@ def worker() -> None:
     parallel_state.initialize_model_parallel(1, 1, context_parallel_size=CP)
     group = parallel_state.get_context_parallel_group()
     batch, weight = full_batch()
-    local = this_rank(batch)
+    local = harness.split_for_this_cp_rank(batch)
     positions = local["position_ids"][0]
     assert positions.numel() == SEQ // CP and len(set(positions.tolist())) == SEQ // CP
 
@@ -90,7 +68,7 @@ def worker() -> None:
     full_logprob, _ = logprob_entropy(hidden @ full_weight.t(), batch["labels"], 1.0)
     want_loss = -(losses.token_mean_weights(batch["loss_mask"]).double() * full_logprob).sum()
     want_loss.backward()
-    weights = this_rank({"weights": losses.token_mean_weights(batch["loss_mask"])})["weights"]
+    weights = harness.split_for_this_cp_rank({"weights": losses.token_mean_weights(batch["loss_mask"])})["weights"]
     local_hidden = local["hidden"].requires_grad_()
     local_weight = weight.clone().requires_grad_()
     result = fused_linear_loss(

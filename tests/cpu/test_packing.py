@@ -1,12 +1,13 @@
 """The packed-sequence (THD) helpers: response masks, splitting per-token results, next-token
-targets, and the shift convention against an unpacked computation."""
+targets, the shift convention against an unpacked computation, and the positions a context-parallel
+rank holds (against Megatron's own split in test_recipes_context_parallel)."""
 
 import pytest
 import torch
 
 from devkit.oracle import make_case, reference, relative_error
 from megatron_fused_lm import fused_linear_logprob
-from megatron_fused_lm.packing import next_token_targets, response_mask, split_responses
+from megatron_fused_lm.packing import context_parallel_positions, next_token_targets, response_mask, split_responses
 
 H, V = 24, 101
 
@@ -229,3 +230,30 @@ def test_split_responses_rejects_other_layouts(values, message):
 def test_next_token_targets_reject_bad_tokens_and_fill(tokens, fill, error, message):
     with pytest.raises(error, match=message):
         next_token_targets(tokens, GOOD_CU, fill=fill)
+
+
+def test_context_parallel_positions_by_hand():
+    # Sequences of 8 and 4 positions over CP = 2: chunks of 2 and 1; rank r holds chunks r and 3 - r.
+    cu_seqlens = torch.tensor([0, 8, 12], dtype=torch.int32)
+    assert context_parallel_positions(cu_seqlens, 0, 2).tolist() == [0, 1, 6, 7, 8, 11]
+    assert context_parallel_positions(cu_seqlens, 1, 2).tolist() == [2, 3, 4, 5, 9, 10]
+    # CP = 4 on one sequence of 8: rank 1 holds chunks 1 and 6.
+    assert context_parallel_positions(torch.tensor([0, 8]), 1, 4).tolist() == [1, 6]
+    # CP = 1: every position, whatever the lengths; an empty sequence holds none.
+    assert context_parallel_positions(torch.tensor([0, 3, 3, 8]), 0, 1).tolist() == list(range(8))
+    assert context_parallel_positions(torch.tensor([0, 0, 4]), 1, 2).tolist() == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "cu_seqlens,cp_rank,cp_size,error,message",
+    [
+        (torch.tensor([0, 8, 14]), 0, 2, ValueError, "sequence 1 has 6 positions, not a multiple of 2 x cp_size = 4"),
+        (torch.tensor([0, 8]), 2, 2, ValueError, "cp_rank must be in"),
+        (torch.tensor([0, 8]), 0, 0, ValueError, "cp_rank must be in"),
+        (torch.tensor([0, 8]), 0, 2.0, TypeError, "cp_size must be an int"),
+        (torch.tensor([0.0, 8.0]), 0, 2, TypeError, "cu_seqlens must hold integers"),
+    ],
+)
+def test_context_parallel_positions_rejects_bad_input(cu_seqlens, cp_rank, cp_size, error, message):
+    with pytest.raises(error, match=message):
+        context_parallel_positions(cu_seqlens, cp_rank, cp_size)

@@ -17,14 +17,12 @@ A packed micro-batch runs through the local attention spec with ``packed_attenti
 packed kernel); the head sees the ``[1, T, h]`` rows a THD forward gives it either way.
 """
 
-import argparse
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import List, Optional
+from typing import Optional
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from devkit import megatron_gpt as harness
 from devkit.oracle import policy_loss_inputs
@@ -40,6 +38,9 @@ from devkit.rollouts import (
     skyrl_algorithm,
     skyrl_batches,
     skyrl_policy_oracle,
+    slime_args,
+    slime_policy_oracle,
+    slime_sample_mean,
     stock_rows,
     weighted,
 )
@@ -273,43 +274,6 @@ def check_verl(tied: bool) -> None:
 # ---------------------------------------------------------------------------------------- slime
 
 
-def slime_args(*flags):
-    """slime's ``args``: the recipe's flags parsed as slime parses them, and the slime settings the
-    recipes read (GRPO with dual clip, KL (k3) and entropy terms)."""
-    args = slime.add_fused_lm_arguments(argparse.ArgumentParser()).parse_args(list(flags))
-    args.__dict__.update(
-        rollout_temperature=TEMPERATURE, entropy_coef=0.01, allgather_cp=False, eps_clip=0.2, eps_clip_high=0.28,
-        eps_clip_c=3.0, use_kl_loss=True, kl_loss_coef=0.05, kl_loss_type="k3", use_unbiased_kl=False,
-        advantage_estimator="grpo", use_opsm=False, use_tis=False, get_mismatch_metrics=False,
-        custom_pg_loss_reducer_function_path=None, use_rollout_logprobs=False,
-    )  # fmt: skip
-    return args
-
-
-def sample_mean_reducer(loss_masks: List[torch.Tensor]):
-    """slime's ``sum_of_sample_mean`` at CP = 1 (``get_sum_of_sample_mean`` without rollout sums): each
-    sample's masked mean, summed over samples."""
-
-    def reduce(values):
-        pieces = values.split(RESPONSES)
-        return sum(
-            (piece * mask).sum() / mask.sum().clamp(min=1) for piece, mask in zip(pieces, loss_masks, strict=True)
-        )
-
-    return reduce
-
-
-def slime_policy_oracle(logprob, entropy, batch, args, reduce):
-    """slime's ``policy_loss_function`` (``compute_policy_loss`` with dual clip, ``compute_approx_kl``
-    k3), float64, on the concatenated response tokens."""
-    old, advantages, ref = (torch.cat(batch[key]).double() for key in ("log_probs", "advantages", "ref_log_probs"))
-    ratio = (logprob - old).exp()
-    pg = torch.maximum(-ratio * advantages, -ratio.clamp(1 - args.eps_clip, 1 + args.eps_clip_high) * advantages)
-    pg = torch.where(advantages < 0, torch.minimum(-args.eps_clip_c * advantages, pg), pg)
-    kl = (ref - logprob).exp() - 1 - (ref - logprob)
-    return reduce(pg) - args.entropy_coef * reduce(entropy) + args.kl_loss_coef * reduce(kl)
-
-
 def check_slime(tied: bool) -> None:
     tokens = sample_tokens(seed=4)
     lengths = [sample.numel() for sample in tokens]
@@ -318,7 +282,7 @@ def check_slime(tied: bool) -> None:
     packed[0, : sum(lengths)] = torch.cat(tokens)
     mask = harness.packed_attention_mask(torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist(), rows]))
     model = harness.build_gpt(MODEL_SHAPE, sequence_parallel=True, tied=tied)
-    args = slime_args("--fused-linear-logprob", "--logprobs-chunk-size", "5")
+    args = slime_args(TEMPERATURE, "--fused-linear-logprob", "--logprobs-chunk-size", "5")
     offsets = [0, *torch.tensor(lengths).cumsum(0).tolist()]
 
     def oracle():
@@ -339,10 +303,10 @@ def check_slime(tied: bool) -> None:
         **{key: list(inputs[name].split(RESPONSES)) for key, name in (
             ("log_probs", "old_logprob"), ("ref_log_probs", "ref_logprob"), ("advantages", "advantages"))},
     }  # fmt: skip
-    reduce = sample_mean_reducer(loss_masks)
+    reduce = slime_sample_mean(loss_masks, [mask.sum() for mask in loss_masks])
     sft_expected = -reduce(oracle()[0])
     sft_grads = stock_grads(model, sft_expected)
-    policy_expected = slime_policy_oracle(*oracle(), batch, args, reduce)
+    policy_expected = slime_policy_oracle(*oracle(), inputs, args, reduce)
     policy_grads = stock_grads(model, policy_expected)
 
     head = slime.wrap_slime_model([model], args)
@@ -371,7 +335,7 @@ def check_slime(tied: bool) -> None:
         harness.finalized_parameter_grads(model), policy_grads, GRAD_RTOL, f"{label} policy_loss"
     )
     for setting in ({"advantage_estimator": "gspo"}, {"use_tis": True}, {"kl_loss_type": "low_var_kl"}):
-        refused = slime_args("--fused-linear-logprob")
+        refused = slime_args(TEMPERATURE, "--fused-linear-logprob")
         refused.__dict__.update(setting)
         with pytest.raises(NotImplementedError):
             slime.policy_loss(refused, batch, run_model(model, packed, mask), reduce)
@@ -380,7 +344,7 @@ def check_slime(tied: bool) -> None:
             run_model(model, packed, mask), args=args, unconcat_tokens=tokens, total_lengths=lengths,
             response_lengths=RESPONSES, top_p_token_ids=[[1]],
         )  # fmt: skip
-    assert slime.wrap_slime_model([model], slime_args()).fused is False and slime.fused_head() is None
+    assert slime.wrap_slime_model([model], slime_args(TEMPERATURE)).fused is False and slime.fused_head() is None
 
 
 # -------------------------------------------------------------------------------------- NeMo-RL
@@ -451,10 +415,6 @@ def check_nemo_rl(tied: bool) -> None:
     loss.backward()
     harness.assert_grads_close(harness.finalized_parameter_grads(model), nll_grads, GRAD_RTOL, f"{label} nll_loss")
 
-    with pytest.raises(NotImplementedError, match="CP = 1"):
-        nemo_rl.prepare_loss_input(
-            run_model(model, input_ids), data, None, context_parallel_group=dist.group.WORLD, head=head
-        )
     with pytest.raises(ValueError, match="use_fused_linear_logprobs"):
         nemo_rl.wrap_policy_model(model, {**policy_cfg, "megatron_cfg": {"use_fused_linear_logprobs": True}})
 

@@ -48,6 +48,7 @@ from devkit.oracle import max_abs_error, policy_loss_inputs, relative_error
 from devkit.rollouts import (
     ACTIONS,
     MODEL_SHAPE,
+    OpsHead,
     pack,
     run_model,
     sample_tokens,
@@ -57,7 +58,7 @@ from devkit.rollouts import (
     weighted,
 )
 from examples.integrations import skyrl
-from megatron_fused_lm import FusedLMConfig, fused_linear_logprob, fused_linear_loss, unwrap_model
+from megatron_fused_lm import FusedLMConfig, unwrap_model
 
 SKYRL_VERSION = "0.3.0"
 TEMPERATURE = 0.8
@@ -203,19 +204,6 @@ def parity_worker() -> None:
             print(f"SkyRL {SKYRL_VERSION} parity, {name}: {error:.2e}", flush=True)
 
 
-class OpsHead:
-    """What the recipe asks of a head, over a plain weight: the fused ops."""
-
-    def __init__(self, weight):
-        self.weight = weight
-
-    def logprobs(self, output, targets, **options):
-        return fused_linear_logprob(output, self.weight, targets, token_chunk=CONFIG.token_chunk, **options)
-
-    def loss(self, output, targets, loss_fn, **options):
-        return fused_linear_loss(output, self.weight, targets, loss_fn, token_chunk=CONFIG.token_chunk, **options)
-
-
 def context_parallel_worker() -> None:
     torch._dynamo.config.disable = True
     megatron_utils, model_utils = skyrl_megatron_helpers()
@@ -257,7 +245,7 @@ def context_parallel_worker() -> None:
             layout = skyrl.packed_layout(packed_targets, cu_seqlens, attention_mask, ACTIONS, cp_group=cp_group)
             assert torch.equal(layout.rank_rows, rows), "the recipe's rows are SkyRL's"
             logprob, entropy = skyrl.action_log_probs(
-                OpsHead(leaves[1]), leaves[0], layout, temperature=TEMPERATURE, with_entropy=True
+                OpsHead(leaves[1], CONFIG.token_chunk), leaves[0], layout, temperature=TEMPERATURE, with_entropy=True
             )
             entropy_mean = entropy_for_loss = (entropy * loss_mask).sum() / loss_mask.sum().clamp(min=1)
         (weighted([logprob * loss_mask], seed=43) + entropy_for_loss).backward()
@@ -314,11 +302,16 @@ def check_context_parallel_losses(
                     )
             elif name == "cross_entropy_loss":
                 loss = skyrl.cross_entropy_loss(
-                    OpsHead(leaves[1]), leaves[0], layout, sft_mask, correction, temperature=TEMPERATURE
+                    OpsHead(leaves[1], CONFIG.token_chunk),
+                    leaves[0],
+                    layout,
+                    sft_mask,
+                    correction,
+                    temperature=TEMPERATURE,
                 ).loss
             else:
                 loss = skyrl.policy_loss(
-                    OpsHead(leaves[1]), leaves[0], layout, old_log_probs=inputs["old_logprob"],
+                    OpsHead(leaves[1], CONFIG.token_chunk), leaves[0], layout, old_log_probs=inputs["old_logprob"],
                     advantages=inputs["advantages"], loss_mask=loss_mask, base_log_probs=inputs["ref_logprob"],
                     rollout_log_probs=None, algorithm=algorithm, grad_sum_correction_factor=correction,
                     kl_entropy_microbatch_scale=scale, temperature=TEMPERATURE,

@@ -5,7 +5,8 @@ slime builds the model in ``setup_model_and_optimizer`` (``slime.backends.megatr
 reference log-prob passes (``forward_only``) as for its losses (``policy_loss_function``,
 ``sft_loss_function``), in ``get_log_probs_and_entropy`` (``slime.backends.megatron_utils.loss``) from
 the model's output ``[1, T, ...]``: the micro-batch's sequences laid end to end (``batch["tokens"]``)
-and padded at the end. The settings are command-line flags (argparse), read from ``args``.
+and padded at the end; under context parallelism, this rank's two chunks of every sequence. The
+settings are command-line flags (argparse), read from ``args``.
 
 slime loads custom code by module path (``--custom-loss-function-path``), so the head of this process
 is kept here by ``wrap_slime_model`` for the loss functions below to find.
@@ -22,10 +23,10 @@ from megatron.core import parallel_state
 from megatron_fused_lm import (
     FusedLMConfig,
     FusedLMHead,
+    context_parallel_positions,
     losses,
     next_token_targets,
     response_mask,
-    split_responses,
     wrap_model,
 )
 
@@ -57,24 +58,39 @@ def fused_head() -> Optional[FusedLMHead]:
     return _head if _head is not None and _head.fused else None
 
 
-def _packed_spans(
+def _rank_rows(
     unconcat_tokens: List[Tensor], total_lengths: List[int], response_lengths: List[int], rows: int
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(tokens [T], cu_seqlens, prompt_lengths, response_lengths)`` of slime's packing, on the tokens'
-    device: the samples end to end, then the padding as one more sample without a response, so that
-    ``cu_seqlens[-1] == rows``."""
+) -> Tuple[Tensor, Tensor, List[int]]:
+    """``(targets [1, rows], scored [1, rows], per-sample counts)`` of this rank's output rows: the
+    token each row scores, the rows that score a response token, and how many of those each sample
+    has here. slime lays the samples end to end; under CP (``data.get_batch``, ``slice_with_cp``)
+    each is first padded to ``2 x CP`` equal chunks of which this rank holds two. The padding at the
+    end scores nothing. Targets and mask are built over whole samples and then indexed, so a
+    response token is scored from the position before it even where that lies in another chunk."""
+    cp_size = parallel_state.get_context_parallel_world_size()
     device = unconcat_tokens[0].device
-    padding = rows - sum(total_lengths)
-    tokens = torch.cat([*unconcat_tokens, unconcat_tokens[0].new_zeros(padding)])
-    lengths = torch.tensor([*total_lengths, padding], device=device)
-    responses = torch.tensor([*response_lengths, 0], device=device)
-    cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-    return tokens, cu_seqlens, lengths - responses, responses
+    lengths = torch.tensor(total_lengths)
+    if cp_size > 1:
+        lengths = -(-lengths // (2 * cp_size)) * (2 * cp_size)
+    cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(device)
+    padded = zip(unconcat_tokens, lengths.tolist(), strict=True)
+    tokens = torch.cat([torch.nn.functional.pad(sample, (0, length - sample.numel())) for sample, length in padded])
+    responses = torch.tensor(response_lengths, device=device)
+    prompts = torch.tensor(total_lengths, device=device) - responses
+    held = context_parallel_positions(cu_seqlens, parallel_state.get_context_parallel_rank(), cp_size)
+    if held.numel() > rows:
+        raise ValueError(f"the output has {rows} rows, fewer than the {held.numel()} this rank's samples take")
+    scored = response_mask(cu_seqlens, prompts, responses)[held]
+    samples = torch.searchsorted(cu_seqlens[1:], held, right=True)[scored]
+    counts = torch.bincount(samples, minlength=len(total_lengths)).tolist()
+    padding = rows - held.numel()
+    targets = torch.nn.functional.pad(next_token_targets(tokens, cu_seqlens)[held], (0, padding))
+    return targets.unsqueeze(0), torch.nn.functional.pad(scored, (0, padding)).unsqueeze(0), counts
 
 
 def _check_supported(args: argparse.Namespace, top_p_token_ids: Any = None) -> None:
-    if parallel_state.get_context_parallel_world_size() > 1 or args.allgather_cp:
-        raise NotImplementedError("this recipe lays out CP = 1 batches; see docs/INTEGRATIONS.md for CP")
+    if parallel_state.get_context_parallel_world_size() > 1 and args.allgather_cp:
+        raise NotImplementedError("--allgather-cp splits the rows contiguously, which this recipe does not lay out")
     if top_p_token_ids is not None:
         raise NotImplementedError("rollout top-p replay masks the logits: turn --fused-linear-logprob off for it")
 
@@ -100,20 +116,18 @@ def log_probs_and_entropy(
         with_entropy: also return the entropy (with a gradient only if ``args.entropy_coef != 0``).
 
     Returns:
-        ``(empty tensor, {"log_probs": [...], "entropy": [...]})``: float32 ``[response_length_i]``
-        per sample, the entropy only with ``with_entropy``.
+        ``(empty tensor, {"log_probs": [...], "entropy": [...]})``: float32 per sample, the entropy
+        only with ``with_entropy``: ``[response_length_i]``, or under CP this rank's pieces of the
+        response in slime's order (its first chunk's, then its second's).
     """
     _check_supported(args, top_p_token_ids)
-    tokens, cu_seqlens, prompts, responses = _packed_spans(
-        unconcat_tokens, total_lengths, response_lengths, logits.shape[1]
-    )
+    targets, scored, counts = _rank_rows(unconcat_tokens, total_lengths, response_lengths, logits.shape[1])
     result = fused_head().logprobs(
-        logits, next_token_targets(tokens, cu_seqlens).unsqueeze(0), temperature=args.rollout_temperature,
-        return_entropy=with_entropy, entropy_grad=with_entropy and args.entropy_coef != 0,
-        mask=response_mask(cu_seqlens, prompts, responses).unsqueeze(0),
+        logits, targets, temperature=args.rollout_temperature, return_entropy=with_entropy,
+        entropy_grad=with_entropy and args.entropy_coef != 0, mask=scored,
     )  # fmt: skip
     values = result if with_entropy else (result,)
-    per_sample = [split_responses(value, cu_seqlens, prompts, responses)[:-1] for value in values]
+    per_sample = [list(value[scored].split(counts)) for value in values]
     found = {"log_probs": per_sample[0]}
     if with_entropy:
         found["entropy"] = per_sample[1]
@@ -126,14 +140,13 @@ def _loss_layout(args, batch, logits, sum_of_sample_mean: Callable[[Tensor], Ten
     being linear), so every slime normalization (per-sample mean, rollout means, per-token) carries
     over."""
     _check_supported(args)
-    tokens, cu_seqlens, prompts, responses = _packed_spans(
+    targets, scored, counts = _rank_rows(
         batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"], logits.shape[1]
     )
-    scored = response_mask(cu_seqlens, prompts, responses).unsqueeze(0)
-    probe = torch.zeros(int(responses.sum()), device=logits.device, requires_grad=True)
+    probe = torch.zeros(sum(counts), device=logits.device, requires_grad=True)
     (weights,) = torch.autograd.grad(sum_of_sample_mean(probe), probe)
     weight_rows = torch.zeros(scored.shape, device=logits.device).masked_scatter(scored, weights)
-    return next_token_targets(tokens, cu_seqlens).unsqueeze(0), scored, weight_rows
+    return targets, scored, weight_rows
 
 
 def sft_loss(args, batch, logits, sum_of_sample_mean) -> Tuple[Tensor, Dict[str, Tensor]]:

@@ -15,9 +15,11 @@ is kept here by ``wrap_slime_model`` for the loss functions below to find.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed.nn.functional
 from megatron.core import parallel_state
 
 from megatron_fused_lm import (
@@ -58,41 +60,116 @@ def fused_head() -> Optional[FusedLMHead]:
     return _head if _head is not None and _head.fused else None
 
 
-def _rank_rows(
-    unconcat_tokens: List[Tensor], total_lengths: List[int], response_lengths: List[int], rows: int
-) -> Tuple[Tensor, Tensor, List[int]]:
-    """``(targets [1, rows], scored [1, rows], per-sample counts)`` of this rank's output rows: the
-    token each row scores, the rows that score a response token, and how many of those each sample
-    has here. slime lays the samples end to end; under CP (``data.get_batch``, ``slice_with_cp``)
-    each is first padded to ``2 x CP`` equal chunks of which this rank holds two. The padding at the
-    end scores nothing. Targets and mask are built over whole samples and then indexed, so a
-    response token is scored from the position before it even where that lies in another chunk."""
-    cp_size = parallel_state.get_context_parallel_world_size()
-    device = unconcat_tokens[0].device
-    lengths = torch.tensor(total_lengths)
-    if cp_size > 1:
-        lengths = -(-lengths // (2 * cp_size)) * (2 * cp_size)
-    cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(device)
-    padded = zip(unconcat_tokens, lengths.tolist(), strict=True)
-    tokens = torch.cat([torch.nn.functional.pad(sample, (0, length - sample.numel())) for sample, length in padded])
-    responses = torch.tensor(response_lengths, device=device)
-    prompts = torch.tensor(total_lengths, device=device) - responses
-    held = context_parallel_positions(cu_seqlens, parallel_state.get_context_parallel_rank(), cp_size)
-    if held.numel() > rows:
-        raise ValueError(f"the output has {rows} rows, fewer than the {held.numel()} this rank's samples take")
+def _cu_seqlens(lengths: List[int], device: torch.device) -> Tensor:
+    """The boundaries of spans of ``lengths`` laid end to end, int64 ``[n + 1]``."""
+    return torch.tensor([0, *lengths], device=device).cumsum(0)
+
+
+def _samples_at(
+    held: Tensor,
+    cu_seqlens: Tensor,
+    unconcat_tokens: List[Tensor],
+    total_lengths: List[int],
+    response_lengths: List[int],
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(targets, scored, sample, response index)`` at the positions ``held`` of the samples laid
+    end to end at ``cu_seqlens`` (each sample's span at least its length; a tail past the samples
+    scores nothing): the token each position scores, whether that is a response token, of which
+    sample, and its index among all the samples' response tokens. Built over whole samples and then
+    indexed, so a response token is scored from the position before it wherever that is held."""
+    device = cu_seqlens.device
+    spans = zip(unconcat_tokens, (cu_seqlens[1:] - cu_seqlens[:-1]).tolist(), strict=False)
+    tokens = torch.cat([torch.nn.functional.pad(sample, (0, span - sample.numel())) for sample, span in spans])
+    tokens = torch.nn.functional.pad(tokens, (0, int(cu_seqlens[-1]) - tokens.numel()))
+    tail = [0] * (cu_seqlens.numel() - 1 - len(total_lengths))  # the tail has no response
+    responses = torch.tensor([*response_lengths, *tail], device=device)
+    prompts = torch.tensor([*total_lengths, *tail], device=device) - responses
+    targets = next_token_targets(tokens, cu_seqlens)[held]
     scored = response_mask(cu_seqlens, prompts, responses)[held]
-    samples = torch.searchsorted(cu_seqlens[1:], held, right=True)[scored]
-    counts = torch.bincount(samples, minlength=len(total_lengths)).tolist()
-    padding = rows - held.numel()
-    targets = torch.nn.functional.pad(next_token_targets(tokens, cu_seqlens)[held], (0, padding))
-    return targets.unsqueeze(0), torch.nn.functional.pad(scored, (0, padding)).unsqueeze(0), counts
+    sample = torch.searchsorted(cu_seqlens[1:], held, right=True)
+    first_response = torch.cat([responses.new_zeros(1), responses.cumsum(0)])[sample]
+    index = first_response + held - cu_seqlens[sample] - (prompts[sample] - 1)
+    return targets, scored, sample, index
 
 
-def _check_supported(args: argparse.Namespace, top_p_token_ids: Any = None) -> None:
-    if parallel_state.get_context_parallel_world_size() > 1 and args.allgather_cp:
-        raise NotImplementedError("--allgather-cp splits the rows contiguously, which this recipe does not lay out")
-    if top_p_token_ids is not None:
-        raise NotImplementedError("rollout top-p replay masks the logits: turn --fused-linear-logprob off for it")
+@dataclass(frozen=True)
+class _SlimeRows:
+    """This rank's output rows, and how their per-row results map to slime's per-sample lists.
+
+    slime lays the samples end to end and pads the end. Under CP it first pads each sample to
+    ``2 x CP`` equal chunks of which each rank holds two (``data.get_batch``, ``slice_with_cp``); its
+    per-sample results and per-token inputs are then this rank's pieces of every response, in row
+    order. With ``--allgather-cp`` a rank holds a contiguous slice of the samples laid end to end,
+    yet slime still hands out and expects those same two-chunk pieces (``_allgather_cp_redistribute``):
+    the results and inputs go through the whole responses, summed over the CP group.
+
+    Attributes:
+        targets: int64 ``[1, rows]``, the token each row scores.
+        scored: bool ``[1, rows]``, the rows that score a response token.
+        counts: per sample, how many results slime expects from this rank.
+        row_index, piece_index: with ``--allgather-cp``, the index among all the response tokens of
+            each scored row and of each of slime's per-rank entries; else ``None``.
+        responses: with ``--allgather-cp``, the number of response tokens of all the samples.
+    """
+
+    targets: Tensor
+    scored: Tensor
+    counts: List[int]
+    row_index: Optional[Tensor] = None
+    piece_index: Optional[Tensor] = None
+    responses: int = 0
+
+    @staticmethod
+    def of(
+        args: argparse.Namespace,
+        unconcat_tokens: List[Tensor],
+        total_lengths: List[int],
+        response_lengths: List[int],
+        rows: int,
+    ) -> "_SlimeRows":
+        cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+        samples, device = (unconcat_tokens, total_lengths, response_lengths), unconcat_tokens[0].device
+        chunks = 2 * cp_size if cp_size > 1 else 1
+        cu_seqlens = _cu_seqlens([-(-length // chunks) * chunks for length in total_lengths], device)
+        held = context_parallel_positions(cu_seqlens, cp_rank, cp_size)
+        targets, scored, sample, piece_index = _samples_at(held, cu_seqlens, *samples)
+        counts = torch.bincount(sample[scored], minlength=len(total_lengths)).tolist()
+        if cp_size == 1 or not args.allgather_cp:
+            if held.numel() > rows:
+                raise ValueError(f"the output has {rows} rows, fewer than the {held.numel()} this rank's samples take")
+            padding = rows - held.numel()
+            return _SlimeRows(
+                torch.nn.functional.pad(targets, (0, padding)).unsqueeze(0),
+                torch.nn.functional.pad(scored, (0, padding)).unsqueeze(0),
+                counts,
+            )
+        total = sum(total_lengths)
+        if rows * cp_size < total:
+            raise ValueError(f"{rows} rows x CP {cp_size} cannot hold the samples' {total} positions")
+        contiguous = _cu_seqlens([*total_lengths, rows * cp_size - total], device)
+        held = torch.arange(cp_rank * rows, (cp_rank + 1) * rows, device=device)
+        targets, scored_rows, _, row_index = _samples_at(held, contiguous, *samples)
+        return _SlimeRows(
+            targets.unsqueeze(0), scored_rows.unsqueeze(0), counts, row_index[scored_rows], piece_index[scored],
+            sum(response_lengths),
+        )  # fmt: skip
+
+    def per_sample(self, per_row: Tensor) -> List[Tensor]:
+        """Per-row results ``[1, rows]`` -> this rank's piece of every sample, in slime's order."""
+        if self.row_index is None:
+            return list(per_row[self.scored].split(self.counts))
+        whole = per_row.new_zeros(self.responses).index_put((self.row_index,), per_row[self.scored])
+        whole = torch.distributed.nn.functional.all_reduce(whole, group=parallel_state.get_context_parallel_group())
+        return list(whole[self.piece_index].split(self.counts))
+
+    def to_rows(self, pieces: Tensor) -> Tensor:
+        """slime's per-token values of this rank (its pieces concatenated, no gradient) -> ``[1, rows]``,
+        0 on rows that score no response token."""
+        if self.row_index is not None:
+            whole = pieces.new_zeros(self.responses).index_put((self.piece_index,), pieces)
+            torch.distributed.all_reduce(whole, group=parallel_state.get_context_parallel_group())
+            pieces = whole[self.row_index]
+        return pieces.new_zeros(self.scored.shape).masked_scatter(self.scored, pieces)
 
 
 def log_probs_and_entropy(
@@ -120,14 +197,15 @@ def log_probs_and_entropy(
         only with ``with_entropy``: ``[response_length_i]``, or under CP this rank's pieces of the
         response in slime's order (its first chunk's, then its second's).
     """
-    _check_supported(args, top_p_token_ids)
-    targets, scored, counts = _rank_rows(unconcat_tokens, total_lengths, response_lengths, logits.shape[1])
+    if top_p_token_ids is not None:
+        raise NotImplementedError("rollout top-p replay masks the logits: turn --fused-linear-logprob off for it")
+    rows = _SlimeRows.of(args, unconcat_tokens, total_lengths, response_lengths, logits.shape[1])
     result = fused_head().logprobs(
-        logits, targets, temperature=args.rollout_temperature, return_entropy=with_entropy,
-        entropy_grad=with_entropy and args.entropy_coef != 0, mask=scored,
+        logits, rows.targets, temperature=args.rollout_temperature, return_entropy=with_entropy,
+        entropy_grad=with_entropy and args.entropy_coef != 0, mask=rows.scored,
     )  # fmt: skip
     values = result if with_entropy else (result,)
-    per_sample = [list(value[scored].split(counts)) for value in values]
+    per_sample = [rows.per_sample(value) for value in values]
     found = {"log_probs": per_sample[0]}
     if with_entropy:
         found["entropy"] = per_sample[1]
@@ -135,26 +213,23 @@ def log_probs_and_entropy(
 
 
 def _loss_layout(args, batch, logits, sum_of_sample_mean: Callable[[Tensor], Tensor]):
-    """``(targets [1, T], response rows bool [1, T], per-token weights [1, T])`` of a micro-batch:
-    the weights are what slime's reducer gives each response token (its derivative, the reducer
-    being linear), so every slime normalization (per-sample mean, rollout means, per-token) carries
-    over."""
-    _check_supported(args)
-    targets, scored, counts = _rank_rows(
-        batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"], logits.shape[1]
+    """``(this rank's rows, per-token weights [1, rows])`` of a micro-batch: the weights are what
+    slime's reducer gives each response token (its derivative, the reducer being linear), so every
+    slime normalization (per-sample mean, rollout means, per-token) carries over."""
+    rows = _SlimeRows.of(
+        args, batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"], logits.shape[1]
     )
-    probe = torch.zeros(sum(counts), device=logits.device, requires_grad=True)
+    probe = torch.zeros(sum(rows.counts), device=logits.device, requires_grad=True)
     (weights,) = torch.autograd.grad(sum_of_sample_mean(probe), probe)
-    weight_rows = torch.zeros(scored.shape, device=logits.device).masked_scatter(scored, weights)
-    return targets, scored, weight_rows
+    return rows, rows.to_rows(weights)
 
 
 def sft_loss(args, batch, logits, sum_of_sample_mean) -> Tuple[Tensor, Dict[str, Tensor]]:
     """slime's ``sft_loss_function`` with the gradients finished in the forward: set
     ``--loss-type custom_loss --custom-loss-function-path <this module>.sft_loss``."""
-    targets, scored, weights = _loss_layout(args, batch, logits, sum_of_sample_mean)
+    rows, weights = _loss_layout(args, batch, logits, sum_of_sample_mean)
     result = fused_head().loss(
-        logits, targets, losses.cross_entropy, loss_inputs={"weight": weights}, mask=scored,
+        logits, rows.targets, losses.cross_entropy, loss_inputs={"weight": weights}, mask=rows.scored,
         temperature=args.rollout_temperature,
     )  # fmt: skip
     return result.loss, {"loss": result.loss.detach()}
@@ -177,21 +252,19 @@ def policy_loss(args, batch, logits, sum_of_sample_mean) -> Tuple[Tensor, Dict[s
     old = batch["rollout_log_probs"] if args.use_rollout_logprobs else batch.get("log_probs")
     if not old:
         raise NotImplementedError("the old log-probs must be computed before the step (slime's log-prob pass)")
-    targets, scored, weights = _loss_layout(args, batch, logits, sum_of_sample_mean)
+    rows, weights = _loss_layout(args, batch, logits, sum_of_sample_mean)
+    scored = rows.scored
     per_token = {"old_logprob": torch.cat(old), "advantages": torch.cat(batch["advantages"])}
     if args.use_kl_loss:
         per_token["ref_logprob"] = torch.cat(batch["ref_log_probs"])
-    inputs = {
-        name: weights.new_zeros(weights.shape).masked_scatter(scored, value.float())
-        for name, value in per_token.items()
-    }
+    inputs = {name: rows.to_rows(value.float()) for name, value in per_token.items()}
     kl_coef, kl_estimator = (args.kl_loss_coef, args.kl_loss_type) if args.use_kl_loss else (0.0, "k1")
     loss_fn = losses.ClippedPolicyLoss(
         clip_low=args.eps_clip, clip_high=args.eps_clip_high, dual_clip=args.eps_clip_c,
         entropy_coef=args.entropy_coef, kl_coef=kl_coef, kl_estimator=kl_estimator,
     )  # fmt: skip
     result = fused_head().loss(
-        logits, targets, loss_fn, loss_inputs={**inputs, "weight": weights}, mask=scored,
+        logits, rows.targets, loss_fn, loss_inputs={**inputs, "weight": weights}, mask=scored,
         temperature=args.rollout_temperature,
     )  # fmt: skip
     # slime's metrics, from the detached per-token results.

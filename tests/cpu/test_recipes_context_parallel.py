@@ -91,16 +91,24 @@ SLIME_TOTALS, SLIME_RESPONSES = [11, 16, 7, 9], [6, 3, 4, 1]
 # Padded to 12, 16, 8, 12 positions: sample 0's response spans both ranks (one rank holding the
 # position whose next token starts its other chunk), sample 1's lies on rank 0 and sample 2's on
 # rank 1 only, sample 3's single token on rank 1. Rows: 24 per rank, padded at the end to 32.
+# With --allgather-cp the 43 positions laid end to end, padded to 64, split in two halves of 32.
 SLIME_ROWS = 32
 
 
-def slime_worker() -> None:
+def slime_worker(allgather_cp: bool) -> None:
+    """slime's default CP layout, or with ``allgather_cp`` its contiguous one, whose per-sample
+    results slime still expects in the default layout's per-rank pieces."""
     rank = parallel_state.get_context_parallel_rank()
     tokens, hidden, weight = whole_sequences(SLIME_TOTALS, seed=11)
     generator = torch.Generator().manual_seed(12)
-    local_rows = torch.cat([this_ranks_rows(sample) for sample in hidden])
-    padding = torch.randn(SLIME_ROWS - local_rows.shape[0], HIDDEN, generator=generator, dtype=torch.float64)
-    local_rows = torch.cat([local_rows, padding])
+    if allgather_cp:
+        stream = torch.cat([sample[:total] for sample, total in zip(hidden, SLIME_TOTALS, strict=True)])
+        tail = torch.randn(SLIME_ROWS * CP - stream.shape[0], HIDDEN, generator=generator, dtype=torch.float64)
+        local_rows = torch.cat([stream, tail])[rank * SLIME_ROWS : (rank + 1) * SLIME_ROWS]
+    else:
+        local_rows = torch.cat([this_ranks_rows(sample) for sample in hidden])
+        padding = torch.randn(SLIME_ROWS - local_rows.shape[0], HIDDEN, generator=generator, dtype=torch.float64)
+        local_rows = torch.cat([local_rows, padding])
     # Per sample: the response entries this rank holds, in its row order (which is slime's order).
     held = []
     for total, response in zip(SLIME_TOTALS, SLIME_RESPONSES, strict=True):
@@ -124,13 +132,20 @@ def slime_worker() -> None:
 
     def check_grads(leaves32, leaves64, label):
         """This rank's hidden gradient at its rows, and the weight gradient summed over the ranks."""
-        expected_rows = torch.cat([this_ranks_rows(sample.grad) for sample in leaves64[0]])
+        if allgather_cp:
+            stream = torch.cat([sample.grad[:total] for sample, total in zip(leaves64[0], SLIME_TOTALS, strict=True)])
+            expected_rows = torch.cat([stream, stream.new_zeros(SLIME_ROWS * CP - stream.shape[0], HIDDEN)])
+            expected_rows = expected_rows[rank * SLIME_ROWS : (rank + 1) * SLIME_ROWS]
+        else:
+            expected_rows = torch.cat([this_ranks_rows(sample.grad) for sample in leaves64[0]])
         actual = leaves32[0].grad[0]
         assert_grad_close(actual[: expected_rows.shape[0]], expected_rows, f"{label} hidden gradient")
         assert not actual[expected_rows.shape[0] :].any(), f"{label}: gradient on the end padding"
         assert_grad_close(summed_over_ranks(leaves32[1].grad), leaves64[1].grad, f"{label} weight gradient")
 
     args = slime_args(TEMPERATURE, "--fused-linear-logprob", "--logprobs-chunk-size", str(TOKEN_CHUNK))
+    args.allgather_cp = allgather_cp
+    layout = "--allgather-cp" if allgather_cp else "zigzag"
     common = dict(unconcat_tokens=tokens, total_lengths=SLIME_TOTALS, response_lengths=SLIME_RESPONSES)
 
     # log_probs_and_entropy: this rank's pieces; a weighted sum of them over the ranks.
@@ -147,10 +162,12 @@ def slime_worker() -> None:
         for name, index in (("log_probs", 0), ("entropy", 1)):
             piece = found[name][i]
             assert piece.shape == entries.shape, (name, i, piece.shape, entries.shape)
-            harness.assert_max_error(piece, responses[i][index][entries], VALUE_ATOL, f"slime CP {name} sample {i}")
+            harness.assert_max_error(
+                piece, responses[i][index][entries], VALUE_ATOL, f"slime CP {layout} {name} sample {i}"
+            )
             local_sum = local_sum + (upstream[i][index][entries] * piece).sum()
     local_sum.backward()
-    check_grads(leaves32, leaves64, "slime CP log_probs_and_entropy")
+    check_grads(leaves32, leaves64, f"slime CP {layout} log_probs_and_entropy")
 
     # The losses: each rank's over its own tokens, denominators from whole samples.
     loss_masks = [(torch.rand(response, generator=generator) > 0.2).float() for response in SLIME_RESPONSES]
@@ -168,7 +185,7 @@ def slime_worker() -> None:
         loss, metrics = slime.sft_loss(args, batch, leaves32[0], local_reduce)
     assert abs(summed_over_ranks(loss).item() - expected.item()) <= VALUE_ATOL, (loss.item(), expected.item())
     loss.backward()
-    check_grads(leaves32, leaves64, "slime CP sft_loss")
+    check_grads(leaves32, leaves64, f"slime CP {layout} sft_loss")
 
     with torch.no_grad():
         current = torch.cat([lp for lp, _ in oracle()[0]])
@@ -187,13 +204,12 @@ def slime_worker() -> None:
     entropy_metric = summed_over_ranks(metrics["entropy_loss"]).item()
     assert abs(entropy_metric - whole_reduce(entropy.detach()).item()) <= VALUE_ATOL, entropy_metric
     loss.backward()
-    check_grads(leaves32, leaves64, "slime CP policy_loss")
+    check_grads(leaves32, leaves64, f"slime CP {layout} policy_loss")
 
-    args.allgather_cp = True
-    with pytest.raises(NotImplementedError, match="allgather-cp"):
-        slime.sft_loss(args, batch, leaves()[0], local_reduce)
+    with pytest.raises(ValueError, match="rows"):
+        slime.sft_loss(args, batch, leaves()[0][:, : SLIME_ROWS // 2], local_reduce)
     if rank == 0:
-        print("slime CP=2: pieces, SFT and policy losses match the CP=1 oracle", flush=True)
+        print(f"slime CP=2 {layout}: pieces, SFT and policy losses match the CP=1 oracle", flush=True)
 
 
 # -------------------------------------------------------------------------------------- NeMo-RL
@@ -303,7 +319,8 @@ def worker() -> None:
     torch._dynamo.config.disable = True
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(1, 1, context_parallel_size=CP)
-    slime_worker()
+    slime_worker(allgather_cp=False)
+    slime_worker(allgather_cp=True)
     nemo_rl_worker()
 
 

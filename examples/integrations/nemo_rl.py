@@ -169,13 +169,15 @@ def packed_next_token_logprobs(
         unpacked_seqlen: ``S``, the width of the unpacked ``input_ids``.
         cp_group: ``get_context_parallel_group()``: the result is then gathered to every rank.
     """
-    size = 1 if cp_group is None else dist.get_world_size(cp_group)
-    held = context_parallel_positions(cu_seqlens_padded, 0 if size == 1 else dist.get_rank(cp_group), size)
     scored_lengths = (cu_seqlens[1:] - cu_seqlens[:-1] - 1).clamp(min=0)
     first_tokens = torch.ones_like(scored_lengths)
     scored = response_mask(cu_seqlens_padded, first_tokens, scored_lengths).unsqueeze(0)
     targets = next_token_targets(packed_input_ids, cu_seqlens_padded)
-    logprob = head.logprobs(output, targets[:, held], temperature=temperature, mask=scored[:, held])
+    size = 1 if cp_group is None else dist.get_world_size(cp_group)
+    if size > 1:
+        held = context_parallel_positions(cu_seqlens_padded, dist.get_rank(cp_group), size)
+        targets, scored = targets[:, held], scored[:, held]
+    logprob = head.logprobs(output, targets, temperature=temperature, mask=scored)
     if size > 1:
         logprob = _GatherContextParallel.apply(logprob, cu_seqlens_padded, cp_group)
     pieces = split_responses(logprob, cu_seqlens_padded, first_tokens, scored_lengths)

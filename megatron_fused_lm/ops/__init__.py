@@ -3,6 +3,7 @@ LM head. They know nothing about Megatron: a tensor-parallel group, if any, is a
 group. ``docs/DESIGN.md`` has the layout by execution path and the math."""
 
 from . import losses
+from .accumulation import name_weight_grad_into, outstanding_weight_grads
 from .api import (
     FusedLoss,
     fused_linear_cross_entropy,
@@ -28,4 +29,6 @@ __all__ = [
     "logits_logprob",
     "logits_loss",
     "losses",
+    "name_weight_grad_into",
+    "outstanding_weight_grads",
 ]

@@ -10,6 +10,7 @@ from typing import Dict, NamedTuple, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from .accumulation import PendingWeightGrad
 from .boundary import (
     AccumulatedCrossEntropyFunction,
     AccumulatedGradientsFunction,
@@ -21,7 +22,14 @@ from .boundary import (
 )
 from .contract import NeededGrads
 from .inputs import RowSelection, check_accumulator, check_float, check_linear_inputs, select_rows
-from .loss_in_forward import LossFn, check_loss_inputs, check_per_token, has_entropy_term, per_token_losses
+from .loss_in_forward import (
+    LossFn,
+    check_loss_inputs,
+    check_per_token,
+    check_rows_independent,
+    has_entropy_term,
+    per_token_losses,
+)
 from .losses import cross_entropy
 from .options import HeadOptions, check_weight_grad_scale
 
@@ -37,13 +45,13 @@ class FusedLoss(NamedTuple):
 
 
 def _fused_rows(
-    hidden, weight, targets, mask, max_rows, tp_group, **options
+    hidden, weight, targets, mask, max_rows, tp_group, out_of_vocab="error", **options
 ) -> tuple[HeadOptions, RowSelection, Tensor]:
     """A fused op's checked options, its selected rows, and their hidden states in the weight's dtype
     (the products run in it)."""
     check_linear_inputs(hidden, weight)
     options = HeadOptions.checked(tp_group=tp_group, **options)
-    selection = select_rows(targets, hidden.shape[:-1], mask, max_rows, weight.shape[0], tp_group)
+    selection = select_rows(targets, hidden.shape[:-1], mask, max_rows, weight.shape[0], tp_group, out_of_vocab)
     return options, selection, selection.take(hidden).to(weight.dtype)
 
 
@@ -67,6 +75,7 @@ def fused_linear_logprob(
     reduce_hidden_grad: bool = True,
     mask: Optional[Tensor] = None,
     max_rows: Optional[int] = None,
+    out_of_vocab: str = "error",
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Log-probs (and entropy) of ``targets`` under ``softmax(hidden @ weight.T / temperature)``,
     the vocabulary spread over ``tp_group``, without materializing the logits; the backward
@@ -99,6 +108,12 @@ def fused_linear_logprob(
             has the static shape ``[max_rows]`` (no host synchronization, so CUDA graphs can
             capture it and ``torch.compile(fullgraph=True)`` can trace it); time and memory
             follow ``max_rows``. A mask selecting more rows is an error.
+        out_of_vocab: what a target id outside ``[0, vocab_shard * tp_size)`` means: ``"error"``
+            (the default; leave such rows out with ``mask``), or ``"max_logit"``, the convention of
+            Megatron's vocabulary-parallel cross-entropy, which scores a label no rank owns as if
+            its logit were the row's largest and gives it no gradient: its log-prob is ``max - lse``
+            and its logits' gradient ``-g * softmax`` (the labels path's ``-100`` padding then
+            trains as in the stock model).
 
     Returns:
         ``logprob [...]`` float32, or ``(logprob, entropy)`` with ``return_entropy=True``.
@@ -109,8 +124,8 @@ def fused_linear_logprob(
         device-side assertion on a GPU.
     """
     options, selection, rows = _fused_rows(
-        hidden, weight, targets, mask, max_rows, tp_group, temperature=temperature, token_chunk=token_chunk,
-        backend=backend, entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
+        hidden, weight, targets, mask, max_rows, tp_group, out_of_vocab, temperature=temperature,
+        token_chunk=token_chunk, backend=backend, entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
     )  # fmt: skip
     logprob, entropy, _, _ = fused_forward(rows, weight, selection.target_column, **options.op_arguments())
     logprob = selection.place(logprob)
@@ -183,8 +198,10 @@ def fused_linear_loss(
     tensor in ``loss_inputs``. It must return one float loss per row, ``[rows]``, computed from
     that row alone: **the loss is the sum of what it returns over all chunks, so a function that
     reduces or normalizes across rows (a mean, a per-sequence max, a normalizer that depends on
-    this step's log-probs) is wrong here.** Express normalizations as per-token weights among the
-    inputs instead (``losses.token_mean_weights``). Ready-made functions: ``losses.cross_entropy``,
+    this step's log-probs) is wrong here**, and refused: the first time a function's code (or a
+    callable's class) is used, its rows are checked against its first chunk's two halves
+    (``ValueError``). Express normalizations as per-token weights among the inputs instead
+    (``losses.token_mean_weights``). Ready-made functions: ``losses.cross_entropy``,
     ``losses.ClippedPolicyLoss``.
 
     Args:
@@ -241,7 +258,8 @@ def _accumulating_pass(
     rows, weight, column, loss_fn, inputs, options: HeadOptions, needed, weight_grad_into, weight_grad_scale
 ):
     """The three-GEMM pass that adds ``weight_grad_scale`` times the weight gradient into
-    ``weight_grad_into`` (both checked): ``(options, scale, chunk_loss, state, rerun)``, where
+    ``weight_grad_into`` (both checked): ``(options, scale, pending, chunk_loss, state, rerun)``, where
+    ``pending`` tracks the added gradient until the backward (``accumulation``) and
     ``rerun(inputs, grad_scale)`` runs the pass again on other per-token inputs, its gradients times
     ``grad_scale``, adding its weight gradient too, and returns its held hidden gradient."""
     if torch.compiler.is_compiling():
@@ -249,13 +267,18 @@ def _accumulating_pass(
     check_accumulator(weight_grad_into, weight)
     scale = check_weight_grad_scale(weight_grad_scale)
     options = dataclasses.replace(options, weight_grad_accumulates=True)
-    chunk_loss, state = loss_pass(rows, weight, column, loss_fn, inputs, options, needed, weight_grad_into, scale)
+    pending = PendingWeightGrad(weight_grad_into, scale, rows.shape[0])
+    try:
+        chunk_loss, state = loss_pass(rows, weight, column, loss_fn, inputs, options, needed, weight_grad_into, scale)
+    except BaseException:
+        pending.release("stopped with an exception part way")
+        raise
 
     def rerun(other_inputs, grad_scale) -> Tensor:
         _, extra = loss_pass(rows, weight, column, loss_fn, other_inputs, options, needed, weight_grad_into, grad_scale)
         return extra.held_hidden
 
-    return options, scale, chunk_loss, state, rerun
+    return options, scale, pending, chunk_loss, state, rerun
 
 
 def _accumulating_loss(
@@ -263,12 +286,13 @@ def _accumulating_loss(
 ) -> FusedLoss:
     """``fused_linear_loss`` with the weight gradient added into ``weight_grad_into`` in the forward;
     a different upstream ``c`` is corrected by the pass again, its gradients times ``c - s``."""
-    options, scale, chunk_loss, state, rerun = _accumulating_pass(
+    options, scale, pending, chunk_loss, state, rerun = _accumulating_pass(
         rows, weight, selection.target_column, loss_fn, inputs, options, needed, weight_grad_into, weight_grad_scale
     )
     loss = AccumulatedGradientsFunction.apply(
-        chunk_loss.total, rows, weight, options, scale, lambda difference: rerun(inputs, difference), state.held_hidden
-    )
+        chunk_loss.total, rows, weight, options, scale, pending, lambda difference: rerun(inputs, difference),
+        state.held_hidden,
+    )  # fmt: skip
     return FusedLoss(loss, selection.place(chunk_loss.logprob), selection.place(chunk_loss.entropy))
 
 
@@ -278,12 +302,12 @@ def _accumulating_cross_entropy(
     """``fused_linear_cross_entropy``'s per-token losses with the weight gradient added into
     ``weight_grad_into`` in the forward. The gradient is linear in the per-token upstream: another
     upstream is corrected by the pass again, weighted by what is missing."""
-    options, scale, chunk_loss, state, rerun = _accumulating_pass(
+    options, scale, pending, chunk_loss, state, rerun = _accumulating_pass(
         rows, weight, column, cross_entropy, {"weight": declared}, options, needed, weight_grad_into, weight_grad_scale
     )
     return AccumulatedCrossEntropyFunction.apply(
-        -chunk_loss.logprob, rows, weight, options, declared, scale, lambda missing: rerun({"weight": missing}, None),
-        state.held_hidden,
+        -chunk_loss.logprob, rows, weight, options, declared, scale, pending,
+        lambda missing: rerun({"weight": missing}, None), state.held_hidden,
     )  # fmt: skip
 
 
@@ -300,6 +324,7 @@ def fused_linear_cross_entropy(
     reduce_hidden_grad: bool = True,
     weight_grad_into: Optional[Tensor] = None,
     weight_grad_scale: float = 1.0,
+    out_of_vocab: str = "error",
 ) -> Tensor:
     """Per-token cross-entropy ``-logprob [...]`` (float32), its gradients computed in the forward
     (three GEMMs) for an upstream gradient declared up to a scalar: ``c * declared_weights``.
@@ -318,11 +343,13 @@ def fused_linear_cross_entropy(
             gradient declared as ``weight_grad_scale * declared_weights``: the forward adds that
             weight gradient into ``weight_grad_into``; the backward checks what arrives and adds
             the difference by a second pass when it differs.
+        out_of_vocab: as for ``fused_linear_logprob`` (``"max_logit"``: the stock labels path's
+            loss, ``lse - max``, for a target id outside the vocabulary).
         the rest: as for ``fused_linear_loss``.
     """
     options, selection, rows = _fused_rows(
-        hidden, weight, targets, None, None, tp_group, temperature=temperature, token_chunk=token_chunk,
-        backend=backend, entropy_grad=False, reduce_hidden_grad=reduce_hidden_grad,
+        hidden, weight, targets, None, None, tp_group, out_of_vocab, temperature=temperature,
+        token_chunk=token_chunk, backend=backend, entropy_grad=False, reduce_hidden_grad=reduce_hidden_grad,
     )  # fmt: skip
     declared = check_per_token("declared_weights", declared_weights, hidden.shape[:-1], hidden.device)
     if not declared.dtype.is_floating_point and declared.dtype != torch.bool:
@@ -368,5 +395,6 @@ def logits_loss(
         rows = mask.reshape(-1).nonzero().squeeze(-1)
         logprob_rows, entropy_rows = logprob_rows[rows], entropy_rows[rows]
         inputs = {name: value[rows] for name, value in inputs.items()}
+    check_rows_independent(loss_fn, logprob_rows.detach(), entropy_rows.detach(), inputs)  # as the fused path does
     loss = per_token_losses(loss_fn, logprob_rows, entropy_rows, inputs).sum()
     return FusedLoss(loss, logprob.detach(), entropy.detach())

@@ -30,6 +30,7 @@ import torch
 
 from .._logging import warn_once
 from . import held_gradients
+from .accumulation import PendingWeightGrad
 from .backends import loss_backend, recompute_backend
 from .chunking import BlockLogits, chunk_logit_grads, chunk_statistics
 from .contract import Gradients, LossState, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads, run_loss_pass
@@ -50,8 +51,8 @@ def autocast_off(device: torch.device):
     return contextlib.nullcontext()
 
 
-def _summary(stats: Tensor, options: HeadOptions) -> Statistics:
-    summary = summarize(merge_across_group(stats, options.tp_group))
+def _summary(stats: Tensor, target_column: Tensor, options: HeadOptions) -> Statistics:
+    summary = summarize(merge_across_group(stats, options.tp_group), target_column)
     return summary.logprob, summary.entropy, summary.lse, summary.mean_logit
 
 
@@ -115,7 +116,7 @@ def fused_forward(
     problem = ShardProblem(hidden, weight, target_column, options.temperature)
     with autocast_off(hidden.device):
         stats = recompute_backend(options.backend, hidden.device, options.token_chunk).local_statistics(problem)
-        return _summary(stats, options)
+        return _summary(stats, target_column, options)
 
 
 @fused_forward.register_fake
@@ -207,7 +208,7 @@ def logits_forward(
     with autocast_off(logits.device):
         rows = _chunk_rows(logits, options.token_chunk)
         stats = chunk_statistics(_scaled(logits, options.temperature), target_column, rows)
-        return _summary(stats, options)
+        return _summary(stats, target_column, options)
 
 
 @logits_forward.register_fake
@@ -403,9 +404,7 @@ def loss_pass(
     problem = ShardProblem(hidden.detach(), weight.detach(), target_column, options.temperature)
     merge = functools.partial(merge_statistics, **options.op_arguments())
     upstream = needed.hidden or needed.weight
-    chunk_loss = ChunkLoss(
-        loss_fn, inputs, hidden.shape[0], hidden.device, merge, options.entropy_grad, upstream, grad_scale
-    )
+    chunk_loss = ChunkLoss(loss_fn, inputs, target_column, merge, options.entropy_grad, upstream, grad_scale)
     state = run_loss_pass(OperatorLossBackend(options, weight_grad_into), problem, chunk_loss, needed)
     return chunk_loss, state
 
@@ -485,11 +484,15 @@ def _accumulated_hidden(ctx, held_hidden: Tensor, ratio: Optional[Tensor], extra
     return _finish(total, [], ratio, (ctx.hidden_dtype, None), ctx.options, False).hidden
 
 
-def _remember_accumulation(ctx, hidden: Tensor, options: HeadOptions, weight_grad_scale: float, correct) -> None:
+def _remember_accumulation(
+    ctx, hidden: Tensor, options: HeadOptions, weight_grad_scale: float, pending: PendingWeightGrad, correct, loss
+) -> None:
     """What an accumulating pass's backward reads: the options, the hidden gradient's dtype, the
-    declared scale and the correcting pass."""
+    declared scale, the added gradient's record (which reports the node's release before its
+    backward; ``loss`` is its value) and the correcting pass."""
     ctx.options, ctx.hidden_dtype, ctx.consumed = options, hidden.dtype, False
-    ctx.weight_grad_scale, ctx.correct = weight_grad_scale, correct
+    ctx.weight_grad_scale, ctx.pending, ctx.correct = weight_grad_scale, pending, correct
+    pending.watch(ctx, loss)
 
 
 def _warn_of_correction(name: str, declared: float, received: str) -> None:
@@ -508,9 +511,11 @@ class AccumulatedGradientsFunction(torch.autograd.Function):
     accumulator and returns its hidden gradient (one warning)."""
 
     @staticmethod
-    def forward(ctx, loss, hidden, weight, options: HeadOptions, weight_grad_scale: float, correct, held_hidden):
+    def forward(
+        ctx, loss, hidden, weight, options: HeadOptions, weight_grad_scale: float, pending, correct, held_hidden
+    ):
         ctx.save_for_backward(held_hidden)
-        _remember_accumulation(ctx, hidden, options, weight_grad_scale, correct)
+        _remember_accumulation(ctx, hidden, options, weight_grad_scale, pending, correct, loss)
         return loss.clone()
 
     @staticmethod
@@ -519,10 +524,10 @@ class AccumulatedGradientsFunction(torch.autograd.Function):
         (held_hidden,) = ctx.saved_tensors
         upstream, declared = grad_loss.float(), ctx.weight_grad_scale
         if bool((upstream - declared).abs() <= PROPORTIONAL_TOLERANCE * abs(declared)):
-            return None, _accumulated_hidden(ctx, held_hidden, upstream / declared, None), *(None,) * 5
+            return None, _accumulated_hidden(ctx, held_hidden, upstream / declared, None), *(None,) * 6
         _warn_of_correction("fused_linear_loss", declared, f"an upstream gradient of {float(upstream):g}")
         extra = ctx.correct(upstream - declared)
-        return None, _accumulated_hidden(ctx, held_hidden, None, extra), *(None,) * 5
+        return None, _accumulated_hidden(ctx, held_hidden, None, extra), *(None,) * 6
 
 
 class AccumulatedCrossEntropyFunction(torch.autograd.Function):
@@ -535,10 +540,11 @@ class AccumulatedCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, losses, hidden, weight, options: HeadOptions, declared, weight_grad_scale: float, correct, held_hidden
-    ):
+        ctx, losses, hidden, weight, options: HeadOptions, declared, weight_grad_scale: float, pending, correct,
+        held_hidden,
+    ):  # fmt: skip
         ctx.save_for_backward(declared, held_hidden)
-        _remember_accumulation(ctx, hidden, options, weight_grad_scale, correct)
+        _remember_accumulation(ctx, hidden, options, weight_grad_scale, pending, correct, (losses * declared).sum())
         return losses.clone()
 
     @staticmethod
@@ -548,13 +554,13 @@ class AccumulatedCrossEntropyFunction(torch.autograd.Function):
         declared = ctx.weight_grad_scale
         scale = proportional_scale(grad_losses, declared_weights)
         if scale is not None and bool((scale - declared).abs() <= PROPORTIONAL_TOLERANCE * abs(declared)):
-            return None, _accumulated_hidden(ctx, held_hidden, scale / declared, None), *(None,) * 6
+            return None, _accumulated_hidden(ctx, held_hidden, scale / declared, None), *(None,) * 7
         received = "an upstream gradient not proportional to the declared weights"
         if scale is not None:
             received = f"{float(scale):g} times the declared weights"
         _warn_of_correction("fused_linear_cross_entropy", declared, received)
         extra = ctx.correct(grad_losses.float() - declared * declared_weights)
-        return None, _accumulated_hidden(ctx, held_hidden, None, extra), *(None,) * 6
+        return None, _accumulated_hidden(ctx, held_hidden, None, extra), *(None,) * 7
 
 
 def _consume(ctx, name: str) -> None:
@@ -562,6 +568,9 @@ def _consume(ctx, name: str) -> None:
     if ctx.consumed:
         raise RuntimeError(f"{name}: its gradients were used by an earlier backward")
     ctx.consumed = True
+    pending = getattr(ctx, "pending", None)
+    if pending is not None:  # the weight gradient added in the forward now has its backward
+        pending.close()
 
 
 def _declared(

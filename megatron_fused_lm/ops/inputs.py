@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import group_rank, group_size
+from .softmax import OUTSIDE_VOCAB
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -89,9 +90,11 @@ def select_rows(
     max_rows: Optional[int],
     vocab_shard: int,
     tp_group: Optional[dist.ProcessGroup],
+    out_of_vocab: str = "error",
 ) -> RowSelection:
     """Check ``targets`` (and ``mask``) against ``lead_shape`` and select the rows to compute:
-    every row without a mask, else those where ``mask`` is True (their targets only are read).
+    every row without a mask, else those where ``mask`` is True (their targets only are read);
+    ``out_of_vocab`` as for ``target_columns``.
 
     With ``max_rows`` the selection has a static shape, ``[max_rows]``: the selected rows padded
     with rows whose results go nowhere (no host sync; more selected rows than ``max_rows`` is an
@@ -107,7 +110,7 @@ def select_rows(
     if mask is None:
         if max_rows is not None:
             raise ValueError("max_rows bounds the rows a mask selects; it needs a mask")
-        return RowSelection(lead_shape, None, None, target_columns(flat, vocab_shard, tp_group))
+        return RowSelection(lead_shape, None, None, target_columns(flat, vocab_shard, tp_group, out_of_vocab))
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
     if mask.shape != lead_shape:
@@ -115,7 +118,7 @@ def select_rows(
     flat_mask = mask.reshape(-1)
     if max_rows is None:
         rows = flat_mask.nonzero().squeeze(-1)
-        return RowSelection(lead_shape, rows, rows, target_columns(flat[rows], vocab_shard, tp_group))
+        return RowSelection(lead_shape, rows, rows, target_columns(flat[rows], vocab_shard, tp_group, out_of_vocab))
     if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0:
         raise ValueError(f"max_rows must be a non-negative int or None, got {max_rows!r}")
     size = flat.numel()
@@ -131,22 +134,40 @@ def select_rows(
     padding = slots == size
     rows = slots.clamp(max=max(size - 1, 0))  # padding rows compute a real row, their results go nowhere
     selected_targets = torch.where(padding, 0, flat[rows])  # a padding row's target is never read
-    return RowSelection(lead_shape, rows, slots, target_columns(selected_targets, vocab_shard, tp_group))
+    selected_columns = target_columns(selected_targets, vocab_shard, tp_group, out_of_vocab)
+    return RowSelection(lead_shape, rows, slots, selected_columns)
 
 
-def target_columns(targets: torch.Tensor, vocab_shard: int, tp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+OUT_OF_VOCAB = ("error", "max_logit")
+
+
+def check_out_of_vocab(out_of_vocab: str) -> str:
+    """``out_of_vocab`` if it is one of ``OUT_OF_VOCAB``, else ``ValueError``."""
+    if out_of_vocab not in OUT_OF_VOCAB:
+        raise ValueError(f"out_of_vocab must be one of {', '.join(map(repr, OUT_OF_VOCAB))}; got {out_of_vocab!r}")
+    return out_of_vocab
+
+
+def target_columns(
+    targets: torch.Tensor, vocab_shard: int, tp_group: Optional[dist.ProcessGroup], out_of_vocab: str = "error"
+) -> torch.Tensor:
     """Flat global ``targets [n]`` as ``target_column [n]`` int64 on this rank's vocabulary shard:
     rank ``r`` owns global ids ``[r * vocab_shard, (r + 1) * vocab_shard)``; -1 where another rank
     owns the id. An id outside the vocabulary is an error (``check_on_device``: at once on the CPU,
-    asynchronous on a GPU)."""
+    asynchronous on a GPU) unless ``out_of_vocab="max_logit"``, which gives it ``OUTSIDE_VOCAB`` on
+    every rank: no rank owns it, its logit counts as the row's largest and takes no gradient, as in
+    Megatron's vocabulary-parallel cross-entropy."""
     vocab = vocab_shard * group_size(tp_group)
     targets = targets.long()
+    column = targets - group_rank(tp_group) * vocab_shard
+    column = torch.where((column >= 0) & (column < vocab_shard), column, -1)
+    if check_out_of_vocab(out_of_vocab) == "max_logit":
+        return torch.where((targets < 0) | (targets >= vocab), OUTSIDE_VOCAB, column)
     if targets.numel() > 0:
         in_range = ((targets >= 0) & (targets < vocab)).all()
         check_on_device(
             in_range,
             f"a target id is outside the vocabulary [0, {vocab}) ({vocab_shard} rows per rank x "
-            f"{group_size(tp_group)} ranks)",
+            f"{group_size(tp_group)} ranks); leave such positions out with mask=",
         )
-    column = targets - group_rank(tp_group) * vocab_shard
-    return torch.where((column >= 0) & (column < vocab_shard), column, -1)
+    return column

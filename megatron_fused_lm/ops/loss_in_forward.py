@@ -62,6 +62,49 @@ def per_token_losses(loss_fn: LossFn, logprob: Tensor, entropy: Tensor, inputs: 
     return losses.float()
 
 
+# How far a row's loss may move between a chunk and its halves: the float32 rounding of elementwise
+# code run at other lengths (vectorized bodies and scalar tails), not a dependence on other rows.
+ROW_TOLERANCE = 1e-5
+_rows_checked: set = set()
+
+
+def _definition(loss_fn: LossFn) -> object:
+    """What decides how ``loss_fn`` treats its rows: the code of a function (a lambda made anew each
+    step, a bound method, a ``functools.partial``), else the class of a callable object."""
+    function = getattr(loss_fn, "func", loss_fn)
+    function = getattr(function, "__func__", function)
+    return getattr(function, "__code__", None) or type(function)
+
+
+def check_rows_independent(loss_fn: LossFn, logprob: Tensor, entropy: Tensor, inputs: Dict[str, Tensor]) -> None:
+    """``ValueError`` unless ``loss_fn`` gives each row of a chunk the loss it gives that row among
+    the chunk's halves: a function that reduces or normalizes across its rows gives a loss that
+    changes with the chunking. Checked the first time a definition is used with two rows or more
+    (one host synchronization), outside compiled graphs and CUDA graph captures."""
+    definition = _definition(loss_fn)
+    if definition in _rows_checked or logprob.shape[0] < 2 or torch.compiler.is_compiling():
+        return
+    if logprob.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    half = logprob.shape[0] // 2
+    with torch.no_grad():
+        whole = per_token_losses(loss_fn, logprob, entropy, inputs)
+        parts = torch.cat([
+            per_token_losses(loss_fn, logprob[rows], entropy[rows], {name: value[rows] for name, value in inputs.items()})
+            for rows in (slice(0, half), slice(half, None))
+        ])  # fmt: skip
+    largest = whole.abs().nan_to_num(0.0, 0.0, 0.0).max()
+    close = (parts - whole).abs() <= ROW_TOLERANCE * (whole.abs() + largest)
+    if not bool((close | (parts == whole) | (parts.isnan() & whole.isnan())).all()):
+        raise ValueError(
+            "loss_fn gives a row another loss when the other rows of its chunk change (the two halves of a chunk "
+            "gave other losses than the whole): it is called on chunks of rows and its results are summed, so it "
+            "must compute each row's loss from that row alone. Express a mean or a per-sequence normalization as "
+            "per-token weights among loss_inputs (losses.token_mean_weights)"
+        )
+    _rows_checked.add(definition)
+
+
 def has_entropy_term(loss_fn: LossFn, input_names: Tuple[str, ...]) -> bool:
     """Whether ``loss_fn``'s value depends on the entropy: its ``entropy_grad`` attribute where it
     declares one (the ready-made losses do), else ``probe_entropy_term``."""
@@ -93,25 +136,26 @@ class ChunkLoss:
         self,
         loss_fn: LossFn,
         inputs: Dict[str, Tensor],
-        num_rows: int,
-        device: torch.device,
+        target_column: Tensor,
         merge: Callable[[Tensor], Tensor],
         entropy_grad: bool,
         upstream: bool,
         grad_scale: Optional[Union[float, Tensor]] = None,
     ):
-        self.loss_fn, self.inputs, self.merge = loss_fn, inputs, merge
+        self.loss_fn, self.inputs, self.target_column, self.merge = loss_fn, inputs, target_column, merge
         self.entropy_grad, self.upstream, self.grad_scale = entropy_grad, upstream, grad_scale
+        num_rows, device = target_column.shape[0], target_column.device
         self.logprob, self.entropy, self.lse, self.mean_logit = (
             torch.empty(num_rows, dtype=torch.float32, device=device) for _ in range(4)
         )
         self.total = torch.zeros((), dtype=torch.float32, device=device)
 
     def __call__(self, rows: slice, local_statistics: Tensor) -> tuple[SoftmaxSummary, UpstreamGrads]:
-        summary = summarize(self.merge(local_statistics))
+        summary = summarize(self.merge(local_statistics), self.target_column[rows])
         for name in ("logprob", "entropy", "lse", "mean_logit"):
             getattr(self, name)[rows] = getattr(summary, name)
         inputs = {name: value[rows] for name, value in self.inputs.items()}
+        check_rows_independent(self.loss_fn, summary.logprob, summary.entropy, inputs)
 
         def total(logprob: Tensor, entropy: Tensor) -> Tensor:
             return per_token_losses(self.loss_fn, logprob, entropy, inputs).sum()

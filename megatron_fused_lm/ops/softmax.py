@@ -5,8 +5,9 @@ A leaf: it imports torch only, and ``logit_grad`` is plain arithmetic, so the Tr
 the same function (``triton.jit(logit_grad)``). ``docs/DESIGN.md`` ("The math") derives each step.
 
 Encoding of the target: ``target_column [n]`` int64, the target's column in this block or shard,
--1 where another shard owns it. Shapes: ``n`` tokens, ``v`` columns in a block; float32 unless
-stated.
+-1 where another shard owns it, ``OUTSIDE_VOCAB`` (-2) where no shard does and the row's largest
+logit stands in for the target's (``summarize``). Shapes: ``n`` tokens, ``v`` columns in a block;
+float32 unless stated.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import torch
 # sum exp(z - m) * (z - m), and the target's logit (0 where the block does not hold it).
 MAX, SUMEXP, SUMEXP_Z, TARGET = range(4)
 NUM_STATISTICS = 4
+# The target column of an id outside the vocabulary that scores as Megatron's vocabulary-parallel
+# cross-entropy scores it: its logit counts as the row's largest, and it takes no gradient.
+OUTSIDE_VOCAB = -2
 
 
 class SoftmaxSummary(NamedTuple):
@@ -62,16 +66,21 @@ def merge_statistics(parts: torch.Tensor) -> torch.Tensor:
     return merged
 
 
-def summarize(stats: torch.Tensor) -> SoftmaxSummary:
-    """The per-token results of the whole vocabulary's merged statistics ``[n, 4]``."""
+def summarize(stats: torch.Tensor, target_column: Optional[torch.Tensor] = None) -> SoftmaxSummary:
+    """The per-token results of the whole vocabulary's merged statistics ``[n, 4]``; with the rows'
+    ``target_column``, a row whose target is ``OUTSIDE_VOCAB`` takes the largest logit as its target
+    logit (its log-prob is ``max - lse``)."""
     log_sumexp = stats[:, SUMEXP].log()
     spread = stats[:, SUMEXP_Z] / stats[:, SUMEXP]  # mean logit minus max, <= 0
+    target = stats[:, TARGET]
+    if target_column is not None:
+        target = torch.where(target_column == OUTSIDE_VOCAB, stats[:, MAX], target)
     return SoftmaxSummary(
-        logprob=(stats[:, TARGET] - stats[:, MAX]) - log_sumexp,
+        logprob=(target - stats[:, MAX]) - log_sumexp,
         entropy=log_sumexp - spread,
         lse=stats[:, MAX] + log_sumexp,
         mean_logit=stats[:, MAX] + spread,
-        mean_minus_target=spread + (stats[:, MAX] - stats[:, TARGET]),
+        mean_minus_target=spread + (stats[:, MAX] - target),
     )
 
 

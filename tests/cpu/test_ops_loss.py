@@ -39,7 +39,14 @@ from devkit.oracle import (
     policy_loss_inputs,
     relative_error,
 )
-from megatron_fused_lm import _logging, fused_linear_cross_entropy, fused_linear_loss, logits_loss, losses
+from megatron_fused_lm import (
+    _logging,
+    fused_linear_cross_entropy,
+    fused_linear_logprob,
+    fused_linear_loss,
+    logits_loss,
+    losses,
+)
 
 H, V = 24, 97
 LEAD = (3, 10)  # [b, s]: the ops take any leading shape
@@ -355,14 +362,114 @@ def test_option_errors(options, error, match):
         fused_linear_loss(hidden, weight, targets, losses.cross_entropy, loss_inputs=inputs, **options)
 
 
-@pytest.mark.parametrize("bad_target", [V, -1])
+@pytest.mark.parametrize("bad_target", [V, -1, -100])
 def test_targets_outside_the_vocabulary_are_an_error(bad_target):
     hidden, weight, targets, inputs = sft_case()
     targets[1, 2] = bad_target
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    match = r"outside the vocabulary .*leave such positions out with mask="
+    with pytest.raises(ValueError, match=match):
         fused_linear_loss(hidden, weight, targets, losses.cross_entropy, loss_inputs=inputs)
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises(ValueError, match=match):
         fused_linear_cross_entropy(hidden, weight, targets, torch.ones(LEAD))
+    with pytest.raises(ValueError, match=match):
+        fused_linear_logprob(hidden, weight, targets)
+    with pytest.raises(ValueError, match="out_of_vocab must be one of"):
+        fused_linear_logprob(hidden, weight, targets, out_of_vocab="ignore")
+
+
+def out_of_vocab_case():
+    """Peaky rows whose targets include HF-style -100 padding, -1 and the first id past the
+    vocabulary, and the float64 oracle of the convention of Megatron's vocabulary-parallel
+    cross-entropy for them: no rank owns such an id, so its logit counts as the row's largest (its
+    cross-entropy is ``lse - max``), and its backward treats that maximum as a constant (the
+    softmax is the logits' gradient)."""
+    hidden, weight, targets = make_case(LEAD, H, V, torch.float32, peaky=True, seed=8)
+    targets[0, 1], targets[1, 4], targets[2, 9], targets[2, 0] = -100, V, -1, -100
+    outside = (targets < 0) | (targets >= V)
+
+    def oracle_logprob(hidden, weight):
+        logits = hidden.double() @ weight.double().t()
+        chosen = logits.gather(-1, targets.clamp(0, V - 1).unsqueeze(-1)).squeeze(-1)
+        largest = logits.detach().amax(dim=-1)
+        return torch.where(outside, largest, chosen) - torch.logsumexp(logits, dim=-1)
+
+    return hidden, weight, targets, outside, oracle_logprob
+
+
+@pytest.mark.parametrize("token_chunk", [1, 7, None])
+def test_out_of_vocab_targets_score_as_megatron_scores_them_when_asked(token_chunk):
+    hidden, weight, targets, outside, oracle_logprob = out_of_vocab_case()
+    gen = generator(9)
+    upstream = torch.randn(LEAD, generator=gen)
+    declared = (torch.rand(LEAD, generator=gen) < 0.7).float()
+    declared[0, 1] = declared[2, 9] = 1.0  # the declared weights reach out-of-vocabulary rows too
+    # The recompute op, and the declared cross-entropy for the declared upstream (the held
+    # gradients) and another one (the recompute).
+    runs = {
+        "logprob": (lambda h, w: fused_linear_logprob(h, w, targets, out_of_vocab="max_logit", token_chunk=token_chunk),
+                    lambda value: (value * upstream).sum()),
+        "declared": (lambda h, w: -fused_linear_cross_entropy(
+            h, w, targets, declared, out_of_vocab="max_logit", token_chunk=token_chunk),
+                     lambda value: (value * declared).sum() * 0.3),
+        "other upstream": (lambda h, w: -fused_linear_cross_entropy(
+            h, w, targets, declared, out_of_vocab="max_logit", token_chunk=token_chunk),
+                           lambda value: (value * upstream).sum()),
+    }  # fmt: skip
+    for name, (run, reduce) in runs.items():
+        leaf_hidden, leaf_weight = leaves(hidden, weight)
+        logprob = run(leaf_hidden, leaf_weight)
+        oracle_hidden, oracle_weight = (tensor.double().requires_grad_() for tensor in (hidden, weight))
+        expected = oracle_logprob(oracle_hidden, oracle_weight)
+        assert torch.isfinite(logprob).all(), name
+        assert relative_error(logprob, expected.detach()) <= FLOAT32_TOL, name
+        reduce(logprob).backward()
+        reduce(expected).backward()
+        assert relative_error(leaf_hidden.grad, oracle_hidden.grad) <= FLOAT32_TOL, name
+        assert relative_error(leaf_weight.grad, oracle_weight.grad) <= FLOAT32_TOL, name
+    assert outside.sum() == 4
+
+
+# A loss_fn whose rows depend on each other: a mean spread over the rows, a normalizer by the chunk's
+# length, advantages centred on the chunk's mean.
+MIXING_LOSSES = {
+    "mean": lambda logprob, entropy: (-logprob).mean().expand_as(logprob),
+    "normalized": lambda logprob, entropy: -logprob / logprob.numel(),
+    "centred": lambda logprob, entropy: -(logprob - logprob.mean()),
+}
+
+
+@pytest.mark.parametrize("name", list(MIXING_LOSSES))
+def test_a_loss_fn_that_mixes_rows_is_refused(name):
+    hidden, weight, targets, _ = sft_case()
+    with pytest.raises(ValueError, match="each row's loss from that row alone.*per-token weights"):
+        fused_linear_loss(hidden, weight, targets, MIXING_LOSSES[name])
+    with pytest.raises(ValueError, match="each row's loss from that row alone.*per-token weights"):
+        logits_loss(hidden @ weight.t(), targets, MIXING_LOSSES[name])
+
+
+class CountingLoss:
+    """A per-row cross-entropy that counts its calls (declaring no entropy term, so no probe runs)."""
+
+    calls = 0
+    entropy_grad = False
+
+    def __call__(self, logprob, entropy):
+        CountingLoss.calls += 1
+        return -logprob
+
+
+def test_a_per_row_loss_fn_is_checked_once_per_definition(monkeypatch):
+    from megatron_fused_lm.ops import loss_in_forward
+
+    monkeypatch.setattr(loss_in_forward, "_rows_checked", set())
+    hidden, weight, targets, _ = sft_case()
+    calls = []
+    for _ in range(2):  # a new object of the same class each step, as trainers make them
+        CountingLoss.calls = 0
+        fused_linear_loss(hidden, weight, targets, CountingLoss(), token_chunk=10)
+        calls.append(CountingLoss.calls)
+    # Three chunks of 10 rows; the first use also runs the first chunk whole and in halves.
+    assert calls == [3 + 3, 3], calls
 
 
 def test_declared_weights_errors():

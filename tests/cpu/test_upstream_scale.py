@@ -10,11 +10,20 @@ backend holds its gradients in the same objects; its scaling kernel is compared 
 it replaces in test_triton_interpreter.py.
 """
 
+import gc
+import logging
+
 import pytest
 import torch
 
 from devkit.oracle import loss_reference, make_case, policy_loss_inputs, reference, relative_error
-from megatron_fused_lm import fused_linear_cross_entropy, fused_linear_logprob, fused_linear_loss, losses
+from megatron_fused_lm import (
+    fused_linear_cross_entropy,
+    fused_linear_logprob,
+    fused_linear_loss,
+    losses,
+    outstanding_weight_grads,
+)
 
 SCALE = 0.37
 ROWS, HIDDEN, VOCAB = 23, 16, 97
@@ -182,3 +191,57 @@ def test_weight_grad_into_refuses_a_fullgraph_compile_by_name():
 
     with pytest.raises(Exception, match="weight_grad_into runs eagerly only"):
         torch.compile(step, fullgraph=True)(hidden.requires_grad_(), weight.requires_grad_())
+
+
+def test_a_loss_released_without_its_backward_is_reported_at_once_and_listed(caplog):
+    # The forward adds into the accumulator. Then the loss gets its backward (nothing to report),
+    # waits for it (listed as waiting), is dropped (logged at once, with its value, and listed
+    # once), or the forward fails part way (logged and listed once). Another accumulator's list
+    # stays empty.
+    hidden, weight, targets, inputs, _ = case(torch.float32)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    accumulator, other = torch.zeros(VOCAB, HIDDEN), torch.zeros(VOCAB, HIDDEN)
+    row = torch.arange(ROWS, dtype=torch.float32)
+
+    def loss(loss_fn=POLICY, **extra):
+        return fused_linear_loss(
+            hidden, weight, targets, loss_fn, loss_inputs={**inputs, **extra}, token_chunk=7,
+            weight_grad_into=accumulator, weight_grad_scale=SCALE,
+        ).loss  # fmt: skip
+
+    def fails_on_the_second_chunk(logprob, entropy, *, row, **policy_inputs):
+        if row.min() >= 7:
+            raise RuntimeError("a NaN check, say")
+        return POLICY(logprob, entropy, **policy_inputs)
+
+    with caplog.at_level(logging.WARNING, logger="megatron_fused_lm"):
+        kept = loss()
+        (waiting,) = outstanding_weight_grads(accumulator)
+        assert "waits for its backward" in waiting and f"{ROWS} rows" in waiting, waiting
+        (kept * SCALE).backward()
+        del kept
+        gc.collect()
+        assert outstanding_weight_grads(accumulator) == [] and not caplog.records
+
+        dropped = loss()
+        value = f"{dropped.item():.6g}"
+        del dropped
+        (warning,) = [record.getMessage() for record in caplog.records]
+        assert "released without its backward" in warning and value in warning, warning
+        assert f"weight_grad_into {[VOCAB, HIDDEN]}" in warning, warning
+        assert outstanding_weight_grads(other) == []
+        (listed,) = outstanding_weight_grads(accumulator)
+        assert "released without its backward" in listed and value in listed, listed
+        assert outstanding_weight_grads(accumulator) == [], "a released loss is listed once"
+
+        per_token = fused_linear_cross_entropy(
+            hidden, weight, targets, torch.ones(ROWS), weight_grad_into=accumulator, weight_grad_scale=SCALE
+        )
+        del per_token
+        with pytest.raises(RuntimeError, match="a NaN check"):
+            loss(fails_on_the_second_chunk, row=row)
+        messages = [record.getMessage() for record in caplog.records[1:]]
+        assert len(messages) == 2 and "released without its backward" in messages[0], messages
+        assert "stopped with an exception part way" in messages[1], messages
+        assert len(outstanding_weight_grads()) == 2 and outstanding_weight_grads() == []

@@ -313,3 +313,48 @@ def test_declared_cross_entropy_into_weight_grad_into_against_float64(backend, a
     added = accumulator.double() - before.double()
     assert relative_l2(added, expected[3]) <= GRAD_RATIO * relative_l2(recompute[3], expected[3])
     assert relative_l2(leaves[0].grad, expected[2]) <= GRAD_RATIO * relative_l2(recompute[2], expected[2])
+
+
+def max_logit_reference(hidden, weight, targets, upstream):
+    """Float64 log-probs under the convention of Megatron's vocabulary-parallel cross-entropy (an id
+    outside the vocabulary scores as the row's largest logit, a constant to the backward) and the
+    gradients of ``sum(logprob * upstream)``."""
+    leaves = [tensor.detach().double().requires_grad_() for tensor in (hidden, weight)]
+    logits = leaves[0] @ leaves[1].t()
+    inside = (targets >= 0) & (targets < weight.shape[0])
+    chosen = logits.gather(-1, targets.clamp(0, weight.shape[0] - 1).unsqueeze(-1)).squeeze(-1)
+    largest = logits.detach().amax(dim=-1)
+    logprob = torch.where(inside, chosen, largest) - torch.logsumexp(logits, dim=-1)
+    return (logprob.detach(), *torch.autograd.grad((logprob * upstream.double()).sum(), leaves))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("op", ["logprob", "declared", "other-upstream"])
+def test_out_of_vocab_targets_score_as_megatron_scores_them(op, backend):
+    # A fifth of the rows get HF-style -100 (or an id past the vocabulary): no rank owns them, so
+    # every kernel sees the column -1 it sees for another rank's target. Each error against the
+    # float64 oracle of that convention must stay within GRAD_RATIO times the same op's error on
+    # the same rows with their in-vocabulary targets.
+    hidden, weight, targets, gen = make_case(4096, 2048, 151936)
+    outside = torch.rand(targets.shape, device="cuda", generator=gen) < 0.2
+    padded = torch.where(outside, torch.where(targets % 2 == 0, -100, weight.shape[0] + 7), targets)
+    declared = (torch.rand(targets.shape, device="cuda", generator=gen) < 0.7).float()
+    upstream = declared * 0.37 if op == "declared" else torch.randn(targets.shape, device="cuda", generator=gen)
+
+    def run(these_targets):
+        leaves = [tensor.detach().requires_grad_() for tensor in (hidden, weight)]
+        if op == "logprob":
+            logprob = fused_linear_logprob(*leaves, these_targets, backend=backend, out_of_vocab="max_logit")
+        else:
+            logprob = -fused_linear_cross_entropy(
+                *leaves, these_targets, declared, backend=backend, out_of_vocab="max_logit"
+            )
+        (logprob * upstream).sum().backward()
+        expected = max_logit_reference(hidden, weight, these_targets, upstream)
+        results = (logprob, *(leaf.grad for leaf in leaves))
+        return [relative_l2(got, want) for got, want in zip(results, expected, strict=True)]
+
+    padded_errors, baseline_errors = run(padded), run(targets)
+    names = ("logprob", "grad_hidden", "grad_weight")
+    for name, error, baseline in zip(names, padded_errors, baseline_errors, strict=True):
+        assert error <= GRAD_RATIO * baseline + 1e-7, (name, error, baseline)

@@ -5,9 +5,10 @@ While a model is wrapped with the fused head on:
 
 - ``output_layer.forward(input_, weight=None, runtime_gather_output=None)`` returns
   ``(hidden [s, b, h], None)``: the pre-projection hidden states, gathered along the sequence when
-  the layer is sequence parallel. It records the weight the call used (the ``weight=`` argument
-  for tied embeddings, else the layer's own), so ``model(input_ids, position_ids, mask)`` returns
-  ``hidden [b, s, h]`` where the stock model returns ``logits [b, s, vocab/TP]``.
+  the layer is sequence parallel, tied to what the call used (the ``weight=`` argument for tied
+  embeddings, else the layer's own; ``provenance``), so ``model(input_ids, position_ids, mask)``
+  returns ``hidden [b, s, h]`` where the stock model returns ``logits [b, s, vocab/TP]``. The
+  ``forward`` of the model and of each wrapper around it ties what it returns to that call too.
 - ``compute_language_model_loss(labels [b, s], hidden [s, b, h])`` returns the stock per-token
   cross-entropy ``[b, s]`` (float32) computed by ``fused_linear_logprob``, so
   ``model(..., labels=labels)`` and multi-token-prediction heads keep working. After
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import threading
 from dataclasses import dataclass
@@ -42,7 +44,10 @@ from ..ops import (
     fused_linear_loss,
     logits_logprob,
     logits_loss,
+    name_weight_grad_into,
+    outstanding_weight_grads,
 )
+from . import provenance
 from .config import FusedLMConfig
 from .megatron_compat import (
     MainGradWritten,
@@ -50,6 +55,8 @@ from .megatron_compat import (
     fallback_reason,
     float32_main_grad,
     model_chunks,
+    model_name,
+    module_chains,
     output_layer_of,
     tensor_parallel_group,
 )
@@ -75,15 +82,29 @@ class _HeadCall:
     weight: torch.Tensor
     tp_group: Optional[dist.ProcessGroup]
     reduce_hidden_grad: bool
+    owner: str  # the model, as messages name it
+
+    def without_graph(self) -> "_HeadCall":
+        """This call with its weight detached: no gradient into it."""
+        return dataclasses.replace(self, weight=self.weight.detach())
+
+    def key(self) -> Tuple:
+        """What decides the results without a graph: two calls of one key compute alike."""
+        weight = self.weight
+        return weight.data_ptr(), tuple(weight.shape), self.tp_group, self.reduce_hidden_grad
 
 
 def project_input(
-    layer: torch.nn.Module, tp_group: Optional[dist.ProcessGroup], input_: torch.Tensor, weight: Optional[torch.Tensor]
+    layer: torch.nn.Module,
+    tp_group: Optional[dist.ProcessGroup],
+    input_: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    owner: str,
 ) -> Tuple[torch.Tensor, _HeadCall]:
     """What the output layer's projection needs, without projecting: ``input_ [s/TP if sequence
     parallel else s, b, h]`` -> ``hidden [s, b, h]`` (gathered along the sequence when the layer is
     sequence parallel) and the ``_HeadCall`` for it. ``weight`` is the tied embedding's, or
-    ``None`` for the layer's own."""
+    ``None`` for the layer's own; ``owner`` names the model."""
     expected = (layer.output_size_per_partition, layer.input_size)
     if weight is None:
         if layer.weight is None:
@@ -100,7 +121,7 @@ def project_input(
         reduce_hidden_grad = not getattr(layer, "disable_grad_reduce", False)
     if not torch.is_grad_enabled():
         weight = weight.detach()
-    return hidden, _HeadCall(weight, tp_group, reduce_hidden_grad)
+    return hidden, _HeadCall(weight, tp_group, reduce_hidden_grad, owner)
 
 
 def call_logprobs(call: _HeadCall, config: FusedLMConfig, hidden: torch.Tensor, targets: torch.Tensor, **options):
@@ -122,21 +143,37 @@ def call_loss(
 ) -> FusedLoss:
     """``fused_linear_loss`` for one projection ``call``; ``main_grad_scale`` and ``options`` as
     ``FusedLMHead.loss``'s."""
-    weight, accumulation = main_grad_route(call.weight, main_grad_scale)
+    weight, accumulation = main_grad_route(call.weight, main_grad_scale, call.owner)
     return fused_linear_loss(
         hidden, weight, targets, loss_fn, tp_group=call.tp_group, backend=config.backend,
         token_chunk=config.token_chunk, reduce_hidden_grad=call.reduce_hidden_grad, **accumulation, **options,
     )  # fmt: skip
 
 
-def main_grad_route(weight: torch.Tensor, main_grad_scale: Optional[float]) -> Tuple[torch.Tensor, Dict[str, Any]]:
+def main_grad_route(
+    weight: torch.Tensor, main_grad_scale: Optional[float], owner: str
+) -> Tuple[torch.Tensor, Dict[str, Any]]:
     """``(weight, arguments)`` for a three-GEMM op: with a ``main_grad_scale`` and a weight gradient
     to compute, the weight behind ``MainGradWritten`` and the op's ``weight_grad_into`` (its
-    float32 ``main_grad``) and ``weight_grad_scale``; otherwise the weight as it is and none."""
+    float32 ``main_grad``, named after ``owner`` in the ops' reports of a loss released without its
+    backward) and ``weight_grad_scale``; otherwise the weight as it is and none."""
     if main_grad_scale is None or not (weight.requires_grad and torch.is_grad_enabled()):
         return weight, {}
     into = float32_main_grad(weight)
+    name_weight_grad_into(into, f"the main_grad of {owner}'s output weight")
     return MainGradWritten.apply(weight), dict(weight_grad_into=into, weight_grad_scale=main_grad_scale)
+
+
+def outstanding_main_grads(layers: List[Tuple[torch.nn.Module, torch.nn.Module]]) -> List[str]:
+    """``outstanding_weight_grads`` of the ``main_grad`` of each ``(chunk, output layer)``'s weight
+    (the tied embedding's where the layer owns none), where Megatron's DDP gave it one."""
+    outstanding = []
+    for chunk, layer in layers:
+        weight = layer.weight if layer.weight is not None else chunk.shared_embedding_or_output_weight()
+        main_grad = getattr(weight, "main_grad", None)
+        if isinstance(main_grad, torch.Tensor):
+            outstanding += outstanding_weight_grads(main_grad)
+    return outstanding
 
 
 def logits_group(
@@ -168,36 +205,43 @@ def call_labels_loss(
 ) -> torch.Tensor:
     """The labels path's per-token cross-entropy for one projection ``call``: ``-logprob`` (four
     GEMMs), or ``fused_linear_cross_entropy`` for the ``declared`` weights (three), the weight
-    gradient into ``main_grad`` with a ``main_grad_scale`` (``main_grad_route``)."""
+    gradient into ``main_grad`` with a ``main_grad_scale`` (``main_grad_route``). A label outside
+    the vocabulary (HF-style ``-100`` padding) scores as the stock model's does (``out_of_vocab``)."""
     if declared is None:
-        return -call_logprobs(call, config, hidden, targets, temperature=1.0)
-    weight, accumulation = main_grad_route(call.weight, main_grad_scale)
+        return -call_logprobs(call, config, hidden, targets, temperature=1.0, out_of_vocab="max_logit")
+    weight, accumulation = main_grad_route(call.weight, main_grad_scale, call.owner)
     return fused_linear_cross_entropy(
         hidden, weight, targets, declared, tp_group=call.tp_group, backend=config.backend,
-        token_chunk=config.token_chunk, reduce_hidden_grad=call.reduce_hidden_grad, **accumulation,
+        token_chunk=config.token_chunk, reduce_hidden_grad=call.reduce_hidden_grad, out_of_vocab="max_logit",
+        **accumulation,
     )  # fmt: skip
 
 
 class _Patch:
-    """The patches of one model chunk, and how to take them off."""
+    """The patches of one model chunk, and how to take them off. ``chain``: the modules a call of
+    the chunk passes through (``module_chains``), the chunk last."""
 
-    def __init__(self, head: "FusedLMHead", chunk: torch.nn.Module, layer: torch.nn.Module):
+    def __init__(self, head: "FusedLMHead", chain: List[torch.nn.Module], layer: torch.nn.Module):
         self.head = head
-        self.chunk = chunk
+        self.chain = chain
+        self.chunk = chain[-1]
         self.layer = layer
-        self.tp_group = tensor_parallel_group(chunk, layer)
+        self.tp_group = tensor_parallel_group(self.chunk, layer)
 
     def apply(self) -> None:
-        replacements = (
+        replacements = [
             (self.layer, "forward", self.output_layer_forward),
             (self.chunk, "compute_language_model_loss", self.compute_language_model_loss),
             # copy.deepcopy looks __deepcopy__ up on the instance: without these it would copy the
             # patch (its head, its sentinel) into the copy, which then computes neither way.
             (self.layer, "__deepcopy__", functools.partial(self.copy_stock, self.layer)),
-            (self.chunk, "__deepcopy__", functools.partial(self.copy_stock, self.chunk)),
             (self.layer, PATCH_ATTRIBUTE, self),
             (self.chunk, PATCH_ATTRIBUTE, self),
-        )
+        ]
+        for module in self.chain:
+            # What each module returns is tied to the forward that made it (``provenance``).
+            replacements.append((module, "forward", functools.partial(self.module_forward, module)))
+            replacements.append((module, "__deepcopy__", functools.partial(self.copy_stock, module)))
         # An instance attribute that was there before (someone else's patch) comes back on remove.
         self.replaced = [(owner, name, owner.__dict__.get(name, _NOT_SET)) for owner, name, _ in replacements]
         for owner, name, patched in replacements:
@@ -244,20 +288,41 @@ class _Patch:
         """
         if self.head._stock_logits_on():
             return self.stock(self.layer, "forward")(input_, weight=weight, runtime_gather_output=runtime_gather_output)
-        hidden, self.head._last_call = project_input(self.layer, self.tp_group, input_, weight)
-        return hidden, None
+        hidden, call = project_input(self.layer, self.tp_group, input_, weight, self.head.name)
+        origin = provenance.Origin(self.head, call, hidden.shape[-1], hidden.device)
+        self.head._thread.origin = origin
+        return provenance.traced(hidden, call.weight, origin), None
+
+    def module_forward(self, module: torch.nn.Module, *args, **kwargs):
+        """``module``'s stock forward; what it returns is tied to the fused forward it ran, if any
+        (the model's own copies of the hidden states, such as GPTModel's ``.contiguous()`` and
+        Float16Module's ``.float()``, leave no graph under ``no_grad``)."""
+        thread = self.head._thread
+        before = getattr(thread, "origin", None)
+        output = self.stock(module, "forward")(*args, **kwargs)
+        origin = getattr(thread, "origin", None)
+        if origin is not None and origin is not before:
+            provenance.register(output, origin)
+        return output
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """``labels [b, s]`` global ids, ``logits``: what the patched output layer returned,
         ``hidden [s, b, h]`` (possibly scaled by MuP) -> per-token cross-entropy ``[b, s]`` float32.
-        Inside ``head.stock_logits()`` the output layer returned the stock logits: the stock loss."""
+        Inside ``head.stock_logits()`` the output layer returned the stock logits: the stock loss.
+
+        The model calls this right after its output layer, so where nothing establishes the
+        origin of ``logits`` (MuP's scaling under ``no_grad`` makes a copy without a graph), that
+        call, this thread's latest, made them. What the model returns then is a loss, tied to no
+        forward."""
         if self.head._stock_logits_on():
             return self.stock(self.chunk, "compute_language_model_loss")(labels, logits)
         head, declared = self.head, self.head._declared_weights
         check_declared_shape(declared, labels)
+        latest, head._thread.origin = getattr(head._thread, "origin", None), None
+        call = head._call_for(logits, "the labels path", fallback=latest)
         losses = call_labels_loss(
-            head._call_for(logits), head.config, logits, labels.transpose(0, 1),
-            None if declared is None else declared.transpose(0, 1), head._declared_main_grad_scale,
+            call, head.config, logits, labels.transpose(0, 1), None if declared is None else declared.transpose(0, 1),
+            head._declared_main_grad_scale,
         )  # fmt: skip
         return losses.transpose(0, 1).contiguous()
 
@@ -270,23 +335,33 @@ class FusedLMHead:
             ``False`` when the model is stock (disabled config, a fallback, or no output layer
             on this pipeline stage) and returns logits.
         fallback_reason: ``None``, or the sentence saying why the fused path was not taken.
+        name: the model, as messages name it (its class and ``id``).
 
     ``with head.stock_logits():`` the model returns the stock logits (generation, evaluation).
     ``copy.deepcopy`` of the wrapped model is a stock model that shares nothing with this head:
     ``wrap_model(copy, config)`` fuses it with a head of its own.
+
+    When fused, the head computes each output with the forward that made it, whatever ran since
+    (``provenance``): an output, or anything derived from it with gradients on, leads back to its
+    forward through the autograd graph; without gradients, its storage does (views, slices,
+    ``.detach()``). Where neither does (a copy made under ``no_grad``), the live forwards that could
+    have made it are taken where they all compute alike (one model), and the head refuses rather
+    than guess between models. Another wrapped model's output is refused, naming both models.
     """
 
-    def __init__(self, config: FusedLMConfig, fallback_reason: Optional[str] = None):
+    def __init__(self, config: FusedLMConfig, fallback_reason: Optional[str] = None, name: str = "the model"):
         self.config = config
         self.fallback_reason = fallback_reason
+        self.name = name
         self.fused = False
         self._patches: List[_Patch] = []
         self._stock_layers: List[Tuple[torch.nn.Module, torch.nn.Module]] = []
-        self._last_call: Optional[_HeadCall] = None
         self._declared_weights: Optional[torch.Tensor] = None
         self._declared_main_grad_scale: Optional[float] = None
         self._detached = False
-        self._stock_logits_depth = threading.local()  # per thread: a context holds for its own thread
+        # Per thread: the depth of stock_logits() contexts (one holds for its own thread), and the
+        # origin of the latest fused forward (``provenance``).
+        self._thread = threading.local()
 
     def logprobs(
         self,
@@ -318,6 +393,14 @@ class FusedLMHead:
 
         Returns:
             ``logprob [b, s]`` float32, or ``(logprob, entropy)``, each ``[b, s]`` float32.
+
+        Raises:
+            ValueError: a target id outside the vocabulary (HF-style ``-100`` padding) at a
+                position ``mask`` selects: such a position has no log-prob, so leave it out with
+                ``mask`` (the labels path, ``model(..., labels=labels)``, scores it as the stock
+                model does instead). On a GPU this is an asynchronous device-side assertion.
+            RuntimeError: ``output`` comes from another wrapped model's forward, or nothing links
+                it to one forward of this model (see the class docstring).
         """
         options = dict(
             temperature=temperature,
@@ -371,10 +454,16 @@ class FusedLMHead:
         Returns:
             ``FusedLoss(loss, logprob, entropy)``: ``loss`` a float32 scalar to call
             ``backward`` on (once); ``logprob`` and ``entropy`` detached ``[b, s]`` float32 metrics.
+            With ``main_grad_scale``, a loss released without its backward leaves its weight
+            gradient in ``main_grad``: that is logged at once, and ``main_grad_outstanding``
+            lists it.
+
+        Raises:
+            ValueError, RuntimeError: as for ``logprobs``.
         """
         if self.fused:
             return call_loss(
-                self._call_for(output), self.config, output, targets, loss_fn, main_grad_scale,
+                self._call_for(output, "head.loss"), self.config, output, targets, loss_fn, main_grad_scale,
                 loss_inputs=loss_inputs, temperature=temperature, mask=mask,
             )  # fmt: skip
         return logits_loss(
@@ -433,7 +522,7 @@ class FusedLMHead:
             RuntimeError: the model was unwrapped or wrapped again since this head was made.
         """
         self._check_attached()
-        state = self._stock_logits_depth
+        state = self._thread
         state.depth = getattr(state, "depth", 0) + 1
         try:
             yield
@@ -441,27 +530,88 @@ class FusedLMHead:
             state.depth -= 1
 
     def _stock_logits_on(self) -> bool:
-        return getattr(self._stock_logits_depth, "depth", 0) > 0
+        return getattr(self._thread, "depth", 0) > 0
 
     def _check_attached(self) -> None:
         if self._detached:
             raise RuntimeError("this FusedLMHead's model was unwrapped or wrapped again; use the newest head")
 
-    def _call_for(self, hidden: torch.Tensor) -> _HeadCall:
-        """The last output-layer call, after checking ``hidden`` is what it returned."""
+    def main_grad_outstanding(self) -> List[str]:
+        """The main_grad-route losses of this head (``loss(..., main_grad_scale=)``, the labels
+        path after ``declare_loss_weights(..., main_grad_scale=)``) whose forward added the output
+        weight's gradient into its ``main_grad`` and whose backward has not run, one sentence each:
+        those still waiting for it, and those released without it (a metric computed with
+        gradients on, a micro-batch skipped), each listed once. Call it before the optimizer step:
+        empty means ``main_grad`` holds no gradient without its backward."""
+        return outstanding_main_grads(self._stock_layers)
+
+    def _call_for(self, output: torch.Tensor, caller: str, fallback: Optional[provenance.Origin] = None) -> _HeadCall:
+        """The output-layer call to compute ``output`` with (``provenance``): that of the forward its
+        graph leads back to; else, without gradients into the weight (the stock logits of such a
+        tensor have none), that of the forward whose output shares its storage, ``fallback``, or
+        the one live forward that could have made it."""
         self._check_attached()
-        call = self._last_call
-        if call is None:
-            raise RuntimeError("run the wrapped model's forward before asking the head for log-probs")
-        if hidden.dim() == 0 or hidden.shape[-1] != call.weight.shape[1]:
-            raise ValueError(
-                f"expected the wrapped model's hidden states [..., {call.weight.shape[1]}], got shape "
-                f"{tuple(hidden.shape)}; with the fused head on, the model returns hidden states, not logits"
+        self._check_hidden(output, caller)
+        traced = provenance.graph_origins(output) if output.grad_fn is not None else set()
+        if len(traced) > 1:
+            raise RuntimeError(
+                f"{caller}: this tensor derives from the hidden states of {len(traced)} forwards; the head computes "
+                "the log-probs of one forward's at a time"
             )
-        return call
+        if traced:
+            return self._own(traced.pop(), caller).call
+        origin = provenance.storage_origin(output) or fallback or self._only_candidate(output, caller)
+        return self._own(origin, caller).call.without_graph()
+
+    def _own(self, origin: provenance.Origin, caller: str) -> provenance.Origin:
+        """``origin`` if this head's forward made it, else an error naming both models."""
+        if origin.head is not self:
+            raise RuntimeError(
+                f"{caller}: this tensor was made by a forward of {origin.head.name} (another wrapped model, or an "
+                f"earlier wrapping), not of {self.name}, whose head this is: give it to the head of the model that "
+                "made it"
+            )
+        return origin
+
+    def _check_hidden(self, output: torch.Tensor, caller: str) -> None:
+        """``output`` has the last dimension of the hidden states, or an error naming what it has."""
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"{caller} expected the wrapped model's output, a tensor; got {type(output).__name__}")
+        layer = self._stock_layers[-1][1]
+        if output.dim() > 0 and output.shape[-1] == layer.input_size:
+            return
+        got = f"a tensor of shape {tuple(output.shape)}"
+        if output.dim() > 0 and output.shape[-1] in (layer.output_size_per_partition, layer.output_size):
+            got += (
+                ", which looks like logits (the model returns them inside head.stock_logits(), or unwrapped); "
+                "megatron_fused_lm.logits_logprob computes from logits"
+            )
+        raise ValueError(
+            f"{caller} expected the hidden states [..., {layer.input_size}] that the wrapped model returns with the "
+            f"fused head on; got {got}"
+        )
+
+    def _only_candidate(self, output: torch.Tensor, caller: str) -> provenance.Origin:
+        """A live forward that could have made ``output``, whose origin nothing establishes, where
+        every such forward computes alike without a graph (one model, one output weight)."""
+        candidates = provenance.live_origins(output.shape[-1], output.device)
+        if len({(id(origin.head), *origin.call.key()) for origin in candidates}) == 1:
+            return candidates[-1]
+        unlinked = (
+            f"{caller}: nothing links this tensor (shape {tuple(output.shape)}) to the forward that made it: no graph "
+            "leads back to one and it shares no forward's memory (a copy made without gradients, such as .float() "
+            "or .contiguous() under no_grad, keeps neither)"
+        )
+        if not candidates:
+            raise RuntimeError(f"{unlinked}, and no forward's output is alive; pass what the wrapped model returned")
+        names = sorted({origin.head.name for origin in candidates})
+        raise RuntimeError(
+            f"{unlinked}, and forwards of {', '.join(names)} whose outputs are alive could have made it; pass the "
+            "output itself or a view of it, or copy it with gradients on"
+        )
 
     def _fused_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, **options):
-        return call_logprobs(self._call_for(hidden), self.config, hidden, targets, **options)
+        return call_logprobs(self._call_for(hidden, "head.logprobs"), self.config, hidden, targets, **options)
 
     def _logits_group(self, logits: torch.Tensor) -> Optional[dist.ProcessGroup]:
         # A [.., vocab/TP] shard needs the group; logits gathered to the full vocabulary do not.
@@ -485,11 +635,14 @@ def wrap_model(model: Any, config: FusedLMConfig) -> FusedLMHead:
     if not isinstance(config, FusedLMConfig):
         raise TypeError(f"config must be a FusedLMConfig, got {type(config).__name__}")
     unwrap_model(model)
-    head = FusedLMHead(config)
-    for chunk in model_chunks(model):
-        layer = output_layer_of(chunk)
+    chains = module_chains(model)
+    head = FusedLMHead(config, name=model_name([chain[-1] for chain in chains]))
+    patched_chains = []
+    for chain in chains:
+        layer = output_layer_of(chain[-1])
         if layer is not None:
-            head._stock_layers.append((chunk, layer))
+            head._stock_layers.append((chain[-1], layer))
+            patched_chains.append(chain)
     if not config.enabled or not head._stock_layers:
         return head
     for chunk, layer in head._stock_layers:
@@ -498,8 +651,8 @@ def wrap_model(model: Any, config: FusedLMConfig) -> FusedLMHead:
             head.fallback_reason = reason
             warn_once(f"megatron_fused_lm: the fused LM head falls back to the stock logits path: {reason}.")
             return head
-    for chunk, layer in head._stock_layers:
-        patch = _Patch(head, chunk, layer)
+    for chain, (chunk, layer) in zip(patched_chains, head._stock_layers, strict=True):
+        patch = _Patch(head, chain, layer)
         patch.apply()
         head._patches.append(patch)
         if derives_mtp_metrics_from_logits(chunk):

@@ -19,16 +19,30 @@ def model_chunks(model: Any) -> List[torch.nn.Module]:
     either wrapped (DDP, Float16Module, ...) in modules that hold it as ``.module``. A model with
     no output layer of its own that holds a language model as ``.language_model`` (Megatron's
     multimodal models: LLaVAModel, MIMO) stands for that language model."""
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    innermost = []
-    for chunk in chunks:
-        while isinstance(getattr(chunk, "module", None), torch.nn.Module):
-            chunk = chunk.module
-        language_model = getattr(chunk, "language_model", None)
-        if output_layer_of(chunk) is None and isinstance(language_model, torch.nn.Module):
-            chunk = language_model
-        innermost.append(chunk)
-    return innermost
+    return [chain[-1] for chain in module_chains(model)]
+
+
+def module_chains(model: Any) -> List[List[torch.nn.Module]]:
+    """For each chunk of ``model`` (see ``model_chunks``), the modules a call passes through, from
+    the one the caller holds to the innermost language model."""
+    chains = []
+    for chunk in list(model) if isinstance(model, (list, tuple)) else [model]:
+        chain = [chunk]
+        while isinstance(getattr(chain[-1], "module", None), torch.nn.Module):
+            chain.append(chain[-1].module)
+        language_model = getattr(chain[-1], "language_model", None)
+        if output_layer_of(chain[-1]) is None and isinstance(language_model, torch.nn.Module):
+            chain.append(language_model)
+        chains.append(chain)
+    return chains
+
+
+def model_name(chunks: List[torch.nn.Module]) -> str:
+    """How messages name a model of ``chunks`` (``model_chunks``): its class and ``id``, which tell
+    two wrapped models (a policy and its reference) apart."""
+    if not chunks:
+        return "a model without language model chunks"
+    return f"{type(chunks[0]).__name__} at {id(chunks[0]):#x}"
 
 
 def output_layer_of(chunk: torch.nn.Module) -> Optional[torch.nn.Module]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -32,12 +32,14 @@ from .head import (
     call_loss,
     check_declared_shape,
     logits_group,
+    outstanding_main_grads,
     project_input,
 )
 from .megatron_compat import (
     derives_mtp_metrics_from_logits,
     fallback_reason,
     model_chunks,
+    model_name,
     output_layer_of,
     tensor_parallel_group,
 )
@@ -128,8 +130,10 @@ class FusedOutputProcessor:
         self.declare_loss_mask = declare_loss_mask
         self.main_grad_scale = main_grad_scale
         self.fallback_reason: Optional[str] = None
+        self.name = model_name(model_chunks(model))
         chunks = [(chunk, output_layer_of(chunk)) for chunk in model_chunks(model)]
         chunks = [(chunk, layer) for chunk, layer in chunks if layer is not None]
+        self._layers = chunks
         self._groups = {id(layer): tensor_parallel_group(chunk, layer) for chunk, layer in chunks}
         if config.enabled:
             self.fallback_reason = next(filter(None, (fallback_reason(chunk, layer) for chunk, layer in chunks)), None)
@@ -184,7 +188,8 @@ class FusedOutputProcessor:
             if context is None:
                 return compute_language_model_loss(labels, logits)
             return self._from_logits(logits.transpose(0, 1), output_layer, targets, context)
-        hidden, call = project_input(output_layer, self._groups[id(output_layer)], hidden_states, output_weight)
+        group = self._groups[id(output_layer)]
+        hidden, call = project_input(output_layer, group, hidden_states, output_weight, self.name)
         hidden = scale_logits(hidden)  # a scalar (MuP), which commutes with the projection
         # [s, b] throughout, the hidden states' layout; the results come back [b, s].
         if context is None:
@@ -203,6 +208,11 @@ class FusedOutputProcessor:
             mask=_swap(context.mask), temperature=context.temperature,
         )  # fmt: skip
         return result._replace(logprob=_batch_first(result.logprob), entropy=_batch_first(result.entropy))
+
+    def main_grad_outstanding(self) -> List[str]:
+        """As ``FusedLMHead.main_grad_outstanding``, for this processor's main_grad-route losses
+        (``LossRequest(main_grad_scale=)``, and the labels path with ``main_grad_scale``)."""
+        return outstanding_main_grads(self._layers)
 
     def _from_logits(self, logits: torch.Tensor, layer: torch.nn.Module, targets: torch.Tensor, context):
         """The stock computation on ``logits [b, s, vocab/TP]`` (or the full vocabulary, gathered)."""

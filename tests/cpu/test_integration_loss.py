@@ -9,7 +9,9 @@ For each case, on one float32 model:
    Megatron's SFT reduction ``sum(losses * loss_mask) / count`` give the stock per-token loss and
    the stock gradients, without the recompute; an upstream gradient that does not match the
    declaration (another mask) still gets the stock gradients, by the recompute, with a warning;
-   declared weights of another shape are an error.
+   declared weights of another shape are an error. Labels outside the vocabulary (HF-style -100
+   padding, an id past it) give the stock loss and gradients, declared or not; ``head.logprobs``
+   refuses them, pointing to ``mask=``.
 
 3. Inside Megatron's DistributedDataParallel (float32 gradient buffers, overlapped reduction),
    ``head.loss(..., main_grad_scale=...)`` adds the output weight's gradient into its
@@ -17,7 +19,9 @@ For each case, on one float32 model:
    the stock head (logits, Megatron's own backward) through the same DDP, for a declared scale
    equal to the one the loss receives and for another (then corrected, with a warning). The same
    for the labels path with ``declare_loss_weights(loss_mask, main_grad_scale=...)``, plus an
-   upstream gradient of another mask.
+   upstream gradient of another mask. A main_grad-route loss released without its backward is
+   logged at once, naming the model, and ``head.main_grad_outstanding()`` lists it once; one
+   waiting for its backward is listed until it runs.
 
 Tolerances as in test_integration_parity (float32 on both sides, measured errors about 2e-6): 2e-5
 absolute on per-token values and 5e-5 of the largest entry of each stock gradient.
@@ -28,7 +32,7 @@ import torch
 
 from devkit import megatron_gpt as harness
 from megatron_fused_lm import _logging, losses
-from megatron_fused_lm.integration import FusedLMConfig, wrap_model
+from megatron_fused_lm.integration import FusedLMConfig, unwrap_model, wrap_model
 
 VALUE_ATOL = 2e-5
 GRAD_RTOL = 5e-5
@@ -105,6 +109,38 @@ def check_labels_path(model, batch, loss_mask, label):
     harness.assert_grads_close(harness.parameter_grads(model), stock["declared"][1], GRAD_RTOL, f"{label} cleared")
 
 
+def check_labels_outside_the_vocabulary(model, batch, loss_mask, label):
+    """Labels padded HF-style (-100 where the loss mask is 0) and one id past the vocabulary: the
+    stock labels path scores each as if its logit were the row's largest (a finite loss, ``lse -
+    max``, with the softmax as its gradient); so must the fused one, undeclared (four GEMMs) and
+    declared (three), for Megatron's SFT reduction and for one that weights every position."""
+    unwrap_model(model)
+    assert harness.forward(model, batch).shape[-1] == harness.VOCAB_SHARD, f"{label}: the model is not stock"
+    labels = torch.where(loss_mask.bool(), batch[3], -100)
+    labels[0, -1] = harness.VOCAB_SHARD * harness.tp_size() + 3
+    reductions = {"loss mask": loss_mask, "every position": torch.ones_like(loss_mask)}
+    stock = {}
+    for name, reduced in reductions.items():
+        per_token = harness.forward(model, batch, labels=labels)
+        assert torch.isfinite(per_token).all(), f"{label}: the stock loss of out-of-vocabulary labels"
+        megatron_sft_loss(per_token, reduced).backward()
+        stock[name] = (per_token.detach(), harness.parameter_grads(model))
+    head = wrap_model(model, FusedLMConfig(enabled=True, token_chunk=5))
+    for declared in (None, loss_mask):
+        head.declare_loss_weights(declared)
+        for name, reduced in reductions.items():
+            case = f"{label} labels outside the vocabulary, declared={declared is not None}, {name}"
+            per_token = harness.forward(model, batch, labels=labels)
+            harness.assert_max_error(per_token, stock[name][0], VALUE_ATOL, case)
+            megatron_sft_loss(per_token, reduced).backward()
+            harness.assert_grads_close(harness.parameter_grads(model), stock[name][1], GRAD_RTOL, case)
+    head.declare_loss_weights(None)
+    # head.logprobs has no log-prob to give such a position: it says to leave it out with mask=.
+    with pytest.raises(ValueError, match="outside the vocabulary.*mask="):
+        head.logprobs(harness.forward(model, batch), labels)
+    unwrap_model(model)
+
+
 def loss_worker() -> None:
     for sequence_parallel, tied, label in harness.tensor_parallel_cases():
         model = harness.build_gpt(sequence_parallel=sequence_parallel, tied=tied)
@@ -114,6 +150,7 @@ def loss_worker() -> None:
         check_policy_loss(model, batch, response, label)
         loss_mask = (harness.random_weights(harness.BATCH, harness.SEQ, seed=23) > -0.4).float()
         check_labels_path(model, batch, loss_mask, label)
+        check_labels_outside_the_vocabulary(model, batch, loss_mask, label)
 
 
 MAIN_GRAD_UPSTREAM = 0.5  # what the schedule multiplies the loss by (1 / num_microbatches)
@@ -156,6 +193,41 @@ def check_main_grad_route(model, batch, response, label):
     for run in ("declared", "other"):
         harness.assert_grads_close(grads[run], grads["stock"], GRAD_RTOL, f"{label} main_grad, {run} scale")
     check_main_grad_labels_path(ddp, model, batch, label)
+    check_main_grad_released(ddp, batch, response, inputs, label)
+
+
+def check_main_grad_released(ddp, batch, response, inputs, label):
+    """A main_grad-route loss whose backward never runs (a metric computed with gradients on, a
+    skipped micro-batch) is logged at once, naming the model, and ``main_grad_outstanding`` lists
+    it once; one still waiting for its backward is listed until the backward runs."""
+    targets = batch[3]
+    head = wrap_model(ddp, FusedLMConfig(enabled=True, token_chunk=5))
+    ddp.zero_grad_buffer()
+
+    def policy_loss():
+        return head.loss(
+            harness.forward(ddp, batch), targets, POLICY_LOSS, loss_inputs=inputs, mask=response,
+            temperature=TEMPERATURE, main_grad_scale=MAIN_GRAD_UPSTREAM,
+        ).loss  # fmt: skip
+
+    with harness.RecordedWarnings() as recorded:
+        loss = policy_loss()
+        (waiting,) = head.main_grad_outstanding()
+        assert "waits for its backward" in waiting and head.name in waiting, f"{label}: {waiting}"
+        (MAIN_GRAD_UPSTREAM * loss).backward()
+        del loss
+        assert head.main_grad_outstanding() == [] and not recorded.messages, f"{label}: {recorded.messages}"
+
+        metric = policy_loss()
+        del metric
+        head.declare_loss_weights(response.float(), main_grad_scale=MAIN_GRAD_UPSTREAM)
+        skipped = harness.forward(ddp, batch, labels=targets)
+        del skipped
+        head.declare_loss_weights(None)
+    assert len(recorded.messages) == 2, f"{label}: {recorded.messages}"
+    for message in recorded.messages:
+        assert "released without its backward" in message and head.name in message, f"{label}: {message}"
+    assert len(head.main_grad_outstanding()) == 2 and head.main_grad_outstanding() == [], label
 
 
 def check_main_grad_labels_path(ddp, model, batch, label):

@@ -9,7 +9,8 @@ For each case, on one float32 model, nothing patched:
 2. ``LossRequest`` with a clipped policy loss: the loss equals the float64 oracle's, the gradients
    the stock ones.
 3. The labels path: the per-token loss equals the stock model's; with ``declare_loss_mask`` and
-   Megatron's SFT reduction, the stock gradients without the recompute's warning.
+   Megatron's SFT reduction, the stock gradients without the recompute's warning; labels outside
+   the vocabulary (HF-style -100 padding) as the stock model scores them.
 4. A forward without the processor returns the stock logits bitwise.
 Then multi-token prediction on the labels path and MuP output scaling on the log-probs (TP=2), and
 bad input.
@@ -82,8 +83,16 @@ def check_loss(model, batch, response, label):
 
 def check_labels_path(model, batch, loss_mask, label):
     """Megatron's SFT reduction over the forward's ``loss_mask`` (the declared three-GEMM path
-    takes it without a recompute) and over another mask (the declared path recomputes, warning)."""
-    targets = batch[3]
+    takes it without a recompute) and over another mask (the declared path recomputes, warning),
+    for the batch's labels and for labels padded HF-style (-100 where the loss mask is 0, and one
+    id past the vocabulary), which the stock loss scores as if their logit were the row's largest."""
+    padded = torch.where(loss_mask.bool(), batch[3], -100)
+    padded[0, -1] = harness.VOCAB_SHARD * harness.tp_size() + 3
+    for labels, name in ((batch[3], "labels"), (padded, "padded labels")):
+        check_labels(model, batch, labels, loss_mask, f"{label} {name}")
+
+
+def check_labels(model, batch, targets, loss_mask, label):
     other_mask = torch.roll(loss_mask, 1, dims=1)
     stock_loss = harness.forward(model, batch, labels=targets, loss_mask=loss_mask).detach()
     stock_grads = {}

@@ -37,8 +37,8 @@ class WarningRecords(logging.Handler):
 
 
 def _is_stock(chunk):
-    layer = chunk.output_layer
-    return "forward" not in vars(layer) and "compute_language_model_loss" not in vars(chunk)
+    patched = ("forward", "compute_language_model_loss", "__deepcopy__")
+    return not any(name in vars(module) for module in (chunk, chunk.output_layer) for name in patched)
 
 
 def _stock_reference(model, batch, with_backward=True):
@@ -135,7 +135,8 @@ def wrapping_cases() -> None:
     reference = _stock_reference(wrapped_last, batch)
     first_stock_state = dict(vars(first_chunk))
     head = wrap_model([first_chunk, wrapped_last], FUSED)
-    assert head.fused and not _is_stock(last_chunk) and "forward" not in vars(wrapped_last), head.fallback_reason
+    # The wrapper's forward is patched too: what it returns is tied to the forward that made it.
+    assert head.fused and not _is_stock(last_chunk) and "forward" in vars(wrapped_last), head.fallback_reason
     assert dict(vars(first_chunk)) == first_stock_state, "chunk list: the chunk without output layer was touched"
     _check_head(wrapped_last, head, batch, reference, "chunk list")
 
@@ -151,7 +152,7 @@ def wrapping_cases() -> None:
     else:
         raise AssertionError("a superseded head still computed log-probs")
     unwrap_model([first_chunk, wrapped_last])
-    assert _is_stock(last_chunk), "unwrap after wrapping twice"
+    assert _is_stock(last_chunk) and "forward" not in vars(wrapped_last), "unwrap after wrapping twice"
     assert torch.equal(harness.forward(wrapped_last, batch), reference["logits"]), "unwrap after wrapping twice"
     unwrap_model(wrapped_last)  # a no-op on a stock model
 
@@ -253,6 +254,15 @@ def mtp_and_mup_cases(warnings: WarningRecords) -> None:
         head = wrap_model(model, FUSED)
         assert head.fused, label
         _check_head(model, head, batch, reference, label)
+        # Under no_grad the scaling copies the hidden states without a graph: the labels path
+        # takes the call it follows, even while another wrapped model's output is alive.
+        other = harness.build_gpt(sequence_parallel=True, tied=tied, seed=5)
+        other_head = wrap_model(other, FUSED)
+        with torch.no_grad():
+            alive = harness.forward(other, batch)
+            loss = harness.forward(model, batch, labels=batch[3])
+        harness.assert_max_error(loss, reference["loss"], VALUE_ATOL, f"{label} labels loss under no_grad")
+        assert other_head.fused and alive.shape[-1] == harness.HIDDEN, label
         unwrap_model(model)
 
 

@@ -1,0 +1,243 @@
+"""The fused head computes each output with the forward that made it, whatever ran since, against
+the stock Megatron-Core GPTModel running the same trainer calls: TP=1 and TP=2, sequence parallel
+on and off, tied and untied embeddings.
+
+Each scenario is a sequence of calls a trainer makes; it runs once on the stock model (log-probs
+of its logits by the float64 oracle, with autograd into the model) and once on the wrapped model
+(``head.logprobs`` / ``head.loss`` on its hidden states), and every value and every parameter's
+gradient must agree:
+
+1. a forward, another forward under ``no_grad`` (the next micro-batch's old log-probs), then the
+   first output's log-probs and a three-GEMM loss, and one backward;
+2. a pipeline schedule's order: two forwards, then the first one's loss and backward, then the
+   second's;
+3. two outputs alive at once, used together in one backward;
+4. what trainers derive from an output with gradients on (slices, a transpose, a copy, a reshape,
+   a split of the packed rows), after another forward;
+5. the same under ``no_grad``, where storage ties views and ``.detach()`` to the forward and a
+   copy falls to the one live forward;
+6. a frozen body under a trained head (the output has a graph only through the weight).
+
+Then what the head refuses, each with an error that says why: another wrapped model's output
+(with and without gradients), a copy whose origin nothing establishes while two models' outputs
+are alive, and a tensor no live forward could have made; the stock logits handed to the fused
+head are named as logits. Once outputs are freed the head keeps nothing of their forwards.
+
+Tolerances as in test_integration_parity (float32 on both sides, measured errors about 2e-6): 2e-5
+absolute on per-token values and 5e-5 of the largest entry of each stock gradient. A forward
+looked up wrongly (the last one instead of the output's) drops the weight gradient or computes
+another batch's log-probs: errors of O(1).
+"""
+
+import gc
+
+import torch
+
+from devkit import megatron_gpt as harness
+from megatron_fused_lm import losses
+from megatron_fused_lm.integration import FusedLMConfig, provenance, unwrap_model, wrap_model
+
+VALUE_ATOL = 2e-5
+GRAD_RTOL = 5e-5
+TEMPERATURE = 0.8
+FUSED = FusedLMConfig(enabled=True, token_chunk=5)
+
+
+class Stock:
+    """The stock model's side: log-probs and the loss of its logits by the float64 oracle."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def logprobs(self, logits, targets):
+        return harness.oracle_logprob_entropy(logits, targets, TEMPERATURE)
+
+    def loss(self, logits, targets, weights):
+        logprob, _ = self.logprobs(logits, targets)
+        return (-weights.double() * logprob).sum()
+
+
+class Fused:
+    """The wrapped model's side: the same calls through its head."""
+
+    def __init__(self, head):
+        self.head = head
+
+    def logprobs(self, hidden, targets):
+        return self.head.logprobs(hidden, targets, temperature=TEMPERATURE, return_entropy=True)
+
+    def loss(self, hidden, targets, weights):
+        return self.head.loss(
+            hidden, targets, losses.cross_entropy, loss_inputs={"weight": weights}, temperature=TEMPERATURE
+        ).loss
+
+
+def weights_like(targets, seed):
+    return harness.random_weights(*targets.shape, seed=seed)
+
+
+def interleaved_no_grad(model, side, batches):
+    a, b = batches
+    output = harness.forward(model, a)
+    with torch.no_grad():
+        harness.forward(model, b)
+    logprob, entropy = side.logprobs(output, a[3])
+    total = harness.head_loss(logprob, entropy) + side.loss(output, a[3], weights_like(a[3], 31))
+    total.backward()
+    return [logprob, entropy]
+
+
+def pipeline_order(model, side, batches):
+    a, b = batches
+    outputs = [harness.forward(model, batch) for batch in (a, b)]
+    values = []
+    for output, batch, seed in zip(outputs, (a, b), (32, 33), strict=True):
+        loss = side.loss(output, batch[3], weights_like(batch[3], seed))
+        loss.backward()
+        values.append(loss.detach())
+    return values
+
+
+def together(model, side, batches):
+    a, b = batches
+    outputs = [harness.forward(model, batch) for batch in (a, b)]
+    results = [side.logprobs(output, batch[3]) for output, batch in zip(outputs, (a, b), strict=True)]
+    sum(harness.head_loss(*result) for result in results).backward()
+    return [value for result in results for value in result]
+
+
+def derived(output, targets):
+    """``(tensor, its targets)`` pairs a trainer derives from an output ``[b, s, h]``."""
+    hidden = output.shape[-1]
+    rows = output.reshape(-1, hidden)
+    first, second = torch.split(rows, [5, rows.shape[0] - 5])
+    flat_targets = targets.reshape(-1)
+    return [
+        (output[:, 1:], targets[:, 1:]),
+        (output.transpose(0, 1), targets.t()),
+        (output.transpose(0, 1).contiguous(), targets.t()),
+        (output.clone(), targets),
+        (rows[3:11], flat_targets[3:11]),
+        (first, flat_targets[:5]),
+        (second, flat_targets[5:]),
+    ]
+
+
+def derived_with_grad(model, side, batches):
+    a, b = batches
+    pieces = derived(harness.forward(model, a), a[3])
+    with torch.no_grad():
+        harness.forward(model, b)
+    results = [side.logprobs(piece, targets) for piece, targets in pieces]
+    sum(harness.head_loss(*result) for result in results).backward()
+    return [value for result in results for value in result]
+
+
+def derived_without_grad(model, side, batches):
+    a, b = batches
+    with torch.no_grad():
+        output = harness.forward(model, a)
+        harness.forward(model, b)  # freed at once: only the first output is alive
+        pieces = derived(output, a[3]) + [(output.detach(), a[3])]
+    results = [side.logprobs(piece, targets) for piece, targets in pieces]
+    assert not any(value.requires_grad for result in results for value in result), "no_grad outputs have no graph"
+    return [value for result in results for value in result]
+
+
+def frozen_body(model, side, batches):
+    a, _ = batches
+    trained = {name for name, parameter in model.named_parameters() if name == "output_layer.weight"}
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name in trained)
+    try:
+        logprob, entropy = side.logprobs(harness.forward(model, a), a[3])
+        harness.head_loss(logprob, entropy).backward()
+    finally:
+        for parameter in model.parameters():
+            parameter.requires_grad_(True)
+    return [logprob, entropy]
+
+
+SCENARIOS = (interleaved_no_grad, pipeline_order, together, derived_with_grad, derived_without_grad)
+
+
+def grads_of(model):
+    """Every parameter's gradient by name (those that got one), cleared afterwards."""
+    grads = {name: parameter.grad.clone() for name, parameter in model.named_parameters() if parameter.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def check_scenarios(model, batches, tied, label):
+    scenarios = SCENARIOS if tied else (*SCENARIOS, frozen_body)
+    for scenario in scenarios:
+        case = f"{label} {scenario.__name__}"
+        unwrap_model(model)
+        stock_values = scenario(model, Stock(model), batches)
+        stock_grads = grads_of(model)
+        fused_values = scenario(model, Fused(wrap_model(model, FUSED)), batches)
+        fused_grads = grads_of(model)
+        for index, (got, want) in enumerate(zip(fused_values, stock_values, strict=True)):
+            harness.assert_max_error(got, want, VALUE_ATOL, f"{case} value {index}")
+        differ = sorted(fused_grads.keys() ^ stock_grads.keys())
+        assert not differ, f"{case}: only one side has a gradient for {differ}"
+        if stock_grads:
+            harness.assert_grads_close(fused_grads, stock_grads, GRAD_RTOL, case)
+        else:
+            assert scenario is derived_without_grad, case
+    unwrap_model(model)
+
+
+def expect_error(error_type, match, function, *args, **kwargs):
+    try:
+        function(*args, **kwargs)
+    except error_type as error:
+        assert all(part in str(error) for part in match), f"{match} not in: {error}"
+    else:
+        raise AssertionError(f"no {error_type.__name__} for {match}")
+
+
+def check_refusals(model, batches, label):
+    a, b = batches
+    policy_head = wrap_model(model, FUSED)
+    reference = harness.build_gpt(seed=99)
+    reference_head = wrap_model(reference, FUSED)
+    names = (policy_head.name, reference_head.name)
+    assert names[0] != names[1], label
+    targets = a[3]
+
+    policy_output = harness.forward(model, a)
+    with torch.no_grad():
+        reference_output = harness.forward(reference, a)
+    # The policy's head given the reference model's output, with and without gradients.
+    expect_error(RuntimeError, names, policy_head.logprobs, reference_output, targets)
+    expect_error(RuntimeError, names, reference_head.logprobs, policy_output, targets)
+    # A copy without gradients ties to no forward, and both models' outputs could have made it.
+    with torch.no_grad():
+        copied = reference_output.clone()
+    expect_error(RuntimeError, ("nothing links", "could have made it"), reference_head.logprobs, copied, targets)
+    # The stock logits handed to the fused head.
+    with policy_head.stock_logits():
+        logits = harness.forward(model, b)
+    expect_error(ValueError, ("looks like logits", "logits_logprob"), policy_head.logprobs, logits, targets)
+
+    # Freed outputs leave nothing behind, and then nothing could have made a tensor.
+    del policy_output, reference_output, copied, logits
+    gc.collect()
+    assert not provenance.live_origins(harness.HIDDEN, torch.device("cpu")), f"{label}: freed forwards kept"
+    stray = torch.randn(harness.BATCH, harness.SEQ, harness.HIDDEN)
+    expect_error(RuntimeError, ("nothing links", "no forward's output is alive"), policy_head.logprobs, stray, targets)
+    unwrap_model(model)
+    unwrap_model(reference)
+
+
+def provenance_worker() -> None:
+    for sequence_parallel, tied, label in harness.tensor_parallel_cases():
+        model = harness.build_gpt(sequence_parallel=sequence_parallel, tied=tied)
+        batches = (harness.make_batch(seed=7), harness.make_batch(seed=8))
+        check_scenarios(model, batches, tied, label)
+        check_refusals(model, batches, label)
+
+
+def test_the_head_computes_each_output_with_its_own_forward():
+    harness.spawn(provenance_worker, 2)

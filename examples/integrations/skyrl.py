@@ -57,12 +57,14 @@ OFF_POLICY_CORRECTION_OPTIONS = (
 
 @dataclass
 class FusedLMSettings:
-    """The two settings SkyRL's ``TrainerConfig`` lacks (it has ``logprobs_chunk_size``, which the
-    fused head reads as its tokens per chunk). SkyRL's config parser rejects keys a dataclass does not
-    declare, so mix this into a ``TrainerConfig`` subclass (see docs/INTEGRATIONS.md)."""
+    """The fused head's settings, which SkyRL's ``TrainerConfig`` lacks. SkyRL's config parser rejects
+    keys a dataclass does not declare, so mix this into a ``TrainerConfig`` subclass (see
+    docs/INTEGRATIONS.md). SkyRL's own ``logprobs_chunk_size`` (default 1024) sizes its logits loop
+    and is not read: the head's Triton path tunes its chunks itself."""
 
     fused_linear_logprob: bool = False
     fused_linear_logprob_backend: str = "torch"
+    fused_linear_logprob_token_chunk: Optional[int] = None
 
 
 def wrap_actor_module(actor_module: list, trainer_cfg: Any) -> FusedLMHead:

@@ -38,7 +38,7 @@ class FusedLMSettings:
 
     fused_linear_logprob: bool = False
     fused_linear_logprob_backend: str = "torch"
-    logprobs_chunk_size: Optional[int] = None
+    fused_linear_logprob_token_chunk: Optional[int] = None
 
 
 def uniform_temperature(temperature: Union[float, Tensor]) -> float:

@@ -1,4 +1,9 @@
-"""The three trainer settings that turn the fused LM head on and tune it."""
+"""The three trainer settings that turn the fused LM head on and tune it.
+
+Each key is the package's own: a trainer's key of its own (SkyRL's and verl's
+``logprobs_chunk_size``, which size their logits loops) never reaches the head, whose Triton path
+tunes its chunks itself.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from ..ops import check_backend, check_token_chunk
 TRAINER_KEYS = {
     "fused_linear_logprob": "enabled",
     "fused_linear_logprob_backend": "backend",
-    "logprobs_chunk_size": "token_chunk",
+    "fused_linear_logprob_token_chunk": "token_chunk",
 }
 
 _ABSENT = object()
@@ -28,8 +33,9 @@ class FusedLMConfig:
     Attributes:
         enabled: fuse the head (``True``) or leave the model stock (``False``, the default).
         backend: ``"torch"``, ``"triton"`` or ``"auto"``, passed to ``fused_linear_logprob``.
-        token_chunk: tokens per chunk of the softmax work, a positive int, or ``None`` for the
-            op's default.
+        token_chunk: tokens per chunk of the softmax work, a positive int, or ``None`` (the
+            default) for the ops' own choice, which on the Triton backend is tuned per shape: set it
+            only to bound memory on the torch backend.
     """
 
     enabled: bool = False
@@ -50,7 +56,7 @@ class FusedLMConfig:
     @classmethod
     def from_trainer_config(cls, trainer_config: Any, section: Optional[str] = None) -> "FusedLMConfig":
         """Read ``fused_linear_logprob``, ``fused_linear_logprob_backend`` and
-        ``logprobs_chunk_size`` from a trainer config.
+        ``fused_linear_logprob_token_chunk`` from a trainer config.
 
         Args:
             trainer_config: a mapping (dict, OmegaConf ``DictConfig``) or an object with attributes

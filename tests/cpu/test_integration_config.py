@@ -10,7 +10,11 @@ import pytest
 
 from megatron_fused_lm.integration import FusedLMConfig
 
-SETTINGS = {"fused_linear_logprob": True, "fused_linear_logprob_backend": "auto", "logprobs_chunk_size": 256}
+SETTINGS = {
+    "fused_linear_logprob": True,
+    "fused_linear_logprob_backend": "auto",
+    "fused_linear_logprob_token_chunk": 256,
+}
 EXPECTED = FusedLMConfig(enabled=True, backend="auto", token_chunk=256)
 
 
@@ -18,7 +22,7 @@ EXPECTED = FusedLMConfig(enabled=True, backend="auto", token_chunk=256)
 class TrainerSection:
     fused_linear_logprob: bool = True
     fused_linear_logprob_backend: str = "auto"
-    logprobs_chunk_size: Optional[int] = 256
+    fused_linear_logprob_token_chunk: Optional[int] = 256
 
 
 @dataclass
@@ -43,7 +47,10 @@ class AttributeConfig:
         argparse.Namespace(trainer=argparse.Namespace(**SETTINGS)),
         TrainerConfig(),
         AttributeConfig(trainer=AttributeConfig(**SETTINGS)),
-        {"fused_linear_logprob": True, "trainer": {"fused_linear_logprob_backend": "auto", "logprobs_chunk_size": 256}},
+        {
+            "fused_linear_logprob": True,
+            "trainer": {"fused_linear_logprob_backend": "auto", "fused_linear_logprob_token_chunk": 256},
+        },
     ],
     ids=["dict", "nested dict", "namespace", "nested namespace", "dataclass", "attributes", "split"],
 )
@@ -75,11 +82,11 @@ def test_example_yaml_enables_the_fused_head():
         ({"fused_linear_logprob_backend": 3}, TypeError, "fused_linear_logprob_backend"),
         ({"fused_linear_logprob": "yes"}, TypeError, "fused_linear_logprob"),
         ({"fused_linear_logprob": 1}, TypeError, "fused_linear_logprob"),
-        ({"logprobs_chunk_size": 0}, ValueError, "logprobs_chunk_size"),
-        ({"logprobs_chunk_size": -4}, ValueError, "logprobs_chunk_size"),
-        ({"logprobs_chunk_size": 2.5}, TypeError, "logprobs_chunk_size"),
-        ({"logprobs_chunk_size": "256"}, TypeError, "logprobs_chunk_size"),
-        ({"logprobs_chunk_size": True}, TypeError, "logprobs_chunk_size"),
+        ({"fused_linear_logprob_token_chunk": 0}, ValueError, "fused_linear_logprob_token_chunk"),
+        ({"fused_linear_logprob_token_chunk": -4}, ValueError, "fused_linear_logprob_token_chunk"),
+        ({"fused_linear_logprob_token_chunk": 2.5}, TypeError, "fused_linear_logprob_token_chunk"),
+        ({"fused_linear_logprob_token_chunk": "256"}, TypeError, "fused_linear_logprob_token_chunk"),
+        ({"fused_linear_logprob_token_chunk": True}, TypeError, "fused_linear_logprob_token_chunk"),
     ],
 )
 def test_bad_values_raise(settings, error, words):
@@ -91,9 +98,13 @@ def test_bad_values_raise(settings, error, words):
 
 def test_conflicting_places_raise():
     with pytest.raises(ValueError, match="both at the top level"):
-        FusedLMConfig.from_trainer_config({"logprobs_chunk_size": 8, "trainer": {"logprobs_chunk_size": 16}})
+        FusedLMConfig.from_trainer_config(
+            {"fused_linear_logprob_token_chunk": 8, "trainer": {"fused_linear_logprob_token_chunk": 16}}
+        )
     assert (
-        FusedLMConfig.from_trainer_config({"logprobs_chunk_size": 8, "trainer": {"logprobs_chunk_size": 8}}).token_chunk
+        FusedLMConfig.from_trainer_config(
+            {"fused_linear_logprob_token_chunk": 8, "trainer": {"fused_linear_logprob_token_chunk": 8}}
+        ).token_chunk
         == 8
     )
 
@@ -116,7 +127,7 @@ VERL_LIKE = {
     "trainer": {"project_name": "grpo", "total_epochs": 1},
     "actor_rollout_ref": {
         "actor": {"strategy": "megatron", "megatron": {"tensor_model_parallel_size": 2}, **SETTINGS},
-        "ref": {"logprobs_chunk_size": 64, "fused_linear_logprob": None},
+        "ref": {"fused_linear_logprob_token_chunk": 64, "fused_linear_logprob": None},
     },
 }
 
@@ -147,8 +158,8 @@ def test_keys_in_another_section_are_ignored_with_one_warning(build, warnings_se
     for path in (
         "actor_rollout_ref.actor.fused_linear_logprob",
         "actor_rollout_ref.actor.fused_linear_logprob_backend",
-        "actor_rollout_ref.actor.logprobs_chunk_size",
-        "actor_rollout_ref.ref.logprobs_chunk_size",
+        "actor_rollout_ref.actor.fused_linear_logprob_token_chunk",
+        "actor_rollout_ref.ref.fused_linear_logprob_token_chunk",
     ):
         assert path in warning
     assert "actor_rollout_ref.ref.fused_linear_logprob," not in warning  # None is not set
@@ -157,10 +168,13 @@ def test_keys_in_another_section_are_ignored_with_one_warning(build, warnings_se
 
 
 def test_only_the_keys_missing_where_looked_are_reported(warnings_seen):
-    config = {"fused_linear_logprob": True, "actor": {"fused_linear_logprob": False, "logprobs_chunk_size": 32}}
+    config = {
+        "fused_linear_logprob": True,
+        "actor": {"fused_linear_logprob": False, "fused_linear_logprob_token_chunk": 32},
+    }
     assert FusedLMConfig.from_trainer_config(config) == FusedLMConfig(enabled=True)
     [warning] = warnings_seen()
-    assert "actor.logprobs_chunk_size" in warning and "actor.fused_linear_logprob" not in warning
+    assert "actor.fused_linear_logprob_token_chunk" in warning and "actor.fused_linear_logprob," not in warning
 
 
 @pytest.mark.parametrize(
@@ -182,7 +196,12 @@ def test_section_reads_the_keys_there(build, warnings_seen):
 
 
 def test_section_reads_only_there():
-    config = {"fused_linear_logprob": True, "trainer": {"logprobs_chunk_size": 8}, "actor": {}, "critic": None}
+    config = {
+        "fused_linear_logprob": True,
+        "trainer": {"fused_linear_logprob_token_chunk": 8},
+        "actor": {},
+        "critic": None,
+    }
     assert FusedLMConfig.from_trainer_config(config, section="actor") == FusedLMConfig()
     assert FusedLMConfig.from_trainer_config(config, section="critic") == FusedLMConfig()  # null: an empty section
     assert FusedLMConfig.from_trainer_config(config, section="trainer") == FusedLMConfig(token_chunk=8)
@@ -217,7 +236,12 @@ def test_a_bad_section_raises(section, error, words):
             "trainer.fused_linear_logprob_backed",
             "fused_linear_logprob_backend",
         ),
-        ({"logprob_chunk_size": 64}, None, "logprob_chunk_size", "logprobs_chunk_size"),
+        (
+            {"fused_linear_logprob_chunk_size": 64},
+            None,
+            "fused_linear_logprob_chunk_size",
+            "fused_linear_logprob_token_chunk",
+        ),
         ({"Fused-Linear-Logprob": True}, None, "Fused-Linear-Logprob", "fused_linear_logprob"),
         ({"actor": {"fused_linear_logprobs": True}}, "actor", "actor.fused_linear_logprobs", "fused_linear_logprob"),
     ],
@@ -233,12 +257,22 @@ def test_the_misspelling_warning_lists_every_suspect_and_ignores_other_keys(warn
     config = {
         "fused_linear_logprobs": True,
         "fused_linear_logprob_backend": "auto",
-        "trainer": {"logprobs_chunk": 8, "log_prob_micro_batch_size": 4, "use_fused_kernels": True},
+        "trainer": {"fused_linear_logprob_token_chunks": 8, "log_prob_micro_batch_size": 4, "use_fused_kernels": True},
         "entropy_coeff": 0.0,
     }
     assert FusedLMConfig.from_trainer_config(config) == FusedLMConfig(backend="auto")
     [warning] = warnings_seen()
     assert "fused_linear_logprobs (did you mean fused_linear_logprob?)" in warning
-    assert "trainer.logprobs_chunk (did you mean logprobs_chunk_size?)" in warning
+    assert "trainer.fused_linear_logprob_token_chunks (did you mean fused_linear_logprob_token_chunk?)" in warning
     for other in ("log_prob_micro_batch_size", "use_fused_kernels", "entropy_coeff", "fused_linear_logprob_backend ("):
         assert other not in warning
+
+
+@pytest.mark.parametrize("build", [dict, namespaces], ids=["dict", "namespace"])
+def test_a_trainers_own_chunk_size_is_not_read(build, warnings_seen):
+    # SkyRL's trainer.logprobs_chunk_size (default 1024) and verl's size their own logits loops; read
+    # as the head's chunk they slowed its tuned Triton path by 20 %: they never reach it, silently.
+    config = build({"trainer": {"fused_linear_logprob": True, "logprobs_chunk_size": 1024}})
+    assert FusedLMConfig.from_trainer_config(config) == FusedLMConfig(enabled=True)
+    assert FusedLMConfig.from_trainer_config(config, section="trainer") == FusedLMConfig(enabled=True)
+    assert warnings_seen() == []

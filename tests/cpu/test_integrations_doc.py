@@ -54,4 +54,4 @@ def test_slime_command_line_enables_the_fused_head():
     words = shlex.split(block.replace("\\\n", " "))
     assert words[:2] == ["python", "train.py"]
     args, _ = slime.add_fused_lm_arguments(argparse.ArgumentParser()).parse_known_args(words[2:])
-    assert FusedLMConfig.from_trainer_config(args) == FusedLMConfig(enabled=True, backend="auto", token_chunk=4096)
+    assert FusedLMConfig.from_trainer_config(args) == FusedLMConfig(enabled=True, backend="auto")

@@ -50,7 +50,11 @@ from megatron_fused_lm import FusedLMConfig, unwrap_model
 VALUE_ATOL = 2e-5
 GRAD_RTOL = 5e-5
 TEMPERATURE = 0.8
-SETTINGS = {"fused_linear_logprob": True, "fused_linear_logprob_backend": "torch", "logprobs_chunk_size": 5}
+SETTINGS = {
+    "fused_linear_logprob": True,
+    "fused_linear_logprob_backend": "torch",
+    "fused_linear_logprob_token_chunk": 5,
+}
 
 
 def assert_loss_close(actual: torch.Tensor, expected: torch.Tensor, label: str) -> None:
@@ -282,7 +286,7 @@ def check_slime(tied: bool) -> None:
     packed[0, : sum(lengths)] = torch.cat(tokens)
     mask = harness.packed_attention_mask(torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist(), rows]))
     model = harness.build_gpt(MODEL_SHAPE, sequence_parallel=True, tied=tied)
-    args = slime_args(TEMPERATURE, "--fused-linear-logprob", "--logprobs-chunk-size", "5")
+    args = slime_args(TEMPERATURE, "--fused-linear-logprob", "--fused-linear-logprob-token-chunk", "5")
     offsets = [0, *torch.tensor(lengths).cumsum(0).tolist()]
 
     def oracle():
@@ -431,9 +435,11 @@ def test_every_recipe_matches_the_stock_model_in_its_trainers_layout():
 
 def test_skyrl_reads_its_trainer_section():
     config = FusedSkyRLTrainerSection(fused_linear_logprob=True)
-    # SkyRL's logprobs_chunk_size (default 1024) is the fused head's tokens per chunk too.
-    assert FusedLMConfig.from_trainer_config(config) == FusedLMConfig(enabled=True, token_chunk=1024)
-    assert FusedLMConfig.from_trainer_config(SimpleNamespace(trainer=config)) == FusedLMConfig(
-        enabled=True, token_chunk=1024
-    )
-    assert FusedLMConfig.from_trainer_config(FusedSkyRLTrainerSection()) == FusedLMConfig(token_chunk=1024)
+    # SkyRL's logprobs_chunk_size (default 1024) sizes SkyRL's own logits loop: the head keeps its
+    # own chunking (the Triton path's tuned one), unless the fused head's own key sets one.
+    assert config.logprobs_chunk_size == 1024
+    assert FusedLMConfig.from_trainer_config(config) == FusedLMConfig(enabled=True)
+    assert FusedLMConfig.from_trainer_config(SimpleNamespace(trainer=config)) == FusedLMConfig(enabled=True)
+    assert FusedLMConfig.from_trainer_config(FusedSkyRLTrainerSection()) == FusedLMConfig()
+    tuned = FusedSkyRLTrainerSection(fused_linear_logprob=True, fused_linear_logprob_token_chunk=4096)
+    assert FusedLMConfig.from_trainer_config(tuned) == FusedLMConfig(enabled=True, token_chunk=4096)

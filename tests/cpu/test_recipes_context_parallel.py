@@ -143,7 +143,7 @@ def slime_worker(allgather_cp: bool) -> None:
         assert not actual[expected_rows.shape[0] :].any(), f"{label}: gradient on the end padding"
         assert_grad_close(summed_over_ranks(leaves32[1].grad), leaves64[1].grad, f"{label} weight gradient")
 
-    args = slime_args(TEMPERATURE, "--fused-linear-logprob", "--logprobs-chunk-size", str(TOKEN_CHUNK))
+    args = slime_args(TEMPERATURE, "--fused-linear-logprob", "--fused-linear-logprob-token-chunk", str(TOKEN_CHUNK))
     args.allgather_cp = allgather_cp
     layout = "--allgather-cp" if allgather_cp else "zigzag"
     common = dict(unconcat_tokens=tokens, total_lengths=SLIME_TOTALS, response_lengths=SLIME_RESPONSES)

@@ -187,8 +187,7 @@ class FusedLMConfigSection(skyrl.FusedLMSettings):
     """A SkyRL trainer section with the fused head on, chunks of 5 tokens."""
 
     def __init__(self):
-        super().__init__(fused_linear_logprob=True)
-        self.logprobs_chunk_size = CONFIG.token_chunk
+        super().__init__(fused_linear_logprob=True, fused_linear_logprob_token_chunk=CONFIG.token_chunk)
 
 
 def parity_worker() -> None:

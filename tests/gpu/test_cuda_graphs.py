@@ -179,4 +179,6 @@ def test_out_of_range_target_trips_a_device_assertion(backend):
         timeout=300,
     )
     assert done.returncode != 0 and "NOT CAUGHT" not in done.stdout, (done.stdout, done.stderr[-2000:])
-    assert "device-side assert" in done.stderr, done.stderr[-2000:]
+    # The assertion kernel reports itself; which later call then fails (a synchronization saying
+    # "device-side assert", or cuBLAS creating its handle in the broken context) is a race.
+    assert "_assert_async_cuda_kernel" in done.stderr or "device-side assert" in done.stderr, done.stderr[-2000:]

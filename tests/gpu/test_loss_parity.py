@@ -351,7 +351,7 @@ def test_out_of_vocab_targets_score_as_megatron_scores_them(op, backend):
             )
         (logprob * upstream).sum().backward()
         expected = max_logit_reference(hidden, weight, these_targets, upstream)
-        results = (logprob, *(leaf.grad for leaf in leaves))
+        results = (logprob.detach(), *(leaf.grad for leaf in leaves))
         return [relative_l2(got, want) for got, want in zip(results, expected, strict=True)]
 
     padded_errors, baseline_errors = run(padded), run(targets)

@@ -54,6 +54,7 @@ from .megatron_compat import (
     derives_mtp_metrics_from_logits,
     fallback_reason,
     float32_main_grad,
+    labels_ignore_index,
     model_chunks,
     model_name,
     module_chains,
@@ -83,6 +84,7 @@ class _HeadCall:
     tp_group: Optional[dist.ProcessGroup]
     reduce_hidden_grad: bool
     owner: str  # the model, as messages name it
+    labels_ignore_index: Optional[int]  # megatron_compat.labels_ignore_index
 
     def without_graph(self) -> "_HeadCall":
         """This call with its weight detached: no gradient into it."""
@@ -121,7 +123,7 @@ def project_input(
         reduce_hidden_grad = not getattr(layer, "disable_grad_reduce", False)
     if not torch.is_grad_enabled():
         weight = weight.detach()
-    return hidden, _HeadCall(weight, tp_group, reduce_hidden_grad, owner)
+    return hidden, _HeadCall(weight, tp_group, reduce_hidden_grad, owner, labels_ignore_index(layer))
 
 
 def call_logprobs(call: _HeadCall, config: FusedLMConfig, hidden: torch.Tensor, targets: torch.Tensor, **options):
@@ -164,7 +166,7 @@ def main_grad_route(
     return MainGradWritten.apply(weight), dict(weight_grad_into=into, weight_grad_scale=main_grad_scale)
 
 
-def outstanding_main_grads(layers: List[Tuple[torch.nn.Module, torch.nn.Module]]) -> List[str]:
+def outstanding_main_grads(layers: List[Tuple[torch.nn.Module, torch.nn.Module]], forget_released: bool) -> List[str]:
     """``outstanding_weight_grads`` of the ``main_grad`` of each ``(chunk, output layer)``'s weight
     (the tied embedding's where the layer owns none), where Megatron's DDP gave it one."""
     outstanding = []
@@ -172,7 +174,7 @@ def outstanding_main_grads(layers: List[Tuple[torch.nn.Module, torch.nn.Module]]
         weight = layer.weight if layer.weight is not None else chunk.shared_embedding_or_output_weight()
         main_grad = getattr(weight, "main_grad", None)
         if isinstance(main_grad, torch.Tensor):
-            outstanding += outstanding_weight_grads(main_grad)
+            outstanding += outstanding_weight_grads(main_grad, forget_released=forget_released)
     return outstanding
 
 
@@ -206,15 +208,25 @@ def call_labels_loss(
     """The labels path's per-token cross-entropy for one projection ``call``: ``-logprob`` (four
     GEMMs), or ``fused_linear_cross_entropy`` for the ``declared`` weights (three), the weight
     gradient into ``main_grad`` with a ``main_grad_scale`` (``main_grad_route``). A label outside
-    the vocabulary (HF-style ``-100`` padding) scores as the stock model's does (``out_of_vocab``)."""
+    the vocabulary (HF-style ``-100`` padding) scores as the stock loss scores it: as the row's
+    largest logit (Megatron's cross-entropies), or, under TransformerEngine's fused cross-entropy,
+    a loss of 0 with no gradient for its ``ignore_idx`` and an error for any other id, whose stock
+    result is not established (``megatron_compat.labels_ignore_index``)."""
+    kept, out_of_vocab = None, "max_logit"
+    if call.labels_ignore_index is not None:
+        kept, out_of_vocab = targets != call.labels_ignore_index, "error"
+        targets = torch.where(kept, targets, 0)  # any id: its loss is multiplied by 0 below
+        declared = None if declared is None else declared * kept
     if declared is None:
-        return -call_logprobs(call, config, hidden, targets, temperature=1.0, out_of_vocab="max_logit")
-    weight, accumulation = main_grad_route(call.weight, main_grad_scale, call.owner)
-    return fused_linear_cross_entropy(
-        hidden, weight, targets, declared, tp_group=call.tp_group, backend=config.backend,
-        token_chunk=config.token_chunk, reduce_hidden_grad=call.reduce_hidden_grad, out_of_vocab="max_logit",
-        **accumulation,
-    )  # fmt: skip
+        losses = -call_logprobs(call, config, hidden, targets, temperature=1.0, out_of_vocab=out_of_vocab)
+    else:
+        weight, accumulation = main_grad_route(call.weight, main_grad_scale, call.owner)
+        losses = fused_linear_cross_entropy(
+            hidden, weight, targets, declared, tp_group=call.tp_group, backend=config.backend,
+            token_chunk=config.token_chunk, reduce_hidden_grad=call.reduce_hidden_grad, out_of_vocab=out_of_vocab,
+            **accumulation,
+        )  # fmt: skip
+    return losses if kept is None else losses * kept
 
 
 class _Patch:
@@ -536,14 +548,16 @@ class FusedLMHead:
         if self._detached:
             raise RuntimeError("this FusedLMHead's model was unwrapped or wrapped again; use the newest head")
 
-    def main_grad_outstanding(self) -> List[str]:
+    def main_grad_outstanding(self, *, forget_released: bool = False) -> List[str]:
         """The main_grad-route losses of this head (``loss(..., main_grad_scale=)``, the labels
         path after ``declare_loss_weights(..., main_grad_scale=)``) whose forward added the output
         weight's gradient into its ``main_grad`` and whose backward has not run, one sentence each:
         those still waiting for it, and those released without it (a metric computed with
-        gradients on, a micro-batch skipped), each listed once. Call it before the optimizer step:
-        empty means ``main_grad`` holds no gradient without its backward."""
-        return outstanding_main_grads(self._stock_layers)
+        gradients on, a micro-batch skipped). Call it before the optimizer step: empty means
+        ``main_grad`` holds no gradient without its backward. A released loss stays listed until
+        a call with ``forget_released=True``, once the step that holds it is skipped or its
+        gradient buffers are zeroed."""
+        return outstanding_main_grads(self._stock_layers, forget_released)
 
     def _call_for(self, output: torch.Tensor, caller: str, fallback: Optional[provenance.Origin] = None) -> _HeadCall:
         """The output-layer call to compute ``output`` with (``provenance``): that of the forward its
@@ -565,11 +579,15 @@ class FusedLMHead:
 
     def _own(self, origin: provenance.Origin, caller: str) -> provenance.Origin:
         """``origin`` if this head's forward made it, else an error naming both models."""
+        if origin.head is not self and origin.head.name == self.name:
+            raise RuntimeError(
+                f"{caller}: this tensor was made by a forward of {self.name} under an earlier wrap_model of it, "
+                "whose head no longer computes: run the forward again"
+            )
         if origin.head is not self:
             raise RuntimeError(
-                f"{caller}: this tensor was made by a forward of {origin.head.name} (another wrapped model, or an "
-                f"earlier wrapping), not of {self.name}, whose head this is: give it to the head of the model that "
-                "made it"
+                f"{caller}: this tensor was made by a forward of {origin.head.name}, another wrapped model, not of "
+                f"{self.name}, whose head this is: give it to the head of the model that made it"
             )
         return origin
 

@@ -68,6 +68,17 @@ def tensor_parallel_group(chunk: torch.nn.Module, layer: torch.nn.Module) -> Opt
     return None
 
 
+def labels_ignore_index(layer: torch.nn.Module) -> Optional[int]:
+    """The label to which the stock labels path gives a loss of 0 and no gradient: -100, the
+    ``ignore_idx`` Megatron passes to TransformerEngine's fused cross-entropy, where the model
+    computes its loss with it (``cross_entropy_loss_fusion`` with ``cross_entropy_fusion_impl='te'``);
+    ``None`` where Megatron's own vocabulary-parallel cross-entropy (or its native fusion) computes
+    it, which scores every label outside the vocabulary as the row's largest logit."""
+    config = getattr(layer, "config", None)
+    fused = getattr(config, "cross_entropy_loss_fusion", False)
+    return -100 if fused and getattr(config, "cross_entropy_fusion_impl", "native") == "te" else None
+
+
 def _looks_like_transformer_engine(layer_class: type) -> bool:
     # Recognised by name so that TransformerEngine is never imported.
     return layer_class.__name__.startswith("TE") or "transformer_engine" in layer_class.__module__

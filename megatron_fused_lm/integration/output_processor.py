@@ -209,10 +209,10 @@ class FusedOutputProcessor:
         )  # fmt: skip
         return result._replace(logprob=_batch_first(result.logprob), entropy=_batch_first(result.entropy))
 
-    def main_grad_outstanding(self) -> List[str]:
+    def main_grad_outstanding(self, *, forget_released: bool = False) -> List[str]:
         """As ``FusedLMHead.main_grad_outstanding``, for this processor's main_grad-route losses
         (``LossRequest(main_grad_scale=)``, and the labels path with ``main_grad_scale``)."""
-        return outstanding_main_grads(self._layers)
+        return outstanding_main_grads(self._layers, forget_released)
 
     def _from_logits(self, logits: torch.Tensor, layer: torch.nn.Module, targets: torch.Tensor, context):
         """The stock computation on ``logits [b, s, vocab/TP]`` (or the full vocabulary, gathered)."""

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .._logging import logger
+from .inputs import may_synchronize
 
 _Key = Tuple[torch.device, int, Tuple[int, ...]]
 
@@ -29,7 +31,9 @@ def _key(accumulator: torch.Tensor) -> _Key:
 
 _lock = threading.Lock()
 _pending: List["PendingWeightGrad"] = []
-_names: Dict[_Key, str] = {}
+_names = WeakIdKeyDictionary()  # accumulator -> how messages call it; forgotten with the tensor
+
+WAITING, CLOSED, RELEASED = "waits for its backward", "closed", "was released without its backward"
 
 
 def name_weight_grad_into(weight_grad_into: torch.Tensor, name: str) -> None:
@@ -37,7 +41,7 @@ def name_weight_grad_into(weight_grad_into: torch.Tensor, name: str) -> None:
     (the integration names each head's ``main_grad`` after its model); by default
     ``weight_grad_into [shape]``."""
     with _lock:
-        _names[_key(weight_grad_into)] = name
+        _names[weight_grad_into] = name
 
 
 class PendingWeightGrad:
@@ -48,59 +52,64 @@ class PendingWeightGrad:
     def __init__(self, accumulator: torch.Tensor, weight_grad_scale: float, rows: int):
         self.key = _key(accumulator)
         self.weight_grad_scale, self.rows = weight_grad_scale, rows
-        self.loss: Optional[torch.Tensor] = None
-        self.released, self.sentence = False, ""
+        self.state, self.sentence = WAITING, ""
+        self.value: Tuple[torch.Tensor, ...] = ()
         with _lock:
-            self.name = _names.get(self.key, f"weight_grad_into {list(accumulator.shape)}")
+            self.name = _names.get(accumulator, f"weight_grad_into {list(accumulator.shape)}")
             _pending.append(self)
 
-    def watch(self, node: object, loss: torch.Tensor) -> None:
-        """Report a release of ``node`` (the loss's autograd node) that comes before ``close``."""
-        self.loss = loss.detach()
-        finalizer = weakref.finalize(node, self.release, "was released without its backward")
+    def watch(self, node: object, *value: torch.Tensor) -> None:
+        """Report a release of ``node`` (the loss's autograd node) that comes before ``close``.
+        ``value``: the loss, or per-token losses and their weights, read only for a report."""
+        self.value = tuple(tensor.detach() for tensor in value)
+        finalizer = weakref.finalize(node, self.release, RELEASED)
         finalizer.atexit = False  # the end of the process is not a skipped backward
 
     def close(self) -> None:
         """The loss's backward ran: its gradient is accounted for."""
         with _lock:
+            self.state, self.value = CLOSED, ()
             if self in _pending:
                 _pending.remove(self)
 
     def release(self, how: str) -> None:
         """The loss will get no backward (``how`` says why): log it and keep it listed, as a
-        sentence (the loss's value read once, here)."""
+        sentence (the loss's value read once, here, and only for a loss that is still waiting)."""
+        if self.state != WAITING:
+            return
         sentence = self._sentence(how)
         with _lock:
-            if self not in _pending or self.released:
+            if self.state != WAITING:
                 return
-            self.released, self.sentence, self.loss = True, sentence, None
+            self.state, self.sentence, self.value = RELEASED, sentence, ()
         logger.warning(f"megatron_fused_lm: {sentence}; its weight gradient stays in the accumulator")
 
     def describe(self) -> str:
-        return self.sentence if self.released else self._sentence("waits for its backward")
+        return self.sentence if self.state == RELEASED else self._sentence(WAITING)
 
     def _sentence(self, state: str) -> str:
-        loss = self.loss
-        value = "" if loss is None or _capturing(loss) else f" of value {float(loss):.6g}"
+        value = ""
+        if self.value and may_synchronize(self.value[0]):
+            loss = self.value[0] if len(self.value) == 1 else (self.value[0] * self.value[1]).sum()
+            value = f" of value {float(loss):.6g}"
         return (
             f"a three-GEMM loss{value} over {self.rows} rows added {self.weight_grad_scale:g} times its weight "
             f"gradient into {self.name} in its forward and {state}"
         )
 
 
-def _capturing(tensor: torch.Tensor) -> bool:
-    # Reading a value would synchronize, which a CUDA graph capture forbids.
-    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-def outstanding_weight_grads(weight_grad_into: Optional[torch.Tensor] = None) -> List[str]:
+def outstanding_weight_grads(
+    weight_grad_into: Optional[torch.Tensor] = None, *, forget_released: bool = False
+) -> List[str]:
     """The three-GEMM losses whose forward added a weight gradient into ``weight_grad_into`` (into
     any accumulator when ``None``) and whose backward has not run, one sentence each: those still
-    waiting for it, and those released without it, which are listed once. Empty before an
-    optimizer step means every such gradient in the accumulator came with its backward."""
+    waiting for it, and those released without it. Empty before an optimizer step means every such
+    gradient in the accumulator came with its backward. A released loss stays listed until a call
+    with ``forget_released=True`` (once the trainer has zeroed the accumulator, or skipped the step)."""
     key = None if weight_grad_into is None else _key(weight_grad_into)
     with _lock:
         chosen = [pending for pending in _pending if key is None or pending.key == key]
-        released = {id(pending) for pending in chosen if pending.released}
-        _pending[:] = [pending for pending in _pending if id(pending) not in released]
+        if forget_released:
+            released = {id(pending) for pending in chosen if pending.state == RELEASED}
+            _pending[:] = [pending for pending in _pending if id(pending) not in released]
     return [pending.describe() for pending in chosen]

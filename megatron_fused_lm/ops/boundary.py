@@ -485,14 +485,14 @@ def _accumulated_hidden(ctx, held_hidden: Tensor, ratio: Optional[Tensor], extra
 
 
 def _remember_accumulation(
-    ctx, hidden: Tensor, options: HeadOptions, weight_grad_scale: float, pending: PendingWeightGrad, correct, loss
+    ctx, hidden: Tensor, options: HeadOptions, weight_grad_scale: float, pending: PendingWeightGrad, correct, *value
 ) -> None:
     """What an accumulating pass's backward reads: the options, the hidden gradient's dtype, the
     declared scale, the added gradient's record (which reports the node's release before its
-    backward; ``loss`` is its value) and the correcting pass."""
+    backward; ``value`` gives the loss's value for that report) and the correcting pass."""
     ctx.options, ctx.hidden_dtype, ctx.consumed = options, hidden.dtype, False
     ctx.weight_grad_scale, ctx.pending, ctx.correct = weight_grad_scale, pending, correct
-    pending.watch(ctx, loss)
+    pending.watch(ctx, *value)
 
 
 def _warn_of_correction(name: str, declared: float, received: str) -> None:
@@ -544,7 +544,7 @@ class AccumulatedCrossEntropyFunction(torch.autograd.Function):
         held_hidden,
     ):  # fmt: skip
         ctx.save_for_backward(declared, held_hidden)
-        _remember_accumulation(ctx, hidden, options, weight_grad_scale, pending, correct, (losses * declared).sum())
+        _remember_accumulation(ctx, hidden, options, weight_grad_scale, pending, correct, losses, declared)
         return losses.clone()
 
     @staticmethod

@@ -49,6 +49,14 @@ def check_accumulator(accumulator: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError("weight_grad_into must be contiguous and need no gradient")
 
 
+def may_synchronize(tensor: torch.Tensor) -> bool:
+    """Whether reading ``tensor``'s values on the host is allowed now: not while a CUDA graph is
+    captured, nor while ``torch.compile`` traces."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (tensor.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def check_on_device(condition: torch.Tensor, message: str) -> None:
     """``ValueError(message)`` unless the bool scalar ``condition`` holds, without a host sync: on
     the CPU (outside compiled graphs) at once; on a GPU or in a compiled graph as an asynchronous
@@ -161,12 +169,12 @@ def target_columns(
     targets = targets.long()
     column = targets - group_rank(tp_group) * vocab_shard
     column = torch.where((column >= 0) & (column < vocab_shard), column, -1)
+    inside = (targets >= 0) & (targets < vocab)
     if check_out_of_vocab(out_of_vocab) == "max_logit":
-        return torch.where((targets < 0) | (targets >= vocab), OUTSIDE_VOCAB, column)
+        return torch.where(inside, column, OUTSIDE_VOCAB)
     if targets.numel() > 0:
-        in_range = ((targets >= 0) & (targets < vocab)).all()
         check_on_device(
-            in_range,
+            inside.all(),
             f"a target id is outside the vocabulary [0, {vocab}) ({vocab_shard} rows per rank x "
             f"{group_size(tp_group)} ranks); leave such positions out with mask=",
         )

@@ -11,6 +11,7 @@ from typing import Callable, Dict, Optional, Tuple, Union
 import torch
 
 from .contract import UpstreamGrads
+from .inputs import may_synchronize
 from .softmax import SoftmaxSummary, summarize
 
 Tensor = torch.Tensor
@@ -62,29 +63,40 @@ def per_token_losses(loss_fn: LossFn, logprob: Tensor, entropy: Tensor, inputs: 
     return losses.float()
 
 
-# How far a row's loss may move between a chunk and its halves: the float32 rounding of elementwise
-# code run at other lengths (vectorized bodies and scalar tails), not a dependence on other rows.
-ROW_TOLERANCE = 1e-5
+# How far a row's loss may move between a chunk and its halves, relative to the chunk's largest
+# loss: 64 float32 roundings, what elementwise code run at other lengths (vectorized bodies, scalar
+# tails, another order of a fused expression) moves it, far below any dependence on other rows.
+ROW_TOLERANCE = 64 * torch.finfo(torch.float32).eps
 _rows_checked: set = set()
 
 
 def _definition(loss_fn: LossFn) -> object:
-    """What decides how ``loss_fn`` treats its rows: the code of a function (a lambda made anew each
-    step, a bound method, a ``functools.partial``), else the class of a callable object."""
-    function = getattr(loss_fn, "func", loss_fn)
-    function = getattr(function, "__func__", function)
-    return getattr(function, "__code__", None) or type(function)
+    """What decides how ``loss_fn`` treats its rows, so that a loss made anew each step is checked
+    once: a function's code (a lambda, a bound method's function with its object's definition, a
+    ``functools.partial``'s function), or a callable object's class with its settings (its
+    attributes, where they can be hashed; otherwise the object itself)."""
+    if hasattr(loss_fn, "__code__"):
+        return loss_fn.__code__
+    if hasattr(loss_fn, "__func__"):
+        return loss_fn.__func__.__code__, _definition(loss_fn.__self__)
+    if hasattr(loss_fn, "func") and hasattr(loss_fn, "keywords"):
+        return _definition(loss_fn.func)
+    try:
+        settings = tuple(sorted(vars(loss_fn).items()))
+        hash(settings)
+    except TypeError:
+        return id(loss_fn)
+    return type(loss_fn), settings
 
 
 def check_rows_independent(loss_fn: LossFn, logprob: Tensor, entropy: Tensor, inputs: Dict[str, Tensor]) -> None:
     """``ValueError`` unless ``loss_fn`` gives each row of a chunk the loss it gives that row among
     the chunk's halves: a function that reduces or normalizes across its rows gives a loss that
     changes with the chunking. Checked the first time a definition is used with two rows or more
-    (one host synchronization), outside compiled graphs and CUDA graph captures."""
+    (three more calls of ``loss_fn`` under ``no_grad``, one host synchronization), outside
+    compiled graphs and CUDA graph captures."""
     definition = _definition(loss_fn)
-    if definition in _rows_checked or logprob.shape[0] < 2 or torch.compiler.is_compiling():
-        return
-    if logprob.is_cuda and torch.cuda.is_current_stream_capturing():
+    if definition in _rows_checked or logprob.shape[0] < 2 or not may_synchronize(logprob):
         return
     half = logprob.shape[0] // 2
     with torch.no_grad():

@@ -20,12 +20,15 @@ For each case, on one float32 model:
    equal to the one the loss receives and for another (then corrected, with a warning). The same
    for the labels path with ``declare_loss_weights(loss_mask, main_grad_scale=...)``, plus an
    upstream gradient of another mask. A main_grad-route loss released without its backward is
-   logged at once, naming the model, and ``head.main_grad_outstanding()`` lists it once; one
-   waiting for its backward is listed until it runs.
+   logged at once, naming the model, and ``head.main_grad_outstanding()`` lists it until it is
+   forgotten; one waiting for its backward is listed until it runs.
 
 Tolerances as in test_integration_parity (float32 on both sides, measured errors about 2e-6): 2e-5
 absolute on per-token values and 5e-5 of the largest entry of each stock gradient.
 """
+
+import contextlib
+from unittest import mock
 
 import pytest
 import torch
@@ -109,15 +112,37 @@ def check_labels_path(model, batch, loss_mask, label):
     harness.assert_grads_close(harness.parameter_grads(model), stock["declared"][1], GRAD_RTOL, f"{label} cleared")
 
 
-def check_labels_outside_the_vocabulary(model, batch, loss_mask, label):
-    """Labels padded HF-style (-100 where the loss mask is 0) and one id past the vocabulary: the
-    stock labels path scores each as if its logit were the row's largest (a finite loss, ``lse -
-    max``, with the softmax as its gradient); so must the fused one, undeclared (four GEMMs) and
-    declared (three), for Megatron's SFT reduction and for one that weights every position."""
-    unwrap_model(model)
+def transformer_engine_cross_entropy(logits, labels, *_):
+    """TransformerEngine's fused cross-entropy as Megatron calls it (``ignore_idx=-100``: such a
+    label gets a loss of 0 and no gradient), written with Megatron's own vocabulary-parallel
+    cross-entropy: TransformerEngine cannot be installed here."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    ignored = labels == -100
+    return torch.where(ignored, 0.0, vocab_parallel_cross_entropy(logits, torch.where(ignored, 0, labels)))
+
+
+@contextlib.contextmanager
+def transformer_engine_loss(model):
+    """The model's labels path through TransformerEngine's fused cross-entropy
+    (``cross_entropy_loss_fusion`` with ``cross_entropy_fusion_impl='te'``), by the stand-in."""
+    from megatron.core.models.common.language_module import language_module
+
+    config = model.config
+    saved = config.cross_entropy_loss_fusion, config.cross_entropy_fusion_impl
+    config.cross_entropy_loss_fusion, config.cross_entropy_fusion_impl = True, "te"
+    try:
+        with mock.patch.object(language_module, "te_parallel_cross_entropy", transformer_engine_cross_entropy):
+            yield
+    finally:
+        config.cross_entropy_loss_fusion, config.cross_entropy_fusion_impl = saved
+
+
+def check_labels_path_against_stock(model, batch, labels, loss_mask, label):
+    """The fused labels path, undeclared (four GEMMs) and declared (three), gives the stock model's
+    per-token loss and gradients for ``labels``, for Megatron's SFT reduction and for one that
+    weights every position; the model is stock when called and stock again after."""
     assert harness.forward(model, batch).shape[-1] == harness.VOCAB_SHARD, f"{label}: the model is not stock"
-    labels = torch.where(loss_mask.bool(), batch[3], -100)
-    labels[0, -1] = harness.VOCAB_SHARD * harness.tp_size() + 3
     reductions = {"loss mask": loss_mask, "every position": torch.ones_like(loss_mask)}
     stock = {}
     for name, reduced in reductions.items():
@@ -129,16 +154,37 @@ def check_labels_outside_the_vocabulary(model, batch, loss_mask, label):
     for declared in (None, loss_mask):
         head.declare_loss_weights(declared)
         for name, reduced in reductions.items():
-            case = f"{label} labels outside the vocabulary, declared={declared is not None}, {name}"
+            case = f"{label}, declared={declared is not None}, {name}"
             per_token = harness.forward(model, batch, labels=labels)
             harness.assert_max_error(per_token, stock[name][0], VALUE_ATOL, case)
             megatron_sft_loss(per_token, reduced).backward()
             harness.assert_grads_close(harness.parameter_grads(model), stock[name][1], GRAD_RTOL, case)
-    head.declare_loss_weights(None)
-    # head.logprobs has no log-prob to give such a position: it says to leave it out with mask=.
-    with pytest.raises(ValueError, match="outside the vocabulary.*mask="):
-        head.logprobs(harness.forward(model, batch), labels)
     unwrap_model(model)
+
+
+def check_labels_outside_the_vocabulary(model, batch, loss_mask, label):
+    """Labels padded HF-style (-100 where the loss mask is 0) and one id past the vocabulary. The
+    stock labels path (Megatron's vocabulary-parallel cross-entropy) scores each as if its logit
+    were the row's largest (a finite loss, ``lse - max``, with the softmax as its gradient), and so
+    must the fused one. Under TransformerEngine's fused cross-entropy a -100 label has a loss of 0
+    and no gradient, and so it has fused; an id past the vocabulary, whose result there is not
+    established, is an error."""
+    unwrap_model(model)
+    padded = torch.where(loss_mask.bool(), batch[3], -100)
+    past = padded.clone()
+    past[0, -1] = harness.VOCAB_SHARD * harness.tp_size() + 3
+    check_labels_path_against_stock(model, batch, past, loss_mask, f"{label} labels outside the vocabulary")
+    # head.logprobs has no log-prob to give such a position: it says to leave it out with mask=.
+    head = wrap_model(model, FusedLMConfig(enabled=True, token_chunk=5))
+    with pytest.raises(ValueError, match="outside the vocabulary.*mask="):
+        head.logprobs(harness.forward(model, batch), past)
+    unwrap_model(model)
+    with transformer_engine_loss(model):
+        check_labels_path_against_stock(model, batch, padded, loss_mask, f"{label} -100 under TransformerEngine's loss")
+        wrap_model(model, FusedLMConfig(enabled=True, token_chunk=5))
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            harness.forward(model, batch, labels=past)
+        unwrap_model(model)
 
 
 def loss_worker() -> None:
@@ -199,7 +245,7 @@ def check_main_grad_route(model, batch, response, label):
 def check_main_grad_released(ddp, batch, response, inputs, label):
     """A main_grad-route loss whose backward never runs (a metric computed with gradients on, a
     skipped micro-batch) is logged at once, naming the model, and ``main_grad_outstanding`` lists
-    it once; one still waiting for its backward is listed until the backward runs."""
+    it until it is forgotten; one still waiting for its backward is listed until the backward runs."""
     targets = batch[3]
     head = wrap_model(ddp, FusedLMConfig(enabled=True, token_chunk=5))
     ddp.zero_grad_buffer()
@@ -227,7 +273,8 @@ def check_main_grad_released(ddp, batch, response, inputs, label):
     assert len(recorded.messages) == 2, f"{label}: {recorded.messages}"
     for message in recorded.messages:
         assert "released without its backward" in message and head.name in message, f"{label}: {message}"
-    assert len(head.main_grad_outstanding()) == 2 and head.main_grad_outstanding() == [], label
+    assert len(head.main_grad_outstanding()) == 2, f"{label}: released losses stay listed until forgotten"
+    assert len(head.main_grad_outstanding(forget_released=True)) == 2 and head.main_grad_outstanding() == [], label
 
 
 def check_main_grad_labels_path(ddp, model, batch, label):

@@ -458,6 +458,28 @@ class CountingLoss:
         return -logprob
 
 
+class ChunkNormalized:
+    """A cross-entropy whose ``normalize`` setting divides by the chunk's length (mixing rows)."""
+
+    entropy_grad = False
+
+    def __init__(self, normalize: bool):
+        self.normalize = normalize
+
+    def __call__(self, logprob, entropy):
+        return -logprob / logprob.numel() if self.normalize else -logprob
+
+
+def test_a_differently_configured_loss_object_is_checked_again(monkeypatch):
+    from megatron_fused_lm.ops import loss_in_forward
+
+    monkeypatch.setattr(loss_in_forward, "_rows_checked", set())
+    hidden, weight, targets, _ = sft_case()
+    fused_linear_loss(hidden, weight, targets, ChunkNormalized(normalize=False))
+    with pytest.raises(ValueError, match="each row's loss from that row alone"):
+        fused_linear_loss(hidden, weight, targets, ChunkNormalized(normalize=True))
+
+
 def test_a_per_row_loss_fn_is_checked_once_per_definition(monkeypatch):
     from megatron_fused_lm.ops import loss_in_forward
 

@@ -193,11 +193,20 @@ def test_weight_grad_into_refuses_a_fullgraph_compile_by_name():
         torch.compile(step, fullgraph=True)(hidden.requires_grad_(), weight.requires_grad_())
 
 
-def test_a_loss_released_without_its_backward_is_reported_at_once_and_listed(caplog):
-    # The forward adds into the accumulator. Then the loss gets its backward (nothing to report),
-    # waits for it (listed as waiting), is dropped (logged at once, with its value, and listed
-    # once), or the forward fails part way (logged and listed once). Another accumulator's list
-    # stays empty.
+def test_a_loss_released_without_its_backward_is_reported_at_once_and_listed(caplog, monkeypatch):
+    # The forward adds into the accumulator. Then the loss gets its backward (nothing to report,
+    # nothing read back from the device when its graph goes), waits for it (listed as waiting), is
+    # dropped (logged at once, with its value, and listed until forgotten), or the forward fails
+    # part way (logged and listed). Another accumulator's list stays empty.
+    from megatron_fused_lm.ops import accumulation
+
+    described = []
+    sentence = accumulation.PendingWeightGrad._sentence
+    monkeypatch.setattr(
+        accumulation.PendingWeightGrad,
+        "_sentence",
+        lambda self, state: described.append(state) or sentence(self, state),
+    )
     hidden, weight, targets, inputs, _ = case(torch.float32)
     hidden.requires_grad_()
     weight.requires_grad_()
@@ -219,10 +228,12 @@ def test_a_loss_released_without_its_backward_is_reported_at_once_and_listed(cap
         kept = loss()
         (waiting,) = outstanding_weight_grads(accumulator)
         assert "waits for its backward" in waiting and f"{ROWS} rows" in waiting, waiting
+        described.clear()
         (kept * SCALE).backward()
         del kept
         gc.collect()
         assert outstanding_weight_grads(accumulator) == [] and not caplog.records
+        assert described == [], "a loss whose backward ran was described (its value read back)"
 
         dropped = loss()
         value = f"{dropped.item():.6g}"
@@ -233,7 +244,9 @@ def test_a_loss_released_without_its_backward_is_reported_at_once_and_listed(cap
         assert outstanding_weight_grads(other) == []
         (listed,) = outstanding_weight_grads(accumulator)
         assert "released without its backward" in listed and value in listed, listed
-        assert outstanding_weight_grads(accumulator) == [], "a released loss is listed once"
+        assert outstanding_weight_grads(accumulator) == [listed], "a released loss stays listed until forgotten"
+        assert outstanding_weight_grads(accumulator, forget_released=True) == [listed]
+        assert outstanding_weight_grads(accumulator) == []
 
         per_token = fused_linear_cross_entropy(
             hidden, weight, targets, torch.ones(ROWS), weight_grad_into=accumulator, weight_grad_scale=SCALE
@@ -244,4 +257,4 @@ def test_a_loss_released_without_its_backward_is_reported_at_once_and_listed(cap
         messages = [record.getMessage() for record in caplog.records[1:]]
         assert len(messages) == 2 and "released without its backward" in messages[0], messages
         assert "stopped with an exception part way" in messages[1], messages
-        assert len(outstanding_weight_grads()) == 2 and outstanding_weight_grads() == []
+        assert len(outstanding_weight_grads(forget_released=True)) == 2 and outstanding_weight_grads() == []

@@ -332,7 +332,7 @@ def max_logit_reference(hidden, weight, targets, upstream):
 @pytest.mark.parametrize("op", ["logprob", "declared", "other-upstream"])
 def test_out_of_vocab_targets_score_as_megatron_scores_them(op, backend):
     # A fifth of the rows get HF-style -100 (or an id past the vocabulary): no rank owns them, so
-    # every kernel sees the column -1 it sees for another rank's target. Each error against the
+    # every kernel sees the column OUTSIDE_VOCAB, which none owns. Each error against the
     # float64 oracle of that convention must stay within GRAD_RATIO times the same op's error on
     # the same rows with their in-vocabulary targets.
     hidden, weight, targets, gen = make_case(4096, 2048, 151936)

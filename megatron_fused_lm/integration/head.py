@@ -7,18 +7,19 @@ While a model is wrapped with the fused head on:
   ``(hidden [s, b, h], None)``: the pre-projection hidden states, gathered along the sequence when
   the layer is sequence parallel, tied to what the call used (the ``weight=`` argument for tied
   embeddings, else the layer's own; ``provenance``), so ``model(input_ids, position_ids, mask)``
-  returns ``hidden [b, s, h]`` where the stock model returns ``logits [b, s, vocab/TP]``. The
-  ``forward`` of the model and of each wrapper around it ties what it returns to that call too.
+  returns ``hidden [b, s, h]`` where the stock model returns ``logits [b, s, vocab/TP]``. A
+  forward hook on the model and on each wrapper around it ties what it returns to that call too.
 - ``compute_language_model_loss(labels [b, s], hidden [s, b, h])`` returns the stock per-token
   cross-entropy ``[b, s]`` (float32) computed by ``fused_linear_logprob``, so
   ``model(..., labels=labels)`` and multi-token-prediction heads keep working. After
   ``head.declare_loss_weights(loss_mask)`` it is ``fused_linear_cross_entropy`` instead: the
   gradients are finished in the forward (three GEMMs) for a loss ``c * sum(losses * loss_mask)``.
 
-Both patches are instance attributes; ``unwrap_model`` deletes them and the class methods apply
-again. Inside ``with head.stock_logits():`` both run the stock methods, so the model returns the
-stock logits. ``copy.deepcopy`` of a patched model (or of its output layer) gives a stock copy:
-the patched modules carry an instance ``__deepcopy__`` that copies them without the patches.
+Both patches are instance attributes; ``unwrap_model`` deletes them (and removes the hooks) and
+the class methods apply again. Inside ``with head.stock_logits():`` both run the stock methods, so
+the model returns the stock logits. ``copy.deepcopy`` of a patched model (or of its output layer)
+gives a stock copy: the patched modules carry an instance ``__deepcopy__`` that copies them
+without the patches and the hooks.
 """
 
 from __future__ import annotations
@@ -250,14 +251,20 @@ class _Patch:
             (self.layer, PATCH_ATTRIBUTE, self),
             (self.chunk, PATCH_ATTRIBUTE, self),
         ]
-        for module in self.chain:
-            # What each module returns is tied to the forward that made it (``provenance``).
-            replacements.append((module, "forward", functools.partial(self.module_forward, module)))
-            replacements.append((module, "__deepcopy__", functools.partial(self.copy_stock, module)))
+        replacements += [(module, "__deepcopy__", functools.partial(self.copy_stock, module)) for module in self.chain]
         # An instance attribute that was there before (someone else's patch) comes back on remove.
         self.replaced = [(owner, name, owner.__dict__.get(name, _NOT_SET)) for owner, name, _ in replacements]
         for owner, name, patched in replacements:
             setattr(owner, name, patched)
+        # What each module on the way out returns is tied to the forward that made it (``provenance``).
+        self.hooks = [
+            hook
+            for module in self.chain
+            for hook in (
+                module.register_forward_pre_hook(self.before_module),
+                module.register_forward_hook(self.after_module, always_call=True),
+            )
+        ]
 
     def remove(self) -> None:
         for owner, name, previous in self.replaced:
@@ -265,6 +272,8 @@ class _Patch:
                 del owner.__dict__[name]
             else:
                 setattr(owner, name, previous)
+        for hook in self.hooks:
+            hook.remove()
         self.head._detached = True
 
     def stock(self, owner: torch.nn.Module, name: str) -> Callable:
@@ -285,6 +294,10 @@ class _Patch:
                 state.pop(name, None)
                 if previous is not _NOT_SET:
                     state[name] = previous
+        ours = {hook.id for hook in self.hooks}
+        for name in ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called"):
+            if name in state:
+                state[name] = type(state[name])((key, value) for key, value in state[name].items() if key not in ours)
         clone = type(owner).__new__(type(owner))
         memo[id(owner)] = clone  # before the state, as copy does: references back to owner get the clone
         clone.__setstate__(copy.deepcopy(state, memo))
@@ -305,17 +318,22 @@ class _Patch:
         self.head._thread.origin = origin
         return provenance.traced(hidden, call.weight, origin), None
 
-    def module_forward(self, module: torch.nn.Module, *args, **kwargs):
-        """``module``'s stock forward; what it returns is tied to the fused forward it ran, if any
-        (the model's own copies of the hidden states, such as GPTModel's ``.contiguous()`` and
-        Float16Module's ``.float()``, leave no graph under ``no_grad``)."""
+    # The two hooks around the forward of each module on the call's way out: what it returns is tied
+    # to the fused forward that ran inside it, if one did (the model's own copies of the hidden
+    # states, GPTModel's ``.contiguous()`` and Float16Module's ``.float()``, have no graph under
+    # ``no_grad``). A compiled model runs them eagerly, between its graphs.
+
+    @torch.compiler.disable
+    def before_module(self, module: torch.nn.Module, args: tuple) -> None:
         thread = self.head._thread
-        before = getattr(thread, "origin", None)
-        output = self.stock(module, "forward")(*args, **kwargs)
-        origin = getattr(thread, "origin", None)
+        thread.__dict__.setdefault("outer", []).append(getattr(thread, "origin", None))
+
+    @torch.compiler.disable
+    def after_module(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        thread = self.head._thread
+        before, origin = thread.outer.pop(), getattr(thread, "origin", None)
         if origin is not None and origin is not before:
             provenance.register(output, origin)
-        return output
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """``labels [b, s]`` global ids, ``logits``: what the patched output layer returned,

@@ -75,6 +75,8 @@ def _live_entries() -> List[_Entry]:
     return _entries
 
 
+# A compiled model runs these eagerly, between its graphs: they touch a lock and weak references.
+@torch.compiler.disable
 def traced(hidden: torch.Tensor, weight: torch.Tensor, origin: Origin) -> torch.Tensor:
     """``hidden`` as the output layer returns it, with ``origin`` attached to its graph (where the
     stock logits of ``weight`` would have one) and to its storage."""
@@ -84,6 +86,7 @@ def traced(hidden: torch.Tensor, weight: torch.Tensor, origin: Origin) -> torch.
     return hidden
 
 
+@torch.compiler.disable
 def register(output: Any, origin: Origin) -> None:
     """Tie ``output``'s storage to ``origin`` if it is a tensor of that forward's hidden states (a
     module that wraps the model returns them, or a copy of them)."""

@@ -48,10 +48,11 @@ def deep_copy(model):
 
 
 def assert_stock_modules(model, label):
-    """No patch attribute on the model or its output layer."""
+    """No patch attribute on the model or its output layer, and no hook on the model."""
     for module in (model, model.output_layer):
         left = [name for name in PATCHED_NAMES if name in vars(module)]
         assert not left, f"{label}: {type(module).__name__} keeps {left}"
+    assert not model._forward_hooks and not model._forward_pre_hooks, f"{label}: the model keeps hooks"
 
 
 def stock_reference(model, batch):
@@ -164,6 +165,7 @@ def copy_wrapper_cases() -> None:
     traced = vars(clone.module.output_layer)["forward"]
     assert traced.__self__ is clone.module.output_layer and traced.__func__ is type(model.output_layer).forward
     assert "compute_language_model_loss" not in vars(clone.module), "wrapper: the copy keeps the loss patch"
+    assert not clone._forward_hooks and not clone.module._forward_hooks, "wrapper: the copy keeps the hooks"
     check_stock(clone, batch, reference, "wrapper copy")
     check_fused(clone, wrap_model(clone, FUSED), batch, reference, "wrapper copy wrapped")
     check_fused(wrapped, head, batch, reference, "wrapper original")

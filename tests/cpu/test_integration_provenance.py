@@ -16,7 +16,8 @@ gradient must agree:
    a split of the packed rows), after another forward;
 5. the same under ``no_grad``, where storage ties views and ``.detach()`` to the forward and a
    copy falls to the one live forward;
-6. a frozen body under a trained head (the output has a graph only through the weight).
+6. a frozen body under a trained head (the output has a graph only through the weight);
+7. the first scenario through ``torch.compile`` of the wrapped model (TP=1).
 
 Then what the head refuses, each with an error that says why: another wrapped model's output
 (with and without gradients), a copy whose origin nothing establishes while two models' outputs
@@ -235,12 +236,28 @@ def check_refusals(model, batches, label):
     unwrap_model(model)
 
 
+def check_compiled_model(batches, label):
+    """``torch.compile`` of the wrapped model (dynamo, autograd traced ahead of time): the hooks
+    and the output layer's marker run between its graphs, and the interleaved scenario still gets
+    the stock values and gradients, the output weight's included."""
+    model = harness.build_gpt()
+    stock_values = interleaved_no_grad(model, Stock(model), batches)
+    stock_grads = grads_of(model)
+    head = wrap_model(model, FUSED)
+    fused_values = interleaved_no_grad(torch.compile(model, backend="aot_eager"), Fused(head), batches)
+    for index, (got, want) in enumerate(zip(fused_values, stock_values, strict=True)):
+        harness.assert_max_error(got, want, VALUE_ATOL, f"{label} compiled value {index}")
+    harness.assert_grads_close(grads_of(model), stock_grads, GRAD_RTOL, f"{label} compiled")
+    unwrap_model(model)
+
+
 def provenance_worker() -> None:
     for sequence_parallel, tied, label in harness.tensor_parallel_cases():
         model = harness.build_gpt(sequence_parallel=sequence_parallel, tied=tied)
         batches = (harness.make_batch(seed=7), harness.make_batch(seed=8))
         check_scenarios(model, batches, tied, label)
         check_refusals(model, batches, label)
+    check_compiled_model(batches, "TP=1")
 
 
 def test_the_head_computes_each_output_with_its_own_forward():

@@ -38,7 +38,8 @@ class WarningRecords(logging.Handler):
 
 def _is_stock(chunk):
     patched = ("forward", "compute_language_model_loss", "__deepcopy__")
-    return not any(name in vars(module) for module in (chunk, chunk.output_layer) for name in patched)
+    attributes = any(name in vars(module) for module in (chunk, chunk.output_layer) for name in patched)
+    return not attributes and not chunk._forward_hooks and not chunk._forward_pre_hooks
 
 
 def _stock_reference(model, batch, with_backward=True):
@@ -135,8 +136,8 @@ def wrapping_cases() -> None:
     reference = _stock_reference(wrapped_last, batch)
     first_stock_state = dict(vars(first_chunk))
     head = wrap_model([first_chunk, wrapped_last], FUSED)
-    # The wrapper's forward is patched too: what it returns is tied to the forward that made it.
-    assert head.fused and not _is_stock(last_chunk) and "forward" in vars(wrapped_last), head.fallback_reason
+    # The wrapper gets hooks too: what it returns is tied to the forward that made it.
+    assert head.fused and not _is_stock(last_chunk) and wrapped_last._forward_hooks, head.fallback_reason
     assert dict(vars(first_chunk)) == first_stock_state, "chunk list: the chunk without output layer was touched"
     _check_head(wrapped_last, head, batch, reference, "chunk list")
 
@@ -152,7 +153,7 @@ def wrapping_cases() -> None:
     else:
         raise AssertionError("a superseded head still computed log-probs")
     unwrap_model([first_chunk, wrapped_last])
-    assert _is_stock(last_chunk) and "forward" not in vars(wrapped_last), "unwrap after wrapping twice"
+    assert _is_stock(last_chunk) and not wrapped_last._forward_hooks, "unwrap after wrapping twice"
     assert torch.equal(harness.forward(wrapped_last, batch), reference["logits"]), "unwrap after wrapping twice"
     unwrap_model(wrapped_last)  # a no-op on a stock model
 

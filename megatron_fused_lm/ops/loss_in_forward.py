@@ -95,8 +95,10 @@ def check_rows_independent(loss_fn: LossFn, logprob: Tensor, entropy: Tensor, in
     changes with the chunking. Checked the first time a definition is used with two rows or more
     (three more calls of ``loss_fn`` under ``no_grad``, one host synchronization), outside
     compiled graphs and CUDA graph captures."""
+    if logprob.shape[0] < 2 or not may_synchronize(logprob):
+        return
     definition = _definition(loss_fn)
-    if definition in _rows_checked or logprob.shape[0] < 2 or not may_synchronize(logprob):
+    if definition in _rows_checked:
         return
     half = logprob.shape[0] // 2
     with torch.no_grad():

@@ -25,8 +25,7 @@ import torch
 
 from .._logging import warn_once
 from ..ops import LossFn, logits_logprob, logits_loss
-from .config import FusedLMConfig
-from .head import (
+from .calls import (
     call_labels_loss,
     call_logprobs,
     call_loss,
@@ -35,6 +34,7 @@ from .head import (
     outstanding_main_grads,
     project_input,
 )
+from .config import FusedLMConfig
 from .megatron_compat import (
     derives_mtp_metrics_from_logits,
     fallback_reason,

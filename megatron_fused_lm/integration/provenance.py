@@ -29,7 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 @dataclass(frozen=True, eq=False)
 class Origin:
     """One fused forward of one head: ``call`` is what its output-layer call used (the head's
-    ``_HeadCall``), ``hidden_size`` and ``device`` those of the hidden states it returned."""
+    ``HeadCall``), ``hidden_size`` and ``device`` those of the hidden states it returned."""
 
     head: Any  # the FusedLMHead whose patch ran the forward
     call: Any

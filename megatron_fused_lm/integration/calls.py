@@ -1,0 +1,186 @@
+"""What one output-layer call used, and the fused op calls made with it: shared by the two routes
+to the fused head, the patched model (``head``) and Megatron-Core's ``output_processor`` hook
+(``output_processor``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+from ..ops import (
+    FusedLoss,
+    LossFn,
+    fused_linear_cross_entropy,
+    fused_linear_logprob,
+    fused_linear_loss,
+    name_weight_grad_into,
+    outstanding_weight_grads,
+)
+from .config import FusedLMConfig
+from .megatron_compat import MainGradWritten, float32_main_grad, labels_ignore_index
+
+
+@dataclass(frozen=True)
+class HeadCall:
+    """What one patched output-layer call used: everything the fused op needs besides the hidden.
+
+    ``weight`` is detached when the call ran without gradients (``no_grad``, ``inference_mode``):
+    the stock layer's logits would then carry no graph, so log-probs and losses taken from its
+    output later, with gradients on, carry none into the weight either (and never save an
+    inference tensor for a backward). ``reduce_hidden_grad`` is ``False`` where the stock layer
+    would not all-reduce the hidden gradient either: under sequence parallelism (the gather's
+    backward reduce-scatters the partials) and with ``disable_grad_reduce``.
+    """
+
+    weight: torch.Tensor
+    tp_group: Optional[dist.ProcessGroup]
+    reduce_hidden_grad: bool
+    owner: str  # the model, as messages name it
+    labels_ignore_index: Optional[int]  # megatron_compat.labels_ignore_index
+
+    def without_graph(self) -> "HeadCall":
+        """This call with its weight detached: no gradient into it."""
+        return dataclasses.replace(self, weight=self.weight.detach())
+
+    def key(self) -> Tuple:
+        """What decides the results without a graph: two calls of one key compute alike."""
+        weight = self.weight
+        return weight.data_ptr(), tuple(weight.shape), self.tp_group, self.reduce_hidden_grad
+
+
+def project_input(
+    layer: torch.nn.Module,
+    tp_group: Optional[dist.ProcessGroup],
+    input_: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    owner: str,
+) -> Tuple[torch.Tensor, HeadCall]:
+    """What the output layer's projection needs, without projecting: ``input_ [s/TP if sequence
+    parallel else s, b, h]`` -> ``hidden [s, b, h]`` (gathered along the sequence when the layer is
+    sequence parallel) and the ``HeadCall`` for it. ``weight`` is the tied embedding's, or
+    ``None`` for the layer's own; ``owner`` names the model."""
+    expected = (layer.output_size_per_partition, layer.input_size)
+    if weight is None:
+        if layer.weight is None:
+            raise RuntimeError("the output layer owns no weight and none was passed as weight=")
+        weight = layer.weight
+    elif tuple(weight.shape) != expected:
+        raise RuntimeError(f"supplied weight's shape is {tuple(weight.shape)}, not {expected} as expected")
+    if layer.sequence_parallel:
+        # Its backward reduce-scatters the ranks' partial hidden gradients: the one reduction.
+        hidden = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=tp_group)
+        reduce_hidden_grad = False
+    else:
+        hidden = input_
+        reduce_hidden_grad = not getattr(layer, "disable_grad_reduce", False)
+    if not torch.is_grad_enabled():
+        weight = weight.detach()
+    return hidden, HeadCall(weight, tp_group, reduce_hidden_grad, owner, labels_ignore_index(layer))
+
+
+def call_logprobs(call: HeadCall, config: FusedLMConfig, hidden: torch.Tensor, targets: torch.Tensor, **options):
+    """``fused_linear_logprob`` for one projection ``call``; ``options`` as ``FusedLMHead.logprobs``'s."""
+    return fused_linear_logprob(
+        hidden, call.weight, targets, tp_group=call.tp_group, backend=config.backend, token_chunk=config.token_chunk,
+        reduce_hidden_grad=call.reduce_hidden_grad, **options,
+    )  # fmt: skip
+
+
+def call_loss(
+    call: HeadCall,
+    config: FusedLMConfig,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    loss_fn: LossFn,
+    main_grad_scale: Optional[float] = None,
+    **options,
+) -> FusedLoss:
+    """``fused_linear_loss`` for one projection ``call``; ``main_grad_scale`` and ``options`` as
+    ``FusedLMHead.loss``'s."""
+    weight, accumulation = main_grad_route(call.weight, main_grad_scale, call.owner)
+    return fused_linear_loss(
+        hidden, weight, targets, loss_fn, tp_group=call.tp_group, backend=config.backend,
+        token_chunk=config.token_chunk, reduce_hidden_grad=call.reduce_hidden_grad, **accumulation, **options,
+    )  # fmt: skip
+
+
+def main_grad_route(
+    weight: torch.Tensor, main_grad_scale: Optional[float], owner: str
+) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """``(weight, arguments)`` for a three-GEMM op: with a ``main_grad_scale`` and a weight gradient
+    to compute, the weight behind ``MainGradWritten`` and the op's ``weight_grad_into`` (its
+    float32 ``main_grad``, named after ``owner`` in the ops' reports of a loss released without its
+    backward) and ``weight_grad_scale``; otherwise the weight as it is and none."""
+    if main_grad_scale is None or not (weight.requires_grad and torch.is_grad_enabled()):
+        return weight, {}
+    into = float32_main_grad(weight)
+    name_weight_grad_into(into, f"the main_grad of {owner}'s output weight")
+    return MainGradWritten.apply(weight), dict(weight_grad_into=into, weight_grad_scale=main_grad_scale)
+
+
+def outstanding_main_grads(layers: List[Tuple[torch.nn.Module, torch.nn.Module]], forget_released: bool) -> List[str]:
+    """``outstanding_weight_grads`` of the ``main_grad`` of each ``(chunk, output layer)``'s weight
+    (the tied embedding's where the layer owns none), where Megatron's DDP gave it one."""
+    outstanding = []
+    for chunk, layer in layers:
+        weight = layer.weight if layer.weight is not None else chunk.shared_embedding_or_output_weight()
+        main_grad = getattr(weight, "main_grad", None)
+        if isinstance(main_grad, torch.Tensor):
+            outstanding += outstanding_weight_grads(main_grad, forget_released=forget_released)
+    return outstanding
+
+
+def logits_group(
+    layer: torch.nn.Module, tp_group: Optional[dist.ProcessGroup], logits: torch.Tensor
+) -> Optional[dist.ProcessGroup]:
+    """The group the stock ``logits`` of ``layer`` are split over: ``tp_group`` for a
+    ``[..., vocab/TP]`` shard, ``None`` for logits gathered to the full vocabulary."""
+    full_vocab = getattr(layer, "output_size", None)
+    gathered = full_vocab is not None and logits.dim() > 0 and logits.shape[-1] == full_vocab
+    return None if gathered else tp_group
+
+
+def check_declared_shape(declared: Optional[torch.Tensor], labels: torch.Tensor) -> None:
+    """Declared loss weights ``[b, s]`` must have the labels' shape."""
+    if declared is not None and declared.shape != labels.shape:
+        raise ValueError(
+            f"the declared loss weights have shape {tuple(declared.shape)} but the labels {tuple(labels.shape)}; "
+            "declare this batch's weights before its forward, or clear them with declare_loss_weights(None)"
+        )
+
+
+def call_labels_loss(
+    call: HeadCall,
+    config: FusedLMConfig,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    declared: Optional[torch.Tensor],
+    main_grad_scale: Optional[float] = None,
+) -> torch.Tensor:
+    """The labels path's per-token cross-entropy for one projection ``call``: ``-logprob`` (four
+    GEMMs), or ``fused_linear_cross_entropy`` for the ``declared`` weights (three), the weight
+    gradient into ``main_grad`` with a ``main_grad_scale`` (``main_grad_route``). A label outside
+    the vocabulary (HF-style ``-100`` padding) scores as the stock loss scores it: as the row's
+    largest logit (Megatron's cross-entropies), or, under TransformerEngine's fused cross-entropy,
+    a loss of 0 with no gradient for its ``ignore_idx`` and an error for any other id, whose stock
+    result is not established (``megatron_compat.labels_ignore_index``)."""
+    kept, out_of_vocab = None, "max_logit"
+    if call.labels_ignore_index is not None:
+        kept, out_of_vocab = targets != call.labels_ignore_index, "error"
+        targets = torch.where(kept, targets, 0)  # any id: its loss is multiplied by 0 below
+        declared = None if declared is None else declared * kept
+    if declared is None:
+        losses = -call_logprobs(call, config, hidden, targets, temperature=1.0, out_of_vocab=out_of_vocab)
+    else:
+        weight, accumulation = main_grad_route(call.weight, main_grad_scale, call.owner)
+        losses = fused_linear_cross_entropy(
+            hidden, weight, targets, declared, tp_group=call.tp_group, backend=config.backend,
+            token_chunk=config.token_chunk, reduce_hidden_grad=call.reduce_hidden_grad, out_of_vocab=out_of_vocab,
+            **accumulation,
+        )  # fmt: skip
+    return losses if kept is None else losses * kept

@@ -24,8 +24,9 @@ import torch
 import triton.testing
 from harness import kernel_timeline, parse_shapes
 
-from megatron_fused_lm.ops import TritonTuning, held_gradients
+from megatron_fused_lm.ops import held_gradients
 from megatron_fused_lm.ops.backends.triton_loss import TritonLoss
+from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
 from megatron_fused_lm.ops.contract import NeededGrads, ShardProblem, UpstreamGrads, run_loss_pass
 from megatron_fused_lm.ops.kernels.tiles import Tiles
 from megatron_fused_lm.ops.softmax import chosen_logit_grad, summarize

@@ -17,8 +17,7 @@ import argparse
 import torch
 import triton.testing
 
-from megatron_fused_lm.ops import TritonTuning
-from megatron_fused_lm.ops.backends.triton_tuning import TOKEN_CHUNK
+from megatron_fused_lm.ops.backends.triton_tuning import TOKEN_CHUNK, TritonTuning
 from megatron_fused_lm.ops.contract import SavedStatistics, UpstreamGrads
 from megatron_fused_lm.ops.kernels.logit_grad_kernel import logit_grad_block
 from megatron_fused_lm.ops.kernels.softmax_stats_kernel import split_statistics

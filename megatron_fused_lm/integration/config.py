@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from .._logging import warn_once
-from ..ops import check_backend, check_token_chunk
+from ..ops.options import check_backend, check_token_chunk
 
 # Trainer key -> FusedLMConfig field.
 TRAINER_KEYS = {

@@ -12,17 +12,13 @@ from .api import (
     logits_logprob,
     logits_loss,
 )
-from .backends.triton_tuning import TritonTuning
 from .loss_in_forward import LossFn
-from .options import BACKENDS, check_backend, check_token_chunk
+from .options import BACKENDS
 
 __all__ = [
     "BACKENDS",
     "FusedLoss",
     "LossFn",
-    "TritonTuning",
-    "check_backend",
-    "check_token_chunk",
     "fused_linear_cross_entropy",
     "fused_linear_logprob",
     "fused_linear_loss",

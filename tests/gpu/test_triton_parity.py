@@ -225,8 +225,8 @@ def test_zero_tokens(backend):
 def test_backward_blocked_over_token_and_vocabulary_chunks():
     """Partial token chunks and partial vocabulary chunks of the Triton backward (the backend
     itself, as the ops call it, with a small dz block)."""
-    from megatron_fused_lm.ops import TritonTuning
     from megatron_fused_lm.ops.backends.triton_recompute import TritonRecompute
+    from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
 
     inputs = make_inputs(2500, 1000, 129920, torch.bfloat16, 5.0, seed=5)
     hidden, weight, targets, grad_logprob, grad_entropy = inputs

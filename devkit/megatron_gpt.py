@@ -451,6 +451,23 @@ def forward(model, batch, **kwargs):
     return model(input_ids, position_ids, mask, **kwargs)
 
 
+def megatron_ddp(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` in Megatron's DistributedDataParallel as bf16 training runs it: float32 gradient
+    buffers (``main_grad``), the reduction overlapped with the backward, small buckets. Later
+    releases' reduction asks for the current CUDA stream: call
+    ``devkit.distributed.run_cuda_placements_on_cpu()`` once in the worker first."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True, bucket_size=4096)
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+
+def ddp_main_grads(ddp: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Every parameter's ``main_grad`` after the gradient reduction, cloned, by name."""
+    ddp.finish_grad_sync()
+    return {name: parameter.main_grad.clone() for name, parameter in ddp.module.named_parameters()}
+
+
 def head_loss(logprob: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
     """A random weighted sum of both head outputs, the same on every rank."""
     weights = random_weights(2, *logprob.shape, seed=11, device=logprob.device)

@@ -8,7 +8,8 @@ Use::
     loss = model(tokens, positions, mask, labels=labels)   # SFT: the stock [b, s] loss
 
 or, on megatron-core >= 0.18, through the model's own hook with nothing patched
-(``FusedOutputProcessor``, ``LogprobRequest``, ``LossRequest``; see ``output_processor``).
+(``FusedOutputProcessor``, ``LogprobRequest``, ``LossRequest``, ``LabelsRequest``; see
+``output_processor``).
 """
 
 try:
@@ -24,6 +25,7 @@ from .config import FusedLMConfig  # noqa: E402
 from .head import FusedLMHead, unwrap_model, wrap_model  # noqa: E402
 from .output_processor import (  # noqa: E402
     FusedOutputProcessor,
+    LabelsRequest,
     LogprobRequest,
     LossRequest,
     accepts_output_processor,
@@ -33,6 +35,7 @@ __all__ = [
     "FusedLMConfig",
     "FusedLMHead",
     "FusedOutputProcessor",
+    "LabelsRequest",
     "LogprobRequest",
     "LossRequest",
     "accepts_output_processor",

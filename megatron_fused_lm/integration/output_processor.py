@@ -9,10 +9,13 @@ is patched: the model stays stock, and a forward without the processor returns t
     result = model(tokens, positions, mask, output_processor=processor,
                    output_processor_context=LossRequest(targets, loss_fn, loss_inputs=inputs, mask=response))
     per_token = model(tokens, positions, mask, labels=labels, loss_mask=loss_mask, output_processor=processor)
+    per_token = model(tokens, positions, mask, labels=labels, loss_mask=loss_mask, output_processor=processor,
+                      output_processor_context=LabelsRequest(main_grad_scale=scale))
 
 What a request returns is what ``FusedLMHead.logprobs`` / ``FusedLMHead.loss`` return for the same
 arguments, and the labels path returns the stock per-token loss ``[b, s]``, as the patched model
-does (three GEMMs when the processor declares Megatron's ``loss_mask``).
+does (three GEMMs when the processor declares Megatron's ``loss_mask``; with a ``LabelsRequest``'s
+``main_grad_scale``, the output weight's gradient straight into its ``main_grad``).
 """
 
 from __future__ import annotations
@@ -74,6 +77,21 @@ class LossRequest:
     main_grad_scale: Optional[float] = None
 
 
+@dataclass(frozen=True)
+class LabelsRequest:
+    """``output_processor_context`` for the labels path (``labels=`` and ``loss_mask=`` given to the
+    forward), which returns the stock per-token loss ``[b, s]`` float32 as without a context.
+
+    ``main_grad_scale``: for a processor made with ``declare_loss_mask=True``, the scale ``c`` of
+    this step's reduction ``c * sum(losses * loss_mask)`` (``1 / num_microbatches`` divided by the
+    token count, times any loss scale: it can change every step, hence per call); the forward
+    then adds the output weight's gradient for it straight into its ``main_grad``, as
+    ``FusedLMHead.declare_loss_weights(loss_mask, main_grad_scale=c)`` does. ``None``: the gradient
+    goes to autograd as usual."""
+
+    main_grad_scale: Optional[float] = None
+
+
 def accepts_output_processor(model: Any) -> bool:
     """Whether every language model in ``model`` takes ``output_processor=`` in its forward
     (megatron-core's GPTModel from 0.18): read from the forward's signature, not the release."""
@@ -94,10 +112,8 @@ class FusedOutputProcessor:
         declare_loss_mask: on the labels path (``labels=`` given), declare the forward's
             ``loss_mask`` as the loss weights, as ``FusedLMHead.declare_loss_weights`` does: three
             GEMMs when the upstream gradient of the per-token loss is proportional to it (Megatron's
-            SFT reduction), the exact recompute with one warning otherwise.
-        main_grad_scale: with ``declare_loss_mask``, the scale of that reduction, declared too:
-            the output weight's gradient then goes straight into its ``main_grad`` in the forward
-            (``FusedLMHead.declare_loss_weights`` says how).
+            SFT reduction), the exact recompute with one warning otherwise. The scale of that
+            reduction, for the ``main_grad`` route, comes with each call (``LabelsRequest``).
 
     Attributes:
         fused: whether the processor computes from the hidden states (``False``: the config is
@@ -116,7 +132,6 @@ class FusedOutputProcessor:
         config: FusedLMConfig,
         *,
         declare_loss_mask: bool = False,
-        main_grad_scale: Optional[float] = None,
     ):
         if not isinstance(config, FusedLMConfig):
             raise TypeError(f"config must be a FusedLMConfig, got {type(config).__name__}")
@@ -128,7 +143,6 @@ class FusedOutputProcessor:
             )
         self.config = config
         self.declare_loss_mask = declare_loss_mask
-        self.main_grad_scale = main_grad_scale
         self.fallback_reason: Optional[str] = None
         self.name = model_name(model_chunks(model))
         chunks = [(chunk, output_layer_of(chunk)) for chunk in model_chunks(model)]
@@ -165,35 +179,45 @@ class FusedOutputProcessor:
     ):
         """Called by the model's forward with its final hidden states ``[s/TP if sequence parallel
         else s, b, h]``; returns what ``context`` asks for (see the request classes), or with
-        ``context=None`` and ``labels [b, s]`` the per-token cross-entropy ``[b, s]`` float32."""
+        ``context`` ``None`` or a ``LabelsRequest`` the per-token cross-entropy ``[b, s]`` float32
+        of ``labels [b, s]``."""
         if id(output_layer) not in self._groups:
             raise RuntimeError("this FusedOutputProcessor was made for another model; make one for this model")
-        if context is None and labels is None:
-            raise ValueError(
-                "the fused output processor needs labels= or an output_processor_context (LogprobRequest, "
-                "LossRequest); for logits, call the model without output_processor"
-            )
-        if context is not None and not isinstance(context, (LogprobRequest, LossRequest)):
+        if context is not None and not isinstance(context, (LogprobRequest, LossRequest, LabelsRequest)):
             raise TypeError(
-                f"output_processor_context must be a LogprobRequest or a LossRequest, got {type(context).__name__}"
+                "output_processor_context must be a LogprobRequest, a LossRequest or a LabelsRequest, got "
+                f"{type(context).__name__}"
             )
-        declared = loss_mask if (context is None and self.declare_loss_mask) else None
-        check_declared_shape(declared, labels)
-        targets = labels if context is None or context.targets is None else context.targets
+        labels_path = context is None or isinstance(context, LabelsRequest)
+        if labels_path:
+            if labels is None:
+                raise ValueError(
+                    "the fused output processor needs labels= or an output_processor_context (LogprobRequest, "
+                    "LossRequest); for logits, call the model without output_processor"
+                )
+            main_grad_scale = None if context is None else context.main_grad_scale
+            declared = loss_mask if self.declare_loss_mask else None
+            if main_grad_scale is not None and declared is None:
+                raise ValueError(
+                    "LabelsRequest(main_grad_scale=) is the scale of the declared loss mask: make the processor with "
+                    "declare_loss_mask=True and pass loss_mask= to the forward"
+                )
+            check_declared_shape(declared, labels)
+        targets = labels if labels_path or context.targets is None else context.targets
         if targets is None:
             raise ValueError("the request has no targets and the forward no labels")
         if not self.fused:
             logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
             logits = scale_logits(logits)
-            if context is None:
+            if labels_path:
                 return compute_language_model_loss(labels, logits)
             return self._from_logits(logits.transpose(0, 1), output_layer, targets, context)
         group = self._groups[id(output_layer)]
         hidden, call = project_input(output_layer, group, hidden_states, output_weight, self.name)
         hidden = scale_logits(hidden)  # a scalar (MuP), which commutes with the projection
         # [s, b] throughout, the hidden states' layout; the results come back [b, s].
-        if context is None:
-            losses = call_labels_loss(call, self.config, hidden, _swap(labels), _swap(declared), self.main_grad_scale)
+        if labels_path:
+            losses = call_labels_loss(call, self.config, hidden, _swap(labels), _swap(declared), main_grad_scale)
             return _batch_first(losses)
         if isinstance(context, LogprobRequest):
             result = call_logprobs(
@@ -211,7 +235,7 @@ class FusedOutputProcessor:
 
     def main_grad_outstanding(self, *, forget_released: bool = False) -> List[str]:
         """As ``FusedLMHead.main_grad_outstanding``, for this processor's main_grad-route losses
-        (``LossRequest(main_grad_scale=)``, and the labels path with ``main_grad_scale``)."""
+        (``LossRequest(main_grad_scale=)``, ``LabelsRequest(main_grad_scale=)``)."""
         return outstanding_main_grads(self._layers, forget_released)
 
     def _from_logits(self, logits: torch.Tensor, layer: torch.nn.Module, targets: torch.Tensor, context):

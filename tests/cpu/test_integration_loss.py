@@ -202,17 +202,8 @@ def loss_worker() -> None:
 MAIN_GRAD_UPSTREAM = 0.5  # what the schedule multiplies the loss by (1 / num_microbatches)
 
 
-def ddp_main_grads(ddp) -> dict:
-    """Every parameter's ``main_grad`` after the gradient reduction, cloned, by name."""
-    ddp.finish_grad_sync()
-    return {name: parameter.main_grad.clone() for name, parameter in ddp.module.named_parameters()}
-
-
 def check_main_grad_route(model, batch, response, label):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True, bucket_size=4096)
-    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    ddp = harness.megatron_ddp(model)
     targets = batch[3]
     with torch.no_grad():
         current, _ = harness.oracle_logprob_entropy(harness.forward(model, batch), targets, TEMPERATURE)
@@ -234,7 +225,7 @@ def check_main_grad_route(model, batch, response, label):
             (MAIN_GRAD_UPSTREAM * result.loss).backward()
         corrected = any("corrected by a second pass" in message for message in recorded.messages)
         assert corrected == (run == "other"), f"{label} {run}: {recorded.messages}"
-        grads[run] = ddp_main_grads(ddp)
+        grads[run] = harness.ddp_main_grads(ddp)
         assert all(parameter.grad is None for parameter in model.parameters()), f"{label} {run}"
     for run in ("declared", "other"):
         harness.assert_grads_close(grads[run], grads["stock"], GRAD_RTOL, f"{label} main_grad, {run} scale")
@@ -299,14 +290,16 @@ def check_main_grad_labels_path(ddp, model, batch, label):
             per_token = harness.forward(ddp, batch, labels=targets)
             (MAIN_GRAD_UPSTREAM * megatron_sft_loss(per_token, reduced_mask)).backward()
         assert any("second pass" in message for message in recorded.messages) == corrected, f"{label} {run}"
-        grads[run] = ddp_main_grads(ddp)
+        grads[run] = harness.ddp_main_grads(ddp)
         head.declare_loss_weights(None)
     for run in ("declared", "other scale"):
         harness.assert_grads_close(grads[run], grads["stock"], GRAD_RTOL, f"{label} labels path main_grad, {run}")
     ddp.zero_grad_buffer()
     wrap_model(ddp, FusedLMConfig(enabled=False))
     (MAIN_GRAD_UPSTREAM * megatron_sft_loss(harness.forward(ddp, batch, labels=targets), cases[3][2])).backward()
-    harness.assert_grads_close(grads["other mask"], ddp_main_grads(ddp), GRAD_RTOL, f"{label} labels path, other mask")
+    harness.assert_grads_close(
+        grads["other mask"], harness.ddp_main_grads(ddp), GRAD_RTOL, f"{label} labels path, other mask"
+    )
 
 
 def main_grad_worker() -> None:

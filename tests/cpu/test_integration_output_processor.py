@@ -12,6 +12,11 @@ For each case, on one float32 model, nothing patched:
    Megatron's SFT reduction, the stock gradients without the recompute's warning; labels outside
    the vocabulary (HF-style -100 padding) as the stock model scores them.
 4. A forward without the processor returns the stock logits bitwise.
+5. Inside Megatron's DistributedDataParallel (float32 ``main_grad``), one processor over two steps
+   whose reductions differ (another micro-batch count): the labels path with each step's scale in
+   its ``LabelsRequest``, and a ``LossRequest`` with each step's ``main_grad_scale``, leave every
+   parameter's ``main_grad`` equal to the stock model's for that step, without the correcting
+   second pass; a scale that is not the step's is corrected by it, with its warning.
 Then multi-token prediction on the labels path and MuP output scaling on the log-probs (TP=2), and
 bad input.
 
@@ -29,6 +34,7 @@ from megatron_fused_lm import _logging, losses
 from megatron_fused_lm.integration import (
     FusedLMConfig,
     FusedOutputProcessor,
+    LabelsRequest,
     LogprobRequest,
     LossRequest,
     accepts_output_processor,
@@ -113,13 +119,72 @@ def check_labels(model, batch, targets, loss_mask, label):
         assert recomputed == (declare and name == "other"), f"{case}: {recorded.messages}"
 
 
+# What the schedule multiplies the loss by at two steps (1 / num_microbatches of each).
+STEP_UPSTREAMS = (0.5, 0.25)
+
+
+def check_main_grad_per_call(model, batch, response, label):
+    """Point 5: the scale each call declares, not one fixed when the processor was made."""
+    targets = batch[3]
+    loss_mask = (harness.random_weights(harness.BATCH, harness.SEQ, seed=29) > -0.4).float()
+    with torch.no_grad():
+        current, _ = harness.oracle_logprob_entropy(harness.forward(model, batch), targets, TEMPERATURE)
+    inputs = harness.policy_inputs(current, response)
+    ddp = harness.megatron_ddp(model)
+    processor = FusedOutputProcessor(ddp, FusedLMConfig(enabled=True, token_chunk=5), declare_loss_mask=True)
+
+    def sft_step(upstream, declared_scale):
+        per_token = processed(ddp, batch, processor, LabelsRequest(main_grad_scale=declared_scale), labels=targets,
+                              loss_mask=loss_mask)  # fmt: skip
+        # Megatron's SFT reduction, times the schedule's factor: c * sum(losses * loss_mask).
+        (upstream * (per_token * loss_mask).sum() / loss_mask.sum()).backward()
+
+    def stock_sft_step(upstream, _):
+        per_token = harness.forward(ddp, batch, labels=targets, loss_mask=loss_mask)
+        (upstream * (per_token * loss_mask).sum() / loss_mask.sum()).backward()
+
+    def policy_step(upstream, declared_scale):
+        request = LossRequest(targets, POLICY_LOSS, loss_inputs=inputs, mask=response, temperature=TEMPERATURE,
+                              main_grad_scale=declared_scale)  # fmt: skip
+        (upstream * processed(ddp, batch, processor, request).loss).backward()
+
+    def stock_policy_step(upstream, _):
+        logprob, entropy = harness.oracle_logprob_entropy(harness.forward(ddp, batch), targets, TEMPERATURE)
+        per_token = POLICY_LOSS(logprob, entropy, **{name: value.double() for name, value in inputs.items()})
+        (upstream * per_token[response].sum()).backward()
+
+    for name, step, stock_step, per_upstream in (
+        ("labels path", sft_step, stock_sft_step, 1 / float(loss_mask.sum())),
+        ("LossRequest", policy_step, stock_policy_step, 1.0),
+    ):
+        for upstream, declared in [(u, u) for u in STEP_UPSTREAMS] + [(STEP_UPSTREAMS[0], STEP_UPSTREAMS[1])]:
+            case = f"{label} {name}, step upstream {upstream}, declared {declared}"
+            ddp.zero_grad_buffer()
+            stock_step(upstream, None)
+            stock = harness.ddp_main_grads(ddp)
+            ddp.zero_grad_buffer()
+            _logging._already_warned.clear()
+            with harness.RecordedWarnings() as recorded:
+                step(upstream, declared * per_upstream)
+            corrected = any("second pass" in message for message in recorded.messages)
+            assert corrected == (declared != upstream), f"{case}: {recorded.messages}"
+            assert all(parameter.grad is None for parameter in model.parameters()), case
+            harness.assert_grads_close(harness.ddp_main_grads(ddp), stock, GRAD_RTOL, case)
+            assert processor.main_grad_outstanding() == [], case
+    # The scale belongs to the declared loss mask: without it, said rather than ignored.
+    undeclared = FusedOutputProcessor(ddp, FusedLMConfig(enabled=True))
+    for target, mask in ((undeclared, loss_mask), (processor, None)):
+        with pytest.raises(ValueError, match="declare_loss_mask=True and pass loss_mask="):
+            processed(ddp, batch, target, LabelsRequest(main_grad_scale=1.0), labels=targets, loss_mask=mask)
+
+
 def check_bad_input() -> None:
     model = harness.build_gpt(sequence_parallel=False, tied=False)
     batch = harness.make_batch()
     processor = FusedOutputProcessor(model, FusedLMConfig(enabled=True))
     with pytest.raises(ValueError, match="needs labels= or an output_processor_context"):
         processed(model, batch, processor)
-    with pytest.raises(TypeError, match="LogprobRequest or a LossRequest"):
+    with pytest.raises(TypeError, match="a LossRequest or a LabelsRequest"):
         processed(model, batch, processor, {"targets": batch[3]})
     other = harness.build_gpt(sequence_parallel=False, tied=False)
     with pytest.raises(RuntimeError, match="made for another model"):
@@ -161,6 +226,9 @@ def check_mtp_and_mup() -> None:
 
 
 def processor_worker() -> None:
+    from devkit.distributed import run_cuda_placements_on_cpu
+
+    run_cuda_placements_on_cpu()  # later releases' gradient reduction asks for the current CUDA stream
     harness.tensor_parallel(2)
     if not accepts_output_processor(harness.build_gpt(sequence_parallel=False, tied=False)):
         # Releases before 0.18: the forward has no hook, and the processor says so at once.
@@ -177,6 +245,7 @@ def processor_worker() -> None:
         loss_mask = (harness.random_weights(harness.BATCH, harness.SEQ, seed=23) > -0.4).float()
         check_labels_path(model, batch, loss_mask, label)
         assert torch.equal(harness.forward(model, batch), stock_logits), f"{label}: the model is no longer stock"
+        check_main_grad_per_call(model, batch, response, label)
     harness.tensor_parallel(2)
     check_mtp_and_mup()
     harness.tensor_parallel(1)

@@ -2,8 +2,8 @@
 hidden states and weight shard, without materializing the ``[tokens, vocab/TP]`` logits.
 
 The ops (``fused_linear_logprob``, ``fused_linear_loss``, ``logits_logprob``, ...) and the packed-sequence helpers need only
-torch; the Megatron-Core integration (``FusedLMConfig``, ``wrap_model``, ...) is imported on first
-use, so the ops do not pay for importing megatron-core.
+torch; the Megatron-Core integration (``FusedLMConfig``, ``wrap_model``, ``FusedOutputProcessor``,
+...) is imported on first use, so the ops do not pay for importing megatron-core.
 """
 
 # The ops' public names are the package's.
@@ -13,7 +13,18 @@ from .packing import context_parallel_positions, next_token_targets, response_ma
 
 __version__ = "0.1.0"
 
-_INTEGRATION_NAMES = ("FusedLMConfig", "FusedLMHead", "unwrap_model", "wrap_model")
+# The integration's names (``integration.__all__``): the wrapper's and the output_processor hook's.
+_INTEGRATION_NAMES = (
+    "FusedLMConfig",
+    "FusedLMHead",
+    "FusedOutputProcessor",
+    "LabelsRequest",
+    "LogprobRequest",
+    "LossRequest",
+    "accepts_output_processor",
+    "unwrap_model",
+    "wrap_model",
+)
 
 __all__ = [
     *_OPS_NAMES,

@@ -30,14 +30,15 @@ import pytest
 import torch
 
 from devkit import megatron_gpt as harness
-from megatron_fused_lm import _logging, losses
-from megatron_fused_lm.integration import (
+from megatron_fused_lm import (
     FusedLMConfig,
     FusedOutputProcessor,
     LabelsRequest,
     LogprobRequest,
     LossRequest,
+    _logging,
     accepts_output_processor,
+    losses,
 )
 
 VALUE_ATOL = 2e-5

@@ -75,3 +75,15 @@ def test_the_math_leaf_and_the_layers():
         if name.startswith("megatron_fused_lm.integration"):
             private = {target for target in targets if target.startswith("megatron_fused_lm.ops.")}
             assert private == PRIVATE_OPS_IMPORTS.get(name, set()), (name, private)
+
+
+def test_the_integration_names_are_the_package_names():
+    """``from megatron_fused_lm import X`` gives the integration's X for every name it exports (the
+    package imports the integration on first use: the ops run without megatron-core,
+    test_without_megatron)."""
+    import megatron_fused_lm
+    from megatron_fused_lm import integration
+
+    assert set(integration.__all__) <= set(megatron_fused_lm.__all__)
+    for name in integration.__all__:
+        assert getattr(megatron_fused_lm, name) is getattr(integration, name), name

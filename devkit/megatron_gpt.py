@@ -329,7 +329,9 @@ def check_head(
 
 class RecordedWarnings(logging.Handler):
     """The package logger's warnings while in ``with RecordedWarnings() as recorded:``, as
-    ``recorded.messages`` (spawned ranks have no pytest capture)."""
+    ``recorded.messages`` (spawned ranks have no pytest capture). Entering forgets what the
+    package warned before, as tests/cpu/conftest.py does for each test: a warn-once warning is
+    recorded in every block whose code logs it, whatever the rank ran before."""
 
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -339,6 +341,9 @@ class RecordedWarnings(logging.Handler):
         self.messages.append(record.getMessage())
 
     def __enter__(self) -> "RecordedWarnings":
+        from megatron_fused_lm import _logging
+
+        _logging._already_warned.clear()
         logging.getLogger("megatron_fused_lm").addHandler(self)
         return self
 

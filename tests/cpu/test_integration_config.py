@@ -1,7 +1,6 @@
 """FusedLMConfig and reading it from trainer configs of every common shape."""
 
 import argparse
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -139,22 +138,12 @@ def namespaces(value):
     return value
 
 
-@pytest.fixture
-def warnings_seen(monkeypatch, caplog):
-    """The package's warning messages logged during the test, earlier tests' warn-once memory forgotten."""
-    from megatron_fused_lm import _logging
-
-    monkeypatch.setattr(_logging, "_already_warned", set())
-    caplog.set_level(logging.WARNING, logger="megatron_fused_lm")
-    return lambda: [record.getMessage() for record in caplog.records if record.name == "megatron_fused_lm"]
-
-
 @pytest.mark.parametrize("build", [dict, namespaces], ids=["dict", "namespace"])
-def test_keys_in_another_section_are_ignored_with_one_warning(build, warnings_seen):
+def test_keys_in_another_section_are_ignored_with_one_warning(build, package_warnings):
     config = build(VERL_LIKE)
     assert FusedLMConfig.from_trainer_config(config) == FusedLMConfig()
     assert FusedLMConfig.from_trainer_config(config) == FusedLMConfig()  # read twice, warned once
-    [warning] = warnings_seen()
+    [warning] = package_warnings()
     for path in (
         "actor_rollout_ref.actor.fused_linear_logprob",
         "actor_rollout_ref.actor.fused_linear_logprob_backend",
@@ -167,13 +156,13 @@ def test_keys_in_another_section_are_ignored_with_one_warning(build, warnings_se
     assert "section='actor_rollout_ref.actor'" in warning
 
 
-def test_only_the_keys_missing_where_looked_are_reported(warnings_seen):
+def test_only_the_keys_missing_where_looked_are_reported(package_warnings):
     config = {
         "fused_linear_logprob": True,
         "actor": {"fused_linear_logprob": False, "fused_linear_logprob_token_chunk": 32},
     }
     assert FusedLMConfig.from_trainer_config(config) == FusedLMConfig(enabled=True)
-    [warning] = warnings_seen()
+    [warning] = package_warnings()
     assert "actor.fused_linear_logprob_token_chunk" in warning and "actor.fused_linear_logprob," not in warning
 
 
@@ -181,18 +170,18 @@ def test_only_the_keys_missing_where_looked_are_reported(warnings_seen):
     "trainer_config",
     [SETTINGS, {"trainer": SETTINGS, "actor": {"strategy": "fsdp"}}, {}, {"actor": {"fused_linear_logprob": None}}],
 )
-def test_no_warning_when_nothing_is_elsewhere(trainer_config, warnings_seen):
+def test_no_warning_when_nothing_is_elsewhere(trainer_config, package_warnings):
     FusedLMConfig.from_trainer_config(trainer_config)
-    assert warnings_seen() == []
+    assert package_warnings() == []
 
 
 @pytest.mark.parametrize("build", [dict, namespaces, lambda value: AttributeConfig(**value)])
-def test_section_reads_the_keys_there(build, warnings_seen):
+def test_section_reads_the_keys_there(build, package_warnings):
     config = build(VERL_LIKE)
     assert FusedLMConfig.from_trainer_config(config, section="actor_rollout_ref.actor") == EXPECTED
     ref = FusedLMConfig.from_trainer_config(config, section="actor_rollout_ref.ref")
     assert ref == FusedLMConfig(token_chunk=64)
-    assert warnings_seen() == []  # pointing at a section silences the search
+    assert package_warnings() == []  # pointing at a section silences the search
 
 
 def test_section_reads_only_there():
@@ -246,14 +235,14 @@ def test_a_bad_section_raises(section, error, words):
         ({"actor": {"fused_linear_logprobs": True}}, "actor", "actor.fused_linear_logprobs", "fused_linear_logprob"),
     ],
 )
-def test_a_misspelt_key_warns_once_naming_the_key(settings, section, suspect, key, warnings_seen):
+def test_a_misspelt_key_warns_once_naming_the_key(settings, section, suspect, key, package_warnings):
     for build in (dict, namespaces):
         assert FusedLMConfig.from_trainer_config(build(settings), section=section) == FusedLMConfig()
-    [warning] = warnings_seen()  # read twice, warned once
+    [warning] = package_warnings()  # read twice, warned once
     assert f"{suspect} (did you mean {key}?)" in warning and "enabled=False" in warning
 
 
-def test_the_misspelling_warning_lists_every_suspect_and_ignores_other_keys(warnings_seen):
+def test_the_misspelling_warning_lists_every_suspect_and_ignores_other_keys(package_warnings):
     config = {
         "fused_linear_logprobs": True,
         "fused_linear_logprob_backend": "auto",
@@ -261,7 +250,7 @@ def test_the_misspelling_warning_lists_every_suspect_and_ignores_other_keys(warn
         "entropy_coeff": 0.0,
     }
     assert FusedLMConfig.from_trainer_config(config) == FusedLMConfig(backend="auto")
-    [warning] = warnings_seen()
+    [warning] = package_warnings()
     assert "fused_linear_logprobs (did you mean fused_linear_logprob?)" in warning
     assert "trainer.fused_linear_logprob_token_chunks (did you mean fused_linear_logprob_token_chunk?)" in warning
     for other in ("log_prob_micro_batch_size", "use_fused_kernels", "entropy_coeff", "fused_linear_logprob_backend ("):
@@ -269,10 +258,10 @@ def test_the_misspelling_warning_lists_every_suspect_and_ignores_other_keys(warn
 
 
 @pytest.mark.parametrize("build", [dict, namespaces], ids=["dict", "namespace"])
-def test_a_trainers_own_chunk_size_is_not_read(build, warnings_seen):
+def test_a_trainers_own_chunk_size_is_not_read(build, package_warnings):
     # SkyRL's trainer.logprobs_chunk_size (default 1024) and verl's size their own logits loops; read
     # as the head's chunk they slowed its tuned Triton path by 20 %: they never reach it, silently.
     config = build({"trainer": {"fused_linear_logprob": True, "logprobs_chunk_size": 1024}})
     assert FusedLMConfig.from_trainer_config(config) == FusedLMConfig(enabled=True)
     assert FusedLMConfig.from_trainer_config(config, section="trainer") == FusedLMConfig(enabled=True)
-    assert warnings_seen() == []
+    assert package_warnings() == []

@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from devkit import megatron_gpt as harness
-from megatron_fused_lm import _logging, losses
+from megatron_fused_lm import losses
 from megatron_fused_lm.integration import FusedLMConfig, unwrap_model, wrap_model
 
 VALUE_ATOL = 2e-5
@@ -91,7 +91,6 @@ def check_labels_path(model, batch, loss_mask, label):
         stock[name] = (per_token.detach(), harness.parameter_grads(model))
 
     head = wrap_model(model, FusedLMConfig(enabled=True))
-    _logging._already_warned.clear()  # each case must warn again
     with harness.RecordedWarnings() as recorded:
         head.declare_loss_weights(loss_mask)
         for name, mask in (("declared", loss_mask), ("other", other_mask)):
@@ -216,7 +215,6 @@ def check_main_grad_route(model, batch, response, label):
     ):
         ddp.zero_grad_buffer()
         head = wrap_model(ddp, FusedLMConfig(enabled=enabled, token_chunk=5))
-        _logging._already_warned.clear()
         with harness.RecordedWarnings() as recorded:
             result = head.loss(
                 harness.forward(ddp, batch), targets, POLICY_LOSS, loss_inputs=inputs, mask=response,
@@ -285,7 +283,6 @@ def check_main_grad_labels_path(ddp, model, batch, label):
         ddp.zero_grad_buffer()
         head = wrap_model(ddp, FusedLMConfig(enabled=enabled, token_chunk=5))
         head.declare_loss_weights(loss_mask, main_grad_scale=declared_scale)
-        _logging._already_warned.clear()
         with harness.RecordedWarnings() as recorded:
             per_token = harness.forward(ddp, batch, labels=targets)
             (MAIN_GRAD_UPSTREAM * megatron_sft_loss(per_token, reduced_mask)).backward()

@@ -36,7 +36,6 @@ from megatron_fused_lm import (
     LabelsRequest,
     LogprobRequest,
     LossRequest,
-    _logging,
     accepts_output_processor,
     losses,
 )
@@ -109,7 +108,6 @@ def check_labels(model, batch, targets, loss_mask, label):
         stock_grads[name] = harness.parameter_grads(model)
     for declare, (name, mask) in itertools.product((False, True), (("loss_mask", loss_mask), ("other", other_mask))):
         case = f"{label} labels path, declare_loss_mask={declare}, reduced over {name}"
-        _logging._already_warned.clear()
         with harness.RecordedWarnings() as recorded:
             processor = FusedOutputProcessor(model, FusedLMConfig(enabled=True), declare_loss_mask=declare)
             per_token = processed(model, batch, processor, labels=targets, loss_mask=loss_mask)
@@ -164,7 +162,6 @@ def check_main_grad_per_call(model, batch, response, label):
             stock_step(upstream, None)
             stock = harness.ddp_main_grads(ddp)
             ddp.zero_grad_buffer()
-            _logging._already_warned.clear()
             with harness.RecordedWarnings() as recorded:
                 step(upstream, declared * per_upstream)
             corrected = any("second pass" in message for message in recorded.messages)

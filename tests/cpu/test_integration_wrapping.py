@@ -10,30 +10,16 @@ errors about 2e-6).
 
 import copy
 import importlib.metadata
-import logging
 
 import torch
 
 from devkit import megatron_gpt as harness
-from megatron_fused_lm import _logging
 from megatron_fused_lm.integration import FusedLMConfig, unwrap_model, wrap_model
 
 TEMPERATURE = 0.7
 VALUE_ATOL = 2e-5
 GRAD_RTOL = 5e-5
 FUSED = FusedLMConfig(enabled=True, token_chunk=7)
-
-
-class WarningRecords(logging.Handler):
-    """Collects the package logger's warnings."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-        logging.getLogger("megatron_fused_lm").addHandler(self)
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
 
 
 def _is_stock(chunk):
@@ -217,11 +203,9 @@ def wrapping_cases() -> None:
             raise AssertionError(f"no error mentioning {message!r}")
 
 
-def mtp_and_mup_cases(warnings: WarningRecords) -> None:
+def mtp_and_mup_cases(warnings: harness.RecordedWarnings) -> None:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    _logging._already_warned.clear()
-    warnings.messages.clear()
     batch = harness.make_batch()
     for sequence_parallel, tied in ((False, True), (True, False)):
         label = f"MTP sequence_parallel={sequence_parallel} tied={tied}"
@@ -305,10 +289,11 @@ def grad_mode_cases() -> None:
 
 def worker() -> None:
     harness.tensor_parallel(2)
-    warnings = WarningRecords()
-    fallback_cases(warnings)
+    with harness.RecordedWarnings() as warnings:
+        fallback_cases(warnings)
     wrapping_cases()
-    mtp_and_mup_cases(warnings)
+    with harness.RecordedWarnings() as warnings:
+        mtp_and_mup_cases(warnings)
     grad_mode_cases()
 
 

@@ -1,7 +1,6 @@
 """fused_linear_logprob (torch backend) against a float64 oracle, on one rank."""
 
 import itertools
-import logging
 
 import pytest
 import torch
@@ -201,15 +200,11 @@ def test_never_allocates_tokens_by_vocab(dtype):
 
 
 @pytest.mark.parametrize("backend", ["triton", "auto"])
-def test_triton_and_auto_fall_back_on_the_cpu_with_one_warning(backend, monkeypatch, caplog):
-    from megatron_fused_lm import _logging
-
-    monkeypatch.setattr(_logging, "_already_warned", set())  # forget earlier tests' warnings
+def test_triton_and_auto_fall_back_on_the_cpu_with_one_warning(backend, package_warnings):
     hidden, weight, targets = make_case((9,), HIDDEN, 97, torch.float32, peaky=False)
-    with caplog.at_level(logging.WARNING, logger="megatron_fused_lm"):
-        first = fused_linear_logprob(hidden, weight, targets, backend=backend)
-        second = fused_linear_logprob(hidden, weight, targets, backend=backend)
-    warnings = [record.getMessage() for record in caplog.records]
+    first = fused_linear_logprob(hidden, weight, targets, backend=backend)
+    second = fused_linear_logprob(hidden, weight, targets, backend=backend)
+    warnings = package_warnings()
     assert len(warnings) == 1 and backend in warnings[0] and "CUDA" in warnings[0], warnings
     expected = reference(hidden, weight, targets, 1.0).logprob
     assert relative_error(first, expected) <= 2e-5 and torch.equal(first, second)

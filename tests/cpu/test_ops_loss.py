@@ -24,7 +24,6 @@ off by O(1).
 """
 
 import itertools
-import logging
 import math
 
 import pytest
@@ -40,7 +39,6 @@ from devkit.oracle import (
     relative_error,
 )
 from megatron_fused_lm import (
-    _logging,
     fused_linear_cross_entropy,
     fused_linear_logprob,
     fused_linear_loss,
@@ -505,15 +503,6 @@ def test_declared_weights_errors():
 
 
 # fused_linear_cross_entropy: the declared-weights path.
-
-
-@pytest.fixture
-def package_warnings(monkeypatch, caplog):
-    """The package's warnings logged during the test (earlier tests' warn-once memory cleared)."""
-    monkeypatch.setattr(_logging, "_already_warned", set())
-    with caplog.at_level(logging.WARNING, logger="megatron_fused_lm"):
-        yield lambda: [record.getMessage() for record in caplog.records]
-
 
 # name: (declared weights, the loss per token taken on the returned losses ``out`` given the
 # declared weights ``d`` and another mask ``o``, whether its upstream gradient is c * d).

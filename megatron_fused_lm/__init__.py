@@ -9,7 +9,14 @@ torch; the Megatron-Core integration (``FusedLMConfig``, ``wrap_model``, ``Fused
 # The ops' public names are the package's.
 from .ops import *  # noqa: F403
 from .ops import __all__ as _OPS_NAMES
-from .packing import context_parallel_positions, next_token_targets, response_mask, split_responses
+from .packing import (
+    context_parallel_gather,
+    context_parallel_positions,
+    context_parallel_sum,
+    next_token_targets,
+    response_mask,
+    split_responses,
+)
 
 __version__ = "0.1.0"
 
@@ -28,7 +35,9 @@ _INTEGRATION_NAMES = (
 
 __all__ = [
     *_OPS_NAMES,
+    "context_parallel_gather",
     "context_parallel_positions",
+    "context_parallel_sum",
     "next_token_targets",
     "response_mask",
     "split_responses",

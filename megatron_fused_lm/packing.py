@@ -19,7 +19,9 @@ Shapes and dtypes, checked by every helper with its own error:
 
 Under context parallelism a rank's output holds only some positions (``context_parallel_positions``):
 build the targets and masks over every position with the helpers below, then index them with those
-positions.
+positions. The way back: ``context_parallel_gather`` puts every rank's per-row results at their
+positions of the whole sequences, on every rank; ``context_parallel_sum`` makes a rank's loss over
+its own rows the whole loss's value. Both say which gradient each rank's rows get.
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ import numbers
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.distributed as dist
 
 Lengths = Union[torch.Tensor, Sequence[int]]
+# How a sum over the context-parallel group hands its gradient back (``context_parallel_sum``).
+_GRADIENTS = ("local", "summed")
 
 
 def _is_integer(dtype: torch.dtype) -> bool:
@@ -245,3 +250,120 @@ def context_parallel_positions(cu_seqlens: torch.Tensor, cp_rank: int, cp_size: 
     chunk = (positions - cu_seqlens[sequence]) // (lengths[sequence] // (2 * cp_size))
     # Chunk cp_rank precedes chunk 2 * cp_size - 1 - cp_rank in the sequence, so position order is row order.
     return positions[(chunk == cp_rank) | (chunk == 2 * cp_size - 1 - cp_rank)]
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """``value`` summed over ``group``; the backward hands each rank its own upstream gradient, or
+    with ``summed`` the sum of every rank's (the all-reduce's adjoint, itself an all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, group: dist.ProcessGroup, summed: bool) -> torch.Tensor:
+        ctx.group, ctx.summed = group, summed
+        total = value.clone(memory_format=torch.contiguous_format)  # all_reduce works in place
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.summed:
+            grad = grad.clone(memory_format=torch.contiguous_format)
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None, None
+
+
+def context_parallel_sum(value: torch.Tensor, cp_group: Optional[dist.ProcessGroup], *, gradient: str) -> torch.Tensor:
+    """``value`` summed over the context-parallel group, on every rank: a loss a rank takes over its
+    own rows (with weights normalized by global counts) becomes the whole loss's value.
+
+    Args:
+        value: a floating-point tensor of any shape, the same shape on every rank.
+        cp_group: ``mpu.get_context_parallel_group()``; ``None`` (or a group of one rank): no
+            context parallelism, ``value`` is returned as it is.
+        gradient: which upstream gradient reaches this rank's ``value``:
+
+            - ``"local"``: this rank's own, unchanged ("value summed, gradient local"): the
+              gradient a rank's rows get is that of the whole loss, as if each rank's loss stayed
+              its own (SkyRL's losses on its gathered log-probs give exactly this);
+            - ``"summed"``: the sum of every rank's (the sum's adjoint): each rank backpropagating
+              the whole loss gives its rows ``cp_size`` times their share, as a loss computed whole
+              on every rank from NeMo-RL's gathered log-probs does. Its backward is a collective:
+              every rank of the group must run it.
+
+    Returns:
+        ``value``'s shape, dtype and device.
+
+    A collective: every rank of the group calls it, in the same order.
+    """
+    if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
+        raise TypeError(f"value must be a floating-point tensor, got {_described(value)}")
+    if gradient not in _GRADIENTS:
+        raise ValueError(f"gradient must be one of {_GRADIENTS}, got {gradient!r}")
+    if cp_group is None or dist.get_world_size(cp_group) == 1:
+        return value
+    return _SumOverGroup.apply(value, cp_group, gradient == "summed")
+
+
+def context_parallel_gather(
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    num_positions: int,
+    cp_group: Optional[dist.ProcessGroup],
+    *,
+    gradient: str,
+) -> torch.Tensor:
+    """The inverse of a context-parallel split: each rank's per-row results put at the positions it
+    holds, every position's on every rank (differentiable).
+
+    Args:
+        values: floating point ``[..., R]``: this rank's results along the last dimension, one per
+            row it holds (``[1, T / cp_size]`` for a packed micro-batch's log-probs); any leading
+            dimensions, the same on every rank.
+        positions: integer ``[R]``: the position of each row among ``num_positions``, such as
+            ``context_parallel_positions(cu_seqlens, cp_rank, cp_size)``; distinct, and held by no
+            other rank (a position held twice would get the sum).
+        num_positions: the positions of the whole sequences (``cu_seqlens[-1]``), the same on
+            every rank.
+        cp_group: ``mpu.get_context_parallel_group()``; ``None`` (or a group of one rank): this
+            rank holds every row there is.
+        gradient: which upstream gradient this rank's rows get back, as in ``context_parallel_sum``:
+            ``"local"`` this rank's own at their positions (for a loss every rank computes alike
+            from the whole result, counted once: SkyRL's ``allgather_cp_sharded_packed_tensor``),
+            ``"summed"`` the sum of every rank's there, the gather's adjoint (for results each rank
+            uses its own way, whose losses add up: NeMo-RL's ``AllGatherCPTensor``).
+
+    Returns:
+        ``[..., num_positions]`` in ``values``' dtype and device: the value of the rank that holds
+        each position, 0 at positions no rank holds.
+
+    A collective: every rank of the group calls it, in the same order.
+    """
+    if not isinstance(values, torch.Tensor) or not values.dtype.is_floating_point or values.dim() == 0:
+        raise TypeError(f"values must be a floating-point tensor [..., rows], got {_described(values)}")
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or not _is_integer(positions.dtype):
+        raise TypeError(f"positions must be a 1-D integer tensor [rows], got {_described(positions)}")
+    if positions.numel() != values.shape[-1]:
+        raise ValueError(
+            f"positions has {positions.numel()} entries but values {values.shape[-1]} rows (shape "
+            f"{tuple(values.shape)}): one position per row, along the last dimension"
+        )
+    if isinstance(num_positions, bool) or not isinstance(num_positions, numbers.Integral):
+        raise TypeError(f"num_positions must be an int, got {num_positions!r}")
+    if num_positions < 0:
+        raise ValueError(f"num_positions must be at least 0, got {num_positions}")
+    positions = positions.to(device=values.device, dtype=torch.long)
+    outside = ((positions < 0) | (positions >= num_positions)).nonzero()
+    if outside.numel():
+        index = int(outside[0])
+        raise ValueError(
+            f"positions[{index}] = {int(positions[index])} is outside [0, num_positions = {num_positions})"
+        )
+    if positions.unique().numel() != positions.numel():
+        raise ValueError("positions must be distinct: a rank holds each of its positions once")
+    whole = values.new_zeros(*values.shape[:-1], num_positions).index_copy(-1, positions, values)
+    return context_parallel_sum(whole, cp_group, gradient=gradient)
+
+
+def _described(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__

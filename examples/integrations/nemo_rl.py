@@ -25,7 +25,9 @@ import torch.distributed as dist
 from megatron_fused_lm import (
     FusedLMConfig,
     FusedLMHead,
+    context_parallel_gather,
     context_parallel_positions,
+    context_parallel_sum,
     losses,
     next_token_targets,
     response_mask,
@@ -46,30 +48,6 @@ def wrap_policy_model(model: Any, policy_cfg: Dict[str, Any]) -> FusedLMHead:
     if config.enabled and policy_cfg.get("megatron_cfg", {}).get("use_fused_linear_logprobs", False):
         raise ValueError("set either policy.fused_linear_logprob or policy.megatron_cfg.use_fused_linear_logprobs")
     return wrap_model(model, config)
-
-
-class _GatherContextParallel(torch.autograd.Function):
-    """This rank's per-row values ``[B, T / CP]`` -> every position's ``[B, T]``, the sequences
-    delimited by ``cu_seqlens`` split as ``context_parallel_positions`` splits them. The backward sums
-    the upstream gradients of every rank before each takes its own rows', as NeMo-RL's
-    ``AllGatherCPTensor`` does (its losses run whole on every rank)."""
-
-    @staticmethod
-    def forward(ctx, per_row: Tensor, cu_seqlens: Tensor, group: dist.ProcessGroup) -> Tensor:
-        size = dist.get_world_size(group)
-        parts = [torch.empty_like(per_row) for _ in range(size)]
-        dist.all_gather(parts, per_row.contiguous(), group=group)
-        every = per_row.new_zeros(per_row.shape[0], per_row.shape[1] * size)
-        for rank, part in enumerate(parts):
-            every[:, context_parallel_positions(cu_seqlens, rank, size)] = part
-        ctx.group, ctx.held = group, context_parallel_positions(cu_seqlens, dist.get_rank(group), size)
-        return every
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad[:, ctx.held], None, None
 
 
 @dataclass(frozen=True)
@@ -104,11 +82,12 @@ class _RankRows:
         return torch.nn.functional.pad(per_position, (0, self.width - self.positions))[:, self.held]
 
     def everywhere(self, per_row: Tensor) -> Tensor:
-        """This rank's per-row results ``[B, rows]`` -> ``[B, S - 1]`` on every rank."""
+        """This rank's per-row results ``[B, rows]`` -> ``[B, S - 1]`` on every rank; the backward
+        sums every rank's upstream gradients, as NeMo-RL's ``AllGatherCPTensor`` does."""
         if self.held is None:
             return per_row
-        bounds = torch.tensor([0, self.width], device=per_row.device)
-        return _GatherContextParallel.apply(per_row, bounds, self.cp_group)[:, : self.positions]
+        every = context_parallel_gather(per_row, self.held, self.width, self.cp_group, gradient="summed")
+        return every[:, : self.positions]
 
 
 def next_token_logprobs(
@@ -179,7 +158,7 @@ def packed_next_token_logprobs(
         targets, scored = targets[:, held], scored[:, held]
     logprob = head.logprobs(output, targets, temperature=temperature, mask=scored)
     if size > 1:
-        logprob = _GatherContextParallel.apply(logprob, cu_seqlens_padded, cp_group)
+        logprob = context_parallel_gather(logprob, held, packed_input_ids.shape[1], cp_group, gradient="summed")
     pieces = split_responses(logprob, cu_seqlens_padded, first_tokens, scored_lengths)
     unpacked = logprob.new_zeros(len(pieces), unpacked_seqlen - 1)
     for row, piece in enumerate(pieces):
@@ -203,21 +182,17 @@ def nll_loss(
     Under context parallelism (``cp_group``: ``get_context_parallel_group()``) ``output`` holds this
     rank's rows, as in ``next_token_logprobs``. Each rank then takes the loss over its own rows and
     returns the whole loss's value; its gradient is what NeMo-RL's loss on the gathered log-probs
-    gives it: its rows' share times CP, the gather's backward having summed every rank's."""
+    gives it: the gather's backward sums every rank's upstream gradient (``gradient="summed"``),
+    CP times its rows' share when every rank backpropagates the whole loss."""
     input_ids = data["input_ids"]
     rows = _RankRows.of(output, input_ids.shape[1] - 1, cp_group)
     mask = data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)
-    cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
-    weight = rows.on_this_rank(mask.float() * cp_size / (global_valid_toks + 1e-8))
+    weight = rows.on_this_rank(mask.float() / (global_valid_toks + 1e-8))
     result = head.loss(
         rows.output, rows.on_this_rank(input_ids[:, 1:]), losses.cross_entropy, loss_inputs={"weight": weight},
         mask=rows.on_this_rank(mask.bool()), temperature=temperature,
     )  # fmt: skip
-    loss = result.loss
-    if cp_size > 1:
-        total = loss.detach() / cp_size
-        dist.all_reduce(total, group=cp_group)
-        loss = loss + (total - loss.detach())
+    loss = context_parallel_sum(result.loss, rows.cp_group, gradient="summed")
     return loss, {
         "loss": loss.item(),
         "num_unmasked_tokens": mask.sum().item(),

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,9 @@ from megatron_fused_lm import (
     FusedLMConfig,
     FusedLMHead,
     FusedLoss,
+    context_parallel_gather,
     context_parallel_positions,
+    context_parallel_sum,
     losses,
     next_token_targets,
     response_mask,
@@ -93,16 +95,14 @@ class ActionLayout:
         rank_rows: under context parallelism, int64 ``[T / CP]``: the packed positions this rank's
             output rows hold, in their order (``targets`` and ``scored`` cover every position);
             ``None`` at CP = 1.
-        gather: under context parallelism, this rank's per-row values ``[T / CP]`` -> every packed
-            position's ``[T]`` (SkyRL's ``allgather_cp_sharded_packed_tensor``).
-        cp_group: under context parallelism, the group ``gather`` and the losses sum over.
+        cp_group: under context parallelism, the group the results are gathered and the losses
+            summed over.
     """
 
     targets: Tensor
     scored: Tensor
     actions: Tensor
     rank_rows: Optional[Tensor] = None
-    gather: Optional[Callable[[Tensor], Tensor]] = None
     cp_group: Optional[dist.ProcessGroup] = None
 
     def on_this_rank(self, per_position: Tensor) -> Tensor:
@@ -110,8 +110,11 @@ class ActionLayout:
         return per_position if self.rank_rows is None else per_position[:, self.rank_rows]
 
     def everywhere(self, per_row: Tensor) -> Tensor:
-        """This rank's per-row values -> every position's ``[1, T]`` (differentiable)."""
-        return per_row if self.gather is None else self.gather(per_row.squeeze(0)).unsqueeze(0)
+        """This rank's per-row values ``[1, T / CP]`` -> every position's ``[1, T]``, each rank's rows
+        taking back their own gradient, as SkyRL's ``allgather_cp_sharded_packed_tensor`` does."""
+        if self.rank_rows is None:
+            return per_row
+        return context_parallel_gather(per_row, self.rank_rows, self.targets.shape[1], self.cp_group, gradient="local")
 
     def to_actions(self, per_row: Tensor) -> Tensor:
         """Per-row values (the output's leading shape) -> ``[B, A]``, 0 in unfilled slots."""
@@ -163,13 +166,7 @@ def packed_layout(
     if cp_group is None or dist.get_world_size(cp_group) == 1:
         return layout
     rows = context_parallel_positions(cu_seqlens_padded, dist.get_rank(cp_group), dist.get_world_size(cp_group))
-
-    def gather(per_row: Tensor) -> Tensor:
-        from skyrl.backends.skyrl_train.distributed.megatron.model_utils import allgather_cp_sharded_packed_tensor
-
-        return allgather_cp_sharded_packed_tensor(per_row, cu_seqlens_padded, cp_group)
-
-    return dataclasses.replace(layout, rank_rows=rows.to(packed_targets.device), gather=gather, cp_group=cp_group)
+    return dataclasses.replace(layout, rank_rows=rows.to(packed_targets.device), cp_group=cp_group)
 
 
 def action_log_probs(
@@ -213,10 +210,8 @@ def layout_loss(
     )  # fmt: skip
     if layout.cp_group is None:
         return result
-    total = result.loss.detach().clone()
-    dist.all_reduce(total, group=layout.cp_group)
     return FusedLoss(
-        result.loss + (total - result.loss.detach()),
+        context_parallel_sum(result.loss, layout.cp_group, gradient="local"),
         layout.everywhere(result.logprob),
         layout.everywhere(result.entropy),
     )

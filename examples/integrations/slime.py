@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed.nn.functional
 from megatron.core import parallel_state
 
 from megatron_fused_lm import (
     FusedLMConfig,
     FusedLMHead,
+    context_parallel_gather,
     context_parallel_positions,
     losses,
     next_token_targets,
@@ -157,20 +157,23 @@ class _SlimeRows:
         )  # fmt: skip
 
     def per_sample(self, per_row: Tensor) -> List[Tensor]:
-        """Per-row results ``[1, rows]`` -> this rank's piece of every sample, in slime's order."""
-        if self.row_index is None:
-            return list(per_row[self.scored].split(self.counts))
-        whole = per_row.new_zeros(self.responses).index_put((self.row_index,), per_row[self.scored])
-        whole = torch.distributed.nn.functional.all_reduce(whole, group=parallel_state.get_context_parallel_group())
-        return list(whole[self.piece_index].split(self.counts))
+        """Per-row results ``[1, rows]`` -> this rank's piece of every sample, in slime's order. With
+        ``--allgather-cp`` a rank's pieces come from other ranks' rows, so the backward sums every
+        rank's upstream gradients (each rank's loss is over its own pieces)."""
+        scored = per_row[self.scored]
+        if self.row_index is not None:
+            group = parallel_state.get_context_parallel_group()
+            whole = context_parallel_gather(scored, self.row_index, self.responses, group, gradient="summed")
+            scored = whole[self.piece_index]
+        return list(scored.split(self.counts))
 
     def to_rows(self, pieces: Tensor) -> Tensor:
         """slime's per-token values of this rank (its pieces concatenated, no gradient) -> ``[1, rows]``,
         0 on rows that score no response token."""
         if self.row_index is not None:
-            whole = pieces.new_zeros(self.responses).index_put((self.piece_index,), pieces)
-            torch.distributed.all_reduce(whole, group=parallel_state.get_context_parallel_group())
-            pieces = whole[self.row_index]
+            group = parallel_state.get_context_parallel_group()
+            pieces = context_parallel_gather(pieces, self.piece_index, self.responses, group, gradient="local")
+            pieces = pieces[self.row_index]
         return pieces.new_zeros(self.scored.shape).masked_scatter(self.scored, pieces)
 
 

@@ -7,12 +7,19 @@ row from that row alone, over the tensor-parallel group only. So, with the hidde
 labels and the loss mask split by that same function:
 1. each rank's log-probs and entropy equal the CP=1 results at the positions it holds;
 2. a token-mean loss whose weights are normalized by the global token count, summed over the CP
-   ranks, equals the CP=1 loss; each rank's hidden-state gradient equals the CP=1 gradient at its
-   positions, and the weight gradients summed over the CP ranks (what Megatron's gradient
-   all-reduce over data x context parallelism does) equal the CP=1 weight gradient;
+   ranks by ``context_parallel_sum``, equals the CP=1 loss on every rank; with the gradient local,
+   each rank's hidden-state gradient equals the CP=1 gradient at its positions, and the weight
+   gradients summed over the CP ranks (what Megatron's gradient all-reduce over data x context
+   parallelism does) equal the CP=1 weight gradient; with the gradient summed and rank r
+   backpropagating ``c_r`` times the loss, both are ``sum(c)`` times those;
 3. labels made by shifting each rank's own tokens, after the split, are wrong wherever a rank's
    two chunks are not adjacent: the labels must be shifted before the split (Megatron's
-   ``get_batch`` does so).
+   ``get_batch`` does so);
+4. ``context_parallel_gather`` of each rank's log-probs, at the positions Megatron's split gave it,
+   is the CP=1 log-probs on every rank; rank r then backpropagating ``sum(u_r * logprob)`` (``u_r``
+   its own), the gradient local gives each rank the CP=1 gradient of its own ``u_r`` at its
+   positions, the gradient summed that of ``sum_r u_r``: hidden states at its positions, and its
+   weight gradient that of those positions' terms.
 
 The CP=1 results are a float64 oracle's. Tolerances: float32 inputs, so 2e-5 on values (measured
 about 2e-6, as in test_integration_parity) and 5e-5 of the largest entry of each gradient.
@@ -22,7 +29,13 @@ import torch
 
 from devkit import megatron_gpt as harness
 from devkit.oracle import logprob_entropy
-from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, losses
+from megatron_fused_lm import (
+    context_parallel_gather,
+    context_parallel_sum,
+    fused_linear_logprob,
+    fused_linear_loss,
+    losses,
+)
 
 CP = 2
 BATCH, SEQ, HIDDEN, VOCAB = 2, 16, 8, 37
@@ -42,6 +55,11 @@ def full_batch():
         "position_ids": torch.arange(SEQ).expand(BATCH, SEQ),
         "hidden": torch.randn(BATCH, SEQ, HIDDEN, generator=generator) * 2.0,
     }, torch.randn(VOCAB, HIDDEN, generator=generator) * 1.5
+
+
+def assert_grad_close(actual: torch.Tensor, expected: torch.Tensor, label: str) -> None:
+    error = (actual.double() - expected).abs().max().item()
+    assert error <= GRAD_RTOL * expected.abs().max().item(), f"{label}: off by {error:.3g}"
 
 
 def worker() -> None:
@@ -69,22 +87,21 @@ def worker() -> None:
     want_loss = -(losses.token_mean_weights(batch["loss_mask"]).double() * full_logprob).sum()
     want_loss.backward()
     weights = harness.split_for_this_cp_rank({"weights": losses.token_mean_weights(batch["loss_mask"])})["weights"]
-    local_hidden = local["hidden"].requires_grad_()
-    local_weight = weight.clone().requires_grad_()
-    result = fused_linear_loss(
-        local_hidden, local_weight, local["labels"], losses.cross_entropy, loss_inputs={"weight": weights}
-    )
-    result.loss.backward()
-    loss = result.loss.detach().clone()
-    torch.distributed.all_reduce(loss, group=group)
-    assert abs(loss.item() - want_loss.item()) <= VALUE_ATOL, (loss.item(), want_loss.item())
-    hidden_grad_scale = hidden.grad.abs().max().item()
-    error = (local_hidden.grad - hidden.grad[:, positions]).abs().max().item()
-    assert error <= GRAD_RTOL * hidden_grad_scale, f"hidden gradient off by {error:.3g}"
-    weight_grad = local_weight.grad.clone()
-    torch.distributed.all_reduce(weight_grad, group=group)
-    error = (weight_grad - full_weight.grad).abs().max().item()
-    assert error <= GRAD_RTOL * full_weight.grad.abs().max().item(), f"weight gradient off by {error:.3g}"
+    rank = torch.distributed.get_rank(group)
+    scales = [1.0 + k for k in range(CP)]  # c_r, what rank r backpropagates the loss with
+    for gradient, upstream, factor in (("local", 1.0, 1.0), ("summed", scales[rank], sum(scales))):
+        local_hidden = local["hidden"].clone().requires_grad_()
+        local_weight = weight.clone().requires_grad_()
+        result = fused_linear_loss(
+            local_hidden, local_weight, local["labels"], losses.cross_entropy, loss_inputs={"weight": weights}
+        )
+        loss = context_parallel_sum(result.loss, group, gradient=gradient)
+        assert abs(loss.item() - want_loss.item()) <= VALUE_ATOL, (gradient, loss.item(), want_loss.item())
+        (upstream * loss).backward()
+        assert_grad_close(local_hidden.grad, factor * hidden.grad[:, positions], f"{gradient} sum: hidden gradient")
+        weight_grad = local_weight.grad.clone()
+        torch.distributed.all_reduce(weight_grad, group=group)
+        assert_grad_close(weight_grad, factor * full_weight.grad, f"{gradient} sum: weight gradient")
 
     # 3. Labels shifted after the split: wrong exactly where the next local position is not the
     # next position of the sequence (between a rank's two chunks, unless they are adjacent).
@@ -96,6 +113,26 @@ def worker() -> None:
     broken = torch.tensor(int(jumps.sum()))
     torch.distributed.all_reduce(broken, group=group)
     assert broken.item() > 0, "no rank holds two chunks that are not adjacent: the split is not Megatron's"
+
+    # 4. Back to whole sequences, at the positions Megatron's split gave this rank.
+    upstreams = [harness.random_weights(BATCH, SEQ, seed=40 + k).double() for k in range(CP)]
+    held = torch.zeros(BATCH, SEQ, dtype=torch.bool)
+    held[:, positions] = True
+    for gradient, upstream in (("local", upstreams[rank]), ("summed", sum(upstreams))):
+        hidden = batch["hidden"].double().requires_grad_()
+        full_weight = weight.double().requires_grad_()
+        want_logprob, _ = logprob_entropy(hidden @ full_weight.t(), batch["labels"], 1.0)
+        # This rank's hidden rows, and its weight gradient: that of its own positions' terms.
+        (upstream * want_logprob * held).sum().backward()
+        local_hidden = local["hidden"].clone().requires_grad_()
+        local_weight = weight.clone().requires_grad_()
+        logprob = fused_linear_logprob(local_hidden, local_weight, local["labels"])
+        whole = context_parallel_gather(logprob, positions, SEQ, group, gradient=gradient)
+        assert whole.shape == (BATCH, SEQ) and whole.dtype == logprob.dtype, (whole.shape, whole.dtype)
+        harness.assert_max_error(whole, want_logprob, VALUE_ATOL, f"{gradient} gather: log-probs")
+        (upstreams[rank] * whole).sum().backward()
+        assert_grad_close(local_hidden.grad, hidden.grad[:, positions], f"{gradient} gather: hidden gradient")
+        assert_grad_close(local_weight.grad, full_weight.grad, f"{gradient} gather: weight gradient")
 
 
 def test_context_parallel_split_gives_the_cp1_results():

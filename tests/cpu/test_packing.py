@@ -1,13 +1,25 @@
 """The packed-sequence (THD) helpers: response masks, splitting per-token results, next-token
-targets, the shift convention against an unpacked computation, and the positions a context-parallel
-rank holds (against Megatron's own split in test_recipes_context_parallel)."""
+targets, the shift convention against an unpacked computation, the positions a context-parallel
+rank holds (against Megatron's own split in test_recipes_context_parallel), and the way back from
+them: ``context_parallel_gather`` and ``context_parallel_sum`` on two gloo ranks against the same
+computation on the whole sequences in one process, gradients included (and with the fused head
+against Megatron's split in test_integration_context_parallel)."""
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from devkit.oracle import make_case, reference, relative_error
+from devkit.spawn import run_ranks
 from megatron_fused_lm import fused_linear_logprob
-from megatron_fused_lm.packing import context_parallel_positions, next_token_targets, response_mask, split_responses
+from megatron_fused_lm.packing import (
+    context_parallel_gather,
+    context_parallel_positions,
+    context_parallel_sum,
+    next_token_targets,
+    response_mask,
+    split_responses,
+)
 
 H, V = 24, 101
 
@@ -257,3 +269,104 @@ def test_context_parallel_positions_by_hand():
 def test_context_parallel_positions_rejects_bad_input(cu_seqlens, cp_rank, cp_size, error, message):
     with pytest.raises(error, match=message):
         context_parallel_positions(cu_seqlens, cp_rank, cp_size)
+
+
+# context_parallel_gather and context_parallel_sum.
+
+CP_CU_SEQLENS = torch.tensor([0, 8, 12, 20])  # padded for CP = 2
+# Positions held unevenly, in no order, some by no rank (those gather to 0): slime's --allgather-cp
+# gathers per-row results this way.
+UNEVEN_POSITIONS = (torch.tensor([7, 0, 3]), torch.tensor([15, 9, 1, 10, 12]))
+
+
+def gather_worker(rank: int, cp_size: int) -> None:
+    """Each rank holds some positions of float64 results ``[2, 20]``; rank k's loss on the whole
+    sequences is ``sum(u_k * whole ** 2)``. The oracle computes each rank's loss on the whole
+    sequences in one process: the gathered results are the whole ones, and each rank's rows get the
+    oracle's gradient of its own loss ("local") or of the sum of every rank's ("summed") at their
+    positions."""
+    group = dist.group.WORLD
+    generator = torch.Generator().manual_seed(3)
+    results = torch.randn(2, 20, generator=generator, dtype=torch.float64)
+    upstream = [torch.randn(2, 20, generator=generator, dtype=torch.float64) for _ in range(cp_size)]
+    layouts = {
+        "zigzag": [context_parallel_positions(CP_CU_SEQLENS, k, cp_size) for k in range(cp_size)],
+        "uneven": UNEVEN_POSITIONS,
+    }
+    for layout, held in layouts.items():
+        whole = torch.zeros_like(results)
+        for positions in held:
+            whole[:, positions] = results[:, positions]
+        oracle_grads = []
+        for k in range(cp_size):
+            leaf = whole.clone().requires_grad_()
+            (upstream[k] * leaf.square()).sum().backward()
+            oracle_grads.append(leaf.grad)
+        positions = held[rank]
+        for gradient, expected in (("local", oracle_grads[rank]), ("summed", sum(oracle_grads))):
+            rows = results[:, positions].clone().requires_grad_()
+            gathered = context_parallel_gather(rows, positions.int(), 20, group, gradient=gradient)
+            assert torch.equal(gathered, whole), (layout, gradient)
+            (upstream[rank] * gathered.square()).sum().backward()
+            torch.testing.assert_close(rows.grad, expected[:, positions], rtol=1e-12, atol=0)
+
+    # The sum: every rank's value summed; rank k backpropagates c_k, its value gets c_rank or sum(c).
+    values = [torch.randn(3, generator=generator, dtype=torch.float64) for _ in range(cp_size)]
+    scales = [torch.randn(3, generator=generator, dtype=torch.float64) for _ in range(cp_size)]
+    for gradient, expected in (("local", scales[rank]), ("summed", sum(scales))):
+        value = values[rank].clone().requires_grad_()
+        total = context_parallel_sum(value, group, gradient=gradient)
+        torch.testing.assert_close(total, sum(values), rtol=1e-12, atol=0)
+        (scales[rank] * total).sum().backward()
+        torch.testing.assert_close(value.grad, expected, rtol=1e-12, atol=0)
+
+
+def test_context_parallel_gather_and_sum_against_the_whole_sequences():
+    run_ranks(gather_worker, 2)
+
+
+def test_without_context_parallelism_the_gather_places_and_the_sum_returns():
+    values = torch.tensor([[1.0, 2.0, 3.0]], requires_grad=True)
+    placed = context_parallel_gather(values, torch.tensor([4, 0, 2]), 5, None, gradient="summed")
+    assert placed.tolist() == [[2.0, 0.0, 3.0, 0.0, 1.0]]
+    (placed * torch.arange(5.0)).sum().backward()
+    assert values.grad.tolist() == [[4.0, 0.0, 2.0]]
+    assert context_parallel_sum(values, None, gradient="local") is values
+
+
+ROWS = torch.zeros(1, 3)
+
+
+@pytest.mark.parametrize(
+    "values,positions,num_positions,gradient,error,message",
+    [
+        (ROWS.long(), torch.tensor([0, 1, 2]), 4, "local", TypeError, "values must be a floating-point tensor"),
+        (torch.tensor(1.0), torch.tensor([0]), 4, "local", TypeError, r"values must be .*\[\.\.\., rows\]"),
+        (ROWS, torch.tensor([[0, 1, 2]]), 4, "local", TypeError, "positions must be a 1-D integer tensor"),
+        (ROWS, torch.tensor([0.0, 1.0, 2.0]), 4, "local", TypeError, "positions must be a 1-D integer tensor"),
+        (ROWS, torch.tensor([0, 1]), 4, "local", ValueError, "positions has 2 entries but values 3 rows"),
+        (ROWS, torch.tensor([0, 1, 2]), 2.0, "local", TypeError, "num_positions must be an int"),
+        (ROWS, torch.tensor([0, 1, 2]), -1, "local", ValueError, "num_positions must be at least 0"),
+        (
+            ROWS,
+            torch.tensor([0, 4, 2]),
+            4,
+            "local",
+            ValueError,
+            r"positions\[1\] = 4 is outside \[0, num_positions = 4\)",
+        ),
+        (ROWS, torch.tensor([0, -1, 2]), 4, "local", ValueError, r"positions\[1\] = -1 is outside"),
+        (ROWS, torch.tensor([0, 2, 2]), 4, "local", ValueError, "positions must be distinct"),
+        (ROWS, torch.tensor([0, 1, 2]), 4, "both", ValueError, "gradient must be one of"),
+    ],
+)
+def test_context_parallel_gather_rejects_bad_input(values, positions, num_positions, gradient, error, message):
+    with pytest.raises(error, match=message):
+        context_parallel_gather(values, positions, num_positions, None, gradient=gradient)
+
+
+def test_context_parallel_sum_rejects_bad_input():
+    with pytest.raises(TypeError, match="value must be a floating-point tensor"):
+        context_parallel_sum(torch.ones(2, dtype=torch.long), None, gradient="local")
+    with pytest.raises(ValueError, match="gradient must be one of"):
+        context_parallel_sum(torch.ones(2), None, gradient="global")

@@ -273,26 +273,21 @@ class _SumOverGroup(torch.autograd.Function):
 
 def context_parallel_sum(value: torch.Tensor, cp_group: Optional[dist.ProcessGroup], *, gradient: str) -> torch.Tensor:
     """``value`` summed over the context-parallel group, on every rank: a loss a rank takes over its
-    own rows (with weights normalized by global counts) becomes the whole loss's value.
+    own rows (weights normalized by global counts) becomes the whole loss's value.
 
     Args:
         value: a floating-point tensor of any shape, the same shape on every rank.
         cp_group: ``mpu.get_context_parallel_group()``; ``None`` (or a group of one rank): no
-            context parallelism, ``value`` is returned as it is.
-        gradient: which upstream gradient reaches this rank's ``value``:
-
-            - ``"local"``: this rank's own, unchanged ("value summed, gradient local"): the
-              gradient a rank's rows get is that of the whole loss, as if each rank's loss stayed
-              its own (SkyRL's losses on its gathered log-probs give exactly this);
-            - ``"summed"``: the sum of every rank's (the sum's adjoint): each rank backpropagating
-              the whole loss gives its rows ``cp_size`` times their share, as a loss computed whole
-              on every rank from NeMo-RL's gathered log-probs does. Its backward is a collective:
-              every rank of the group must run it.
+            context parallelism, ``value`` comes back as it is.
+        gradient: the upstream gradient this rank's ``value`` gets: ``"local"``, its own ("value
+            summed, gradient local": a rank's rows get their share of the whole loss's gradient,
+            as from SkyRL's losses on its gathered log-probs); ``"summed"``, every rank's summed
+            (the sum's adjoint, a collective in the backward too: every rank backpropagating the
+            whole loss gives its rows ``cp_size`` times their share, as from NeMo-RL's losses on
+            its gathered log-probs).
 
     Returns:
-        ``value``'s shape, dtype and device.
-
-    A collective: every rank of the group calls it, in the same order.
+        ``value``'s shape, dtype and device. A collective: every rank of the group calls it.
     """
     if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
         raise TypeError(f"value must be a floating-point tensor, got {_described(value)}")
@@ -311,31 +306,27 @@ def context_parallel_gather(
     *,
     gradient: str,
 ) -> torch.Tensor:
-    """The inverse of a context-parallel split: each rank's per-row results put at the positions it
-    holds, every position's on every rank (differentiable).
+    """The inverse of a context-parallel split, differentiable: every rank's per-row results at
+    their positions, on every rank.
 
     Args:
-        values: floating point ``[..., R]``: this rank's results along the last dimension, one per
-            row it holds (``[1, T / cp_size]`` for a packed micro-batch's log-probs); any leading
-            dimensions, the same on every rank.
-        positions: integer ``[R]``: the position of each row among ``num_positions``, such as
-            ``context_parallel_positions(cu_seqlens, cp_rank, cp_size)``; distinct, and held by no
-            other rank (a position held twice would get the sum).
-        num_positions: the positions of the whole sequences (``cu_seqlens[-1]``), the same on
-            every rank.
-        cp_group: ``mpu.get_context_parallel_group()``; ``None`` (or a group of one rank): this
-            rank holds every row there is.
-        gradient: which upstream gradient this rank's rows get back, as in ``context_parallel_sum``:
-            ``"local"`` this rank's own at their positions (for a loss every rank computes alike
-            from the whole result, counted once: SkyRL's ``allgather_cp_sharded_packed_tensor``),
-            ``"summed"`` the sum of every rank's there, the gather's adjoint (for results each rank
-            uses its own way, whose losses add up: NeMo-RL's ``AllGatherCPTensor``).
+        values: floating point ``[..., R]``, one result per row this rank holds along the last
+            dimension (``[1, T / cp_size]`` for a packed micro-batch's log-probs); the same leading
+            dimensions on every rank.
+        positions: integer ``[R]``, each row's position among ``num_positions``
+            (``context_parallel_positions(cu_seqlens, cp_rank, cp_size)``); distinct, and held by
+            no other rank.
+        num_positions: the positions of the whole sequences (``cu_seqlens[-1]``).
+        cp_group: as in ``context_parallel_sum``; ``None``: this rank holds every row there is.
+        gradient: the upstream gradient this rank's rows get at their positions, as in
+            ``context_parallel_sum``: ``"local"`` this rank's own (a loss every rank computes alike
+            from the result, counted once: SkyRL's ``allgather_cp_sharded_packed_tensor``),
+            ``"summed"`` every rank's summed, the gather's adjoint (losses that differ per rank and
+            add up: NeMo-RL's ``AllGatherCPTensor``).
 
     Returns:
-        ``[..., num_positions]`` in ``values``' dtype and device: the value of the rank that holds
-        each position, 0 at positions no rank holds.
-
-    A collective: every rank of the group calls it, in the same order.
+        ``[..., num_positions]`` in ``values``' dtype and device, 0 at positions no rank holds. A
+        collective: every rank of the group calls it.
     """
     if not isinstance(values, torch.Tensor) or not values.dtype.is_floating_point or values.dim() == 0:
         raise TypeError(f"values must be a floating-point tensor [..., rows], got {_described(values)}")

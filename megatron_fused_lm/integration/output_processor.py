@@ -94,7 +94,7 @@ class FusedOutputProcessor:
         declare_loss_mask: on the labels path (``labels=`` given), declare the forward's
             ``loss_mask`` as the loss weights, as ``FusedLMHead.declare_loss_weights`` does: three
             GEMMs when the upstream gradient of the per-token loss is proportional to it (Megatron's
-            SFT reduction), the exact recompute with one warning otherwise.
+            SFT reduction), an exact second pass with one warning otherwise.
         main_grad_scale: with ``declare_loss_mask``, the scale of that reduction, declared too:
             the output weight's gradient then goes straight into its ``main_grad`` in the forward
             (``FusedLMHead.declare_loss_weights`` says how).

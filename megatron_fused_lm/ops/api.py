@@ -83,8 +83,9 @@ def fused_linear_logprob(
         entropy_grad: with ``False`` the entropy is a metric: no graph, no backward term.
         backend: ``"torch"``, ``"triton"`` or ``"auto"`` (Triton on CUDA when available; otherwise
             the torch backend, with one logged warning).
-        token_chunk: rows per chunk (the torch backend's chunks; the Triton backward's token
-            chunks); ``None`` picks one that bounds the working set.
+        token_chunk: rows per chunk, which bounds the ``[token_chunk, vocab_shard]`` working set
+            (the Triton forward has none: only its backward chunks); ``None`` picks the backend's
+            own rule.
         reduce_hidden_grad: ``True`` (default) gives the full gradient w.r.t. ``hidden`` on every
             rank (one all-reduce, in the gradient's dtype). ``False`` gives this rank's partial,
             for a caller whose own backward sums partials across ranks (a sequence-parallel
@@ -154,8 +155,8 @@ def logits_logprob(
             columns: rank ``r`` owns global ids ``[r * vocab_shard, (r + 1) * vocab_shard)``.
         targets: ``[...]`` (``logits.shape[:-1]``) integer global vocabulary ids.
         tp_group, temperature, return_entropy, entropy_grad: as for ``fused_linear_logprob``.
-        token_chunk: rows per chunk of the float32 softmax; ``None`` (or a size of at least the
-            number of rows) runs one pass over all rows.
+        token_chunk: rows per chunk of the float32 softmax, which bounds its ``[token_chunk,
+            vocab_shard]`` working set; ``None`` keeps one chunk's float32 block near 256 MiB.
         mask, max_rows: only rows where ``mask`` is True are computed; the others are 0 with zero
             gradient and their targets are not read (as for ``fused_linear_logprob``).
 
@@ -290,8 +291,8 @@ def fused_linear_cross_entropy(
     loss mask (or any per-token weights) and the scale may stay unknown. The backward checks the
     upstream gradient it receives (one host synchronization): proportional to ``declared_weights``
     (within ``loss_in_forward.PROPORTIONAL_TOLERANCE``), it returns the held gradients times ``c``;
-    otherwise it recomputes the exact gradient for what arrived, at the cost of the fourth GEMM.
-    Either way the result is that of ``fused_linear_logprob``.
+    otherwise it adds the gradient of the difference by a second three-GEMM pass (exact, by
+    linearity; one warning). Either way the result is that of ``fused_linear_logprob``.
 
     Args:
         declared_weights: ``[...]`` (``targets``' shape) float or bool per-token weights, needing

@@ -128,16 +128,21 @@ def has_entropy_term(loss_fn: LossFn, input_names: Tuple[str, ...]) -> bool:
 
 @torch.compiler.assume_constant_result
 def probe_entropy_term(loss_fn: LossFn, input_names: Tuple[str, ...]) -> bool:
-    """Whether ``loss_fn`` depends on the entropy, by a probe on one row of zeros on the CPU (a probe
-    that fails answers ``True``, the path that is exact either way). ``torch.compile`` evaluates it
-    once, at trace time."""
+    """Whether ``loss_fn`` depends on the entropy, by a probe on one row of zeros on the CPU;
+    ``torch.compile`` evaluates it once, at trace time. A function the probe cannot run raises
+    ``TypeError`` naming the attribute that replaces the probe: its failure says nothing about the
+    entropy, and guessing would pick a path silently."""
     logprob, entropy = (torch.zeros(1, requires_grad=True) for _ in range(2))
     try:
         with torch.enable_grad():
             total = per_token_losses(loss_fn, logprob, entropy, {name: torch.zeros(1) for name in input_names}).sum()
-        return total.requires_grad and torch.autograd.grad(total, entropy, allow_unused=True)[0] is not None
-    except Exception:
-        return True
+    except Exception as error:
+        raise TypeError(
+            f"loss_fn failed on the probe that asks whether its loss uses the entropy (one row of zeros on the CPU, "
+            f"inputs {list(input_names)}): {type(error).__name__}: {error}. Give it an attribute entropy_grad "
+            "(True if its loss depends on the entropy, else False) to skip the probe"
+        ) from error
+    return total.requires_grad and torch.autograd.grad(total, entropy, allow_unused=True)[0] is not None
 
 
 class ChunkLoss:

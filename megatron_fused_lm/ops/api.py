@@ -12,7 +12,7 @@ import torch.distributed as dist
 from .boundary import fused_forward, logits_forward
 from .contract import NeededGrads, ShardProblem
 from .held_pass import HeldPass, attach
-from .inputs import RowSelection, check_accumulator, check_float, check_linear_inputs, select_rows
+from .inputs import RowSelection, check_float, check_linear_inputs, check_weight_grad_into, select_rows
 from .loss_in_forward import (
     LossFn,
     check_loss_inputs,
@@ -262,7 +262,7 @@ def _send_weight_grad(held_pass: HeldPass, weight_grad_into: Optional[Tensor], w
         return
     if torch.compiler.is_compiling():
         raise NotImplementedError("weight_grad_into runs eagerly only, not under torch.compile")
-    check_accumulator(weight_grad_into, held_pass.problem.weight)
+    check_weight_grad_into(weight_grad_into, held_pass.problem.weight)
     held_pass.weight_grad_into, held_pass.weight_grad_scale = (
         weight_grad_into,
         check_weight_grad_scale(weight_grad_scale),

@@ -49,14 +49,14 @@ def check_temperature(temperature: float) -> float:
     return float(temperature)
 
 
-def check_weight_grad_scale(scale: float) -> float:
-    """``scale`` as a float; ``TypeError`` unless it is a number, ``ValueError`` unless it is finite
-    and not 0 (the held hidden gradient is divided by it)."""
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"weight_grad_scale must be a number, got {type(scale).__name__}")
-    if scale == 0 or not math.isfinite(scale):
-        raise ValueError(f"weight_grad_scale must be a finite nonzero number, got {scale}")
-    return float(scale)
+def check_weight_grad_scale(weight_grad_scale: float) -> float:
+    """``weight_grad_scale`` as a float; ``TypeError`` unless it is a number, ``ValueError`` unless it
+    is finite and not 0 (the held hidden gradient is divided by it)."""
+    if isinstance(weight_grad_scale, bool) or not isinstance(weight_grad_scale, numbers.Real):
+        raise TypeError(f"weight_grad_scale must be a number, got {type(weight_grad_scale).__name__}")
+    if weight_grad_scale == 0 or not math.isfinite(weight_grad_scale):
+        raise ValueError(f"weight_grad_scale must be a finite nonzero number, got {weight_grad_scale}")
+    return float(weight_grad_scale)
 
 
 def resolved_backend(backend: str, device: torch.device) -> str:

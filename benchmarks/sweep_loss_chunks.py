@@ -24,7 +24,6 @@ import torch
 import triton.testing
 from harness import kernel_timeline, parse_shapes
 
-from megatron_fused_lm.ops import held_gradients
 from megatron_fused_lm.ops.backends.triton_loss import TritonLoss
 from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
 from megatron_fused_lm.ops.contract import NeededGrads, ShardProblem, UpstreamGrads, run_loss_pass
@@ -110,18 +109,9 @@ def chunk_phases(problem, upstream, token_chunk, entropy_grad):
                 else backend.direct_operand(chunk, state, rows, summary, chunk_upstream)
             )
         ),
-        "products": median_ms(lambda: backend.products(chunk, state, rows, operand, factor)),
+        "products": median_ms(lambda: backend.products(chunk, state, rows, operand, factor, False)),
         "chosen_term": median_ms(
-            lambda: held_gradients.add_chosen(
-                state.held_hidden,
-                state.held_weight,
-                rows,
-                chunk.target_column,
-                chosen,
-                chunk.hidden,
-                chunk.weight,
-                factor,
-            )
+            lambda: backend.add_chosen(state, rows, chunk.target_column, chosen, chunk.hidden, chunk.weight, factor)
         ),
     }
     return phases

@@ -344,7 +344,7 @@ class FusedLMHead:
         declaration holds for every labels-path loss until it is replaced or cleared with
         ``None``. Nothing can go silently wrong: the backward checks that the upstream gradient it
         receives is ``c * weights``, and for any other upstream gradient (another mask, a
-        multi-token-prediction loss) it recomputes the exact gradient (four GEMMs, one warning).
+        multi-token-prediction loss) it corrects exactly by a second pass (three GEMMs, one warning).
         While a forward's gradients wait for its backward they hold one extra copy of the hidden
         gradient and the weight-shard gradient. A stock (unfused) head ignores the declaration.
 

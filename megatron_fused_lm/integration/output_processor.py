@@ -112,7 +112,7 @@ class FusedOutputProcessor:
         declare_loss_mask: on the labels path (``labels=`` given), declare the forward's
             ``loss_mask`` as the loss weights, as ``FusedLMHead.declare_loss_weights`` does: three
             GEMMs when the upstream gradient of the per-token loss is proportional to it (Megatron's
-            SFT reduction), the exact recompute with one warning otherwise. The scale of that
+            SFT reduction), an exact second pass with one warning otherwise. The scale of that
             reduction, for the ``main_grad`` route, comes with each call (``LabelsRequest``).
 
     Attributes:

@@ -49,13 +49,13 @@ class PendingWeightGrad:
     before the forward's first product, ``watch``-ed by the loss's autograd node (whose release
     without a backward it reports), ``close``-d by that backward."""
 
-    def __init__(self, accumulator: torch.Tensor, weight_grad_scale: float, rows: int):
-        self.key = _key(accumulator)
+    def __init__(self, weight_grad_into: torch.Tensor, weight_grad_scale: float, rows: int):
+        self.key = _key(weight_grad_into)
         self.weight_grad_scale, self.rows = weight_grad_scale, rows
         self.state, self.sentence = WAITING, ""
         self.value: Tuple[torch.Tensor, ...] = ()
         with _lock:
-            self.name = _names.get(accumulator, f"weight_grad_into {list(accumulator.shape)}")
+            self.name = _names.get(weight_grad_into, f"weight_grad_into {list(weight_grad_into.shape)}")
             _pending.append(self)
 
     def watch(self, node: object, *value: torch.Tensor) -> None:

@@ -4,24 +4,15 @@ logits) and unfused (from a materialized logits shard, for the stock path)."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from .accumulation import PendingWeightGrad
-from .boundary import (
-    AccumulatedCrossEntropyFunction,
-    AccumulatedGradientsFunction,
-    DeclaredCrossEntropyFunction,
-    HeldGradientsFunction,
-    fused_forward,
-    logits_forward,
-    loss_pass,
-)
-from .contract import NeededGrads
-from .inputs import RowSelection, check_accumulator, check_float, check_linear_inputs, select_rows
+from .boundary import fused_forward, logits_forward
+from .contract import NeededGrads, ShardProblem
+from .held_pass import HeldPass, attach
+from .inputs import RowSelection, check_float, check_linear_inputs, check_weight_grad_into, select_rows
 from .loss_in_forward import (
     LossFn,
     check_loss_inputs,
@@ -30,7 +21,6 @@ from .loss_in_forward import (
     has_entropy_term,
     per_token_losses,
 )
-from .losses import cross_entropy
 from .options import HeadOptions, check_weight_grad_scale
 
 Tensor = torch.Tensor
@@ -50,7 +40,7 @@ def _fused_rows(
     """A fused op's checked options, its selected rows, and their hidden states in the weight's dtype
     (the products run in it)."""
     check_linear_inputs(hidden, weight)
-    options = HeadOptions.checked(tp_group=tp_group, **options)
+    options = HeadOptions.checked(tp_group=tp_group, device=hidden.device, **options)
     selection = select_rows(targets, hidden.shape[:-1], mask, max_rows, weight.shape[0], tp_group, out_of_vocab)
     return options, selection, selection.take(hidden).to(weight.dtype)
 
@@ -93,8 +83,9 @@ def fused_linear_logprob(
         entropy_grad: with ``False`` the entropy is a metric: no graph, no backward term.
         backend: ``"torch"``, ``"triton"`` or ``"auto"`` (Triton on CUDA when available; otherwise
             the torch backend, with one logged warning).
-        token_chunk: rows per chunk (the torch backend's chunks; the Triton backward's token
-            chunks); ``None`` picks one that bounds the working set.
+        token_chunk: rows per chunk, which bounds the ``[token_chunk, vocab_shard]`` working set
+            (the Triton forward has none: only its backward chunks); ``None`` picks the backend's
+            own rule.
         reduce_hidden_grad: ``True`` (default) gives the full gradient w.r.t. ``hidden`` on every
             rank (one all-reduce, in the gradient's dtype). ``False`` gives this rank's partial,
             for a caller whose own backward sums partials across ranks (a sequence-parallel
@@ -127,9 +118,21 @@ def fused_linear_logprob(
         hidden, weight, targets, mask, max_rows, tp_group, out_of_vocab, temperature=temperature,
         token_chunk=token_chunk, backend=backend, entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
     )  # fmt: skip
-    logprob, entropy, _, _ = fused_forward(rows, weight, selection.target_column, **options.op_arguments())
+    logprob, entropy, _, _ = fused_forward(
+        rows, weight, selection.target_column, temperature=options.temperature, backend=options.backend,
+        token_chunk=options.token_chunk, tp_group_name=options.tp_group_name,
+        reduce_hidden_grad=options.reduce_hidden_grad,
+    )  # fmt: skip
+    return _results(selection, logprob, entropy if return_entropy else None, options.entropy_grad)
+
+
+def _results(selection: RowSelection, logprob: Tensor, entropy: Optional[Tensor], entropy_grad: bool):
+    """The public ops' return: the selected rows' results in place; an entropy without gradient
+    detached, so that none flows back into the operator."""
     logprob = selection.place(logprob)
-    return (logprob, selection.place(entropy)) if return_entropy else logprob
+    if entropy is None:
+        return logprob
+    return logprob, selection.place(entropy if entropy_grad else entropy.detach())
 
 
 def logits_logprob(
@@ -152,8 +155,8 @@ def logits_logprob(
             columns: rank ``r`` owns global ids ``[r * vocab_shard, (r + 1) * vocab_shard)``.
         targets: ``[...]`` (``logits.shape[:-1]``) integer global vocabulary ids.
         tp_group, temperature, return_entropy, entropy_grad: as for ``fused_linear_logprob``.
-        token_chunk: rows per chunk of the float32 softmax; ``None`` (or a size of at least the
-            number of rows) runs one pass over all rows.
+        token_chunk: rows per chunk of the float32 softmax, which bounds its ``[token_chunk,
+            vocab_shard]`` working set; ``None`` keeps one chunk's float32 block near 256 MiB.
         mask, max_rows: only rows where ``mask`` is True are computed; the others are 0 with zero
             gradient and their targets are not read (as for ``fused_linear_logprob``).
 
@@ -165,12 +168,15 @@ def logits_logprob(
     if logits.dim() == 0 or logits.shape[-1] == 0:
         raise ValueError(f"logits must be [..., vocab_shard >= 1], got shape {tuple(logits.shape)}")
     options = HeadOptions.checked(
-        temperature=temperature, token_chunk=token_chunk, tp_group=tp_group, entropy_grad=entropy_grad
-    )
+        temperature=temperature, token_chunk=token_chunk, tp_group=tp_group, device=logits.device,
+        entropy_grad=entropy_grad,
+    )  # fmt: skip
     selection = select_rows(targets, logits.shape[:-1], mask, max_rows, logits.shape[-1], tp_group)
-    logprob, entropy, _, _ = logits_forward(selection.take(logits), selection.target_column, **options.op_arguments())
-    logprob = selection.place(logprob)
-    return (logprob, selection.place(entropy)) if return_entropy else logprob
+    logprob, entropy, _, _ = logits_forward(
+        selection.take(logits), selection.target_column, temperature=options.temperature,
+        token_chunk=options.token_chunk, tp_group_name=options.tp_group_name,
+    )  # fmt: skip
+    return _results(selection, logprob, entropy if return_entropy else None, options.entropy_grad)
 
 
 def fused_linear_loss(
@@ -241,74 +247,26 @@ def fused_linear_loss(
     )  # fmt: skip
     if selection.rows is not None:
         inputs = {name: value.index_select(0, selection.rows) for name, value in inputs.items()}
-    needed = needed_grads(rows, weight)
-    if weight_grad_into is not None and needed.weight:
-        return _accumulating_loss(
-            rows, weight, selection, loss_fn, inputs, options, needed, weight_grad_into, weight_grad_scale
-        )
-    chunk_loss, state = loss_pass(rows, weight, selection.target_column, loss_fn, inputs, options, needed)
-    loss = chunk_loss.total
-    if needed.hidden or needed.weight:
-        loss = HeldGradientsFunction.apply(loss, rows, weight, options, state.held_hidden, *state.held_weight)
-    logprob, entropy = chunk_loss.logprob, chunk_loss.entropy
-    return FusedLoss(loss, selection.place(logprob), selection.place(entropy))
-
-
-def _accumulating_pass(
-    rows, weight, column, loss_fn, inputs, options: HeadOptions, needed, weight_grad_into, weight_grad_scale
-):
-    """The three-GEMM pass that adds ``weight_grad_scale`` times the weight gradient into
-    ``weight_grad_into`` (both checked): ``(options, scale, pending, chunk_loss, state, rerun)``, where
-    ``pending`` tracks the added gradient until the backward (``accumulation``) and
-    ``rerun(inputs, grad_scale)`` runs the pass again on other per-token inputs, its gradients times
-    ``grad_scale``, adding its weight gradient too, and returns its held hidden gradient."""
-    if torch.compiler.is_compiling():
-        raise NotImplementedError("weight_grad_into runs eagerly only, not under torch.compile")
-    check_accumulator(weight_grad_into, weight)
-    scale = check_weight_grad_scale(weight_grad_scale)
-    options = dataclasses.replace(options, weight_grad_accumulates=True)
-    pending = PendingWeightGrad(weight_grad_into, scale, rows.shape[0])
-    try:
-        chunk_loss, state = loss_pass(rows, weight, column, loss_fn, inputs, options, needed, weight_grad_into, scale)
-    except BaseException:
-        pending.release("stopped with an exception part way")
-        raise
-
-    def rerun(other_inputs, grad_scale) -> Tensor:
-        _, extra = loss_pass(rows, weight, column, loss_fn, other_inputs, options, needed, weight_grad_into, grad_scale)
-        return extra.held_hidden
-
-    return options, scale, pending, chunk_loss, state, rerun
-
-
-def _accumulating_loss(
-    rows, weight, selection, loss_fn, inputs, options: HeadOptions, needed, weight_grad_into, weight_grad_scale
-) -> FusedLoss:
-    """``fused_linear_loss`` with the weight gradient added into ``weight_grad_into`` in the forward;
-    a different upstream ``c`` is corrected by the pass again, its gradients times ``c - s``."""
-    options, scale, pending, chunk_loss, state, rerun = _accumulating_pass(
-        rows, weight, selection.target_column, loss_fn, inputs, options, needed, weight_grad_into, weight_grad_scale
-    )
-    loss = AccumulatedGradientsFunction.apply(
-        chunk_loss.total, rows, weight, options, scale, pending, lambda difference: rerun(inputs, difference),
-        state.held_hidden,
-    )  # fmt: skip
+    problem = ShardProblem(rows.detach(), weight.detach(), selection.target_column, options.temperature)
+    held_pass = HeldPass.for_loss(problem, loss_fn, inputs, options, needed_grads(rows, weight))
+    _send_weight_grad(held_pass, weight_grad_into, weight_grad_scale)
+    chunk_loss = held_pass.run()
+    loss = attach(held_pass, chunk_loss.total, rows, weight)
     return FusedLoss(loss, selection.place(chunk_loss.logprob), selection.place(chunk_loss.entropy))
 
 
-def _accumulating_cross_entropy(
-    rows, weight, column, declared, options: HeadOptions, needed, weight_grad_into, weight_grad_scale
-) -> Tensor:
-    """``fused_linear_cross_entropy``'s per-token losses with the weight gradient added into
-    ``weight_grad_into`` in the forward. The gradient is linear in the per-token upstream: another
-    upstream is corrected by the pass again, weighted by what is missing."""
-    options, scale, pending, chunk_loss, state, rerun = _accumulating_pass(
-        rows, weight, column, cross_entropy, {"weight": declared}, options, needed, weight_grad_into, weight_grad_scale
+def _send_weight_grad(held_pass: HeldPass, weight_grad_into: Optional[Tensor], weight_grad_scale: float) -> None:
+    """Point the pass's weight gradient at ``weight_grad_into`` (checked) where it is given and a
+    weight gradient is needed."""
+    if weight_grad_into is None or not held_pass.needed.weight:
+        return
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("weight_grad_into runs eagerly only, not under torch.compile")
+    check_weight_grad_into(weight_grad_into, held_pass.problem.weight)
+    held_pass.weight_grad_into, held_pass.weight_grad_scale = (
+        weight_grad_into,
+        check_weight_grad_scale(weight_grad_scale),
     )
-    return AccumulatedCrossEntropyFunction.apply(
-        -chunk_loss.logprob, rows, weight, options, declared, scale, pending,
-        lambda missing: rerun({"weight": missing}, None), state.held_hidden,
-    )  # fmt: skip
 
 
 def fused_linear_cross_entropy(
@@ -333,8 +291,8 @@ def fused_linear_cross_entropy(
     loss mask (or any per-token weights) and the scale may stay unknown. The backward checks the
     upstream gradient it receives (one host synchronization): proportional to ``declared_weights``
     (within ``loss_in_forward.PROPORTIONAL_TOLERANCE``), it returns the held gradients times ``c``;
-    otherwise it recomputes the exact gradient for what arrived, at the cost of the fourth GEMM.
-    Either way the result is that of ``fused_linear_logprob``.
+    otherwise it adds the gradient of the difference by a second three-GEMM pass (exact, by
+    linearity; one warning). Either way the result is that of ``fused_linear_logprob``.
 
     Args:
         declared_weights: ``[...]`` (``targets``' shape) float or bool per-token weights, needing
@@ -354,22 +312,11 @@ def fused_linear_cross_entropy(
     declared = check_per_token("declared_weights", declared_weights, hidden.shape[:-1], hidden.device)
     if not declared.dtype.is_floating_point and declared.dtype != torch.bool:
         raise TypeError(f"declared_weights must be float or bool, got {declared.dtype}")
-    declared = declared.float()
-    needed = needed_grads(rows, weight)
-    column = selection.target_column
-    if weight_grad_into is not None and needed.weight:
-        losses_per_token = _accumulating_cross_entropy(
-            rows, weight, column, declared, options, needed, weight_grad_into, weight_grad_scale
-        )
-        return selection.place(losses_per_token)
-    chunk_loss, state = loss_pass(rows, weight, column, cross_entropy, {"weight": declared}, options, needed)
-    losses_per_token = -chunk_loss.logprob
-    if needed.hidden or needed.weight:
-        losses_per_token = DeclaredCrossEntropyFunction.apply(
-            losses_per_token, rows, weight, column, declared, chunk_loss.lse, chunk_loss.mean_logit, options,
-            state.held_hidden, *state.held_weight,
-        )  # fmt: skip
-    return selection.place(losses_per_token)
+    problem = ShardProblem(rows.detach(), weight.detach(), selection.target_column, options.temperature)
+    held_pass = HeldPass.for_cross_entropy(problem, declared.float(), options, needed_grads(rows, weight))
+    _send_weight_grad(held_pass, weight_grad_into, weight_grad_scale)
+    chunk_loss = held_pass.run()
+    return selection.place(attach(held_pass, -chunk_loss.logprob, rows, weight))
 
 
 def logits_loss(

@@ -5,7 +5,7 @@ exists at a time."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Tuple
+from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 
@@ -13,6 +13,12 @@ from .contract import SavedStatistics, UpstreamGrads, token_chunks
 from .softmax import NUM_STATISTICS, block_logit_grad, block_statistics
 
 BlockLogits = Callable[[slice], torch.Tensor]
+BLOCK_BYTES = 256 * 2**20  # one float32 logits block, when token_chunk is None
+
+
+def chunk_rows(token_chunk: Optional[int], vocab_shard: int) -> int:
+    """Rows per chunk: ``token_chunk``, or as many as keep one float32 block at ``BLOCK_BYTES``."""
+    return token_chunk or max(1, BLOCK_BYTES // (4 * vocab_shard))
 
 
 def chunk_statistics(block_logits: BlockLogits, target_column: torch.Tensor, token_chunk: int) -> torch.Tensor:

@@ -104,7 +104,8 @@ class LossState(NamedTuple):
 
 
 class LossBackend(Protocol):
-    """The loss-in-forward path (three GEMMs), as named phases over a ``LossState``."""
+    """The loss-in-forward path (three GEMMs), as named phases over a ``LossState``, and the steps
+    that finish its held gradients (``held_gradients.HeldSteps``)."""
 
     def allocate(self, problem: ShardProblem, needed: NeededGrads) -> LossState:
         """The pass's tensors: the block (its rows are the token chunk) and the held gradients."""
@@ -116,10 +117,28 @@ class LossBackend(Protocol):
         ...
 
     def chunk_gradients(
-        self, problem: ShardProblem, state: LossState, rows: slice, summary: SoftmaxSummary, upstream: UpstreamGrads
+        self,
+        problem: ShardProblem,
+        state: LossState,
+        rows: slice,
+        summary: SoftmaxSummary,
+        upstream: UpstreamGrads,
+        accumulate: bool,
     ) -> None:
-        """The chunk's ``dz`` and its two products (the other GEMMs) added to the held gradients,
-        from the merged statistics and the upstream gradients."""
+        """The chunk's ``dz`` and its two products (the other GEMMs) into the held gradients, from
+        the merged statistics and the upstream gradients: the hidden gradient's rows written, the
+        weight gradient added to what it holds (``accumulate``) or written."""
+        ...
+
+    def finish(
+        self,
+        held_hidden: torch.Tensor,
+        held_weight: List[torch.Tensor],
+        scale: Optional[torch.Tensor],
+        dtypes: tuple,
+        narrow_in_place: bool,
+    ) -> Gradients:
+        """The held gradients times ``scale``, each rounded once into its parameter's dtype."""
         ...
 
 
@@ -134,13 +153,24 @@ def token_chunks(num_tokens: int, token_chunk: int) -> Iterator[slice]:
         yield slice(start, min(start + token_chunk, num_tokens))
 
 
-def run_loss_pass(backend: LossBackend, problem: ShardProblem, chunk_step: ChunkStep, needed: NeededGrads) -> LossState:
+def run_loss_pass(
+    backend: LossBackend,
+    problem: ShardProblem,
+    chunk_step: ChunkStep,
+    needed: NeededGrads,
+    held_weight: Optional[List[torch.Tensor]] = None,
+) -> LossState:
     """The three-GEMM pass: per token chunk, the backend's statistics, ``chunk_step`` (once per
     chunk, chunks in order, on every rank) and, when a gradient is needed, the backend's gradients.
-    Returns the state, whose held gradients are the pass's result."""
-    state = backend.allocate(problem, needed)
+    The weight gradient adds into ``held_weight`` where given (float32 row parts: an earlier pass's,
+    or a caller's accumulator); otherwise into parts the backend allocates, which the first chunk
+    writes. Returns the state, whose held gradients are the pass's result."""
+    adds = held_weight is not None and needed.weight
+    state = backend.allocate(problem, NeededGrads(needed.hidden, needed.weight and not adds))
+    if adds:
+        state = state._replace(held_weight=held_weight)
     for rows in token_chunks(problem.hidden.shape[0], state.token_chunk):
         summary, upstream = chunk_step(rows, backend.chunk_statistics(problem, state, rows))
         if needed.hidden or needed.weight:
-            backend.chunk_gradients(problem, state, rows, summary, upstream)
+            backend.chunk_gradients(problem, state, rows, summary, upstream, adds or rows.start > 0)
     return state

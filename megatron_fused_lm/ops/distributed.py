@@ -3,7 +3,7 @@ the ops' collectives."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,14 +38,22 @@ def all_reduce_sum(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> 
         dist.all_reduce(tensor, group=group)
 
 
+# The groups the ops were called with, by name: a custom operator carries a group's name, and the
+# operator's body looks the group up here (torch resolves names only through a private function).
+_groups_by_name: Dict[str, dist.ProcessGroup] = {}
+
+
 def group_name(group: Optional[dist.ProcessGroup]) -> Optional[str]:
-    """The name ``group`` is registered under (what custom operators carry instead of the group)."""
-    return None if group is None else group.group_name
+    """The name ``group`` is registered under, which ``group_by_name`` gives back."""
+    if group is None:
+        return None
+    _groups_by_name[group.group_name] = group
+    return group.group_name
 
 
 def group_by_name(name: Optional[str]) -> Optional[dist.ProcessGroup]:
-    """The process group registered as ``name``; ``None`` for ``None``."""
-    return None if name is None else dist.distributed_c10d._resolve_process_group(name)
+    """The process group ``group_name`` gave ``name``; ``None`` for ``None``."""
+    return None if name is None else _groups_by_name[name]
 
 
 def merge_across_group(stats: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:

@@ -1,11 +1,10 @@
 """A loss-in-forward pass's gradients, held in float32 from the forward until the backward scales
 them by the upstream gradient and rounds each once (``docs/DESIGN.md``, "Precision"), and the
-chosen token's gradient term, which both backends add here in float32.
+chosen token's gradient term, added in float32.
 
 The weight gradient is held as float32 row parts: one for a float32 weight; two halves for a
-16-bit one, so that the rounded result fits in the first half's memory. Each step that has a
-Triton kernel takes it for CUDA tensors where Triton can run (``triton_runs``) and otherwise runs
-the torch code beside it, which computes the same.
+16-bit one, so that the rounded result fits in the first half's memory. ``HeldSteps`` holds the
+steps in pure torch; the Triton backend overrides the ones it has kernels for.
 """
 
 from __future__ import annotations
@@ -14,34 +13,10 @@ from typing import List, Optional
 
 import torch
 
-from .contract import Gradients, NeededGrads
+from .contract import Gradients, LossState, NeededGrads
 from .products import add_product
-from .triton_support import triton_unavailable_reason
 
 NARROWING_ROWS = 4096  # rows of the first step when the float32 weight gradient is narrowed in place
-
-
-def triton_runs(*tensors: torch.Tensor) -> bool:
-    """Whether the Triton kernels take these tensors: CUDA, Triton installed, unit last strides."""
-    return all(
-        triton_unavailable_reason(tensor.device) is None and (tensor.dim() == 0 or tensor.stride(-1) == 1)
-        for tensor in tensors
-    )
-
-
-def scaled_copy(source: torch.Tensor, scale: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """``out = source * scale`` (``scale`` a 0-dim float32 tensor, or ``None``: 1), computed in
-    float32 and rounded once into ``out``'s dtype; ``out`` may be ``source``. Returns ``out``.
-    The kernel reads the scale on the device: ``mul`` by a 0-dim CUDA tensor broadcasts it as an
-    operand, which leaves PyTorch's vectorized elementwise path."""
-    if scale is None:
-        return out.copy_(source)
-    if source.is_contiguous() and out.is_contiguous() and triton_runs(source):
-        from .kernels.scale_kernel import scale_into
-
-        scale_into(source, scale, out)
-        return out
-    return torch.mul(source, scale, out=out)
 
 
 def allocate(
@@ -74,68 +49,6 @@ def add_weight_product(
         start += part.shape[0]
 
 
-def finish_hidden_rows(
-    product: torch.Tensor,
-    factor: Optional[torch.Tensor],
-    chosen: torch.Tensor,
-    target_column: torch.Tensor,
-    weight: torch.Tensor,
-) -> None:
-    """``product [k, H]`` (float32) becomes ``factor * product + chosen * weight[target_column]``,
-    the chosen tokens' term added where ``target_column >= 0``; ``factor``, ``chosen`` ``[k]``
-    float32 (``factor`` ``None``: 1)."""
-    if triton_runs(product, weight):
-        from .kernels.chosen_token_kernel import finish_hidden_grad
-
-        finish_hidden_grad(product, factor, chosen, target_column, weight, product)
-        return
-    if factor is not None:
-        product.mul_(factor.unsqueeze(1))
-    coefficient = torch.where(target_column >= 0, chosen, 0.0).unsqueeze(1)
-    product.addcmul_(coefficient, weight[target_column.clamp(min=0)].float())
-
-
-def add_chosen_rows(
-    held_weight: List[torch.Tensor], target_column: torch.Tensor, chosen: torch.Tensor, hidden: torch.Tensor
-) -> None:
-    """Add ``chosen[t] * hidden[t]`` to the weight gradient's row ``target_column[t]`` for every token
-    with ``target_column[t] >= 0``, summed per row in float32 in a fixed order (deterministic);
-    ``chosen [n]`` float32, ``hidden [n, H]``."""
-    if triton_runs(hidden, *held_weight):
-        from .kernels.chosen_token_kernel import add_chosen_rows as add_chosen_rows_kernel
-
-        add_chosen_rows_kernel(held_weight, target_column, chosen, hidden)
-        return
-    values = chosen.unsqueeze(1) * hidden.float()
-    # Tokens outside a part write zeros to distinct rows, so that none piles onto one row.
-    spare = torch.arange(target_column.shape[0], device=hidden.device)
-    start = 0
-    for part in held_weight:
-        inside = (target_column >= start) & (target_column < start + part.shape[0])
-        rows = torch.where(inside, target_column - start, spare % part.shape[0])
-        part.index_put_((rows,), torch.where(inside.unsqueeze(1), values, 0.0), accumulate=True)
-        start += part.shape[0]
-
-
-def add_chosen(
-    held_hidden: torch.Tensor,
-    held_weight: List[torch.Tensor],
-    rows: slice,
-    target_column: torch.Tensor,
-    chosen: torch.Tensor,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    factor: Optional[torch.Tensor] = None,
-) -> None:
-    """Finish a chunk's rows: the hidden gradient's product (already in ``held_hidden[rows]``) times
-    ``factor`` plus ``chosen * weight[target_column]``, and ``chosen * hidden`` added to the weight
-    gradient's chosen rows. ``hidden`` are the chunk's rows."""
-    if held_hidden.dim() == 2:
-        finish_hidden_rows(held_hidden[rows], factor, chosen, target_column, weight)
-    if held_weight:
-        add_chosen_rows(held_weight, target_column, chosen, hidden)
-
-
 def narrowing_steps(rows: int) -> List[slice]:
     """The steps that narrow a float32 part of ``rows`` rows into its own memory: ``[0,
     NARROWING_ROWS)``, then ``[a, 2a)`` until ``rows``.
@@ -151,40 +64,85 @@ def narrowing_steps(rows: int) -> List[slice]:
     return steps
 
 
-def scaled_gradients(
-    held_hidden: torch.Tensor,
-    held_weight: List[torch.Tensor],
-    scale: Optional[torch.Tensor],
-    hidden_dtype: torch.dtype,
-    weight_dtype: torch.dtype,
-    narrow_in_place: bool,
-) -> Gradients:
-    """Both held gradients times the upstream ``scale`` (0-dim float32; ``None``: 1), each rounded once into its
-    parameter's dtype (``None`` where not held). With ``narrow_in_place`` the weight gradient is
-    written into the held parts' own memory, which it then occupies (eager autograd); otherwise
-    into new memory (a custom operator may not return its inputs' memory)."""
-    hidden = None
-    if held_hidden.dim() == 2:
-        hidden = scaled_copy(held_hidden, scale, torch.empty_like(held_hidden, dtype=hidden_dtype))
-    if not held_weight:
-        return Gradients(hidden, None)
-    (first, *rest), hidden_size = held_weight, held_weight[0].shape[1]
-    shape = (sum(part.shape[0] for part in held_weight), hidden_size)
-    if not rest:  # float32: the held part is the result
-        return Gradients(hidden, scaled_copy(first, scale, first if narrow_in_place else torch.empty_like(first)))
-    if narrow_in_place:
-        out = torch.empty(0, dtype=weight_dtype, device=first.device)
-        out.set_(first.untyped_storage(), 0, shape, (hidden_size, 1))
-    else:
-        out = first.new_empty(shape, dtype=weight_dtype)
-    start = 0
-    for index, part in enumerate(held_weight):
-        overlapping = narrow_in_place and index == 0
-        for rows in narrowing_steps(part.shape[0]) if overlapping else (slice(0, part.shape[0]),):
-            target = out[start + rows.start : start + rows.stop]
-            if overlapping and rows.start == 0:
-                target.copy_(scaled_copy(part[rows], scale, target.new_empty(target.shape)))
-            else:
-                scaled_copy(part[rows], scale, target)
-        start += part.shape[0]
-    return Gradients(hidden, out)
+class HeldSteps:
+    """The steps that touch the held gradients element by element, in torch; a backend with kernels
+    for them overrides ``scaled_copy`` and ``add_chosen``."""
+
+    def scaled_copy(self, source: torch.Tensor, scale: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """``out = source * scale`` (``scale`` a 0-dim float32 tensor, or ``None``: 1), computed in
+        float32 and rounded once into ``out``'s dtype; ``out`` may be ``source``. Returns ``out``."""
+        return out.copy_(source) if scale is None else torch.mul(source, scale, out=out)
+
+    def add_chosen(
+        self,
+        state: LossState,
+        rows: slice,
+        target_column: torch.Tensor,
+        chosen: torch.Tensor,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        factor: Optional[torch.Tensor] = None,
+    ) -> None:
+        """Finish a chunk's rows: the hidden gradient's product (already in ``held_hidden[rows]``)
+        becomes ``factor * product + chosen * weight[target_column]``, and ``chosen * hidden`` is
+        added to the weight gradient's rows ``target_column``, summed per row in float32 in a fixed
+        order (deterministic). ``target_column``, ``chosen``, ``factor`` ``[k]`` (``factor`` ``None``:
+        1; columns ``< 0``: another shard's token, no term); ``hidden [k, H]`` the chunk's rows."""
+        if state.held_hidden.dim() == 2:
+            product = state.held_hidden[rows]
+            if factor is not None:
+                product.mul_(factor.unsqueeze(1))
+            coefficient = torch.where(target_column >= 0, chosen, 0.0).unsqueeze(1)
+            product.addcmul_(coefficient, weight[target_column.clamp(min=0)].float())
+        if not state.held_weight:
+            return
+        values = chosen.unsqueeze(1) * hidden.float()
+        # Tokens outside a part write zeros to distinct rows, so that none piles onto one row.
+        spare = torch.arange(target_column.shape[0], device=hidden.device)
+        start = 0
+        for part in state.held_weight:
+            inside = (target_column >= start) & (target_column < start + part.shape[0])
+            part_rows = torch.where(inside, target_column - start, spare % part.shape[0])
+            part.index_put_((part_rows,), torch.where(inside.unsqueeze(1), values, 0.0), accumulate=True)
+            start += part.shape[0]
+
+    def finish(
+        self,
+        held_hidden: torch.Tensor,
+        held_weight: List[torch.Tensor],
+        scale: Optional[torch.Tensor],
+        dtypes: tuple[torch.dtype, torch.dtype],
+        narrow_in_place: bool,
+    ) -> Gradients:
+        """Both held gradients times the upstream ``scale`` (0-dim float32; ``None``: 1), each rounded
+        once into its parameter's dtype (``dtypes``: hidden's, the weight's; ``None`` where not
+        held). With ``narrow_in_place`` the weight gradient is written into the held parts' own
+        memory, which it then occupies (eager autograd); otherwise into new memory (a custom
+        operator may not return its inputs' memory)."""
+        hidden_dtype, weight_dtype = dtypes
+        hidden = None
+        if held_hidden.dim() == 2:
+            hidden = self.scaled_copy(held_hidden, scale, torch.empty_like(held_hidden, dtype=hidden_dtype))
+        if not held_weight:
+            return Gradients(hidden, None)
+        (first, *rest), hidden_size = held_weight, held_weight[0].shape[1]
+        shape = (sum(part.shape[0] for part in held_weight), hidden_size)
+        if not rest:  # float32: the held part is the result
+            out = first if narrow_in_place else torch.empty_like(first)
+            return Gradients(hidden, self.scaled_copy(first, scale, out))
+        if narrow_in_place:
+            out = torch.empty(0, dtype=weight_dtype, device=first.device)
+            out.set_(first.untyped_storage(), 0, shape, (hidden_size, 1))
+        else:
+            out = first.new_empty(shape, dtype=weight_dtype)
+        start = 0
+        for index, part in enumerate(held_weight):
+            overlapping = narrow_in_place and index == 0
+            for rows in narrowing_steps(part.shape[0]) if overlapping else (slice(0, part.shape[0]),):
+                target = out[start + rows.start : start + rows.stop]
+                if overlapping and rows.start == 0:
+                    target.copy_(self.scaled_copy(part[rows], scale, target.new_empty(target.shape)))
+                else:
+                    self.scaled_copy(part[rows], scale, target)
+            start += part.shape[0]
+        return Gradients(hidden, out)

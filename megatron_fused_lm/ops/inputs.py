@@ -33,19 +33,19 @@ def check_linear_inputs(hidden: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"hidden size {tuple(hidden.shape)[-1:]} does not match weight's {weight.shape[1]}")
 
 
-def check_accumulator(accumulator: torch.Tensor, weight: torch.Tensor) -> None:
-    """``TypeError`` / ``ValueError`` unless ``accumulator`` is a contiguous float32 tensor of the
+def check_weight_grad_into(weight_grad_into: torch.Tensor, weight: torch.Tensor) -> None:
+    """``TypeError`` / ``ValueError`` unless ``weight_grad_into`` is a contiguous float32 tensor of the
     weight's shape on its device, needing no gradient."""
-    if not isinstance(accumulator, torch.Tensor):
-        raise TypeError(f"weight_grad_into must be a torch.Tensor, got {type(accumulator).__name__}")
-    if accumulator.dtype != torch.float32:
-        raise TypeError(f"weight_grad_into must be float32, got {accumulator.dtype}")
-    if accumulator.shape != weight.shape or accumulator.device != weight.device:
+    if not isinstance(weight_grad_into, torch.Tensor):
+        raise TypeError(f"weight_grad_into must be a torch.Tensor, got {type(weight_grad_into).__name__}")
+    if weight_grad_into.dtype != torch.float32:
+        raise TypeError(f"weight_grad_into must be float32, got {weight_grad_into.dtype}")
+    if weight_grad_into.shape != weight.shape or weight_grad_into.device != weight.device:
         raise ValueError(
             f"weight_grad_into must have the weight's shape {tuple(weight.shape)} on {weight.device}, got "
-            f"{tuple(accumulator.shape)} on {accumulator.device}"
+            f"{tuple(weight_grad_into.shape)} on {weight_grad_into.device}"
         )
-    if not accumulator.is_contiguous() or accumulator.requires_grad:
+    if not weight_grad_into.is_contiguous() or weight_grad_into.requires_grad:
         raise ValueError("weight_grad_into must be contiguous and need no gradient")
 
 

@@ -12,7 +12,7 @@ import torch
 
 from .contract import UpstreamGrads
 from .inputs import may_synchronize
-from .softmax import SoftmaxSummary, summarize
+from .softmax import NUM_STATISTICS, SoftmaxSummary, summarize
 
 Tensor = torch.Tensor
 LossFn = Callable[..., Tensor]
@@ -128,46 +128,52 @@ def has_entropy_term(loss_fn: LossFn, input_names: Tuple[str, ...]) -> bool:
 
 @torch.compiler.assume_constant_result
 def probe_entropy_term(loss_fn: LossFn, input_names: Tuple[str, ...]) -> bool:
-    """Whether ``loss_fn`` depends on the entropy, by a probe on one row of zeros on the CPU (a probe
-    that fails answers ``True``, the path that is exact either way). ``torch.compile`` evaluates it
-    once, at trace time."""
+    """Whether ``loss_fn`` depends on the entropy, by a probe on one row of zeros on the CPU;
+    ``torch.compile`` evaluates it once, at trace time. A function the probe cannot run raises
+    ``TypeError`` naming the attribute that replaces the probe: its failure says nothing about the
+    entropy, and guessing would pick a path silently."""
     logprob, entropy = (torch.zeros(1, requires_grad=True) for _ in range(2))
     try:
         with torch.enable_grad():
             total = per_token_losses(loss_fn, logprob, entropy, {name: torch.zeros(1) for name in input_names}).sum()
-        return total.requires_grad and torch.autograd.grad(total, entropy, allow_unused=True)[0] is not None
-    except Exception:
-        return True
+    except Exception as error:
+        raise TypeError(
+            f"loss_fn failed on the probe that asks whether its loss uses the entropy (one row of zeros on the CPU, "
+            f"inputs {list(input_names)}): {type(error).__name__}: {error}. Give it an attribute entropy_grad "
+            "(True if its loss depends on the entropy, else False) to skip the probe"
+        ) from error
+    return total.requires_grad and torch.autograd.grad(total, entropy, allow_unused=True)[0] is not None
 
 
 class ChunkLoss:
-    """The chunk step both backends' passes are driven with: ``merge`` (the statistics all-gather)
-    on a chunk's shard statistics, its log-probs and entropy recorded with the running loss, and,
+    """The chunk step both backends' passes are driven with: ``merge(rows, local_statistics)`` (the
+    statistics all-gather, or the merged statistics of an earlier pass over the same rows) on a
+    chunk's shard statistics, the merged statistics (``merged [n, 4]``), log-probs and entropy
+    recorded with the running loss, and,
     when ``upstream``, the loss's per-token gradients (the entropy's only when ``entropy_grad``),
-    times ``grad_scale`` (a float or a 0-dim float32 tensor; ``None``: as they are)."""
+    times ``upstream_scale`` (a float or a 0-dim float32 tensor; ``None``: as they are)."""
 
     def __init__(
         self,
         loss_fn: LossFn,
         inputs: Dict[str, Tensor],
         target_column: Tensor,
-        merge: Callable[[Tensor], Tensor],
+        merge: Callable[[slice, Tensor], Tensor],
         entropy_grad: bool,
         upstream: bool,
-        grad_scale: Optional[Union[float, Tensor]] = None,
+        upstream_scale: Optional[Union[float, Tensor]] = None,
     ):
         self.loss_fn, self.inputs, self.target_column, self.merge = loss_fn, inputs, target_column, merge
-        self.entropy_grad, self.upstream, self.grad_scale = entropy_grad, upstream, grad_scale
+        self.entropy_grad, self.upstream, self.upstream_scale = entropy_grad, upstream, upstream_scale
         num_rows, device = target_column.shape[0], target_column.device
-        self.logprob, self.entropy, self.lse, self.mean_logit = (
-            torch.empty(num_rows, dtype=torch.float32, device=device) for _ in range(4)
-        )
+        self.logprob, self.entropy = (torch.empty(num_rows, dtype=torch.float32, device=device) for _ in range(2))
+        self.merged = torch.empty(num_rows, NUM_STATISTICS, dtype=torch.float32, device=device)
         self.total = torch.zeros((), dtype=torch.float32, device=device)
 
     def __call__(self, rows: slice, local_statistics: Tensor) -> tuple[SoftmaxSummary, UpstreamGrads]:
-        summary = summarize(self.merge(local_statistics), self.target_column[rows])
-        for name in ("logprob", "entropy", "lse", "mean_logit"):
-            getattr(self, name)[rows] = getattr(summary, name)
+        self.merged[rows] = self.merge(rows, local_statistics)
+        summary = summarize(self.merged[rows], self.target_column[rows])
+        self.logprob[rows], self.entropy[rows] = summary.logprob, summary.entropy
         inputs = {name: value[rows] for name, value in self.inputs.items()}
         check_rows_independent(self.loss_fn, summary.logprob, summary.entropy, inputs)
 
@@ -180,8 +186,8 @@ class ChunkLoss:
         grad_logprob, grad_entropy, chunk_total = per_token_grads(total, summary.logprob, summary.entropy)
         self.total += chunk_total
         grads = UpstreamGrads(grad_logprob, grad_entropy if self.entropy_grad else None)
-        if self.grad_scale is not None:
-            grads = UpstreamGrads(*(None if grad is None else grad * self.grad_scale for grad in grads))
+        if self.upstream_scale is not None:
+            grads = UpstreamGrads(*(None if grad is None else grad * self.upstream_scale for grad in grads))
         return summary, grads
 
 

@@ -1,4 +1,4 @@
-"""The ops' scalar options, checked once, and the one object that carries them across the autograd
+"""The ops' scalar options, checked once into the one object that carries them across the autograd
 boundary (``HeadOptions``)."""
 
 from __future__ import annotations
@@ -8,9 +8,12 @@ import math
 import numbers
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
+from .._logging import warn_once
 from .distributed import group_by_name, group_name
+from .triton_support import triton_unavailable_reason
 
 BACKENDS = ("torch", "triton", "auto")
 
@@ -46,30 +49,47 @@ def check_temperature(temperature: float) -> float:
     return float(temperature)
 
 
-def check_weight_grad_scale(scale: float) -> float:
-    """``scale`` as a float; ``TypeError`` unless it is a number, ``ValueError`` unless it is finite
-    and not 0 (the held hidden gradient is divided by it)."""
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"weight_grad_scale must be a number, got {type(scale).__name__}")
-    if scale == 0 or not math.isfinite(scale):
-        raise ValueError(f"weight_grad_scale must be a finite nonzero number, got {scale}")
-    return float(scale)
+def check_weight_grad_scale(weight_grad_scale: float) -> float:
+    """``weight_grad_scale`` as a float; ``TypeError`` unless it is a number, ``ValueError`` unless it
+    is finite and not 0 (the held hidden gradient is divided by it)."""
+    if isinstance(weight_grad_scale, bool) or not isinstance(weight_grad_scale, numbers.Real):
+        raise TypeError(f"weight_grad_scale must be a number, got {type(weight_grad_scale).__name__}")
+    if weight_grad_scale == 0 or not math.isfinite(weight_grad_scale):
+        raise ValueError(f"weight_grad_scale must be a finite nonzero number, got {weight_grad_scale}")
+    return float(weight_grad_scale)
+
+
+def resolved_backend(backend: str, device: torch.device) -> str:
+    """The backend a call runs, chosen once per call: ``"triton"`` where ``backend`` is ``"triton"``
+    or ``"auto"`` and Triton can run on ``device``; otherwise ``"torch"`` (one logged warning when
+    ``"triton"`` or ``"auto"`` falls back)."""
+    if check_backend(backend) == "torch":
+        return "torch"
+    reason = _triton_unavailable_reason(device)
+    if reason is not None:
+        warn_once(f"backend={backend!r} runs the torch backend instead: {reason}")
+        return "torch"
+    return "triton"
+
+
+@torch.compiler.assume_constant_result
+def _triton_unavailable_reason(device: torch.device) -> Optional[str]:
+    # A fact of the device and the installation: a compiled graph evaluates it once, when traced.
+    return triton_unavailable_reason(device)
 
 
 @dataclasses.dataclass(frozen=True)
 class HeadOptions:
-    """Every option of the ops, as the custom operators and autograd functions receive it: the
-    operators take exactly these fields as keyword arguments (``op_arguments``) and rebuild the
-    object from them; the public ops document each. Fields a path does not use keep their
-    defaults (the unfused path has no backend and no hidden gradient)."""
+    """Every option of a fused or unfused call, checked once (``checked``) and kept whole by the pass
+    and its autograd function; the custom operators take the fields they use as typed parameters
+    of the same names. The public ops document each."""
 
     temperature: float = 1.0
-    backend: str = "torch"
-    token_chunk: Optional[int] = None
+    backend: str = "torch"  # resolved: "torch" or "triton"
+    token_chunk: Optional[int] = None  # rows per chunk; None: the path's own rule
     tp_group_name: Optional[str] = None  # the tensor-parallel group by its registered name
     entropy_grad: bool = True
     reduce_hidden_grad: bool = True
-    weight_grad_accumulates: bool = False  # the loss path adds the weight gradient into a caller's tensor
 
     @classmethod
     def checked(
@@ -78,14 +98,16 @@ class HeadOptions:
         temperature: float,
         token_chunk: Optional[int],
         tp_group: Optional[dist.ProcessGroup],
+        device: torch.device,
         backend: str = "torch",
         entropy_grad: bool = True,
         reduce_hidden_grad: bool = True,
     ) -> HeadOptions:
-        """The options of a public call, each checked (``TypeError`` / ``ValueError``)."""
+        """The options of a public call on tensors of ``device``, each checked (``TypeError`` /
+        ``ValueError``), the backend resolved."""
         return cls(
             temperature=check_temperature(temperature),
-            backend=check_backend(backend),
+            backend=resolved_backend(backend, device),
             token_chunk=check_token_chunk(token_chunk),
             tp_group_name=group_name(tp_group),
             entropy_grad=bool(entropy_grad),
@@ -95,8 +117,3 @@ class HeadOptions:
     @property
     def tp_group(self) -> Optional[dist.ProcessGroup]:
         return group_by_name(self.tp_group_name)
-
-    def op_arguments(self) -> dict:
-        """The keyword arguments of a custom operator call (``asdict`` would deep-copy, which
-        ``torch.compile`` cannot trace)."""
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}

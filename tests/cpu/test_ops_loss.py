@@ -445,6 +445,29 @@ def test_a_loss_fn_that_mixes_rows_is_refused(name):
         logits_loss(hidden @ weight.t(), targets, MIXING_LOSSES[name])
 
 
+class CheckedAdvantages:
+    """A policy-gradient loss that validates its inputs, as a user's may: all-zero advantages are an
+    error. The entropy probe's row of zeros trips the check."""
+
+    def __call__(self, logprob, entropy, *, advantages):
+        if not bool(advantages.abs().sum() > 0):
+            raise ValueError("all advantages are zero")
+        return -advantages * logprob
+
+
+def test_a_loss_fn_the_entropy_probe_cannot_run_is_refused_by_name():
+    # Guessing whether it has an entropy term would pick a path silently; the attribute decides.
+    hidden, weight, targets, _ = sft_case()
+    inputs = {"advantages": torch.randn(targets.shape, generator=generator(3))}
+    with pytest.raises(TypeError, match="failed on the probe.*all advantages are zero.*entropy_grad"):
+        fused_linear_loss(hidden, weight, targets, CheckedAdvantages(), loss_inputs=inputs)
+    declared = CheckedAdvantages()
+    declared.entropy_grad = False
+    result = fused_linear_loss(hidden, weight, targets, declared, loss_inputs=inputs)
+    expected = (-inputs["advantages"] * fused_linear_logprob(hidden, weight, targets)).sum()
+    torch.testing.assert_close(result.loss, expected, rtol=1e-6, atol=1e-5)
+
+
 class CountingLoss:
     """A per-row cross-entropy that counts its calls (declaring no entropy term, so no probe runs)."""
 
@@ -546,8 +569,8 @@ def test_cross_entropy_gradients_for_any_upstream(name, token_chunk, package_war
     warnings = package_warnings()
     if matches:  # the stored gradients, scaled
         assert warnings == []
-    else:  # the recompute, announced once
-        assert len(warnings) == 1 and "recomputed" in warnings[0], warnings
+    else:  # the second pass, announced once
+        assert len(warnings) == 1 and "second pass" in warnings[0], warnings
 
 
 def test_cross_entropy_second_backward_is_an_error():

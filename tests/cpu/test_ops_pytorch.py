@@ -177,11 +177,10 @@ def opcheck_cases():
     path's phases on a pass's own state after its first chunk's statistics."""
     from megatron_fused_lm.ops.backends.torch_loss import TorchLoss
     from megatron_fused_lm.ops.contract import NeededGrads, ShardProblem
-    from megatron_fused_lm.ops.options import HeadOptions
     from megatron_fused_lm.ops.softmax import summarize
 
     hidden, weight, targets, upstream, _ = inputs()
-    options = HeadOptions(token_chunk=7).op_arguments()
+    recompute = dict(temperature=1.0, backend="torch", token_chunk=7, tp_group_name=None)
     logits = (hidden @ weight.t()).detach()
     lse, mean_logit = torch.randn(ROWS), torch.randn(ROWS)
     ops = torch.ops.megatron_fused_lm
@@ -189,41 +188,51 @@ def opcheck_cases():
     problem = ShardProblem(hidden, weight, targets, 1.0)
     state = TorchLoss(token_chunk=7).allocate(problem, NeededGrads(True, True))
     summary = list(summarize(TorchLoss(token_chunk=7).chunk_statistics(problem, state, slice(0, 7))))
-    chunk = dict(start=0, stop=7, **options)
+    chunk = dict(start=0, stop=7, temperature=1.0, backend="torch")
     phases = (hidden, weight, targets, state.block, state.reference)
-    held = [torch.randn(ROWS, HIDDEN), [torch.randn(VOCAB // 2, HIDDEN), torch.randn(VOCAB - VOCAB // 2, HIDDEN)]]
+    held_weight = [torch.randn(VOCAB // 2, HIDDEN), torch.randn(VOCAB - VOCAB // 2, HIDDEN)]
+    held = [torch.randn(ROWS, HIDDEN), *held_weight]
+    finish = dict(parts=2, dtype=torch.bfloat16, reduce_hidden_grad=True, **recompute)
     return {
-        "merge_statistics": (ops.merge_statistics, (torch.randn(ROWS, 4),), options),
-        "loss_allocate": (ops.loss_allocate, (hidden, weight, targets, True, True), options),
-        "loss_statistics": (ops.loss_statistics, phases, chunk),
+        "merge_statistics": (ops.merge_statistics, (torch.randn(ROWS, 4),), dict(tp_group_name=None)),
+        "loss_allocate": (
+            ops.loss_allocate, (hidden, weight),
+            dict(need_hidden=True, need_weight=True, backend="torch", token_chunk=7, entropy_grad=True),
+        ),
+        "loss_statistics": (
+            ops.loss_statistics, (hidden[:7], weight, targets[:7], state.block, state.reference),
+            dict(temperature=1.0, backend="torch"),
+        ),
         "loss_gradients": (
             ops.loss_gradients,
             (*phases, state.held_hidden, state.held_weight, summary, upstream[0][:7], upstream[1][:7]),
-            chunk,
+            dict(chunk, accumulate=False),
         ),
-        "finish_held_gradients": (
-            ops.finish_held_gradients,
-            (*held, torch.tensor(0.37), torch.bfloat16, torch.bfloat16),
-            options,
-        ),
-        "declared_gradients": (
-            ops.declared_gradients,
-            (upstream[0] * 0.0 + 0.5, torch.ones(ROWS), *held, hidden, weight, targets, lse, mean_logit, True, True),
-            options,
+        "held_backward": (ops.held_backward, (torch.tensor(0.37), held), finish),
+        "held_backward_per_token": (
+            ops.held_backward,
+            (upstream[0] * 0.0 + 0.5, [*held, hidden, weight, targets, torch.randn(ROWS, 4), torch.ones(ROWS)]),
+            finish,
         ),
         "fused_forward": (
             ops.fused_forward,
             (hidden.detach().requires_grad_(), weight.detach().requires_grad_(), targets),
-            options,
+            dict(recompute, reduce_hidden_grad=True),
         ),
         "fused_backward": (
             ops.fused_backward,
             (hidden.detach(), weight.detach(), targets, lse, mean_logit, upstream[0], upstream[1]),
-            dict(options, need_hidden=True, need_weight=True),
+            dict(recompute, need_hidden=True, need_weight=True, reduce_hidden_grad=True),
         ),
-        "logits_forward": (ops.logits_forward, (logits.clone().requires_grad_(), targets), options),
-        "logits_backward": (ops.logits_backward, (logits, targets, lse, mean_logit, upstream[0], None), options),
-    }
+        "logits_forward": (
+            ops.logits_forward, (logits.clone().requires_grad_(), targets),
+            dict(temperature=1.0, token_chunk=7, tp_group_name=None),
+        ),
+        "logits_backward": (
+            ops.logits_backward, (logits, targets, lse, mean_logit, upstream[0], None),
+            dict(temperature=1.0, token_chunk=7),
+        ),
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -237,8 +246,8 @@ def opcheck_cases():
         "loss_allocate",
         "loss_statistics",
         "loss_gradients",
-        "finish_held_gradients",
-        "declared_gradients",
+        "held_backward",
+        "held_backward_per_token",
     ],
 )
 def test_custom_operators_pass_opcheck(name):

@@ -24,14 +24,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def held_gradient_kernels(case: dict) -> dict:
-    """The Triton kernels of ``held_gradients`` against the torch code beside them (what a CPU
-    tensor takes): relative differences of the scaled copy, the finished hidden rows (with and
+    """The Triton backend's kernels for the held gradients against the torch steps they replace
+    (``held_gradients.HeldSteps``): relative differences of the scaled copy, the finished hidden rows (with and
     without a factor) and the chosen rows added to a two-part float32 weight gradient."""
     import torch
 
     from devkit.oracle import relative_error
     from megatron_fused_lm.ops import held_gradients
-    from megatron_fused_lm.ops.contract import NeededGrads
+    from megatron_fused_lm.ops.contract import LossState, NeededGrads
     from megatron_fused_lm.ops.kernels.chosen_token_kernel import add_chosen_rows, finish_hidden_grad
     from megatron_fused_lm.ops.kernels.scale_kernel import scale_into
 
@@ -43,17 +43,18 @@ def held_gradient_kernels(case: dict) -> dict:
     target_column = torch.randint(-1, 4, (tokens,))
     chosen = torch.randn(tokens) * (torch.rand(tokens) > 0.2)
     product, factor = torch.randn(tokens, hidden_size), torch.randn(tokens)
-    errors = {}
+    errors, steps, rows = {}, held_gradients.HeldSteps(), slice(0, tokens)
     for with_factor in (False, True):
         expected, actual = product.clone(), product.clone()
-        held_gradients.finish_hidden_rows(expected, factor if with_factor else None, chosen, target_column, weight)
+        state = LossState(None, None, expected, [])
+        steps.add_chosen(state, rows, target_column, chosen, hidden, weight, factor if with_factor else None)
         finish_hidden_grad(actual, factor if with_factor else None, chosen, target_column, weight, actual)
         errors[f"finish_hidden_factor_{with_factor}"] = relative_error(actual, expected)
     logit_grads = torch.randn(tokens, vocab, generator=torch.Generator().manual_seed(1)).to(dtype)
     expected, actual = (held_gradients.allocate(hidden, weight, NeededGrads(False, True))[1] for _ in range(2))
     for parts in (expected, actual):
         held_gradients.add_weight_product(parts, logit_grads, hidden, accumulate=False)
-    held_gradients.add_chosen_rows(expected, target_column, chosen, hidden)
+    steps.add_chosen(LossState(None, None, hidden.new_empty(0), expected), rows, target_column, chosen, hidden, weight)
     add_chosen_rows(actual, target_column, chosen, hidden)
     errors["chosen_rows"] = max(
         relative_error(actual_part, expected_part) for actual_part, expected_part in zip(actual, expected, strict=True)
@@ -145,7 +146,6 @@ def three_gemm_pass(backend, hidden, weight, targets, temperature, grad_logprob,
     import torch
 
     from megatron_fused_lm.ops.contract import Gradients, NeededGrads, ShardProblem, UpstreamGrads, run_loss_pass
-    from megatron_fused_lm.ops.held_gradients import scaled_gradients
     from megatron_fused_lm.ops.softmax import merge_statistics, summarize
 
     tokens, vocab = targets.shape[0], weight.shape[0]
@@ -184,7 +184,7 @@ def three_gemm_pass(backend, hidden, weight, targets, temperature, grad_logprob,
         state = run_loss_pass(backend, problem, chunk_step, NeededGrads(hidden=True, weight=True))
         # An upstream gradient of 1: unscaled.
         partials.append(
-            scaled_gradients(state.held_hidden, state.held_weight, torch.ones(()), hidden.dtype, weight.dtype, True)
+            backend.finish(state.held_hidden, state.held_weight, torch.ones(()), (hidden.dtype, weight.dtype), True)
         )
         assert chunk_starts == sorted(chunk_starts) and len(set(chunk_starts)) == len(chunk_starts)
     grad_hidden = torch.stack([grads.hidden.float() for grads in partials]).sum(0).to(hidden.dtype)

@@ -91,8 +91,8 @@ def test_the_held_weight_gradient_is_narrowed_once_scaled_in_every_step(monkeypa
     held = torch.randn(VOCAB, HIDDEN, generator=generator, dtype=torch.float64)
     parts = [held[:49].float().clone(), held[49:].float().clone()]
     first_address = parts[0].data_ptr()
-    grads = held_gradients.scaled_gradients(
-        torch.empty(0), parts, torch.tensor(SCALE), torch.bfloat16, torch.bfloat16, narrow_in_place
+    grads = held_gradients.HeldSteps().finish(
+        torch.empty(0), parts, torch.tensor(SCALE), (torch.bfloat16, torch.bfloat16), narrow_in_place
     )
     assert [step.stop for step in held_gradients.narrowing_steps(49)] == [3, 6, 12, 24, 48, 49]
     expected = (held.float().double() * SCALE).to(torch.bfloat16)

@@ -10,21 +10,19 @@ from typing import Optional
 import torch
 
 from .. import held_gradients
+from ..chunking import chunk_rows
 from ..contract import LossState, NeededGrads, ShardProblem, UpstreamGrads
 from ..products import add_product
 from ..softmax import SoftmaxSummary, block_logit_grad, block_statistics, chosen_logit_grad, zero_chosen
-from .torch_recompute import chunk_rows
 
 
 @dataclass(frozen=True)
-class TorchLoss:
+class TorchLoss(held_gradients.HeldSteps):
     """``token_chunk``: rows per chunk (``torch_recompute.chunk_rows``); ``entropy_grad``: whether
-    the loss has an entropy term (the block is float32 either way); ``weight_grad_accumulates``:
-    the held weight gradient is a caller's accumulator, added to from the first chunk on."""
+    the loss has an entropy term (the block is float32 either way)."""
 
     token_chunk: Optional[int] = None
     entropy_grad: bool = True
-    weight_grad_accumulates: bool = False
 
     def allocate(self, problem: ShardProblem, needed: NeededGrads) -> LossState:
         hidden, weight = problem.hidden, problem.weight
@@ -38,10 +36,16 @@ class TorchLoss:
         return block_statistics(logits, problem.target_column[rows])
 
     def chunk_gradients(
-        self, problem: ShardProblem, state: LossState, rows: slice, summary: SoftmaxSummary, upstream: UpstreamGrads
+        self,
+        problem: ShardProblem,
+        state: LossState,
+        rows: slice,
+        summary: SoftmaxSummary,
+        upstream: UpstreamGrads,
+        accumulate: bool,
     ) -> None:
         """``dz`` in float32 with the chosen tokens' elements zeroed (their term is added in float32
-        by ``held_gradients``), the products in the weight's dtype accumulating in float32."""
+        by ``add_chosen``), the products in the weight's dtype accumulating in float32."""
         weight, target_column = problem.weight, problem.target_column[rows]
         logits = state.block[: rows.stop - rows.start]
         grad = block_logit_grad(logits, target_column, summary.lse, summary.mean_logit, *upstream)
@@ -50,9 +54,6 @@ class TorchLoss:
         del grad
         if state.held_hidden.dim() == 2:
             add_product(state.held_hidden[rows], operand, weight, accumulate=False)
-        accumulate = rows.start > 0 or self.weight_grad_accumulates
         held_gradients.add_weight_product(state.held_weight, operand, problem.hidden[rows], accumulate)
         chosen = chosen_logit_grad(target_column, summary, *upstream) / problem.temperature
-        held_gradients.add_chosen(
-            state.held_hidden, state.held_weight, rows, target_column, chosen, problem.hidden[rows], weight
-        )
+        self.add_chosen(state, rows, target_column, chosen, problem.hidden[rows], weight)

@@ -11,16 +11,9 @@ from typing import Optional
 import torch
 
 from .. import held_gradients
-from ..chunking import BlockLogits, chunk_logit_grads, chunk_statistics
+from ..chunking import BlockLogits, chunk_logit_grads, chunk_rows, chunk_statistics
 from ..contract import Gradients, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
 from ..products import add_product, float32_product
-
-BLOCK_BYTES = 256 * 2**20  # one float32 logits block, when token_chunk is None
-
-
-def chunk_rows(token_chunk: Optional[int], vocab_shard: int) -> int:
-    """Rows per chunk: ``token_chunk``, or as many as keep one float32 block at ``BLOCK_BYTES``."""
-    return token_chunk or max(1, BLOCK_BYTES // (4 * vocab_shard))
 
 
 def block_logits(problem: ShardProblem) -> BlockLogits:
@@ -63,5 +56,7 @@ class TorchRecompute:
                 add_product(grad_hidden[rows], grad, weight, accumulate=False)
             held_gradients.add_weight_product(held_weight, grad, hidden[rows], accumulate=rows.start > 0)
         empty = hidden.new_empty(0)
-        grad_weight = held_gradients.scaled_gradients(empty, held_weight, None, hidden.dtype, weight.dtype, True).weight
+        grad_weight = (
+            held_gradients.HeldSteps().finish(empty, held_weight, None, (hidden.dtype, weight.dtype), True).weight
+        )
         return Gradients(grad_hidden, grad_weight)

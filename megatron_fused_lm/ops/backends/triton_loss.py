@@ -21,7 +21,9 @@ import torch
 
 from .. import held_gradients
 from ..contract import LossState, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
+from ..kernels.chosen_token_kernel import add_chosen_rows, finish_hidden_grad
 from ..kernels.descriptors import addressable, addressable_empty
+from ..kernels.scale_kernel import scale_into
 from ..kernels.softmax_stats_kernel import refresh_stored_exp, split_statistics
 from ..kernels.stored_grad_kernel import stored_logit_grads
 from ..products import add_product
@@ -49,15 +51,14 @@ def reads_block_directly(state: LossState, weight: torch.Tensor, upstream: Upstr
 
 
 @dataclass(frozen=True)
-class TritonLoss:
+class TritonLoss(held_gradients.HeldSteps):
     """``token_chunk``: rows per chunk (``triton_tuning.loss_token_chunk``); ``entropy_grad``:
-    whether the loss has an entropy term (``triton_reference.stored_dtype``);
-    ``weight_grad_accumulates``: the held weight gradient is a caller's accumulator, added to from
-    the first chunk on; ``tuning``: fixed choices."""
+    whether the loss has an entropy term (``triton_reference.stored_dtype``); ``tuning``: fixed
+    choices. The chosen tokens' term and the scaled copies run the kernels of
+    ``kernels.chosen_token_kernel`` and ``kernels.scale_kernel``."""
 
     token_chunk: Optional[int] = None
     entropy_grad: bool = True
-    weight_grad_accumulates: bool = False
     tuning: TritonTuning = field(default_factory=TritonTuning)
 
     def allocate(self, problem: ShardProblem, needed: NeededGrads) -> LossState:
@@ -90,7 +91,13 @@ class TritonLoss:
         return local
 
     def chunk_gradients(
-        self, problem: ShardProblem, state: LossState, rows: slice, summary: SoftmaxSummary, upstream: UpstreamGrads
+        self,
+        problem: ShardProblem,
+        state: LossState,
+        rows: slice,
+        summary: SoftmaxSummary,
+        upstream: UpstreamGrads,
+        accumulate: bool,
     ) -> None:
         """The chunk's operand (the stored block, or ``dz``), its two products, the chosen term."""
         upstream = UpstreamGrads(*(None if grad is None else grad.contiguous() for grad in upstream))
@@ -98,13 +105,11 @@ class TritonLoss:
             operand, factor = self.direct_operand(problem, state, rows, summary, upstream)
         else:
             operand, factor = self.dz_operand(problem, state, rows, summary, upstream), None
-        self.products(problem, state, rows, operand, factor)
+        self.products(problem, state, rows, operand, factor, accumulate)
         columns, inv_temperature = problem.target_column[rows].contiguous(), 1.0 / problem.temperature
         chosen = chosen_logit_grad(columns, summary, *upstream).mul_(inv_temperature)
-        held_gradients.add_chosen(
-            state.held_hidden, state.held_weight, rows, columns, chosen, addressable(problem.hidden[rows]),
-            addressable(problem.weight), factor,
-        )  # fmt: skip
+        hidden, weight = addressable(problem.hidden[rows]), addressable(problem.weight)
+        self.add_chosen(state, rows, columns, chosen, hidden, weight, factor)
 
     def direct_operand(
         self, problem: ShardProblem, state: LossState, rows: slice, summary: SoftmaxSummary, upstream: UpstreamGrads
@@ -139,9 +144,11 @@ class TritonLoss:
         rows: slice,
         operand: torch.Tensor,
         factor: Optional[torch.Tensor],
+        accumulate: bool,
     ) -> None:
         """``operand @ W`` into the held hidden gradient (the factor is applied with the chosen term)
-        and ``operand.T @ (f * h)`` into the weight gradient, accumulated in float32."""
+        and ``operand.T @ (f * h)`` into the weight gradient (added to it with ``accumulate``), in
+        float32."""
         weight = problem.weight
         if state.held_hidden.dim() == 2:
             add_product(state.held_hidden[rows], operand, weight, accumulate=False)
@@ -149,5 +156,29 @@ class TritonLoss:
             hidden = problem.hidden[rows]
             if factor is not None:
                 hidden = (hidden * factor.unsqueeze(1)).to(weight.dtype)
-            accumulate = rows.start > 0 or self.weight_grad_accumulates
             held_gradients.add_weight_product(state.held_weight, operand, hidden, accumulate)
+
+    def scaled_copy(self, source: torch.Tensor, scale: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """``HeldSteps.scaled_copy`` by a kernel that reads the scale on the device (``mul`` by a 0-dim
+        CUDA tensor broadcasts it as an operand, off PyTorch's vectorized elementwise path)."""
+        if scale is None or not (source.is_contiguous() and out.is_contiguous()):
+            return super().scaled_copy(source, scale, out)
+        scale_into(source, scale, out)
+        return out
+
+    def add_chosen(
+        self,
+        state: LossState,
+        rows: slice,
+        target_column: torch.Tensor,
+        chosen: torch.Tensor,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        factor: Optional[torch.Tensor] = None,
+    ) -> None:
+        """``HeldSteps.add_chosen`` by the chosen-token kernels (``hidden``, ``weight`` addressable)."""
+        if state.held_hidden.dim() == 2:
+            product = state.held_hidden[rows]
+            finish_hidden_grad(product, factor, chosen, target_column, weight, product)
+        if state.held_weight:
+            add_chosen_rows(state.held_weight, target_column, chosen, hidden)

@@ -20,7 +20,7 @@ import torch
 
 from .backends import loss_backend, recompute_backend
 from .chunking import BlockLogits, chunk_logit_grads, chunk_rows, chunk_statistics
-from .contract import Gradients, LossState, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
+from .contract import LossState, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
 from .distributed import all_reduce_sum, group_by_name, merge_across_group
 from .softmax import NUM_STATISTICS, SoftmaxSummary, summarize
 
@@ -330,8 +330,8 @@ def _(*args, **options) -> None:
 
 
 class OperatorLossBackend:
-    """The ``contract.LossBackend`` of the three-GEMM pass: the backend ``options`` name, its phases
-    run through the custom operators above; its finishing steps run eagerly (``held_pass``)."""
+    """The ``contract.LossBackend`` phases of the three-GEMM pass: the backend ``options`` name, run
+    through the custom operators above."""
 
     def __init__(self, options):
         self.options = options
@@ -364,6 +364,3 @@ class OperatorLossBackend:
             state.held_weight, list(summary), *upstream, start=rows.start, stop=rows.stop, accumulate=accumulate,
             temperature=problem.temperature, backend=self.options.backend,
         )  # fmt: skip
-
-    def finish(self, held_hidden, held_weight, scale, dtypes, narrow_in_place: bool) -> Gradients:
-        return loss_backend(self.options.backend).finish(held_hidden, held_weight, scale, dtypes, narrow_in_place)

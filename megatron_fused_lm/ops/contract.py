@@ -104,8 +104,8 @@ class LossState(NamedTuple):
 
 
 class LossBackend(Protocol):
-    """The loss-in-forward path (three GEMMs), as named phases over a ``LossState``, and the steps
-    that finish its held gradients (``held_gradients.HeldSteps``)."""
+    """The loss-in-forward path (three GEMMs), as named phases over a ``LossState``; an implementation
+    is a ``held_gradients.HeldSteps``, whose steps finish the held gradients."""
 
     def allocate(self, problem: ShardProblem, needed: NeededGrads) -> LossState:
         """The pass's tensors: the block (its rows are the token chunk) and the held gradients."""
@@ -128,17 +128,6 @@ class LossBackend(Protocol):
         """The chunk's ``dz`` and its two products (the other GEMMs) into the held gradients, from
         the merged statistics and the upstream gradients: the hidden gradient's rows written, the
         weight gradient added to what it holds (``accumulate``) or written."""
-        ...
-
-    def finish(
-        self,
-        held_hidden: torch.Tensor,
-        held_weight: List[torch.Tensor],
-        scale: Optional[torch.Tensor],
-        dtypes: tuple,
-        narrow_in_place: bool,
-    ) -> Gradients:
-        """The held gradients times ``scale``, each rounded once into its parameter's dtype."""
         ...
 
 

@@ -49,7 +49,7 @@ class HeldPass:
     ``loss_fn``), the upstream gradient declared up to a scalar; ``weight_grad_into``: the caller's
     float32 ``[vocab_shard, H]`` accumulator the weight gradient is added into, or ``None`` for
     parts of the pass's own; ``weight_grad_scale``: the upstream gradient the held gradients are
-    for. ``for_loss`` and ``for_cross_entropy`` make one.
+    for.
     """
 
     problem: ShardProblem
@@ -64,16 +64,6 @@ class HeldPass:
     held: Optional[LossState] = None  # after run: the held gradients (the block is not kept)
     merged: Optional[Tensor] = None  # after run: the merged statistics [n, 4], which a second pass reuses
     dtype: Optional[torch.dtype] = None  # the gradients' (the weight's); set by run
-
-    @classmethod
-    def for_loss(cls, problem: ShardProblem, loss_fn: LossFn, inputs: Dict[str, Tensor], options, needed) -> HeldPass:
-        """The pass of a scalar loss, ``sum_t loss_fn(...)``."""
-        return cls(problem, loss_fn, inputs, None, options, needed)
-
-    @classmethod
-    def for_cross_entropy(cls, problem: ShardProblem, declared: Tensor, options, needed) -> HeldPass:
-        """The pass of per-token cross-entropies, their upstream gradient declared as ``c * declared``."""
-        return cls(problem, cross_entropy, {}, declared, options, needed)
 
     @property
     def per_token(self) -> bool:

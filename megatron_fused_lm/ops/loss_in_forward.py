@@ -52,7 +52,10 @@ def check_per_token(name: str, value: Tensor, lead_shape: torch.Size, device: to
 def per_token_losses(loss_fn: LossFn, logprob: Tensor, entropy: Tensor, inputs: Dict[str, Tensor]) -> Tensor:
     """``loss_fn(logprob [rows], entropy [rows], **inputs)`` as float32 ``[rows]``, or a clear error
     when it is not one loss per row."""
-    losses = loss_fn(logprob, entropy, **inputs)
+    return _one_loss_per_row(loss_fn(logprob, entropy, **inputs), logprob)
+
+
+def _one_loss_per_row(losses, logprob: Tensor) -> Tensor:
     if not isinstance(losses, Tensor) or not losses.dtype.is_floating_point:
         raise TypeError(f"loss_fn must return a float tensor of per-token losses, got {losses!r:.80}")
     if losses.shape != logprob.shape:
@@ -133,16 +136,19 @@ def probe_entropy_term(loss_fn: LossFn, input_names: Tuple[str, ...]) -> bool:
     ``TypeError`` naming the attribute that replaces the probe: its failure says nothing about the
     entropy, and guessing would pick a path silently."""
     logprob, entropy = (torch.zeros(1, requires_grad=True) for _ in range(2))
-    try:
-        with torch.enable_grad():
-            total = per_token_losses(loss_fn, logprob, entropy, {name: torch.zeros(1) for name in input_names}).sum()
-    except Exception as error:
-        raise TypeError(
-            f"loss_fn failed on the probe that asks whether its loss uses the entropy (one row of zeros on the CPU, "
-            f"inputs {list(input_names)}): {type(error).__name__}: {error}. Give it an attribute entropy_grad "
-            "(True if its loss depends on the entropy, else False) to skip the probe"
-        ) from error
-    return total.requires_grad and torch.autograd.grad(total, entropy, allow_unused=True)[0] is not None
+    # The probe is no part of the caller's graph: identity hooks keep activation checkpointing's
+    # saved-tensor hooks (and their early stop of a recomputation) out of it.
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda tensor: tensor, lambda tensor: tensor):
+        try:
+            losses = loss_fn(logprob, entropy, **{name: torch.zeros(1) for name in input_names})
+        except Exception as error:
+            raise TypeError(
+                f"loss_fn failed on the probe that asks whether its loss uses the entropy (one row of zeros on the "
+                f"CPU, inputs {list(input_names)}): {type(error).__name__}: {error}. Give it an attribute "
+                "entropy_grad (True if its loss depends on the entropy, else False) to skip the probe"
+            ) from error
+        total = _one_loss_per_row(losses, logprob).sum()
+        return total.requires_grad and torch.autograd.grad(total, entropy, allow_unused=True)[0] is not None
 
 
 class ChunkLoss:

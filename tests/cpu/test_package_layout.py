@@ -77,6 +77,20 @@ def test_the_math_leaf_and_the_layers():
             assert private == PRIVATE_OPS_IMPORTS.get(name, set()), (name, private)
 
 
+def test_the_torch_backend_reaches_no_triton_kernel():
+    # backend="torch" must isolate a kernel bug: nothing it runs may import kernels/, directly or
+    # through a module it imports (the backends package itself imports the Triton ones lazily).
+    edges = graph()
+    torch_backend = ["megatron_fused_lm.ops.backends.torch_loss", "megatron_fused_lm.ops.backends.torch_recompute"]
+    reached, stack = set(), list(torch_backend)
+    while stack:
+        for target in edges[stack.pop()] - reached:
+            reached.add(target)
+            stack.append(target)
+    assert not {name for name in reached if name.startswith("megatron_fused_lm.ops.kernels")}, sorted(reached)
+    assert "megatron_fused_lm.ops.held_gradients" in reached  # the walk does follow the shared steps
+
+
 def test_the_integration_names_are_the_package_names():
     """``from megatron_fused_lm import X`` gives the integration's X for every name it exports (the
     package imports the integration on first use: the ops run without megatron-core,

@@ -249,7 +249,7 @@ def fused_linear_loss(
     if selection.rows is not None:
         inputs = {name: value.index_select(0, selection.rows) for name, value in inputs.items()}
     problem = ShardProblem(rows.detach(), weight.detach(), selection.target_column, options.temperature)
-    held_pass = HeldPass(problem, loss_fn, inputs, None, options, needed_grads(rows, weight))
+    held_pass = HeldPass(problem, loss_fn, inputs, options, needed_grads(rows, weight))
     _send_weight_grad(held_pass, weight_grad_into, weight_grad_scale)
     chunk_loss = held_pass.run()
     loss = attach(held_pass, chunk_loss.total, rows, weight)
@@ -314,7 +314,8 @@ def fused_linear_cross_entropy(
     if not declared.dtype.is_floating_point and declared.dtype != torch.bool:
         raise TypeError(f"declared_weights must be float or bool, got {declared.dtype}")
     problem = ShardProblem(rows.detach(), weight.detach(), selection.target_column, options.temperature)
-    held_pass = HeldPass(problem, cross_entropy, {}, declared.float(), options, needed_grads(rows, weight))
+    inputs, needed = {"weight": declared.float()}, needed_grads(rows, weight)
+    held_pass = HeldPass(problem, cross_entropy, inputs, options, needed, per_token=True)
     _send_weight_grad(held_pass, weight_grad_into, weight_grad_scale)
     chunk_loss = held_pass.run()
     return selection.place(attach(held_pass, -chunk_loss.logprob, rows, weight))

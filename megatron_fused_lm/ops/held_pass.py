@@ -44,9 +44,10 @@ class HeldPass:
     """One three-GEMM pass and what its backward needs.
 
     ``problem``: the rows ``[n, H]`` and the weight shard, detached, in the weight's dtype (the
-    gradients' too); ``inputs``: ``loss_fn``'s per-token inputs ``[n]``; ``declared``: for per-token
-    losses (``per_token``), the ``[n]`` float32 weights of ``losses.cross_entropy`` (then
-    ``loss_fn``), the upstream gradient declared up to a scalar; ``weight_grad_into``: the caller's
+    gradients' too); ``inputs``: ``loss_fn``'s per-token inputs ``[n]``; ``per_token``: the loss is
+    per token, ``losses.cross_entropy`` with the declared weights ``inputs["weight"]`` (``[n]``
+    float32), its upstream gradient declared up to a scalar; else a scalar loss, the sum of
+    ``loss_fn``'s losses; ``weight_grad_into``: the caller's
     float32 ``[vocab_shard, H]`` accumulator the weight gradient is added into, or ``None`` for
     parts of the pass's own; ``weight_grad_scale``: the upstream gradient the held gradients are
     for.
@@ -55,19 +56,15 @@ class HeldPass:
     problem: ShardProblem
     loss_fn: LossFn
     inputs: Dict[str, Tensor]
-    declared: Optional[Tensor]
     options: HeadOptions
     needed: NeededGrads
+    per_token: bool = False
     weight_grad_into: Optional[Tensor] = None
     weight_grad_scale: float = 1.0
     pending: Optional[PendingWeightGrad] = None  # the added gradient's record, until the backward
     held: Optional[LossState] = None  # after run: the held gradients (the block is not kept)
     merged: Optional[Tensor] = None  # after run: the merged statistics [n, 4], which a second pass reuses
     dtype: Optional[torch.dtype] = None  # the gradients' (the weight's); set by run
-
-    @property
-    def per_token(self) -> bool:
-        return self.loss_fn is cross_entropy and not self.inputs
 
     @property
     def into_caller(self) -> bool:
@@ -82,7 +79,7 @@ class HeldPass:
                 self.weight_grad_into, self.weight_grad_scale, self.problem.hidden.shape[0]
             )
         try:
-            chunk_loss, state = self._pass(self._loss_inputs(self.declared), self.weight_grad_scale, sink, None)
+            chunk_loss, state = self._pass(self.inputs, self.weight_grad_scale, sink, None)
         except BaseException:
             if self.pending is not None:
                 self.pending.release("stopped with an exception part way")
@@ -90,9 +87,6 @@ class HeldPass:
         self.held, self.merged = LossState(None, None, state.held_hidden, state.held_weight), chunk_loss.merged
         self.dtype = self.problem.weight.dtype
         return chunk_loss
-
-    def _loss_inputs(self, declared: Optional[Tensor]) -> Dict[str, Tensor]:
-        return {"weight": declared} if self.per_token else self.inputs
 
     def _pass(self, inputs: Dict[str, Tensor], upstream_scale, held_weight: Optional[List[Tensor]], merged):
         """``(ChunkLoss, LossState)`` of a pass whose per-token gradients are the loss's times
@@ -116,8 +110,8 @@ class HeldPass:
         for a scalar loss the upstream gradient still missing (0-dim), for per-token losses the
         per-token upstream still missing (``[n]``)."""
         held_weight = self.held.held_weight if self.needed.weight else None
-        declared, upstream_scale = (difference, 1.0) if self.per_token else (None, difference)
-        _, extra = self._pass(self._loss_inputs(declared), upstream_scale, held_weight, self.merged)
+        inputs, upstream_scale = ({"weight": difference}, 1.0) if self.per_token else (self.inputs, difference)
+        _, extra = self._pass(inputs, upstream_scale, held_weight, self.merged)
         if self.needed.hidden:
             self.held.held_hidden.add_(extra.held_hidden)
 
@@ -125,13 +119,14 @@ class HeldPass:
         """The gradients for the loss's upstream gradient ``upstream`` (0-dim, or ``[n]``
         per token); the weight's is ``None`` where it went into ``weight_grad_into``."""
         assumed, upstream = self.weight_grad_scale, upstream.float()
-        scale = proportional_scale(upstream, self.declared) if self.per_token else upstream
+        declared = self.inputs["weight"] if self.per_token else 1.0
+        scale = proportional_scale(upstream, declared) if self.per_token else upstream
         if scale is not None and (
             not self.into_caller or bool((scale - assumed).abs() <= PROPORTIONAL_TOLERANCE * abs(assumed))
         ):
             return self.finish(scale / assumed, narrow_in_place)
         self._warn_of_second_pass(scale)
-        self.run_again(upstream - assumed * (self.declared if self.per_token else 1.0))
+        self.run_again(upstream - assumed * declared)
         return self.finish(None, narrow_in_place)
 
     def finish(self, scale: Optional[Tensor], narrow_in_place: bool) -> Gradients:
@@ -173,16 +168,10 @@ class HeldPass:
         held_weight = [] if self.into_caller else self.held.held_weight
         tensors = [self.held.held_hidden, *held_weight]
         if self.may_run_again:
-            tensors += [
-                *self.problem[:3],
-                self.merged,
-                *self.inputs.values(),
-                *([self.declared] if self.per_token else []),
-            ]
+            tensors += [*self.problem[:3], self.merged, *self.inputs.values()]
         bare = dataclasses.replace(
             self, problem=self.problem._replace(hidden=None, weight=None, target_column=None),
-            inputs=dict.fromkeys(self.inputs), declared=None, held=LossState(None, None, None, [None] * len(held_weight)),
-            merged=None,
+            inputs=dict.fromkeys(self.inputs), held=LossState(None, None, None, [None] * len(held_weight)), merged=None,
         )  # fmt: skip
         return bare, tensors
 
@@ -195,9 +184,7 @@ class HeldPass:
         if self.may_run_again:
             hidden, weight, target_column, whole.merged, *values = rest
             whole.problem = self.problem._replace(hidden=hidden, weight=weight, target_column=target_column)
-            values, declared = values[: len(self.inputs)], values[len(self.inputs) :]
             whole.inputs = dict(zip(self.inputs, values, strict=True))
-            whole.declared = declared[0] if self.per_token else None
         return whole
 
     def _sink(self) -> List[Tensor]:
@@ -215,6 +202,7 @@ class HeldGradients(torch.autograd.Function):
         ctx.save_for_backward(*tensors)
         ctx.held_pass, ctx.consumed, ctx.num_tensors = held_pass, False, len(tensors)
         if held_pass.pending is not None:  # reports the node's release before its backward
+            # per token, the last tensor is the declared weights, which the report weighs the losses by
             held_pass.pending.watch(ctx, value, *tensors[-1:] if held_pass.per_token else ())
         return value.clone()
 
@@ -267,14 +255,14 @@ def held_backward(
     """``HeldPass.backward`` of a pass ``pack``-ed into ``tensors`` (its own ``parts`` held weight
     parts: ``weight_grad_into`` runs eagerly only); per-token losses where ``upstream`` is ``[n]``.
     ``(grad_hidden, grad_weight)``, an unneeded one empty."""
+    # Compiled, a scalar loss holds its own parts and never runs again: its tensors are the held ones.
+    per_token = upstream.dim() > 0
     options = HeadOptions(temperature, backend, token_chunk, tp_group_name, False, reduce_hidden_grad)
     needed = NeededGrads(tensors[0].dim() == 2, parts > 0)
     bare = HeldPass(
-        ShardProblem(None, None, None, temperature), cross_entropy, {}, None, options, needed,
-        held=LossState(None, None, None, [None] * parts), dtype=dtype,
+        ShardProblem(None, None, None, temperature), cross_entropy, dict.fromkeys(["weight"] if per_token else []),
+        options, needed, per_token, held=LossState(None, None, None, [None] * parts), dtype=dtype,
     )  # fmt: skip
-    if upstream.dim() == 0:  # a scalar loss: never a second pass, so its tensors are the held ones
-        bare = dataclasses.replace(bare, loss_fn=None)
     grads = bare.unpack(tensors).backward(upstream, narrow_in_place=False)
     return tuple(tensors[0].new_empty(0) if grad is None else grad for grad in grads)
 

@@ -32,6 +32,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from .ops.inputs import check_on_device
+
 Lengths = Union[torch.Tensor, Sequence[int]]
 # How a sum over the context-parallel group hands its gradient back (``context_parallel_sum``).
 _GRADIENTS = ("local", "summed")
@@ -342,14 +344,12 @@ def context_parallel_gather(
     if num_positions < 0:
         raise ValueError(f"num_positions must be at least 0, got {num_positions}")
     positions = positions.to(device=values.device, dtype=torch.long)
-    outside = ((positions < 0) | (positions >= num_positions)).nonzero()
-    if outside.numel():
-        index = int(outside[0])
-        raise ValueError(
-            f"positions[{index}] = {int(positions[index])} is outside [0, num_positions = {num_positions})"
-        )
-    if positions.unique().numel() != positions.numel():
-        raise ValueError("positions must be distinct: a rank holds each of its positions once")
+    # Checked on the device: the log-prob path of a step reads nothing back to the host.
+    inside = ((positions >= 0) & (positions < num_positions)).all()
+    check_on_device(inside, f"positions must lie in [0, num_positions = {num_positions})")
+    ordered = positions.sort().values
+    distinct = (ordered[1:] != ordered[:-1]).all()
+    check_on_device(distinct, "positions must be distinct: a rank holds each of its positions once")
     whole = values.new_zeros(*values.shape[:-1], num_positions).index_copy(-1, positions, values)
     return context_parallel_sum(whole, cp_group, gradient=gradient)
 

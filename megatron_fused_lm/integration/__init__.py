@@ -21,15 +21,10 @@ except ImportError as error:
         "the ops (fused_linear_logprob, logits_logprob) work without it"
     ) from error
 
+from .calls import LogprobRequest, LossRequest  # noqa: E402
 from .config import FusedLMConfig  # noqa: E402
 from .head import FusedLMHead, unwrap_model, wrap_model  # noqa: E402
-from .output_processor import (  # noqa: E402
-    FusedOutputProcessor,
-    LabelsRequest,
-    LogprobRequest,
-    LossRequest,
-    accepts_output_processor,
-)
+from .output_processor import FusedOutputProcessor, LabelsRequest, accepts_output_processor  # noqa: E402
 
 __all__ = [
     "FusedLMConfig",

@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from ..ops import (
-    FusedLoss,
     LossFn,
     fused_linear_cross_entropy,
     fused_linear_logprob,
     fused_linear_loss,
+    logits_logprob,
+    logits_loss,
     name_weight_grad_into,
     outstanding_weight_grads,
 )
@@ -83,30 +84,80 @@ def project_input(
     return hidden, HeadCall(weight, tp_group, reduce_hidden_grad, owner, labels_ignore_index(layer))
 
 
-def call_logprobs(call: HeadCall, config: FusedLMConfig, hidden: torch.Tensor, targets: torch.Tensor, **options):
-    """``fused_linear_logprob`` for one projection ``call``; ``options`` as ``FusedLMHead.logprobs``'s."""
-    return fused_linear_logprob(
-        hidden, call.weight, targets, tp_group=call.tp_group, backend=config.backend, token_chunk=config.token_chunk,
-        reduce_hidden_grad=call.reduce_hidden_grad, **options,
+@dataclass(frozen=True)
+class LogprobRequest:
+    """Log-probs (and entropy): the arguments of ``FusedLMHead.logprobs``, also the
+    ``output_processor_context`` asking for them. ``targets`` ``[b, s]`` integer global ids; ``None``
+    takes the forward's ``labels`` (hook route). The answer: ``logprob [b, s]`` float32, or
+    ``(logprob, entropy)``."""
+
+    targets: Optional[torch.Tensor] = None
+    temperature: float = 1.0
+    return_entropy: bool = False
+    entropy_grad: bool = True
+    mask: Optional[torch.Tensor] = None
+    max_rows: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class LossRequest:
+    """A loss known in the forward: the arguments of ``FusedLMHead.loss`` (``loss_inputs`` a dict
+    of ``[b, s]`` tensors, ``mask`` bool ``[b, s]``, ``main_grad_scale`` the upstream gradient the
+    loss will receive, to add the weight gradient into ``main_grad`` in the forward), also the
+    ``output_processor_context`` asking for it. The answer: ``FusedLoss(loss, logprob, entropy)``."""
+
+    targets: Optional[torch.Tensor]
+    loss_fn: LossFn
+    loss_inputs: Optional[Dict[str, torch.Tensor]] = None
+    mask: Optional[torch.Tensor] = None
+    temperature: float = 1.0
+    main_grad_scale: Optional[float] = None
+
+
+Request = Union[LogprobRequest, LossRequest]
+
+
+def _op_arguments(call: HeadCall, config: FusedLMConfig) -> Dict[str, Any]:
+    # What every fused op takes from the projection call and the config.
+    return dict(
+        tp_group=call.tp_group, backend=config.backend, token_chunk=config.token_chunk,
+        reduce_hidden_grad=call.reduce_hidden_grad,
     )  # fmt: skip
 
 
-def call_loss(
-    call: HeadCall,
-    config: FusedLMConfig,
-    hidden: torch.Tensor,
-    targets: torch.Tensor,
-    loss_fn: LossFn,
-    main_grad_scale: Optional[float] = None,
-    **options,
-) -> FusedLoss:
-    """``fused_linear_loss`` for one projection ``call``; ``main_grad_scale`` and ``options`` as
-    ``FusedLMHead.loss``'s."""
-    weight, accumulation = main_grad_route(call.weight, main_grad_scale, call.owner)
+def answer(call: HeadCall, config: FusedLMConfig, hidden: torch.Tensor, request: Request):
+    """``request`` by the fused op, for one projection ``call``; its tensors are laid out as
+    ``hidden.shape[:-1]``."""
+    arguments = dict(_op_arguments(call, config), temperature=request.temperature, mask=request.mask)
+    if isinstance(request, LogprobRequest):
+        return fused_linear_logprob(
+            hidden, call.weight, request.targets, return_entropy=request.return_entropy,
+            entropy_grad=request.entropy_grad, max_rows=request.max_rows, **arguments,
+        )  # fmt: skip
+    weight, accumulation = main_grad_route(call.weight, request.main_grad_scale, call.owner)
     return fused_linear_loss(
-        hidden, weight, targets, loss_fn, tp_group=call.tp_group, backend=config.backend,
-        token_chunk=config.token_chunk, reduce_hidden_grad=call.reduce_hidden_grad, **accumulation, **options,
-    )  # fmt: skip
+        hidden, weight, request.targets, request.loss_fn, loss_inputs=request.loss_inputs, **accumulation, **arguments
+    )
+
+
+def answer_from_logits(
+    layer: torch.nn.Module, tp_group: Optional[dist.ProcessGroup], config: FusedLMConfig, logits: torch.Tensor,
+    request: Request,
+):  # fmt: skip
+    """``request`` computed the stock way, from ``layer``'s logits ``[..., vocab/TP]`` (split over
+    ``tp_group``) or ``[..., vocab]`` (gathered); a ``main_grad_scale`` does not apply."""
+    full_vocab = getattr(layer, "output_size", None)
+    if full_vocab is not None and logits.dim() > 0 and logits.shape[-1] == full_vocab:
+        tp_group = None  # gathered: nothing to merge across ranks
+    arguments = dict(
+        tp_group=tp_group, temperature=request.temperature, mask=request.mask, token_chunk=config.token_chunk
+    )
+    if isinstance(request, LogprobRequest):
+        return logits_logprob(
+            logits, request.targets, return_entropy=request.return_entropy, entropy_grad=request.entropy_grad,
+            max_rows=request.max_rows, **arguments,
+        )  # fmt: skip
+    return logits_loss(logits, request.targets, request.loss_fn, loss_inputs=request.loss_inputs, **arguments)
 
 
 def main_grad_route(
@@ -133,16 +184,6 @@ def outstanding_main_grads(layers: List[Tuple[torch.nn.Module, torch.nn.Module]]
         if isinstance(main_grad, torch.Tensor):
             outstanding += outstanding_weight_grads(main_grad, forget_released=forget_released)
     return outstanding
-
-
-def logits_group(
-    layer: torch.nn.Module, tp_group: Optional[dist.ProcessGroup], logits: torch.Tensor
-) -> Optional[dist.ProcessGroup]:
-    """The group the stock ``logits`` of ``layer`` are split over: ``tp_group`` for a
-    ``[..., vocab/TP]`` shard, ``None`` for logits gathered to the full vocabulary."""
-    full_vocab = getattr(layer, "output_size", None)
-    gathered = full_vocab is not None and logits.dim() > 0 and logits.shape[-1] == full_vocab
-    return None if gathered else tp_group
 
 
 def check_declared_shape(declared: Optional[torch.Tensor], labels: torch.Tensor) -> None:
@@ -174,13 +215,10 @@ def call_labels_loss(
         kept, out_of_vocab = targets != call.labels_ignore_index, "error"
         targets = torch.where(kept, targets, 0)  # any id: its loss is multiplied by 0 below
         declared = None if declared is None else declared * kept
+    arguments = dict(_op_arguments(call, config), out_of_vocab=out_of_vocab)
     if declared is None:
-        losses = -call_logprobs(call, config, hidden, targets, temperature=1.0, out_of_vocab=out_of_vocab)
+        losses = -fused_linear_logprob(hidden, call.weight, targets, **arguments)
     else:
         weight, accumulation = main_grad_route(call.weight, main_grad_scale, call.owner)
-        losses = fused_linear_cross_entropy(
-            hidden, weight, targets, declared, tp_group=call.tp_group, backend=config.backend,
-            token_chunk=config.token_chunk, reduce_hidden_grad=call.reduce_hidden_grad, out_of_vocab=out_of_vocab,
-            **accumulation,
-        )  # fmt: skip
+        losses = fused_linear_cross_entropy(hidden, weight, targets, declared, **accumulation, **arguments)
     return losses if kept is None else losses * kept

@@ -31,18 +31,19 @@ import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
-import torch.distributed as dist
 
 from .._logging import warn_once
-from ..ops import FusedLoss, LossFn, logits_logprob, logits_loss
+from ..ops import FusedLoss, LossFn
 from . import provenance
 from .calls import (
     HeadCall,
+    LogprobRequest,
+    LossRequest,
+    Request,
+    answer,
+    answer_from_logits,
     call_labels_loss,
-    call_logprobs,
-    call_loss,
     check_declared_shape,
-    logits_group,
     outstanding_main_grads,
     project_input,
 )
@@ -265,18 +266,8 @@ class FusedLMHead:
             RuntimeError: ``output`` comes from another wrapped model's forward, or nothing links
                 it to one forward of this model (see the class docstring).
         """
-        options = dict(
-            temperature=temperature,
-            return_entropy=return_entropy,
-            entropy_grad=entropy_grad,
-            mask=mask,
-            max_rows=max_rows,
-        )
-        if self.fused:
-            return self._fused_logprobs(output, targets, **options)
-        return logits_logprob(
-            output, targets, tp_group=self._logits_group(output), token_chunk=self.config.token_chunk, **options
-        )
+        request = LogprobRequest(targets, temperature, return_entropy, entropy_grad, mask, max_rows)
+        return self._answer(output, request, "head.logprobs")
 
     def loss(
         self,
@@ -324,15 +315,8 @@ class FusedLMHead:
         Raises:
             ValueError, RuntimeError: as for ``logprobs``.
         """
-        if self.fused:
-            return call_loss(
-                self._call_for(output, "head.loss"), self.config, output, targets, loss_fn, main_grad_scale,
-                loss_inputs=loss_inputs, temperature=temperature, mask=mask,
-            )  # fmt: skip
-        return logits_loss(
-            output, targets, loss_fn, loss_inputs=loss_inputs, tp_group=self._logits_group(output),
-            temperature=temperature, mask=mask, token_chunk=self.config.token_chunk,
-        )  # fmt: skip
+        request = LossRequest(targets, loss_fn, loss_inputs, mask, temperature, main_grad_scale)
+        return self._answer(output, request, "head.loss")
 
     def declare_loss_weights(self, weights: Optional[torch.Tensor], main_grad_scale: Optional[float] = None) -> None:
         """Declare the per-token weights of the labels-path loss, so that ``model(...,
@@ -479,15 +463,14 @@ class FusedLMHead:
             "output itself or a view of it, or copy it with gradients on"
         )
 
-    def _fused_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, **options):
-        return call_logprobs(self._call_for(hidden, "head.logprobs"), self.config, hidden, targets, **options)
-
-    def _logits_group(self, logits: torch.Tensor) -> Optional[dist.ProcessGroup]:
-        # A [.., vocab/TP] shard needs the group; logits gathered to the full vocabulary do not.
+    def _answer(self, output: torch.Tensor, request: Request, caller: str):
+        """``request`` for the output of this head's model: fused, or from the stock logits."""
+        if self.fused:
+            return answer(self._call_for(output, caller), self.config, output, request)
         if not self._stock_layers:
             raise RuntimeError("this pipeline stage has no output layer, so there are no log-probs to compute")
         chunk, layer = self._stock_layers[-1]
-        return logits_group(layer, tensor_parallel_group(chunk, layer), logits)
+        return answer_from_logits(layer, tensor_parallel_group(chunk, layer), self.config, output, request)
 
 
 def wrap_model(model: Any, config: FusedLMConfig) -> FusedLMHead:

@@ -20,20 +20,22 @@ does (three GEMMs when the processor declares Megatron's ``loss_mask``; with a `
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 
 from .._logging import warn_once
-from ..ops import LossFn, logits_logprob, logits_loss
 from .calls import (
+    LogprobRequest,
+    LossRequest,
+    Request,
+    answer,
+    answer_from_logits,
     call_labels_loss,
-    call_logprobs,
-    call_loss,
     check_declared_shape,
-    logits_group,
     outstanding_main_grads,
     project_input,
 )
@@ -46,35 +48,6 @@ from .megatron_compat import (
     output_layer_of,
     tensor_parallel_group,
 )
-
-
-@dataclass(frozen=True)
-class LogprobRequest:
-    """``output_processor_context`` asking for log-probs (and entropy): the arguments of
-    ``FusedLMHead.logprobs``. ``targets`` ``[b, s]`` integer global ids; ``None`` takes the
-    forward's ``labels``. The forward returns ``logprob [b, s]`` float32, or ``(logprob, entropy)``."""
-
-    targets: Optional[torch.Tensor] = None
-    temperature: float = 1.0
-    return_entropy: bool = False
-    entropy_grad: bool = True
-    mask: Optional[torch.Tensor] = None
-    max_rows: Optional[int] = None
-
-
-@dataclass(frozen=True)
-class LossRequest:
-    """``output_processor_context`` asking for a loss known in the forward: the arguments of
-    ``FusedLMHead.loss`` (``loss_inputs`` a dict of ``[b, s]`` tensors, ``mask`` bool ``[b, s]``,
-    ``main_grad_scale`` the upstream gradient the loss will receive, to add the weight gradient
-    into ``main_grad`` in the forward). The forward returns ``FusedLoss(loss, logprob, entropy)``."""
-
-    targets: Optional[torch.Tensor]
-    loss_fn: LossFn
-    loss_inputs: Optional[Dict[str, torch.Tensor]] = None
-    mask: Optional[torch.Tensor] = None
-    temperature: float = 1.0
-    main_grad_scale: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -203,54 +176,40 @@ class FusedOutputProcessor:
                     "declare_loss_mask=True and pass loss_mask= to the forward"
                 )
             check_declared_shape(declared, labels)
-        targets = labels if labels_path or context.targets is None else context.targets
-        if targets is None:
-            raise ValueError("the request has no targets and the forward no labels")
+        elif context.targets is None:
+            if labels is None:
+                raise ValueError("the request has no targets and the forward no labels")
+            context = dataclasses.replace(context, targets=labels)
+        group = self._groups[id(output_layer)]
         if not self.fused:
             logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
             logits = scale_logits(logits)
             if labels_path:
                 return compute_language_model_loss(labels, logits)
-            return self._from_logits(logits.transpose(0, 1), output_layer, targets, context)
-        group = self._groups[id(output_layer)]
+            return answer_from_logits(output_layer, group, self.config, logits.transpose(0, 1), context)
         hidden, call = project_input(output_layer, group, hidden_states, output_weight, self.name)
         hidden = scale_logits(hidden)  # a scalar (MuP), which commutes with the projection
         # [s, b] throughout, the hidden states' layout; the results come back [b, s].
         if labels_path:
             losses = call_labels_loss(call, self.config, hidden, _swap(labels), _swap(declared), main_grad_scale)
             return _batch_first(losses)
-        if isinstance(context, LogprobRequest):
-            result = call_logprobs(
-                call, self.config, hidden, _swap(targets), temperature=context.temperature,
-                return_entropy=context.return_entropy, entropy_grad=context.entropy_grad, mask=_swap(context.mask),
-                max_rows=context.max_rows,
-            )  # fmt: skip
-            return tuple(map(_batch_first, result)) if context.return_entropy else _batch_first(result)
-        inputs = None if context.loss_inputs is None else {k: _swap(v) for k, v in context.loss_inputs.items()}
-        result = call_loss(
-            call, self.config, hidden, _swap(targets), context.loss_fn, context.main_grad_scale, loss_inputs=inputs,
-            mask=_swap(context.mask), temperature=context.temperature,
-        )  # fmt: skip
-        return result._replace(logprob=_batch_first(result.logprob), entropy=_batch_first(result.entropy))
+        result = answer(call, self.config, hidden, _sequence_first(context))
+        if isinstance(context, LossRequest):
+            return result._replace(logprob=_batch_first(result.logprob), entropy=_batch_first(result.entropy))
+        return tuple(map(_batch_first, result)) if context.return_entropy else _batch_first(result)
 
     def main_grad_outstanding(self, *, forget_released: bool = False) -> List[str]:
         """As ``FusedLMHead.main_grad_outstanding``, for this processor's main_grad-route losses
         (``LossRequest(main_grad_scale=)``, ``LabelsRequest(main_grad_scale=)``)."""
         return outstanding_main_grads(self._layers, forget_released)
 
-    def _from_logits(self, logits: torch.Tensor, layer: torch.nn.Module, targets: torch.Tensor, context):
-        """The stock computation on ``logits [b, s, vocab/TP]`` (or the full vocabulary, gathered)."""
-        group = logits_group(layer, self._groups[id(layer)], logits)
-        if isinstance(context, LogprobRequest):
-            return logits_logprob(
-                logits, targets, tp_group=group, temperature=context.temperature, return_entropy=context.return_entropy,
-                entropy_grad=context.entropy_grad, mask=context.mask, max_rows=context.max_rows,
-                token_chunk=self.config.token_chunk,
-            )  # fmt: skip
-        return logits_loss(
-            logits, targets, context.loss_fn, loss_inputs=context.loss_inputs, tp_group=group,
-            temperature=context.temperature, mask=context.mask, token_chunk=self.config.token_chunk,
-        )  # fmt: skip
+
+def _sequence_first(request: Request) -> Request:
+    """``request`` with its ``[b, s]`` tensors as ``[s, b]`` views, the hidden states' layout."""
+    swapped = {"targets": _swap(request.targets), "mask": _swap(request.mask)}
+    if isinstance(request, LossRequest) and request.loss_inputs is not None:
+        swapped["loss_inputs"] = {name: _swap(value) for name, value in request.loss_inputs.items()}
+    return dataclasses.replace(request, **swapped)
 
 
 def _swap(value: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -26,13 +26,13 @@ its own rows the whole loss's value. Both say which gradient each rank's rows ge
 
 from __future__ import annotations
 
-import numbers
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from .ops.inputs import check_on_device
+from .ops.options import checked_number
 
 Lengths = Union[torch.Tensor, Sequence[int]]
 # How a sum over the context-parallel group hands its gradient back (``context_parallel_sum``).
@@ -41,6 +41,12 @@ _GRADIENTS = ("local", "summed")
 
 def _is_integer(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def _first(condition: torch.Tensor) -> Optional[int]:
+    """The first index where the 1-D bool ``condition`` holds, or ``None``."""
+    found = condition.nonzero()
+    return int(found[0]) if found.numel() else None
 
 
 def _checked_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -69,9 +75,8 @@ def _checked_lengths(name: str, lengths: Lengths, num_sequences: int, device: to
     if not _is_integer(tensor.dtype):
         raise TypeError(f"{name} must hold integers, got {tensor.dtype}")
     tensor = tensor.long()
-    negative = (tensor < 0).nonzero()
-    if negative.numel():
-        index = int(negative[0])
+    index = _first(tensor < 0)
+    if index is not None:
         raise ValueError(f"{name}[{index}] = {int(tensor[index])} is negative")
     return tensor
 
@@ -86,9 +91,8 @@ def _response_spans(
     sequence_lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     num_sequences, device = sequence_lengths.numel(), cu_seqlens.device
     prompt = _checked_lengths("prompt_lengths", prompt_lengths, num_sequences, device)
-    too_long = (prompt > sequence_lengths).nonzero()
-    if too_long.numel():
-        index = int(too_long[0])
+    index = _first(prompt > sequence_lengths)
+    if index is not None:
         raise ValueError(
             f"prompt_lengths[{index}] = {int(prompt[index])} is longer than sequence {index} "
             f"({int(sequence_lengths[index])} tokens)"
@@ -97,18 +101,17 @@ def _response_spans(
         response = sequence_lengths - prompt
     else:
         response = _checked_lengths("response_lengths", response_lengths, num_sequences, device)
-        overflow = (prompt + response > sequence_lengths).nonzero()
-        if overflow.numel():
-            index = int(overflow[0])
+        index = _first(prompt + response > sequence_lengths)
+        if index is not None:
             length, room = int(sequence_lengths[index]), int(sequence_lengths[index] - prompt[index])
             raise ValueError(
                 f"response_lengths[{index}] = {int(response[index])} does not fit in sequence {index}: "
                 f"prompt + response must be at most its {length} tokens, so the response at most {room}"
             )
-    no_prompt = ((prompt == 0) & (response > 0)).nonzero()
-    if no_prompt.numel():
+    index = _first((prompt == 0) & (response > 0))
+    if index is not None:
         raise ValueError(
-            f"sequence {int(no_prompt[0])}: a response needs a prompt of at least one token: "
+            f"sequence {index}: a response needs a prompt of at least one token: "
             "its first token's log-prob is read before it"
         )
     return cu_seqlens[:-1] + prompt - 1, response
@@ -203,12 +206,11 @@ def next_token_targets(tokens: torch.Tensor, cu_seqlens: torch.Tensor, fill: int
     flat = _token_major("tokens", tokens, int(cu_seqlens[-1]), trailing_dims=False)
     if not _is_integer(tokens.dtype):
         raise TypeError(f"tokens must hold integer token ids, got {tokens.dtype}")
-    if isinstance(fill, bool) or not isinstance(fill, numbers.Integral):
-        raise TypeError(f"fill must be an integer, got {fill!r}")
+    fill = checked_number("fill", fill, integral=True)
     limits = torch.iinfo(tokens.dtype)
     if not limits.min <= fill <= limits.max:
         raise ValueError(f"fill = {fill} does not fit in {tokens.dtype}, the dtype of tokens")
-    targets = torch.full(tokens.shape, int(fill), dtype=tokens.dtype, device=tokens.device)
+    targets = torch.full(tokens.shape, fill, dtype=tokens.dtype, device=tokens.device)
     flat_targets = targets.view(-1)
     flat_targets[:-1] = flat[1:]
     ends = cu_seqlens[1:].to(tokens.device)
@@ -232,18 +234,18 @@ def context_parallel_positions(cu_seqlens: torch.Tensor, cp_rank: int, cp_size: 
         ``cp_size == 1``. Index per-position tensors ``[1, T]`` with it (``values[:, positions]``).
     """
     cu_seqlens = _checked_cu_seqlens(cu_seqlens)
-    for name, value in (("cp_rank", cp_rank), ("cp_size", cp_size)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int, got {value!r}")
+    cp_rank, cp_size = (
+        checked_number("cp_rank", cp_rank, integral=True),
+        checked_number("cp_size", cp_size, integral=True),
+    )
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank must be in [0, cp_size) with cp_size >= 1, got cp_rank={cp_rank}, cp_size={cp_size}")
     positions = torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device)
     if cp_size == 1:
         return positions
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    uneven = (lengths % (2 * cp_size) != 0).nonzero()
-    if uneven.numel():
-        index = int(uneven[0])
+    index = _first(lengths % (2 * cp_size) != 0)
+    if index is not None:
         raise ValueError(
             f"sequence {index} has {int(lengths[index])} positions, not a multiple of 2 x cp_size = {2 * cp_size}: "
             "pass the cu_seqlens padded for context parallelism"
@@ -339,9 +341,7 @@ def context_parallel_gather(
             f"positions has {positions.numel()} entries but values {values.shape[-1]} rows (shape "
             f"{tuple(values.shape)}): one position per row, along the last dimension"
         )
-    if isinstance(num_positions, bool) or not isinstance(num_positions, numbers.Integral):
-        raise TypeError(f"num_positions must be an int, got {num_positions!r}")
-    if num_positions < 0:
+    if checked_number("num_positions", num_positions, integral=True) < 0:
         raise ValueError(f"num_positions must be at least 0, got {num_positions}")
     positions = positions.to(device=values.device, dtype=torch.long)
     # Checked on the device: the log-prob path of a step reads nothing back to the host.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -27,36 +27,36 @@ def check_backend(backend: str) -> str:
     return backend
 
 
+def checked_number(name: str, value: Union[int, float], *, integral: bool = False) -> Union[int, float]:
+    """``value`` as an ``int`` (``integral``) or a ``float``; ``TypeError`` for anything else, a
+    ``bool`` included."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral if integral else numbers.Real):
+        raise TypeError(f"{name} must be {'an integer' if integral else 'a number'}, got {value!r}")
+    return int(value) if integral else float(value)
+
+
 def check_token_chunk(token_chunk: Optional[int]) -> Optional[int]:
-    """``token_chunk`` as an ``int`` (or ``None``); ``TypeError`` unless it is an integer, ``ValueError``
-    unless it is positive."""
-    if token_chunk is None:
-        return None
-    if isinstance(token_chunk, bool) or not isinstance(token_chunk, numbers.Integral):
-        raise TypeError(f"token_chunk must be a positive integer or None, got {token_chunk!r}")
-    if token_chunk <= 0:
+    """``token_chunk`` as an ``int`` (or ``None``); ``ValueError`` unless it is positive."""
+    if token_chunk is not None and checked_number("token_chunk", token_chunk, integral=True) <= 0:
         raise ValueError(f"token_chunk must be a positive number of tokens or None, got {token_chunk}")
-    return int(token_chunk)
+    return None if token_chunk is None else int(token_chunk)
 
 
 def check_temperature(temperature: float) -> float:
-    """``temperature`` as a float; ``TypeError`` unless it is a number, ``ValueError`` unless it is
-    positive and finite."""
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
+    """``temperature`` as a float; ``ValueError`` unless it is positive and finite."""
+    temperature = checked_number("temperature", temperature)
     if not temperature > 0 or not math.isfinite(temperature):
         raise ValueError(f"temperature must be a positive finite number, got {temperature}")
-    return float(temperature)
+    return temperature
 
 
 def check_weight_grad_scale(weight_grad_scale: float) -> float:
-    """``weight_grad_scale`` as a float; ``TypeError`` unless it is a number, ``ValueError`` unless it
-    is finite and not 0 (the held hidden gradient is divided by it)."""
-    if isinstance(weight_grad_scale, bool) or not isinstance(weight_grad_scale, numbers.Real):
-        raise TypeError(f"weight_grad_scale must be a number, got {type(weight_grad_scale).__name__}")
+    """``weight_grad_scale`` as a float; ``ValueError`` unless it is finite and not 0 (the held
+    hidden gradient is divided by it)."""
+    weight_grad_scale = checked_number("weight_grad_scale", weight_grad_scale)
     if weight_grad_scale == 0 or not math.isfinite(weight_grad_scale):
         raise ValueError(f"weight_grad_scale must be a finite nonzero number, got {weight_grad_scale}")
-    return float(weight_grad_scale)
+    return weight_grad_scale
 
 
 def resolved_backend(backend: str, device: torch.device) -> str:

@@ -1,25 +1,11 @@
 """Patching a Megatron-Core language model so that its LM head never builds the logits, and the
 ``FusedLMHead`` that turns what the model returns into per-token log-probs and entropy.
 
-While a model is wrapped with the fused head on:
-
-- ``output_layer.forward(input_, weight=None, runtime_gather_output=None)`` returns
-  ``(hidden [s, b, h], None)``: the pre-projection hidden states, gathered along the sequence when
-  the layer is sequence parallel, tied to what the call used (the ``weight=`` argument for tied
-  embeddings, else the layer's own; ``provenance``), so ``model(input_ids, position_ids, mask)``
-  returns ``hidden [b, s, h]`` where the stock model returns ``logits [b, s, vocab/TP]``. A
-  forward hook on the model and on each wrapper around it ties what it returns to that call too.
-- ``compute_language_model_loss(labels [b, s], hidden [s, b, h])`` returns the stock per-token
-  cross-entropy ``[b, s]`` (float32) computed by ``fused_linear_logprob``, so
-  ``model(..., labels=labels)`` and multi-token-prediction heads keep working. After
-  ``head.declare_loss_weights(loss_mask)`` it is ``fused_linear_cross_entropy`` instead: the
-  gradients are finished in the forward (three GEMMs) for a loss ``c * sum(losses * loss_mask)``.
-
-Both patches are instance attributes; ``unwrap_model`` deletes them (and removes the hooks) and
-the class methods apply again. Inside ``with head.stock_logits():`` both run the stock methods, so
-the model returns the stock logits. ``copy.deepcopy`` of a patched model (or of its output layer)
-gives a stock copy: the patched modules carry an instance ``__deepcopy__`` that copies them
-without the patches and the hooks.
+While a model is wrapped, its output layer returns ``(hidden [s, b, h], None)`` (``_Patch.
+output_layer_forward``), so the model returns ``hidden [b, s, h]`` where the stock model returns
+``logits [b, s, vocab/TP]``; ``model(..., labels=labels)`` still returns the stock per-token loss
+(``_Patch.compute_language_model_loss``). Both patches are instance attributes, which
+``unwrap_model`` deletes; ``copy.deepcopy`` of a patched module gives a stock copy.
 """
 
 from __future__ import annotations
@@ -55,6 +41,7 @@ from .megatron_compat import (
     model_name,
     module_chains,
     output_layer_of,
+    output_layers,
     tensor_parallel_group,
 )
 
@@ -201,16 +188,8 @@ class FusedLMHead:
         fallback_reason: ``None``, or the sentence saying why the fused path was not taken.
         name: the model, as messages name it (its class and ``id``).
 
-    ``with head.stock_logits():`` the model returns the stock logits (generation, evaluation).
-    ``copy.deepcopy`` of the wrapped model is a stock model that shares nothing with this head:
-    ``wrap_model(copy, config)`` fuses it with a head of its own.
-
     When fused, the head computes each output with the forward that made it, whatever ran since
-    (``provenance``): an output, or anything derived from it with gradients on, leads back to its
-    forward through the autograd graph; without gradients, its storage does (views, slices,
-    ``.detach()``). Where neither does (a copy made under ``no_grad``), the live forwards that could
-    have made it are taken where they all compute alike (one model), and the head refuses rather
-    than guess between models. Another wrapped model's output is refused, naming both models.
+    (``provenance``), and refuses an output it cannot trace to one forward of its own model.
     """
 
     def __init__(self, config: FusedLMConfig, fallback_reason: Optional[str] = None, name: str = "the model"):
@@ -286,34 +265,23 @@ class FusedLMHead:
         loss code either way.
 
         Args:
-            output: what the wrapped model returned, as for ``logprobs``.
-            targets: ``[b, s]`` integer global vocabulary ids.
+            output, targets, mask, temperature: as for ``logprobs`` (``mask`` selects the summed rows).
             loss_fn: a per-token loss ``loss_fn(logprob [rows], entropy [rows], **inputs) ->
                 [rows]``; it must not reduce across rows (``fused_linear_loss`` says why). Ready-made:
                 ``megatron_fused_lm.losses``.
             loss_inputs: per-token inputs of ``loss_fn``, a dict of ``[b, s]`` tensors.
-            mask: optional bool ``[b, s]``: only these positions are computed and summed.
-            temperature: divides the logits.
-            main_grad_scale: inside Megatron's DistributedDataParallel (float32 gradient buffers),
-                the upstream gradient this loss will receive (``1 / num_microbatches`` unless the
-                schedule sums per-token losses, times any scale the trainer puts on it). The fused
-                head then adds that multiple of the output weight's gradient straight into its
-                ``main_grad`` in the forward, as Megatron's layers with gradient-accumulation
-                fusion do: no float32 weight-sized buffer lives until the backward, and the
-                gradient is never rounded to the weight's dtype. A loss that receives another
-                upstream gradient still gets the exact gradient, by a second pass, with one
-                warning. ``None`` (default): the gradient is returned to autograd as usual. The
-                stock head ignores it.
+            main_grad_scale: inside Megatron's DistributedDataParallel, the upstream gradient this
+                loss will receive (``1 / num_microbatches``, times any loss scale): the fused head
+                then adds that multiple of the output weight's gradient straight into its float32
+                ``main_grad`` in the forward (``fused_linear_loss``'s ``weight_grad_into``); another
+                upstream gradient is corrected exactly by a second pass, with one warning. ``None``:
+                the gradient goes to autograd. The stock head ignores it.
 
         Returns:
-            ``FusedLoss(loss, logprob, entropy)``: ``loss`` a float32 scalar to call
-            ``backward`` on (once); ``logprob`` and ``entropy`` detached ``[b, s]`` float32 metrics.
-            With ``main_grad_scale``, a loss released without its backward leaves its weight
-            gradient in ``main_grad``: that is logged at once, and ``main_grad_outstanding``
-            lists it.
-
-        Raises:
-            ValueError, RuntimeError: as for ``logprobs``.
+            ``FusedLoss(loss, logprob, entropy)``: ``loss`` a float32 scalar to call ``backward``
+            on (once); ``logprob`` and ``entropy`` detached ``[b, s]`` float32 metrics. A
+            main_grad-route loss released without its backward is logged and listed by
+            ``main_grad_outstanding``.
         """
         request = LossRequest(targets, loss_fn, loss_inputs, mask, temperature, main_grad_scale)
         return self._answer(output, request, "head.loss")
@@ -322,21 +290,12 @@ class FusedLMHead:
         """Declare the per-token weights of the labels-path loss, so that ``model(...,
         labels=labels)`` finishes the gradients in its forward (three GEMMs instead of four).
 
-        Megatron's SFT loss is ``c * sum(losses * loss_mask)`` with a scale ``c`` known only later
-        (a token count, the number of micro-batches): declare ``loss_mask [b, s]`` (float or bool,
-        the labels' shape, the same on every tensor-parallel rank) before the forward. The
-        declaration holds for every labels-path loss until it is replaced or cleared with
-        ``None``. Nothing can go silently wrong: the backward checks that the upstream gradient it
-        receives is ``c * weights``, and for any other upstream gradient (another mask, a
-        multi-token-prediction loss) it corrects exactly by a second pass (three GEMMs, one warning).
-        While a forward's gradients wait for its backward they hold one extra copy of the hidden
-        gradient and the weight-shard gradient. A stock (unfused) head ignores the declaration.
-
-        ``main_grad_scale``: inside Megatron's DistributedDataParallel (float32 gradient buffers),
-        the scale ``c`` itself, declared too: the forward then adds the output weight's gradient
-        for ``c * weights`` straight into its ``main_grad`` and holds no weight-shard copy (as
-        ``loss``'s ``main_grad_scale``); another upstream gradient gets the difference by a second
-        pass, with one warning.
+        Megatron's SFT loss is ``c * sum(losses * loss_mask)`` with ``c`` known only later: declare
+        ``loss_mask [b, s]`` (float or bool, the labels' shape, the same on every tensor-parallel
+        rank) before the forward; it holds until replaced or cleared with ``None``. The backward
+        checks that it receives ``c * weights`` and corrects any other upstream gradient exactly by
+        a second pass (``fused_linear_cross_entropy``). ``main_grad_scale``: ``c`` itself, for the
+        ``main_grad`` route (as ``loss``'s). A stock head ignores the declaration.
         """
         if weights is not None:
             if not isinstance(weights, torch.Tensor):
@@ -349,24 +308,15 @@ class FusedLMHead:
 
     @contextlib.contextmanager
     def stock_logits(self) -> Iterator[None]:
-        """Inside ``with head.stock_logits():`` the wrapped model computes the stock way, as if
-        unwrapped: the output layer runs its stock forward and the model returns the stock logits
-        ``[b, s, vocab/TP]`` in the model's dtype (``[b, s, vocab]`` with
-        ``runtime_gather_output=True``; sequence parallelism, tied embeddings and MuP scaling as
-        stock), bitwise what the stock model returns, with the stock backward; ``labels=`` gives
-        the stock per-token loss ``[b, s]`` float32 (declared loss weights do not apply). For
-        generation and evaluation without unwrapping::
+        """Inside ``with head.stock_logits():`` the wrapped model computes as if unwrapped, bitwise
+        the stock logits and loss with the stock backward (declared loss weights do not apply), for
+        generation and evaluation::
 
             with head.stock_logits():
                 logits = model(input_ids, position_ids, attention_mask)
 
-        The context holds for the thread that entered it (another thread's forward stays fused),
-        nests, and ends however the block ends; the fused path is back after it, and hidden states
-        returned before it still go to ``logprobs``. A head that is not fused has nothing to
-        switch: the model returns the stock logits anyway.
-
-        Raises:
-            RuntimeError: the model was unwrapped or wrapped again since this head was made.
+        It holds for the thread that entered it and nests; hidden states returned before it still
+        go to ``logprobs``. ``RuntimeError`` if the model was unwrapped or wrapped again since.
         """
         self._check_attached()
         state = self._thread
@@ -487,23 +437,16 @@ def wrap_model(model: Any, config: FusedLMConfig) -> FusedLMHead:
     if not isinstance(config, FusedLMConfig):
         raise TypeError(f"config must be a FusedLMConfig, got {type(config).__name__}")
     unwrap_model(model)
-    chains = module_chains(model)
-    head = FusedLMHead(config, name=model_name([chain[-1] for chain in chains]))
-    patched_chains = []
-    for chain in chains:
-        layer = output_layer_of(chain[-1])
-        if layer is not None:
-            head._stock_layers.append((chain[-1], layer))
-            patched_chains.append(chain)
-    if not config.enabled or not head._stock_layers:
+    chains = [chain for chain in module_chains(model) if output_layer_of(chain[-1]) is not None]
+    head = FusedLMHead(config, name=model_name(model_chunks(model)))
+    head._stock_layers = output_layers(chains)
+    if not config.enabled or not chains:
         return head
-    for chunk, layer in head._stock_layers:
-        reason = fallback_reason(chunk, layer)
-        if reason is not None:
-            head.fallback_reason = reason
-            warn_once(f"megatron_fused_lm: the fused LM head falls back to the stock logits path: {reason}.")
-            return head
-    for chain, (chunk, layer) in zip(patched_chains, head._stock_layers, strict=True):
+    head.fallback_reason = fallback_reason(head._stock_layers)
+    if head.fallback_reason is not None:
+        warn_once(f"megatron_fused_lm: the fused LM head falls back to the stock logits path: {head.fallback_reason}.")
+        return head
+    for chain, (chunk, layer) in zip(chains, head._stock_layers, strict=True):
         patch = _Patch(head, chain, layer)
         patch.apply()
         head._patches.append(patch)

@@ -5,7 +5,7 @@ provably exact for a chunk (or why not)."""
 from __future__ import annotations
 
 import inspect
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -84,8 +84,18 @@ def _looks_like_transformer_engine(layer_class: type) -> bool:
     return layer_class.__name__.startswith("TE") or "transformer_engine" in layer_class.__module__
 
 
-def fallback_reason(chunk: torch.nn.Module, layer: torch.nn.Module) -> Optional[str]:
-    """Why the fused head cannot be proven exact for this chunk, as a sentence; ``None`` if it can."""
+def output_layers(chains: List[List[torch.nn.Module]]) -> List[Tuple[torch.nn.Module, torch.nn.Module]]:
+    """``(chunk, output layer)`` of each chain (``module_chains``) whose chunk has an output layer."""
+    return [(chain[-1], output_layer_of(chain[-1])) for chain in chains if output_layer_of(chain[-1]) is not None]
+
+
+def fallback_reason(layers: List[Tuple[torch.nn.Module, torch.nn.Module]]) -> Optional[str]:
+    """Why the fused head cannot be proven exact for one of the ``(chunk, output layer)`` pairs, as a
+    sentence; ``None`` if it can for all."""
+    return next(filter(None, (_chunk_fallback_reason(chunk, layer) for chunk, layer in layers)), None)
+
+
+def _chunk_fallback_reason(chunk: torch.nn.Module, layer: torch.nn.Module) -> Optional[str]:
     layer_class = type(layer)
     class_name = f"{layer_class.__module__}.{layer_class.__qualname__}"
     if _looks_like_transformer_engine(layer_class):

@@ -12,10 +12,8 @@ is patched: the model stays stock, and a forward without the processor returns t
     per_token = model(tokens, positions, mask, labels=labels, loss_mask=loss_mask, output_processor=processor,
                       output_processor_context=LabelsRequest(main_grad_scale=scale))
 
-What a request returns is what ``FusedLMHead.logprobs`` / ``FusedLMHead.loss`` return for the same
-arguments, and the labels path returns the stock per-token loss ``[b, s]``, as the patched model
-does (three GEMMs when the processor declares Megatron's ``loss_mask``; with a ``LabelsRequest``'s
-``main_grad_scale``, the output weight's gradient straight into its ``main_grad``).
+A request gets what ``FusedLMHead.logprobs`` / ``FusedLMHead.loss`` return for the same arguments;
+the labels path, the stock per-token loss ``[b, s]``, as the patched model does.
 """
 
 from __future__ import annotations
@@ -45,7 +43,9 @@ from .megatron_compat import (
     fallback_reason,
     model_chunks,
     model_name,
+    module_chains,
     output_layer_of,
+    output_layers,
     tensor_parallel_group,
 )
 
@@ -56,11 +56,8 @@ class LabelsRequest:
     forward), which returns the stock per-token loss ``[b, s]`` float32 as without a context.
 
     ``main_grad_scale``: for a processor made with ``declare_loss_mask=True``, the scale ``c`` of
-    this step's reduction ``c * sum(losses * loss_mask)`` (``1 / num_microbatches`` divided by the
-    token count, times any loss scale: it can change every step, hence per call); the forward
-    then adds the output weight's gradient for it straight into its ``main_grad``, as
-    ``FusedLMHead.declare_loss_weights(loss_mask, main_grad_scale=c)`` does. ``None``: the gradient
-    goes to autograd as usual."""
+    this step's ``c * sum(losses * loss_mask)`` (it can change every step, hence per call), as
+    ``FusedLMHead.declare_loss_weights(loss_mask, main_grad_scale=c)`` takes it."""
 
     main_grad_scale: Optional[float] = None
 
@@ -83,10 +80,8 @@ class FusedOutputProcessor:
             whether its output layers can be fused exactly.
         config: ``FusedLMConfig``; disabled, the processor computes the stock way (logits).
         declare_loss_mask: on the labels path (``labels=`` given), declare the forward's
-            ``loss_mask`` as the loss weights, as ``FusedLMHead.declare_loss_weights`` does: three
-            GEMMs when the upstream gradient of the per-token loss is proportional to it (Megatron's
-            SFT reduction), an exact second pass with one warning otherwise. The scale of that
-            reduction, for the ``main_grad`` route, comes with each call (``LabelsRequest``).
+            ``loss_mask`` as the loss weights, as ``FusedLMHead.declare_loss_weights`` does; the
+            scale, for the ``main_grad`` route, comes with each call (``LabelsRequest``).
 
     Attributes:
         fused: whether the processor computes from the hidden states (``False``: the config is
@@ -116,24 +111,19 @@ class FusedOutputProcessor:
             )
         self.config = config
         self.declare_loss_mask = declare_loss_mask
-        self.fallback_reason: Optional[str] = None
         self.name = model_name(model_chunks(model))
-        chunks = [(chunk, output_layer_of(chunk)) for chunk in model_chunks(model)]
-        chunks = [(chunk, layer) for chunk, layer in chunks if layer is not None]
-        self._layers = chunks
-        self._groups = {id(layer): tensor_parallel_group(chunk, layer) for chunk, layer in chunks}
-        if config.enabled:
-            self.fallback_reason = next(filter(None, (fallback_reason(chunk, layer) for chunk, layer in chunks)), None)
-            if self.fallback_reason is not None:
-                warn_once(
-                    "megatron_fused_lm: the fused output processor computes from the stock logits: "
-                    f"{self.fallback_reason}."
-                )
-            elif any(derives_mtp_metrics_from_logits(chunk) for chunk, _ in chunks):
-                warn_once(
-                    "megatron_fused_lm: with the fused output processor, Megatron computes the multi-token-prediction "
-                    "losses (and their metrics) from its own logits before the processor runs."
-                )
+        self._layers = output_layers(module_chains(model))
+        self._groups = {id(layer): tensor_parallel_group(chunk, layer) for chunk, layer in self._layers}
+        self.fallback_reason = fallback_reason(self._layers) if config.enabled else None
+        if self.fallback_reason is not None:
+            warn_once(
+                f"megatron_fused_lm: the fused output processor computes from the stock logits: {self.fallback_reason}."
+            )
+        elif config.enabled and any(derives_mtp_metrics_from_logits(chunk) for chunk, _ in self._layers):
+            warn_once(
+                "megatron_fused_lm: with the fused output processor, Megatron computes the multi-token-prediction "
+                "losses (and their metrics) from its own logits before the processor runs."
+            )
         self.fused = config.enabled and self.fallback_reason is None
 
     def __call__(

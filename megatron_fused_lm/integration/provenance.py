@@ -12,7 +12,7 @@ calls. Each fused forward's ``Origin`` is attached two ways:
 
 A forward's ``Origin`` lives as long as its output's storage or its graph node does: the registry
 holds it while a registered storage is alive, and forgets it at its next use (the next forward or
-head call) once none is. ``FusedLMHead`` says what the head does when nothing establishes the
+head call) once none is. ``FusedLMHead._call_for`` says what the head does when nothing establishes the
 origin.
 """
 

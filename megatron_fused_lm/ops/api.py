@@ -221,25 +221,19 @@ def fused_linear_loss(
             under tensor parallelism the same on every rank.
         mask: optional bool ``[...]``: only rows where it is True are computed and summed; the
             others have log-prob and entropy 0. The number of selected rows is read on the host.
-        weight_grad_into: optional float32 ``[vocab_shard, H]`` contiguous tensor (Megatron's
-            ``main_grad``, say) into which the forward adds ``weight_grad_scale`` times the
-            weight's gradient, in float32 and never rounded; no float32 weight-sized buffer is
-            then held until the backward, and ``weight`` gets no autograd gradient. Eager mode
-            only; ignored when no weight gradient is needed (``no_grad``, a frozen weight).
+        weight_grad_into: optional contiguous float32 ``[vocab_shard, H]`` (Megatron's
+            ``main_grad``) into which the forward adds ``weight_grad_scale`` times the weight's
+            gradient, never rounded: no weight-sized buffer waits for the backward, and ``weight``
+            gets no autograd gradient. Eager mode only; ignored when no weight gradient is needed.
         weight_grad_scale: with ``weight_grad_into``, the upstream gradient the loss will receive
-            (what the trainer multiplies it by: ``1 / num_microbatches``, a loss scale). The
-            backward checks it (one host synchronization); a different one still gives the exact
-            gradient, the difference added by a second pass, with one warning.
+            (``1 / num_microbatches``, a loss scale). The backward checks it (one host
+            synchronization) and adds any difference exactly by a second pass, with one warning.
 
     Returns:
         ``FusedLoss(loss, logprob, entropy)``: ``loss`` a float32 scalar, differentiable w.r.t.
-        ``hidden`` (gradient in hidden's dtype) and ``weight`` (in the weight's dtype); ``logprob``
-        and ``entropy`` float32 ``[...]`` metrics, detached. The gradients are computed in the
-        forward and held in float32 until the backward, which multiplies them by the upstream
-        gradient and rounds each once into its dtype (then, with ``reduce_hidden_grad``, sums the
-        hidden gradient over ``tp_group``: one all-reduce); a second backward through the same
-        graph is an error. Under ``no_grad``, or when neither ``hidden`` nor ``weight`` needs a
-        gradient, only the loss and the metrics are computed. Nothing flows into ``loss_inputs``.
+        ``hidden`` and ``weight`` (gradients in their dtypes, held in float32 until the backward
+        scales them and rounds each once; a second backward is an error); ``logprob`` and
+        ``entropy`` detached float32 ``[...]`` metrics. Nothing flows into ``loss_inputs``.
     """
     inputs = check_loss_inputs(loss_fn, loss_inputs, hidden.shape[:-1], hidden.device)
     options, selection, rows = _fused_rows(
@@ -288,20 +282,18 @@ def fused_linear_cross_entropy(
     """Per-token cross-entropy ``-logprob [...]`` (float32), its gradients computed in the forward
     (three GEMMs) for an upstream gradient declared up to a scalar: ``c * declared_weights``.
 
-    This is the shape of Megatron's SFT loss, ``sum(losses * loss_mask) * scale``: declare the
-    loss mask (or any per-token weights) and the scale may stay unknown. The backward checks the
-    upstream gradient it receives (one host synchronization): proportional to ``declared_weights``
-    (within ``loss_in_forward.PROPORTIONAL_TOLERANCE``), it returns the held gradients times ``c``;
-    otherwise it adds the gradient of the difference by a second three-GEMM pass (exact, by
-    linearity; one warning). Either way the result is that of ``fused_linear_logprob``.
+    Megatron's SFT loss, ``sum(losses * loss_mask) * scale``, has this shape with the scale
+    unknown in the forward. The backward checks the upstream gradient it receives (one host
+    synchronization): proportional to ``declared_weights`` (``loss_in_forward.
+    PROPORTIONAL_TOLERANCE``), the held gradients times ``c``; otherwise a second three-GEMM pass
+    adds the difference (exact by linearity; one warning). Either way the gradients are those of
+    ``fused_linear_logprob``.
 
     Args:
         declared_weights: ``[...]`` (``targets``' shape) float or bool per-token weights, needing
             no gradient, the same on every rank of ``tp_group``.
-        weight_grad_into, weight_grad_scale: as for ``fused_linear_loss``, with the upstream
-            gradient declared as ``weight_grad_scale * declared_weights``: the forward adds that
-            weight gradient into ``weight_grad_into``; the backward checks what arrives and adds
-            the difference by a second pass when it differs.
+        weight_grad_into, weight_grad_scale: as for ``fused_linear_loss``, the upstream gradient
+            declared as ``weight_grad_scale * declared_weights``.
         out_of_vocab: as for ``fused_linear_logprob`` (``"max_logit"``: the stock labels path's
             loss, ``lse - max``, for a target id outside the vocabulary).
         the rest: as for ``fused_linear_loss``.

@@ -1,9 +1,6 @@
-"""megatron-fused-lm: per-token log-probs, entropy and cross-entropy straight from the LM head's
-hidden states and weight shard, without materializing the ``[tokens, vocab/TP]`` logits.
-
-The ops (``fused_linear_logprob``, ``fused_linear_loss``, ``logits_logprob``, ...) and the packed-sequence helpers need only
-torch; the Megatron-Core integration (``FusedLMConfig``, ``wrap_model``, ``FusedOutputProcessor``,
-...) is imported on first use, so the ops do not pay for importing megatron-core.
+"""megatron-fused-lm: per-token log-probs, entropy and losses straight from the LM head's hidden
+states and weight shard, without the ``[tokens, vocab/TP]`` logits. The ops and packing helpers need
+only torch; the Megatron-Core integration's names are imported on first use.
 """
 
 # The ops' public names are the package's.

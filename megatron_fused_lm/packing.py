@@ -18,10 +18,8 @@ Shapes and dtypes, checked by every helper with its own error:
   micro-batch (its batch dimension is 1).
 
 Under context parallelism a rank's output holds only some positions (``context_parallel_positions``):
-build the targets and masks over every position with the helpers below, then index them with those
-positions. The way back: ``context_parallel_gather`` puts every rank's per-row results at their
-positions of the whole sequences, on every rank; ``context_parallel_sum`` makes a rank's loss over
-its own rows the whole loss's value. Both say which gradient each rank's rows get.
+build targets and masks over every position, then index them with those; ``context_parallel_gather``
+and ``context_parallel_sum`` are the way back.
 """
 
 from __future__ import annotations
@@ -276,22 +274,16 @@ class _SumOverGroup(torch.autograd.Function):
 
 
 def context_parallel_sum(value: torch.Tensor, cp_group: Optional[dist.ProcessGroup], *, gradient: str) -> torch.Tensor:
-    """``value`` summed over the context-parallel group, on every rank: a loss a rank takes over its
-    own rows (weights normalized by global counts) becomes the whole loss's value.
+    """``value`` summed over the context-parallel group, on every rank (a collective): a loss a rank
+    takes over its own rows (weights normalized by global counts) becomes the whole loss's value.
 
     Args:
         value: a floating-point tensor of any shape, the same shape on every rank.
-        cp_group: ``mpu.get_context_parallel_group()``; ``None`` (or a group of one rank): no
-            context parallelism, ``value`` comes back as it is.
-        gradient: the upstream gradient this rank's ``value`` gets: ``"local"``, its own ("value
-            summed, gradient local": a rank's rows get their share of the whole loss's gradient,
-            as from SkyRL's losses on its gathered log-probs); ``"summed"``, every rank's summed
-            (the sum's adjoint, a collective in the backward too: every rank backpropagating the
-            whole loss gives its rows ``cp_size`` times their share, as from NeMo-RL's losses on
-            its gathered log-probs).
-
-    Returns:
-        ``value``'s shape, dtype and device. A collective: every rank of the group calls it.
+        cp_group: ``mpu.get_context_parallel_group()``; ``None`` or one rank: ``value`` as it is.
+        gradient: the upstream gradient this rank's ``value`` gets: ``"local"``, its own (a rank's
+            rows get their share of the whole loss's gradient, as from SkyRL's losses on gathered
+            log-probs); ``"summed"``, every rank's summed (the sum's adjoint, an all-reduce in the
+            backward: ``cp_size`` times the share, as from NeMo-RL's losses).
     """
     if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
         raise TypeError(f"value must be a floating-point tensor, got {_described(value)}")
@@ -310,27 +302,23 @@ def context_parallel_gather(
     *,
     gradient: str,
 ) -> torch.Tensor:
-    """The inverse of a context-parallel split, differentiable: every rank's per-row results at
-    their positions, on every rank.
+    """The inverse of a context-parallel split, differentiable, a collective: every rank's per-row
+    results at their positions, on every rank.
 
     Args:
         values: floating point ``[..., R]``, one result per row this rank holds along the last
-            dimension (``[1, T / cp_size]`` for a packed micro-batch's log-probs); the same leading
-            dimensions on every rank.
-        positions: integer ``[R]``, each row's position among ``num_positions``
-            (``context_parallel_positions(cu_seqlens, cp_rank, cp_size)``); distinct, and held by
-            no other rank.
+            dimension (``[1, T / cp_size]`` for packed log-probs); the same leading dimensions on
+            every rank.
+        positions: integer ``[R]``, distinct, held by no other rank: ``context_parallel_positions``.
         num_positions: the positions of the whole sequences (``cu_seqlens[-1]``).
-        cp_group: as in ``context_parallel_sum``; ``None``: this rank holds every row there is.
-        gradient: the upstream gradient this rank's rows get at their positions, as in
-            ``context_parallel_sum``: ``"local"`` this rank's own (a loss every rank computes alike
-            from the result, counted once: SkyRL's ``allgather_cp_sharded_packed_tensor``),
-            ``"summed"`` every rank's summed, the gather's adjoint (losses that differ per rank and
-            add up: NeMo-RL's ``AllGatherCPTensor``).
+        cp_group: as in ``context_parallel_sum``.
+        gradient: as in ``context_parallel_sum``: ``"local"`` for a loss every rank computes alike
+            from the result, counted once (SkyRL's ``allgather_cp_sharded_packed_tensor``);
+            ``"summed"``, the gather's adjoint, for losses that differ per rank and add up (NeMo-RL's
+            ``AllGatherCPTensor``).
 
     Returns:
-        ``[..., num_positions]`` in ``values``' dtype and device, 0 at positions no rank holds. A
-        collective: every rank of the group calls it.
+        ``[..., num_positions]`` in ``values``' dtype and device, 0 at positions no rank holds.
     """
     if not isinstance(values, torch.Tensor) or not values.dtype.is_floating_point or values.dim() == 0:
         raise TypeError(f"values must be a floating-point tensor [..., rows], got {_described(values)}")

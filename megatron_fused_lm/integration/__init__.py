@@ -7,9 +7,7 @@ Use::
     logprob, entropy = head.logprobs(model(tokens, positions, mask), targets, return_entropy=True)
     loss = model(tokens, positions, mask, labels=labels)   # SFT: the stock [b, s] loss
 
-or, on megatron-core >= 0.18, through the model's own hook with nothing patched
-(``FusedOutputProcessor``, ``LogprobRequest``, ``LossRequest``, ``LabelsRequest``; see
-``output_processor``).
+or through the model's own hook, nothing patched (megatron-core >= 0.18; ``output_processor``).
 """
 
 try:

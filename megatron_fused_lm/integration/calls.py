@@ -28,14 +28,11 @@ from .megatron_compat import MainGradWritten, float32_main_grad, labels_ignore_i
 
 @dataclass(frozen=True)
 class HeadCall:
-    """What one patched output-layer call used: everything the fused op needs besides the hidden.
+    """What one output-layer call used: everything the fused op needs besides the hidden.
 
-    ``weight`` is detached when the call ran without gradients (``no_grad``, ``inference_mode``):
-    the stock layer's logits would then carry no graph, so log-probs and losses taken from its
-    output later, with gradients on, carry none into the weight either (and never save an
-    inference tensor for a backward). ``reduce_hidden_grad`` is ``False`` where the stock layer
-    would not all-reduce the hidden gradient either: under sequence parallelism (the gather's
-    backward reduce-scatters the partials) and with ``disable_grad_reduce``.
+    ``weight`` is detached when the call ran without gradients, as the stock logits would carry no
+    graph. ``reduce_hidden_grad`` is ``False`` where the stock layer would not all-reduce the hidden
+    gradient either (sequence parallelism, ``disable_grad_reduce``).
     """
 
     weight: torch.Tensor
@@ -164,9 +161,8 @@ def main_grad_route(
     weight: torch.Tensor, main_grad_scale: Optional[float], owner: str
 ) -> Tuple[torch.Tensor, Dict[str, Any]]:
     """``(weight, arguments)`` for a three-GEMM op: with a ``main_grad_scale`` and a weight gradient
-    to compute, the weight behind ``MainGradWritten`` and the op's ``weight_grad_into`` (its
-    float32 ``main_grad``, named after ``owner`` in the ops' reports of a loss released without its
-    backward) and ``weight_grad_scale``; otherwise the weight as it is and none."""
+    to compute, the weight behind ``MainGradWritten`` and its ``main_grad`` (named after ``owner``
+    in the ops' reports) as ``weight_grad_into``; otherwise the weight as it is and none."""
     if main_grad_scale is None or not (weight.requires_grad and torch.is_grad_enabled()):
         return weight, {}
     into = float32_main_grad(weight)
@@ -204,12 +200,11 @@ def call_labels_loss(
     main_grad_scale: Optional[float] = None,
 ) -> torch.Tensor:
     """The labels path's per-token cross-entropy for one projection ``call``: ``-logprob`` (four
-    GEMMs), or ``fused_linear_cross_entropy`` for the ``declared`` weights (three), the weight
-    gradient into ``main_grad`` with a ``main_grad_scale`` (``main_grad_route``). A label outside
-    the vocabulary (HF-style ``-100`` padding) scores as the stock loss scores it: as the row's
-    largest logit (Megatron's cross-entropies), or, under TransformerEngine's fused cross-entropy,
-    a loss of 0 with no gradient for its ``ignore_idx`` and an error for any other id, whose stock
-    result is not established (``megatron_compat.labels_ignore_index``)."""
+    GEMMs), or ``fused_linear_cross_entropy`` for the ``declared`` weights (three; with a
+    ``main_grad_scale``, into ``main_grad``). A label outside the vocabulary (``-100`` padding)
+    scores as the stock loss scores it (``megatron_compat.labels_ignore_index``): the row's largest
+    logit, or under TransformerEngine's fused cross-entropy 0 with no gradient for its
+    ``ignore_idx`` and an error for any other id."""
     kept, out_of_vocab = None, "max_logit"
     if call.labels_ignore_index is not None:
         kept, out_of_vocab = targets != call.labels_ignore_index, "error"

@@ -66,21 +66,12 @@ class FusedLMConfig:
                 then read there only; a ``None`` (null) section reads as empty, and a path that
                 does not lead to a section raises ``ValueError``.
 
-        Without ``section``, each key is looked up at the top level and under ``trainer``. An
-        absent key (or a ``None`` value) takes the default. A key given in both places with
-        different values, an unknown backend or a wrong type raises.
-
-        A key that is not found there but is set in a deeper section (say
-        ``actor_rollout_ref.actor.fused_linear_logprob``) is ignored, and one warning names the
-        dotted paths where it was found and the ``section=`` that reads them. It is not read
-        because a config may hold the keys for several models (verl's actor and its reference
-        policy, a critic), and guessing one could turn the fused head on for the wrong model;
-        ``section=`` makes the choice and silences the warning.
-
-        A name in a section that is read which looks like a misspelling of one of the keys (say
-        ``fused_linear_logprobs``, or ``fused_linear_logprob_backed``) is ignored like any other
-        name, with one warning naming the key it resembles: a misspelt switch must not leave the
-        fused head off without a word.
+        Without ``section``, each key is looked up at the top level and under ``trainer``; an
+        absent or ``None`` key takes the default; a key given in both places with different
+        values, an unknown backend or a wrong type raises. A key set only in a deeper section is
+        ignored with one warning naming its dotted path and the ``section=`` that reads it (a config
+        may hold keys for several models: verl's actor, its reference, a critic). A name that looks
+        like a misspelt key (``fused_linear_logprobs``) is ignored with one warning naming the key.
         """
         if trainer_config is None:
             raise TypeError("trainer_config must be a mapping or an object with attributes, got None")

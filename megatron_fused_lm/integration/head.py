@@ -161,10 +161,9 @@ class _Patch:
         ``hidden [s, b, h]`` (possibly scaled by MuP) -> per-token cross-entropy ``[b, s]`` float32.
         Inside ``head.stock_logits()`` the output layer returned the stock logits: the stock loss.
 
-        The model calls this right after its output layer, so where nothing establishes the
-        origin of ``logits`` (MuP's scaling under ``no_grad`` makes a copy without a graph), that
-        call, this thread's latest, made them. What the model returns then is a loss, tied to no
-        forward."""
+        The model calls this right after its output layer: where nothing establishes the origin
+        of ``logits`` (MuP's scaling under ``no_grad`` copies them), this thread's latest call made
+        them."""
         if self.head._stock_logits_on():
             return self.stock(self.chunk, "compute_language_model_loss")(labels, logits)
         head, declared = self.head, self.head._declared_weights
@@ -202,8 +201,7 @@ class FusedLMHead:
         self._declared_weights: Optional[torch.Tensor] = None
         self._declared_main_grad_scale: Optional[float] = None
         self._detached = False
-        # Per thread: the depth of stock_logits() contexts (one holds for its own thread), and the
-        # origin of the latest fused forward (``provenance``).
+        # Per thread: the depth of stock_logits() contexts and the latest fused forward's origin.
         self._thread = threading.local()
 
     def logprobs(
@@ -238,12 +236,9 @@ class FusedLMHead:
             ``logprob [b, s]`` float32, or ``(logprob, entropy)``, each ``[b, s]`` float32.
 
         Raises:
-            ValueError: a target id outside the vocabulary (HF-style ``-100`` padding) at a
-                position ``mask`` selects: such a position has no log-prob, so leave it out with
-                ``mask`` (the labels path, ``model(..., labels=labels)``, scores it as the stock
-                model does instead). On a GPU this is an asynchronous device-side assertion.
-            RuntimeError: ``output`` comes from another wrapped model's forward, or nothing links
-                it to one forward of this model (see the class docstring).
+            ValueError: a target id outside the vocabulary (``-100`` padding) at a selected
+                position (leave it out with ``mask``); on a GPU a device-side assertion.
+            RuntimeError: ``output`` is not traceable to one forward of this model.
         """
         request = LogprobRequest(targets, temperature, return_entropy, entropy_grad, mask, max_rows)
         return self._answer(output, request, "head.logprobs")
@@ -259,10 +254,8 @@ class FusedLMHead:
         temperature: float = 1.0,
         main_grad_scale: Optional[float] = None,
     ) -> FusedLoss:
-        """The summed per-token loss ``sum_t loss_fn(logprob_t, entropy_t, inputs_t)``, with the
-        gradients finished in the forward when the head is fused (``fused_linear_loss``: three
-        GEMMs) and by the usual backward on the logits when it is not (``logits_loss``): the same
-        loss code either way.
+        """``sum_t loss_fn(logprob_t, entropy_t, inputs_t)``, its gradients finished in the forward
+        when fused (``fused_linear_loss``, three GEMMs), else by the backward (``logits_loss``).
 
         Args:
             output, targets, mask, temperature: as for ``logprobs`` (``mask`` selects the summed rows).
@@ -315,9 +308,8 @@ class FusedLMHead:
             with head.stock_logits():
                 logits = model(input_ids, position_ids, attention_mask)
 
-        It holds for the thread that entered it and nests; hidden states returned before it still
-        go to ``logprobs``. ``RuntimeError`` if the model was unwrapped or wrapped again since.
-        """
+        It holds for the thread that entered it and nests. ``RuntimeError`` if the model was
+        unwrapped or wrapped again since."""
         self._check_attached()
         state = self._thread
         state.depth = getattr(state, "depth", 0) + 1
@@ -334,14 +326,11 @@ class FusedLMHead:
             raise RuntimeError("this FusedLMHead's model was unwrapped or wrapped again; use the newest head")
 
     def main_grad_outstanding(self, *, forget_released: bool = False) -> List[str]:
-        """The main_grad-route losses of this head (``loss(..., main_grad_scale=)``, the labels
-        path after ``declare_loss_weights(..., main_grad_scale=)``) whose forward added the output
-        weight's gradient into its ``main_grad`` and whose backward has not run, one sentence each:
-        those still waiting for it, and those released without it (a metric computed with
-        gradients on, a micro-batch skipped). Call it before the optimizer step: empty means
-        ``main_grad`` holds no gradient without its backward. A released loss stays listed until
-        a call with ``forget_released=True``, once the step that holds it is skipped or its
-        gradient buffers are zeroed."""
+        """One sentence for each main_grad-route loss of this head whose forward added the output
+        weight's gradient into ``main_grad`` and whose backward has not run (waiting, or released
+        without it). Empty before the optimizer step means ``main_grad`` holds no gradient without
+        its backward. Released losses stay listed until ``forget_released=True`` (after the step
+        is skipped or the buffers zeroed)."""
         return outstanding_main_grads(self._stock_layers, forget_released)
 
     def _call_for(self, output: torch.Tensor, caller: str, fallback: Optional[provenance.Origin] = None) -> HeadCall:
@@ -427,12 +416,11 @@ def wrap_model(model: Any, config: FusedLMConfig) -> FusedLMHead:
     """Patch every output layer of ``model`` for the fused head (when ``config.enabled``) and
     return the head that computes log-probs from the model's outputs.
 
-    ``model`` is a Megatron-Core language model (GPTModel, or anything with the same
-    ``output_layer`` / ``compute_language_model_loss`` API), possibly wrapped in modules that hold
-    it as ``.module`` (DDP, Float16Module), or a list of virtual-pipeline chunks. Chunks without
-    an output layer are left alone. A model wrapped before is unwrapped first, so patches never
-    stack. When any output layer cannot be fused exactly (see ``megatron_compat.fallback_reason``)
-    the model stays stock, one warning names the reason, and ``head.fallback_reason`` holds it.
+    ``model``: a Megatron-Core language model (GPTModel or the same ``output_layer`` /
+    ``compute_language_model_loss`` API), possibly wrapped (``.module``: DDP, Float16Module), or a
+    list of virtual-pipeline chunks. A model wrapped before is unwrapped first. Where an output
+    layer cannot be fused exactly the model stays stock, with one warning and
+    ``head.fallback_reason``.
     """
     if not isinstance(config, FusedLMConfig):
         raise TypeError(f"config must be a FusedLMConfig, got {type(config).__name__}")

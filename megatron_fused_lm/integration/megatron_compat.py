@@ -124,11 +124,10 @@ PROBE_ROUNDING = {torch.float32: 2.0**-8, torch.bfloat16: 2.0**-7, torch.float16
 
 
 def _probe_projection(chunk: torch.nn.Module, layer: torch.nn.Module) -> Optional[str]:
-    """Run the layer's own forward on a small random input and check that it returns this rank's
-    vocabulary shard of ``input @ weight.T`` (the sequence gathered first when the layer is
-    sequence parallel): the layouts of megatron-core releases differ in private methods, so what
-    the fused head replaces is checked by what it computes. Every rank of the tensor-parallel
-    group runs it (it communicates under sequence parallelism); ``None`` when it matches."""
+    """Check on a small random input that the layer's own forward returns this rank's vocabulary
+    shard of ``input @ weight.T`` (releases differ in private methods, so what the fused head
+    replaces is checked by what it computes); every tensor-parallel rank runs it. ``None`` when it
+    matches."""
     weight = layer.weight
     if weight is None:
         shared = getattr(chunk, "shared_embedding_or_output_weight", None)
@@ -216,11 +215,9 @@ def float32_main_grad(weight: torch.Tensor) -> torch.Tensor:
 
 class MainGradWritten(torch.autograd.Function):
     """``weight`` as it is, for an op that adds the weight's gradient into ``weight.main_grad``
-    itself and gives this view no gradient. Its backward does what Megatron's own linear layers do
-    when they wrote ``main_grad``: it sets ``weight.grad_added_to_main_grad`` and hands DDP's hook a
-    dummy gradient (zeros for a weight shared with the embedding on this stage, ``zero_out_wgrad``,
-    whose own gradient is added on top; otherwise uninitialized), so that the hook still fires (an
-    overlapped gradient reduction waits for it) and adds nothing twice."""
+    itself. The backward does what Megatron's linear layers do after writing ``main_grad``: sets
+    ``weight.grad_added_to_main_grad`` and hands DDP's hook a dummy gradient (zeros where
+    ``zero_out_wgrad``), so the hook still fires and adds nothing twice."""
 
     @staticmethod
     def forward(ctx, weight):

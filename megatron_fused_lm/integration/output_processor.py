@@ -44,7 +44,6 @@ from .megatron_compat import (
     model_chunks,
     model_name,
     module_chains,
-    output_layer_of,
     output_layers,
     tensor_parallel_group,
 )
@@ -65,33 +64,26 @@ class LabelsRequest:
 def accepts_output_processor(model: Any) -> bool:
     """Whether every language model in ``model`` takes ``output_processor=`` in its forward
     (megatron-core's GPTModel from 0.18): read from the forward's signature, not the release."""
-    chunks = [chunk for chunk in model_chunks(model) if output_layer_of(chunk) is not None]
-    return bool(chunks) and all(
-        "output_processor" in inspect.signature(type(chunk).forward).parameters for chunk in chunks
-    )
+    layers = output_layers(module_chains(model))
+    return bool(layers) and all("output_processor" in inspect.signature(type(c).forward).parameters for c, _ in layers)
 
 
 class FusedOutputProcessor:
     """The function to pass as ``output_processor=`` to a Megatron-Core language model.
 
     Args:
-        model: the model it will be passed to (a GPTModel, possibly wrapped in DDP or
-            Float16Module, or its virtual-pipeline chunks), used only to check the release and
-            whether its output layers can be fused exactly.
+        model: the model it will be passed to (as ``wrap_model`` takes it), only checked.
         config: ``FusedLMConfig``; disabled, the processor computes the stock way (logits).
         declare_loss_mask: on the labels path (``labels=`` given), declare the forward's
             ``loss_mask`` as the loss weights, as ``FusedLMHead.declare_loss_weights`` does; the
             scale, for the ``main_grad`` route, comes with each call (``LabelsRequest``).
 
     Attributes:
-        fused: whether the processor computes from the hidden states (``False``: the config is
-            disabled or an output layer cannot be fused; it then computes from the stock logits).
-        fallback_reason: ``None``, or the sentence saying why the fused path was not taken.
+        fused, fallback_reason: as ``FusedLMHead``'s (not fused: computed from the stock logits).
 
     Raises:
-        TypeError: ``config`` is not a ``FusedLMConfig``.
-        RuntimeError: the model's forward takes no ``output_processor`` (megatron-core < 0.18, or
-            a model class without the hook); use ``wrap_model`` there.
+        RuntimeError: the model's forward takes no ``output_processor`` (megatron-core < 0.18);
+            use ``wrap_model`` there.
     """
 
     def __init__(

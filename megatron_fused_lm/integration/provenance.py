@@ -10,10 +10,9 @@ calls. Each fused forward's ``Origin`` is attached two ways:
 - to the hidden states' storage, so that a tensor without a graph (a forward under ``no_grad``, a
   ``.detach()``) that shares it is recognized too.
 
-A forward's ``Origin`` lives as long as its output's storage or its graph node does: the registry
-holds it while a registered storage is alive, and forgets it at its next use (the next forward or
-head call) once none is. ``FusedLMHead._call_for`` says what the head does when nothing establishes the
-origin.
+A forward's ``Origin`` lives as long as its output's storage or its graph node does (the registry
+forgets it at its next use once neither is alive). ``FusedLMHead._call_for`` says what the head
+does when nothing establishes the origin.
 """
 
 from __future__ import annotations

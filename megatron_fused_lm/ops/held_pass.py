@@ -41,17 +41,12 @@ Tensor = torch.Tensor
 
 @dataclasses.dataclass(eq=False)
 class HeldPass:
-    """One three-GEMM pass and what its backward needs.
-
-    ``problem``: the rows ``[n, H]`` and the weight shard, detached, in the weight's dtype (the
-    gradients' too); ``inputs``: ``loss_fn``'s per-token inputs ``[n]``; ``per_token``: the loss is
-    per token, ``losses.cross_entropy`` with the declared weights ``inputs["weight"]`` (``[n]``
-    float32), its upstream gradient declared up to a scalar; else a scalar loss, the sum of
-    ``loss_fn``'s losses; ``weight_grad_into``: the caller's
-    float32 ``[vocab_shard, H]`` accumulator the weight gradient is added into, or ``None`` for
-    parts of the pass's own; ``weight_grad_scale``: the upstream gradient the held gradients are
-    for.
-    """
+    """One three-GEMM pass and what its backward needs. ``problem``: the rows ``[n, H]`` and the
+    weight shard, detached, in the weight's dtype; ``inputs``: ``loss_fn``'s inputs ``[n]``;
+    ``per_token``: ``losses.cross_entropy`` per token, its upstream declared up to a scalar as
+    ``inputs["weight"]``, else the scalar sum of ``loss_fn``'s losses; ``weight_grad_into``: the
+    caller's float32 ``[vocab_shard, H]`` sink, or ``None`` for parts of the pass's own;
+    ``weight_grad_scale``: the upstream gradient the held gradients are for."""
 
     problem: ShardProblem
     loss_fn: LossFn

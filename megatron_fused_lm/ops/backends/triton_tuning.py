@@ -2,20 +2,14 @@
 object that fixes any of their choices instead (tile sweeps and the interpreter tests do).
 ``docs/BENCHMARKS.md`` has the measurements behind each rule.
 
-- Tiles: 16-bit operands take 256 x 128 x 64 forward tiles and 128 x 256 x 64 recompute-backward
-  tiles, 8 warps, 3 stages, 8 token tiles per group; float32 operands take 64 x 64 x 32 tiles with
-  IEEE float32 products. A forward kernel that stores a block from 16-bit operands takes the first
-  of ``STORING_CANDIDATES`` whose shared memory (``shared_memory_bytes``: the pipelined operand
-  tiles and the store's half-tile staging) fits the device: 256 x 128 x 64 with 4 stages for a
-  bfloat16 block, 128 x 256 x 64 with 3 for a float32 one.
-- Vocabulary splits of the forward kernel: the column tiles per split (6 to 16) that leave the
-  least idle time in the last wave of programs.
-- Recompute backward: token chunks of ``TOKEN_CHUNK`` rows, and vocabulary chunks sized so that the
-  working set stays at ``WORKING_SET_BYTES`` plus ``WORKING_SET_GRADIENT_SHARE`` of the gradients'
-  bytes; a persistent grid of one program per multiprocessor.
-- Loss-in-forward pass: token chunks whose stored block takes at most ``STORED_LOGITS_BYTES`` (a
-  float32 block of 16-bit operands has a ``dz`` block of half its size beside it while a chunk's
-  gradients are formed), the rows split evenly over the chunks.
+- Tiles: the constants below; a forward kernel that stores a block from 16-bit operands takes the
+  first of ``STORING_CANDIDATES`` whose shared memory (``shared_memory_bytes``) fits the device.
+- Vocabulary splits of the forward kernel: the column tiles per split (``TILES_PER_SPLIT``) that
+  leave the least idle time in the last wave of programs.
+- Recompute backward: token chunks of ``TOKEN_CHUNK`` rows, vocabulary chunks within
+  ``WORKING_SET_BYTES`` plus ``WORKING_SET_GRADIENT_SHARE`` of the gradients' bytes.
+- Loss-in-forward pass: token chunks whose stored block (with its ``dz`` block beside a float32
+  one) takes at most ``STORED_LOGITS_BYTES``, the rows split evenly over the chunks.
 """
 
 from __future__ import annotations

@@ -1,20 +1,22 @@
 """The Triton loss-in-forward path's precision on the CPU: a float64 emulation of its 16-bit rounding
-(the stored block in the dtype ``stored_dtype`` picks, the ``dz`` operand and the results in
-bfloat16), next to an emulation of the recompute path (``dz`` from float32 logits, rounded to
-bfloat16), both against float64, in the regimes where random data hides a difference: a confident
-chosen token, a dominant other token, with entropy-only, log-prob-only and mixed losses.
+(the stored block in the form ``stored_dtype`` picks, exponentials or float16 offsets from tile
+maxima, the ``dz`` operand and the results in bfloat16), next to an emulation of the recompute path
+(``dz`` from float32 logits, rounded to bfloat16), both against float64, in the regimes where
+random data hides a difference: a confident chosen token, a dominant other token, with
+entropy-only, log-prob-only and mixed losses.
 
 Each path's kernels compute these same numbers on a GPU (tests/gpu/test_loss_parity.py measures
 them); here the policy and the formulas are guarded on every CPU run: the three-GEMM gradients stay
-within 1.2x the recompute path's relative L2 error, as the GPU tests require, and a bfloat16 block
-for an entropy term (the choice ``stored_dtype`` refuses) would not.
+within 1.2x the recompute path's relative L2 error, as the GPU tests require, and a bfloat16 exponentials
+block for an entropy term (the choice ``stored_dtype`` refuses) would not.
 """
 
 import pytest
 import torch
 
 from megatron_fused_lm.ops.backends.triton_loss import direct_factor
-from megatron_fused_lm.ops.backends.triton_reference import REFERENCE_HEADROOM, stored_dtype
+from megatron_fused_lm.ops.backends.triton_reference import REFERENCE_HEADROOM, stored_dtype, stores_offsets
+from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
 from megatron_fused_lm.ops.softmax import block_statistics, chosen_logit_grad, logit_grad, summarize
 
 F64 = torch.float64
@@ -79,17 +81,35 @@ def recompute_path(hidden, weight, targets, grad_logprob, grad_entropy):
     return products(rounded(dz, torch.bfloat16), hidden, weight)
 
 
+def offsets_logits(logits, tile_n):
+    """The float32 logits the ``dz`` kernel reads back from float16 offsets to each row's maxima over
+    column tiles of ``tile_n``."""
+    vocab = logits.shape[1]
+    tiles = torch.nn.functional.pad(logits, (0, -vocab % tile_n), value=-torch.inf).view(ROWS, -1, tile_n)
+    tile_max = tiles.amax(-1, keepdim=True)
+    return (tile_max + (tiles - tile_max).to(torch.float16).float()).view(ROWS, -1)[:, :vocab]
+
+
 def three_gemm_path(hidden, weight, targets, grad_logprob, grad_entropy, entropy_grad, block_dtype=None):
-    """The loss-in-forward kernels: the block ``exp(z - r)`` in ``block_dtype`` (``stored_dtype``'s
-    choice by default), read directly without an entropy term, else turned into bfloat16 ``dz``;
-    the chosen token's term from the statistics, in float32."""
+    """The loss-in-forward kernels: the block in ``block_dtype`` (``stored_dtype``'s choice by
+    default): exponentials ``exp(z - r)`` read directly without an entropy term, else turned into
+    bfloat16 ``dz``, or float16 offsets from tile maxima turned into ``dz``; the chosen token's term
+    from the statistics, in float32."""
     logits, summary = statistics(hidden, weight, targets)
     block_dtype = block_dtype or stored_dtype(torch.bfloat16, entropy_grad)
+    rows = torch.arange(ROWS)
+    chosen = chosen_logit_grad(targets, summary, grad_logprob.float(), grad_entropy.float() if entropy_grad else None)
+    if stores_offsets(block_dtype):
+        tile_n = TritonTuning().forward_tiles_for(torch.bfloat16, block_dtype).block_n
+        read_back = offsets_logits(logits, tile_n)
+        prob = torch.exp(read_back - summary.lse[:, None]).double()
+        mean_minus_logit = (summary.mean_logit[:, None] - read_back).double()
+        dz = logit_grad(prob, mean_minus_logit, grad_logprob[:, None], grad_entropy[:, None], True, True)
+        dz[rows, targets] = 0.0
+        return products(rounded(dz, torch.bfloat16), hidden, weight, chosen.double(), targets)
     reference = logits.amax(1) + REFERENCE_HEADROOM
     block = rounded(torch.exp(logits - reference[:, None]), block_dtype)
-    rows = torch.arange(ROWS)
     block[rows, targets] = 0.0
-    chosen = chosen_logit_grad(targets, summary, grad_logprob.float(), grad_entropy.float() if entropy_grad else None)
     if block_dtype == torch.bfloat16 and not entropy_grad:
         factor = direct_factor(reference, summary.lse, grad_logprob.float(), 1.0).double()
         grad_hidden = (
@@ -137,8 +157,9 @@ def test_three_gemm_gradients_within_the_recompute_paths_error(kind, prob, loss)
     assert max(ratios) <= RATIO, ratios
 
 
-def test_a_bfloat16_block_would_not_hold_for_an_entropy_term():
+def test_a_bfloat16_exponentials_block_would_not_hold_for_an_entropy_term():
     # z read back from 8-bit-mantissa exponentials: log(e) errs by 2^-9, which a dominant token's
-    # p ~ 1 multiplies while its true mean - z is about 1e-5.
-    assert stored_dtype(torch.bfloat16, entropy_grad=True) == torch.float32
+    # p ~ 1 multiplies while its true mean - z is about 1e-5. Offsets from the tile's exact maximum
+    # give that token's logit back exactly.
+    assert stores_offsets(stored_dtype(torch.bfloat16, entropy_grad=True))
     assert max(error_ratios("other", 1 - 1e-5, "entropy-only", block_dtype=torch.bfloat16)) > 3

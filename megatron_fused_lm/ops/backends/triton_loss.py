@@ -1,15 +1,16 @@
 """The Triton backend's loss-in-forward pass, per token chunk:
 
 1. ``chunk_statistics``: the forward kernel computes the statistics and stores the chunk's logits
-   as ``exp(z - r)`` against one reference ``r`` per row (``triton_reference``); the rows whose
-   maximum escaped their reference are stored again.
-2. ``chunk_gradients``: without an entropy term the stored block is ``dz`` up to a per-row factor,
-   the chosen token aside, and cuBLAS reads it as it is (``reads_block_directly``, the fast path);
-   otherwise the ``dz`` kernel forms ``dz`` from it (``dz_operand``, the reference path). Then the
-   two products in float32 and the chosen tokens' term (``held_gradients``).
+   (``triton_reference``): as ``exp(z - r)`` against one reference ``r`` per row, the rows whose
+   maximum escaped their reference stored again; or as float16 offsets from each column tile's
+   maximum.
+2. ``chunk_gradients``: a bfloat16 exponentials block without an entropy term is ``dz`` up to a
+   per-row factor, the chosen token aside, and cuBLAS reads it as it is (``reads_block_directly``,
+   the fast path); otherwise the ``dz`` kernel forms ``dz`` over the block (``dz_operand``). Then
+   the two products in float32 and the chosen tokens' term (``held_gradients``).
 
-``docs/DESIGN.md`` ("The stored block") derives the factor and says which block dtype each case
-takes and why.
+``docs/DESIGN.md`` ("The stored block") derives the factor and says which form each case takes
+and why.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from ..contract import LossState, NeededGrads, SavedStatistics, ShardProblem, Up
 from ..kernels.chosen_token_kernel import add_chosen_rows, finish_hidden_grad
 from ..kernels.descriptors import addressable, addressable_empty
 from ..kernels.scale_kernel import scale_into
-from ..kernels.softmax_stats_kernel import refresh_stored_exp, split_statistics
+from ..kernels.softmax_stats_kernel import refresh_exponentials, split_statistics
 from ..kernels.stored_grad_kernel import stored_logit_grads
 from ..products import add_product
 from ..softmax import MAX, SoftmaxSummary, chosen_logit_grad, logit_grad, merge_statistics, zero_chosen
-from .triton_reference import row_references, stale_references, stored_dtype
+from .triton_reference import row_references, stale_references, stored_dtype, stores_offsets
 from .triton_tuning import REFERENCE_ROWS, TritonTuning, loss_token_chunk
 
 
@@ -44,10 +45,11 @@ def direct_factor(
 
 
 def reads_block_directly(state: LossState, weight: torch.Tensor, upstream: UpstreamGrads) -> bool:
-    """The fast-path predicate: the block has the weight's dtype and the loss no entropy term, so
-    ``dz = f * exp(z - r)`` for every column but the chosen token's and the products read the block
-    as it is, scaled per row."""
-    return state.block.dtype == weight.dtype and upstream.entropy is None
+    """The fast-path predicate: the block holds exponentials in the weight's dtype and the loss has
+    no entropy term, so ``dz = f * exp(z - r)`` for every column but the chosen token's and the
+    products read the block as it is, scaled per row."""
+    block_dtype = state.block.dtype
+    return block_dtype == weight.dtype and not stores_offsets(block_dtype) and upstream.entropy is None
 
 
 @dataclass(frozen=True)
@@ -69,25 +71,32 @@ class TritonLoss(held_gradients.HeldSteps):
         token_chunk = self.token_chunk or loss_token_chunk(num_tokens, vocab, block_dtype.itemsize, tiles)
         token_chunk = min(token_chunk, max(num_tokens, 1))
         block = addressable_empty(hidden, token_chunk, vocab, block_dtype)
-        reference = hidden.new_empty(token_chunk, dtype=torch.float32)
+        # Per row (exponentials), or per row and column tile (offsets: the tiles' maxima).
+        shape = (token_chunk, -(-vocab // tiles.block_n)) if stores_offsets(block_dtype) else (token_chunk,)
+        reference = hidden.new_empty(shape, dtype=torch.float32)
         return LossState(block, reference, *held_gradients.allocate(hidden, weight, needed))
 
     def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice) -> torch.Tensor:
-        """The forward kernel over the chunk: its statistics ``[k, 4]``, its stored block and each
-        row's reference (``state.reference``)."""
+        """The forward kernel over the chunk: its statistics ``[k, 4]``, its stored block and what
+        the block is stored against (``state.reference``)."""
         num_rows = rows.stop - rows.start
         hidden, weight = addressable(problem.hidden[rows]), addressable(problem.weight)
         columns, block = problem.target_column[rows].contiguous(), state.block[:num_rows]
         inv_temperature = 1.0 / problem.temperature
         tiles = self.tuning.forward_tiles_for(weight.dtype, block.dtype, weight.device)
         tiles_per_split = self.tuning.tiles_per_split_for(num_rows, weight.shape[0], tiles, weight.device)
+        if stores_offsets(block.dtype):
+            reference = state.reference[:num_rows]
+            return merge_statistics(
+                split_statistics(hidden, weight, columns, inv_temperature, tiles, tiles_per_split, block, reference)
+            )
         sample_rows = self.tuning.reference_rows or REFERENCE_ROWS
         reference = row_references(hidden, weight, columns, inv_temperature, sample_rows)
         parts = split_statistics(hidden, weight, columns, inv_temperature, tiles, tiles_per_split, block, reference)
         local = merge_statistics(parts)
         reference, refresh = stale_references(reference, local[:, MAX])
         state.reference[:num_rows] = reference
-        refresh_stored_exp(hidden, weight, inv_temperature, tiles, tiles_per_split, block, reference, refresh)
+        refresh_exponentials(hidden, weight, inv_temperature, tiles, tiles_per_split, block, reference, refresh)
         return local
 
     def chunk_gradients(
@@ -124,17 +133,15 @@ class TritonLoss(held_gradients.HeldSteps):
     def dz_operand(
         self, problem: ShardProblem, state: LossState, rows: slice, summary: SoftmaxSummary, upstream: UpstreamGrads
     ) -> torch.Tensor:
-        """``dz / T`` in the weight's dtype (chosen tokens' elements 0), formed from the stored block
-        by the ``dz`` kernel: over the block itself where it has that dtype, else into a new block."""
+        """``dz / T`` in the weight's dtype (chosen tokens' elements 0), formed by the ``dz`` kernel
+        over the stored block itself, which has the weight's element size (``stored_dtype``)."""
         num_rows, weight = rows.stop - rows.start, problem.weight
         block = state.block[:num_rows]
-        out = (
-            block if block.dtype == weight.dtype else addressable_empty(block, num_rows, weight.shape[0], weight.dtype)
-        )
+        tiles = self.tuning.forward_tiles_for(weight.dtype, block.dtype, weight.device)
         saved = SavedStatistics(summary.lse.contiguous(), summary.mean_logit.contiguous())
         return stored_logit_grads(
-            block, state.reference[:num_rows], out, problem.target_column[rows].contiguous(), saved, upstream,
-            1.0 / problem.temperature,
+            block, state.reference[:num_rows], block.view(weight.dtype), problem.target_column[rows].contiguous(),
+            saved, upstream, 1.0 / problem.temperature, tiles.block_n if stores_offsets(block.dtype) else 0,
         )  # fmt: skip
 
     def products(

@@ -1,6 +1,12 @@
-"""The reference against which the loss-in-forward pass stores each row's logits as
-``exp(z - reference)``, and the check that catches a reference that proved too low
-(``docs/DESIGN.md``, "The stored block": why one reference per row, and why these bounds).
+"""How the loss-in-forward pass keeps a chunk's logits from its statistics to its gradient, the
+stored block (``docs/DESIGN.md``, "The stored block": why each form, and why these bounds):
+
+- exponentials ``exp(z - r)`` against one reference ``r`` per row, chosen before the logits exist,
+  and the check that catches a reference that proved too low; the products can read a block of
+  the weight's dtype as it is when the loss has no entropy term;
+- offsets ``z - m`` in float16 from each (row, column tile)'s exact maximum ``m`` (float32, stored
+  beside the block), from which the ``dz`` kernel reads each logit back to within its offset's
+  rounding: a row's largest logits, the ones an entropy term needs to float32 precision, exactly.
 
 Shapes: ``n`` rows of the chunk; ``[n]`` tensors are float32 unless stated.
 """
@@ -16,12 +22,20 @@ MAX_ABOVE_REFERENCE = 32.0
 
 
 def stored_dtype(weight_dtype: torch.dtype, entropy_grad: bool) -> torch.dtype:
-    """The block's dtype (``docs/DESIGN.md``, "The stored block"): the weight's where the products
-    read the block itself (bfloat16 or float32 operands, no entropy term); float32 where the entropy
-    term reads each logit back from it (``log e`` must keep float32's precision) or where the
-    weight is float16, whose exponent range is too narrow for a per-row reference. A float32 block
-    of 16-bit operands gets ``dz`` formed into a block of the weight's dtype."""
-    return torch.float32 if entropy_grad or weight_dtype == torch.float16 else weight_dtype
+    """The block's dtype, which names its form (``stores_offsets``): float32 exponentials for float32
+    operands; the weight's dtype, exponentials the products read as they are, for a bfloat16 weight
+    and no entropy term; float16 offsets otherwise (an entropy term reads each logit back, and
+    float16's exponent range is too narrow for exponentials against a per-row reference)."""
+    if weight_dtype == torch.float32:
+        return torch.float32
+    if entropy_grad or weight_dtype == torch.float16:
+        return torch.float16
+    return weight_dtype
+
+
+def stores_offsets(block_dtype: torch.dtype) -> bool:
+    """Whether a block of ``block_dtype`` holds offsets from tile maxima (else exponentials)."""
+    return block_dtype == torch.float16
 
 
 def row_references(

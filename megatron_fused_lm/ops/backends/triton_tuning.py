@@ -8,8 +8,8 @@ object that fixes any of their choices instead (tile sweeps and the interpreter 
   leave the least idle time in the last wave of programs.
 - Recompute backward: token chunks of ``TOKEN_CHUNK`` rows, vocabulary chunks within
   ``WORKING_SET_BYTES`` plus ``WORKING_SET_GRADIENT_SHARE`` of the gradients' bytes.
-- Loss-in-forward pass: token chunks whose stored block (with its ``dz`` block beside a float32
-  one) takes at most ``STORED_LOGITS_BYTES``, the rows split evenly over the chunks.
+- Loss-in-forward pass: token chunks whose stored block takes at most ``STORED_LOGITS_BYTES``, the
+  rows split evenly over the chunks.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ GPU_FLOAT32_TILES = Tiles(
     block_m=64, block_n=64, block_k=32, group_m=8, num_warps=8, num_stages=3, dot_precision="ieee"
 )
 # Forward tiles of 16-bit operands that store a block, in order of preference; a kernel takes the
-# first that fits the device with its store (a bfloat16 block: the first; a float32 one: the
-# second on an H100 or H200; the last fits either within 163 KiB).
+# first that fits the device with its store (a 16-bit block: the first on an H100 or H200, a
+# 4-byte one the second; the last fits either within 163 KiB).
 STORING_CANDIDATES = (
     Tiles(block_m=256, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4, dot_precision="tf32"),
     Tiles(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, dot_precision="tf32"),

@@ -1,12 +1,13 @@
 """Forward kernel: the softmax statistics of ``hidden @ weight.T / T`` without storing the logits,
-and, for the loss-in-forward path, the logits kept as exponentials against one reference per row.
+and, for the loss-in-forward path, the logits kept in a stored block (``triton_reference``).
 
 A program owns one tile of ``block_m`` tokens and one vocabulary split of ``tiles_per_split``
 column tiles; it folds each finished logits tile into running per-token statistics (``softmax``
-order) and writes one ``[block_m, 4]`` slice of ``parts [num_splits, n, 4]``. With ``STORE_EXP``
-it also stores ``exp(z - reference)`` through a descriptor; ``REFRESH`` launches rewrite the row
-tiles that hold a row whose reference proved stale. ``docs/DESIGN.md`` ("The Triton backend")
-says why splits and why a reference.
+order) and writes one ``[block_m, 4]`` slice of ``parts [num_splits, n, 4]``. With ``STORE_BLOCK``
+it also stores the tile through a descriptor: ``exp(z - reference)``, or with ``STORE_OFFSETS``
+float16 ``z - m`` and the tile's maximum ``m`` into ``reference [n, column tiles]``; ``REFRESH``
+launches rewrite the row tiles that hold a row whose reference proved stale. ``docs/DESIGN.md``
+("The Triton backend") says why splits and why each form.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from ..softmax import NUM_STATISTICS
 from .descriptors import addressable, descriptor
 from .epilogue import grouped_tile, next_k_step, product_step
 from .tiles import Tiles
+
+# Offsets below this are stored as it: their logits lie so far below the tile's maximum that p = 0
+# in float32, and the logit read back stays finite.
+LOWEST_OFFSET = tl.constexpr(-60000.0)
 
 
 @triton.jit
@@ -37,10 +42,12 @@ def softmax_stats_kernel(
     stride_parts_split,
     stride_parts_token,
     inv_temperature,
-    exp_desc,
+    block_desc,
     reference_ptr,
+    stride_reference_row,
     refresh_ptr,
-    STORE_EXP: tl.constexpr,
+    STORE_BLOCK: tl.constexpr,
+    STORE_OFFSETS: tl.constexpr,
     REFRESH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -58,7 +65,7 @@ def softmax_stats_kernel(
     rows = row0 + tl.arange(0, BLOCK_M)
     row_valid = rows < num_tokens
     target_column = tl.load(target_column_ptr + rows, mask=row_valid, other=-1)  # -1: another shard's
-    if STORE_EXP:
+    if STORE_BLOCK and not STORE_OFFSETS:
         reference = tl.load(reference_ptr + rows, mask=row_valid, other=0.0)
     num_steps = num_col_tiles * k_steps
     if REFRESH:
@@ -82,7 +89,8 @@ def softmax_stats_kernel(
             # Offsets within the tile against scalars: no per-element column indices (registers).
             col_valid = (tl.arange(0, BLOCK_N) < vocab - col0)[None, :]
             logits = tl.where(col_valid, acc * inv_temperature, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+            tile_max = tl.max(logits, axis=1)
+            new_max = tl.maximum(running_max, tile_max)
             # First tile: nothing to rescale (and -inf - new_max must not meet sumexp = 0).
             shift = tl.where(running_max == float("-inf"), 0.0, running_max - new_max)
             rescale = tl.exp(shift)
@@ -95,17 +103,23 @@ def softmax_stats_kernel(
             running_max = new_max
             is_target = tl.arange(0, BLOCK_N)[None, :] == (target_column - col0)[:, None]
             target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)
-            if STORE_EXP:
-                # exp(z - reference) from the tile's exponentials: one exp per row, not per element.
-                # Where the maximum lies far above the reference this overflows; those rows are
-                # refreshed against their maximum, which this same product then stores exactly.
-                rebase = tl.exp(new_max - reference)
-                stored = (weights * rebase[:, None]).to(exp_desc.dtype)
+            if STORE_BLOCK:
+                if STORE_OFFSETS:
+                    # The tile's maximum is exact, so a row's largest logits come back exactly.
+                    stored = tl.maximum(logits - tile_max[:, None], LOWEST_OFFSET).to(block_desc.dtype)
+                    where = reference_ptr + rows.to(tl.int64) * stride_reference_row + col0 // BLOCK_N
+                    tl.store(where, tile_max, mask=row_valid)
+                else:
+                    # exp(z - reference) from the tile's exponentials: one exp per row, not per
+                    # element. Where the maximum lies far above the reference this overflows; those
+                    # rows are refreshed against their maximum, which this product stores exactly.
+                    rebase = tl.exp(new_max - reference)
+                    stored = (weights * rebase[:, None]).to(block_desc.dtype)
                 # Stored as two half-width tiles: half the staging shared memory, which leaves the
                 # operands a deeper pipeline or wider tiles (triton_tuning).
                 left, right = tl.split(tl.permute(tl.reshape(stored, [BLOCK_M, 2, BLOCK_N // 2]), [0, 2, 1]))
-                exp_desc.store([row0, col0], left)
-                exp_desc.store([row0, col0 + BLOCK_N // 2], right)
+                block_desc.store([row0, col0], left)
+                block_desc.store([row0, col0 + BLOCK_N // 2], right)
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
 
     if not REFRESH:
@@ -123,7 +137,7 @@ def split_statistics(
     inv_temperature: float,
     tiles: Tiles,
     tiles_per_split: int,
-    stored_exp: Optional[torch.Tensor] = None,
+    block: Optional[torch.Tensor] = None,
     reference: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Statistics ``[num_splits, n, 4]`` (float32) of each vocabulary split.
@@ -132,39 +146,41 @@ def split_statistics(
     [n]`` (int64, contiguous) is the target's row in ``weight``, or -1 where this shard does not
     own it. Columns are the ``softmax`` order (MAX, SUMEXP, SUMEXP_Z, TARGET).
 
-    With ``stored_exp [n, V]`` (bfloat16 or float32, unit last stride, 16-byte aligned rows) and
-    ``reference [n]`` (float32, contiguous), the kernel also stores every logit as
-    ``exp(z - reference[row])``.
+    With a ``block [n, V]`` (unit last stride, 16-byte aligned rows) the kernel also stores every
+    logit: a bfloat16 or float32 block as ``exp(z - reference[row])`` (``reference [n]`` float32,
+    contiguous); a float16 block as ``z - m`` with ``m``, the maximum of its row's column tile of
+    ``tiles.block_n`` columns, written to ``reference [n, ceil(V / block_n)]`` (float32, unit last
+    stride).
     """
     num_splits = triton.cdiv(triton.cdiv(weight.shape[0], tiles.block_n), tiles_per_split)
     parts = torch.empty(num_splits, hidden.shape[0], NUM_STATISTICS, dtype=torch.float32, device=hidden.device)
-    _launch(hidden, weight, target_column, inv_temperature, tiles, tiles_per_split, parts, stored_exp, reference)
+    _launch(hidden, weight, target_column, inv_temperature, tiles, tiles_per_split, parts, block, reference)
     return parts
 
 
-def refresh_stored_exp(
+def refresh_exponentials(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     inv_temperature: float,
     tiles: Tiles,
     tiles_per_split: int,
-    stored_exp: torch.Tensor,
+    block: torch.Tensor,
     reference: torch.Tensor,
     refresh: torch.Tensor,
 ) -> None:
-    """Rewrite ``stored_exp`` as ``exp(z - reference[row])`` in every token tile that holds a row
+    """Rewrite an exponentials ``block`` as ``exp(z - reference[row])`` in every token tile that holds a row
     with ``refresh`` set (``[n]`` int8); other tiles are left alone, so no host synchronization is
     needed to find the rows. Arguments as for ``split_statistics``, with the same tiles."""
     no_targets = torch.full_like(reference, -1, dtype=torch.int64)
     unwritten_parts = reference.new_empty(1, 1, NUM_STATISTICS)  # refresh mode writes no statistics
     _launch(
-        hidden, weight, no_targets, inv_temperature, tiles, tiles_per_split, unwritten_parts, stored_exp, reference,
+        hidden, weight, no_targets, inv_temperature, tiles, tiles_per_split, unwritten_parts, block, reference,
         refresh,
     )  # fmt: skip
 
 
 def _launch(
-    hidden, weight, target_column, inv_temperature, tiles, tiles_per_split, parts, stored_exp, reference, refresh=None
+    hidden, weight, target_column, inv_temperature, tiles, tiles_per_split, parts, block, reference, refresh=None
 ):
     num_tokens, hidden_size = hidden.shape
     vocab = weight.shape[0]
@@ -183,10 +199,12 @@ def _launch(
         parts.stride(0),
         parts.stride(1),
         inv_temperature,
-        None if stored_exp is None else descriptor(stored_exp, [tiles.block_m, tiles.block_n // 2]),
+        None if block is None else descriptor(block, [tiles.block_m, tiles.block_n // 2]),
         reference,
+        reference.stride(0) if reference is not None else 0,
         refresh,
-        STORE_EXP=stored_exp is not None,
+        STORE_BLOCK=block is not None,
+        STORE_OFFSETS=block is not None and block.dtype == torch.float16,
         REFRESH=refresh is not None,
         **tiles.launch_options(),
     )

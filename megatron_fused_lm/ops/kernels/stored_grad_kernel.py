@@ -1,7 +1,8 @@
-"""Loss-in-forward ``dz`` kernel: turn the exponentials the forward kernel stored into ``dz / T``.
+"""Loss-in-forward ``dz`` kernel: turn the block the forward kernel stored into ``dz / T``.
 
-The block holds ``e = exp(z - r)`` per element, ``r`` the row's reference; with the chunk's merged
-statistics each element gives ``p = e * exp(r - lse)`` and ``mean - z = (mean - r) - log(e)``, then
+An exponentials block holds ``e = exp(z - r)`` per element, ``r`` the row's reference; with the
+chunk's merged statistics each element gives ``p = e * exp(r - lse)`` and ``mean - z = (mean - r) -
+log(e)``. An offsets block holds ``s = z - m``, ``m`` its column tile's maximum: ``z = m + s``. Then
 ``dz`` (``softmax.logit_grad``). The chosen token's element is written as 0: its term is added in
 float32 from the statistics (``held_gradients``). An element whose exponential underflowed
 (``e = 0``) has ``p = 0`` and contributes nothing.
@@ -24,11 +25,12 @@ NUM_WARPS = 4
 
 @triton.jit
 def stored_grad_kernel(
-    exp_ptr,
-    stride_exp_row,
+    block_ptr,
+    stride_block_row,
     grad_ptr,
     stride_grad_row,
     reference_ptr,
+    stride_reference_row,
     target_column_ptr,
     lse_ptr,
     mean_logit_ptr,
@@ -39,6 +41,7 @@ def stored_grad_kernel(
     inv_temperature,
     HAS_GRAD_LOGPROB: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
+    OFFSETS_TILE_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -47,17 +50,27 @@ def stored_grad_kernel(
     row_valid = rows < num_tokens
     valid = row_valid[:, None] & (cols < vocab)[None, :]
     wide_rows = rows.to(tl.int64)[:, None]
-    stored = tl.load(exp_ptr + wide_rows * stride_exp_row + cols[None, :], mask=valid, other=0.0).to(tl.float32)
+    stored = tl.load(block_ptr + wide_rows * stride_block_row + cols[None, :], mask=valid, other=0.0).to(tl.float32)
     target_column, lse, mean_logit, grad_logprob, grad_entropy = row_upstream(
         rows, row_valid, target_column_ptr, lse_ptr, mean_logit_ptr, grad_logprob_ptr, grad_entropy_ptr,
         HAS_GRAD_LOGPROB, HAS_GRAD_ENTROPY,
     )  # fmt: skip
-    reference = tl.load(reference_ptr + rows, mask=row_valid, other=0.0)
-    # z = reference + log(stored): finite where the exponential underflowed, whose p = 0 then
-    # zeroes the term.
+    if OFFSETS_TILE_N > 0:
+        # Every column of this program lies in one column tile of the forward kernel.
+        tile = tl.program_id(0) * BLOCK_N // OFFSETS_TILE_N
+        tile_max = tl.load(reference_ptr + rows.to(tl.int64) * stride_reference_row + tile, mask=row_valid, other=0.0)
+        logits = tile_max[:, None] + stored
+        prob = tl.exp(logits - lse[:, None])
+        mean_minus_logit = mean_logit[:, None] - logits
+    else:
+        reference = tl.load(reference_ptr + rows, mask=row_valid, other=0.0)
+        prob = stored * tl.exp(reference - lse)[:, None]
+        # z = reference + log(stored): finite where the exponential underflowed, whose p = 0 then
+        # zeroes the term.
+        mean_minus_logit = (mean_logit - reference)[:, None] - tl.log(tl.maximum(stored, 1e-30))
     grad = logit_grad_tile(
-        stored * tl.exp(reference - lse)[:, None],
-        (mean_logit - reference)[:, None] - tl.log(tl.maximum(stored, 1e-30)),
+        prob,
+        mean_minus_logit,
         grad_logprob[:, None],
         grad_entropy[:, None],
         HAS_GRAD_LOGPROB,
@@ -69,39 +82,46 @@ def stored_grad_kernel(
 
 
 def stored_logit_grads(
-    stored_exp: torch.Tensor,
+    block: torch.Tensor,
     reference: torch.Tensor,
     out: torch.Tensor,
     target_column: torch.Tensor,
     saved: SavedStatistics,
     upstream: UpstreamGrads,
     inv_temperature: float,
+    offsets_tile_n: int = 0,
 ) -> torch.Tensor:
     """``dz / T`` ``[n, V]`` but the chosen tokens' elements (0), written into ``out`` (``[n, V]``,
-    unit last stride, any dtype; it may be ``stored_exp`` itself viewed as a dtype of its element
-    size), and returned.
+    unit last stride, any dtype; it may be ``block`` itself viewed as a dtype of its element size),
+    and returned.
 
-    ``stored_exp [n, V]`` (unit last stride) holds ``exp(z - reference[row])``, ``reference [n]``
-    float32; ``target_column [n]`` (int64, -1: another shard's); ``saved`` and ``upstream`` hold
-    ``[n]`` float32 contiguous tensors (``None``: no term). Each program reads its elements before
-    it writes them, and no two programs share an element, so ``out`` may alias ``stored_exp``.
+    ``block [n, V]`` (unit last stride) holds ``exp(z - reference[row])`` with ``reference [n]``
+    float32, or with ``offsets_tile_n`` (a power of two) the float16 offsets ``z - m`` from the
+    maxima ``reference [n, ceil(V / offsets_tile_n)]`` (float32, unit last stride) of column tiles
+    of that width; ``target_column [n]`` (int64, -1: another shard's); ``saved`` and ``upstream``
+    hold ``[n]`` float32 contiguous tensors (``None``: no term). Each program reads its elements
+    before it writes them, and no two programs share an element, so ``out`` may alias ``block``.
     """
-    num_tokens, vocab = stored_exp.shape
+    num_tokens, vocab = block.shape
+    # A program's columns lie in one column tile of the offsets.
+    columns = min(COLUMNS_PER_PROGRAM, offsets_tile_n) if offsets_tile_n else COLUMNS_PER_PROGRAM
     row_pointers, row_flags = row_upstream_arguments(target_column, saved, upstream)
-    grid = (triton.cdiv(vocab, COLUMNS_PER_PROGRAM), triton.cdiv(num_tokens, ROWS_PER_PROGRAM))
+    grid = (triton.cdiv(vocab, columns), triton.cdiv(num_tokens, ROWS_PER_PROGRAM))
     stored_grad_kernel[grid](
-        stored_exp,
-        stored_exp.stride(0),
+        block,
+        block.stride(0),
         out,
         out.stride(0),
         reference,
+        reference.stride(0) if offsets_tile_n else 0,
         *row_pointers,
         num_tokens,
         vocab,
         inv_temperature,
         **row_flags,
+        OFFSETS_TILE_N=offsets_tile_n,
         BLOCK_M=ROWS_PER_PROGRAM,
-        BLOCK_N=COLUMNS_PER_PROGRAM,
+        BLOCK_N=columns,
         num_warps=NUM_WARPS,
     )
     return out

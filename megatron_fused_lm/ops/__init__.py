@@ -14,6 +14,7 @@ from .api import (
 )
 from .loss_in_forward import LossFn
 from .options import BACKENDS
+from .topk import fused_linear_topk
 
 __all__ = [
     "BACKENDS",
@@ -22,6 +23,7 @@ __all__ = [
     "fused_linear_cross_entropy",
     "fused_linear_logprob",
     "fused_linear_loss",
+    "fused_linear_topk",
     "logits_logprob",
     "logits_loss",
     "losses",

@@ -1,0 +1,110 @@
+"""Each row's ``k`` most likely tokens and their log-probs (top-k distillation's teacher side), from
+one pass over the vocabulary shard, one chunk of rows' float32 logits at a time; forward only.
+
+1. Per chunk of rows: the float32 logits ``[rows, vocab_shard]``, their softmax statistics, and the
+   chunk's ``k`` largest keys (``logit_keys``), so no ``[tokens, vocab]`` tensor exists.
+2. Under tensor parallelism: every rank's keys and statistics gathered (two all-gathers of
+   ``[n, k]`` and ``[n, 4]``), the ``k`` largest keys of all ranks kept, the statistics merged.
+3. Log-probs ``z - lse`` of the kept logits, read back from their keys with their global ids.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .boundary import autocast_off
+from .contract import token_chunks
+from .distributed import all_gather_stacked, group_rank, group_size, merge_across_group
+from .inputs import check_linear_inputs
+from .options import HeadOptions, checked_number
+from .products import float32_product
+from .softmax import NUM_STATISTICS, block_statistics, summarize
+
+Tensor = torch.Tensor
+_LOW_BITS = 2**32 - 1
+_MAX_ID = 2**31 - 1
+_NO_KEY = torch.iinfo(torch.int64).min  # a shard narrower than k pads its candidates with it
+# One chunk's float32 logits and their int64 keys: 12 bytes a logit, at most this many bytes.
+CHUNK_BYTES = 768 * 2**20
+
+
+def logit_keys(logits: Tensor, first_id: int) -> Tensor:
+    """int64 keys ``[n, v]`` that order ``(logit, -id)``: the float32 logit's bits made
+    order-preserving (negative floats' magnitude bits flipped; -0 counted as +0) in the high 32
+    bits, ``2^31 - 1 - id`` in the low ones, so that of equal logits the lower id ranks first.
+    Column ``j`` holds vocabulary id ``first_id + j``."""
+    bits = (logits + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into +0.0
+    ordered = bits ^ ((bits >> 31) & _MAX_ID)
+    ids = torch.arange(first_id, first_id + logits.shape[-1], device=logits.device)
+    return (ordered.long() << 32) | (_MAX_ID - ids)
+
+
+def keyed_logits(keys: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(float32 logits, int64 ids)`` of keys made by ``logit_keys``."""
+    ordered = (keys >> 32).to(torch.int32)
+    bits = ordered ^ ((ordered >> 31) & _MAX_ID)
+    return bits.view(torch.float32), _MAX_ID - (keys & _LOW_BITS)
+
+
+def fused_linear_topk(
+    hidden: Tensor,
+    weight: Tensor,
+    k: int,
+    *,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    temperature: float = 1.0,
+    backend: str = "torch",
+    token_chunk: Optional[int] = None,
+) -> Tuple[Tensor, Tensor]:
+    """Each row's ``k`` largest log-probs under ``softmax(hidden @ weight.T / temperature)`` (the
+    whole vocabulary's, spread over ``tp_group``) and their global vocabulary ids, without
+    materializing the logits. Forward only: the results carry no gradient.
+
+    Args:
+        hidden: ``[..., H]`` float32, bfloat16 or float16, the same on every rank; cast to
+            ``weight``'s dtype for the product.
+        weight: ``[vocab_shard, H]``, this rank's vocabulary rows: rank ``r`` owns global ids
+            ``[r * vocab_shard, (r + 1) * vocab_shard)``.
+        k: how many tokens per row, from 1 to the whole vocabulary (``vocab_shard * tp_size``).
+        tp_group, temperature: as for ``fused_linear_logprob``.
+        backend: checked as for ``fused_linear_logprob``; every backend runs the same cuBLAS
+            products and torch selection (no Triton kernel selects the top k yet).
+        token_chunk: rows per chunk; ``None`` keeps a chunk's logits and keys within 768 MiB.
+
+    Returns:
+        ``(logprobs [..., k] float32, ids [..., k] int64)``, each row in descending order of
+        log-prob, equal logits in ascending order of id, the same on every rank. Two all-gathers
+        under tensor parallelism; no host synchronization.
+    """
+    check_linear_inputs(hidden, weight)
+    options = HeadOptions.checked(
+        temperature=temperature, token_chunk=token_chunk, tp_group=tp_group, device=hidden.device, backend=backend
+    )
+    group, vocab_shard = options.tp_group, weight.shape[0]
+    vocab = vocab_shard * group_size(group)
+    if not 1 <= checked_number("k", k, integral=True) <= vocab:
+        raise ValueError(f"k must be between 1 and the vocabulary size {vocab}, got {k}")
+    rows = hidden.reshape(-1, hidden.shape[-1]).detach().to(weight.dtype)
+    num_rows, local_k = rows.shape[0], min(k, vocab_shard)
+    keys = torch.full((num_rows, k), _NO_KEY, dtype=torch.int64, device=rows.device)
+    stats = rows.new_empty(num_rows, NUM_STATISTICS, dtype=torch.float32)
+    no_target = torch.full((num_rows,), -1, dtype=torch.int64, device=rows.device)
+    first_id = group_rank(group) * vocab_shard
+    rows_per_chunk = options.token_chunk or max(1, CHUNK_BYTES // (12 * vocab_shard))
+    with torch.no_grad(), autocast_off(rows.device):
+        for chunk in token_chunks(num_rows, rows_per_chunk):
+            logits = float32_product(rows[chunk], weight.detach().t()).div_(options.temperature)
+            stats[chunk] = block_statistics(logits, no_target[chunk])
+            keys[chunk, :local_k] = logit_keys(logits, first_id).topk(local_k, dim=1).values
+        if group_size(group) > 1 and num_rows > 0:
+            # Every rank's candidates side by side, then the k largest of all: the same on every rank.
+            candidates = all_gather_stacked(keys, group).permute(1, 0, 2).reshape(num_rows, -1)
+            keys = candidates.topk(k, dim=1).values
+            stats = merge_across_group(stats, group)
+        logits, ids = keyed_logits(keys)
+        logprobs = logits - summarize(stats).lse.unsqueeze(1)
+    lead = hidden.shape[:-1]
+    return logprobs.view(*lead, k), ids.view(*lead, k)

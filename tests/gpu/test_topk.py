@@ -1,0 +1,31 @@
+"""``fused_linear_topk`` on CUDA against the float64 oracle of the whole vocabulary: a realistic
+vocabulary in bf16, flat and confident rows, more than one chunk of rows, on both backend names
+(both run cuBLAS products and a torch selection)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from devkit.oracle import make_case
+from megatron_fused_lm import fused_linear_topk
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("peaky", [False, True], ids=["flat", "confident"])
+def test_topk_against_float64(peaky, backend):
+    hidden, weight, _ = make_case((300,), 1024, 151936, torch.bfloat16, peaky=peaky, seed=2, device="cuda")
+    k = 64
+    logprobs, ids = fused_linear_topk(hidden, weight, k, temperature=0.9, backend=backend, token_chunk=128)
+    expected = torch.log_softmax((hidden.double() @ weight.double().t()) / 0.9, dim=-1)
+    # The float32 logits of the products round by about 1e-6 x |z|max; confident rows reach |z| ~ 1e3.
+    tolerance = 2e-6 * float(expected.abs().max()) + 1e-5
+    assert all(len(set(row.tolist())) == k for row in ids)
+    assert (logprobs.double() - expected.gather(1, ids)).abs().max() <= tolerance
+    assert bool((logprobs[:, :-1] >= logprobs[:, 1:]).all())
+    assert bool((logprobs[:, -1].double() >= expected.topk(k, dim=1).values[:, -1] - tolerance).all())

@@ -1,8 +1,11 @@
 """Each row's ``k`` most likely tokens and their log-probs (top-k distillation's teacher side), from
 one pass over the vocabulary shard, one chunk of rows' float32 logits at a time; forward only.
 
-1. Per chunk of rows: the float32 logits ``[rows, vocab_shard]``, their softmax statistics, and the
-   chunk's ``k`` largest keys (``logit_keys``), so no ``[tokens, vocab]`` tensor exists.
+1. Per chunk of rows: the float32 logits ``[rows, vocab_shard]``, their softmax statistics, the
+   ``k + MARGIN`` largest logits, and of those the ``k`` largest keys (``logit_keys``: by logit,
+   then lower id). Rows whose ``k``-th logit ties every candidate past it (more than ``MARGIN``
+   equal logits at the boundary) take their keys from the whole shard instead. No ``[tokens,
+   vocab]`` tensor exists.
 2. Under tensor parallelism: every rank's keys and statistics gathered (two all-gathers of
    ``[n, k]`` and ``[n, 4]``), the ``k`` largest keys of all ranks kept, the statistics merged.
 3. Log-probs ``z - lse`` of the kept logits, read back from their keys with their global ids.
@@ -27,19 +30,35 @@ Tensor = torch.Tensor
 _LOW_BITS = 2**32 - 1
 _MAX_ID = 2**31 - 1
 _NO_KEY = torch.iinfo(torch.int64).min  # a shard narrower than k pads its candidates with it
-# One chunk's float32 logits and their int64 keys: 12 bytes a logit, at most this many bytes.
-CHUNK_BYTES = 768 * 2**20
+# One chunk's float32 logits: 4 bytes a logit, at most this many bytes.
+CHUNK_BYTES = 256 * 2**20
+# Candidates past the k-th logit that settle ties at the boundary without sorting the whole shard.
+MARGIN = 16
 
 
-def logit_keys(logits: Tensor, first_id: int) -> Tensor:
-    """int64 keys ``[n, v]`` that order ``(logit, -id)``: the float32 logit's bits made
+def logit_keys(logits: Tensor, ids: Tensor) -> Tensor:
+    """int64 keys (``logits``' shape) that order ``(logit, -id)``: the float32 logit's bits made
     order-preserving (negative floats' magnitude bits flipped; -0 counted as +0) in the high 32
     bits, ``2^31 - 1 - id`` in the low ones, so that of equal logits the lower id ranks first.
-    Column ``j`` holds vocabulary id ``first_id + j``."""
+    ``ids``: int64, broadcast against ``logits``."""
     bits = (logits + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into +0.0
     ordered = bits ^ ((bits >> 31) & _MAX_ID)
-    ids = torch.arange(first_id, first_id + logits.shape[-1], device=logits.device)
     return (ordered.long() << 32) | (_MAX_ID - ids)
+
+
+def chunk_top_keys(logits: Tensor, first_id: int, k: int) -> Tensor:
+    """The ``k`` largest keys ``[n, k]`` of a chunk's logits ``[n, v]`` (column ``j`` is id
+    ``first_id + j``), descending. Reads one flag on the host: whether a row needs the whole shard."""
+    width = min(logits.shape[1], k + MARGIN)
+    values, columns = logits.topk(width, dim=1)
+    keys = logit_keys(values, columns + first_id).topk(k, dim=1).values
+    if width < logits.shape[1]:
+        # Every candidate past the k-th equal to it: an equal logit may be missing, with a lower id.
+        unsettled = (values[:, k - 1] == values[:, -1]).nonzero().squeeze(1)
+        if unsettled.numel():
+            ids = torch.arange(first_id, first_id + logits.shape[1], device=logits.device)
+            keys[unsettled] = logit_keys(logits[unsettled], ids).topk(k, dim=1).values
+    return keys
 
 
 def keyed_logits(keys: Tensor) -> Tuple[Tensor, Tensor]:
@@ -72,12 +91,12 @@ def fused_linear_topk(
         tp_group, temperature: as for ``fused_linear_logprob``.
         backend: checked as for ``fused_linear_logprob``; every backend runs the same cuBLAS
             products and torch selection (no Triton kernel selects the top k yet).
-        token_chunk: rows per chunk; ``None`` keeps a chunk's logits and keys within 768 MiB.
+        token_chunk: rows per chunk; ``None`` keeps a chunk's float32 logits within 256 MiB.
 
     Returns:
         ``(logprobs [..., k] float32, ids [..., k] int64)``, each row in descending order of
         log-prob, equal logits in ascending order of id, the same on every rank. Two all-gathers
-        under tensor parallelism; no host synchronization.
+        under tensor parallelism; one flag read on the host per chunk (``chunk_top_keys``).
     """
     check_linear_inputs(hidden, weight)
     options = HeadOptions.checked(
@@ -93,12 +112,12 @@ def fused_linear_topk(
     stats = rows.new_empty(num_rows, NUM_STATISTICS, dtype=torch.float32)
     no_target = torch.full((num_rows,), -1, dtype=torch.int64, device=rows.device)
     first_id = group_rank(group) * vocab_shard
-    rows_per_chunk = options.token_chunk or max(1, CHUNK_BYTES // (12 * vocab_shard))
+    rows_per_chunk = options.token_chunk or max(1, CHUNK_BYTES // (4 * vocab_shard))
     with torch.no_grad(), autocast_off(rows.device):
         for chunk in token_chunks(num_rows, rows_per_chunk):
             logits = float32_product(rows[chunk], weight.detach().t()).div_(options.temperature)
             stats[chunk] = block_statistics(logits, no_target[chunk])
-            keys[chunk, :local_k] = logit_keys(logits, first_id).topk(local_k, dim=1).values
+            keys[chunk, :local_k] = chunk_top_keys(logits, first_id, local_k)
         if group_size(group) > 1 and num_rows > 0:
             # Every rank's candidates side by side, then the k largest of all: the same on every rank.
             candidates = all_gather_stacked(keys, group).permute(1, 0, 2).reshape(num_rows, -1)

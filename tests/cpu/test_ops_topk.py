@@ -63,6 +63,18 @@ def test_ties_go_to_the_lower_id():
     assert bool((logprobs[:, 0] == logprobs[:, 1]).all() and (logprobs[:, 1] == logprobs[:, 2]).all())
 
 
+@pytest.mark.parametrize("tied", [5, 40], ids=["within the margin", "past the margin"])
+def test_ties_at_the_boundary_go_to_the_lower_ids(tied):
+    # `tied` equal largest logits at ids spread over a 64-token vocabulary; k = 3 keeps the three
+    # lowest of them, whether the candidates past the k-th settle it or the whole shard must.
+    hidden, weight = tied_case(vocab=64)
+    weight[[2, 5, 9]] = 0.0
+    tied_ids = torch.randperm(64, generator=torch.Generator().manual_seed(0))[:tied]
+    weight[tied_ids] = 4.0
+    _, ids = fused_linear_topk(hidden, weight, 3)
+    assert ids.tolist() == [sorted(tied_ids.tolist())[:3]] * 6
+
+
 def test_forward_only_and_checked_arguments():
     hidden, weight, _ = make_case((5,), 8, 11, torch.float32, peaky=False)
     logprobs, _ = fused_linear_topk(hidden.requires_grad_(), weight.requires_grad_(), 3)

@@ -6,7 +6,7 @@ against its own floor (issue: at the GEMM floor on Hopper).
 
 Paths, on the inputs of ``bench_logprob.py`` (random bf16, logits of standard deviation about 4):
 ``sft`` (the three-GEMM mean cross-entropy), ``rl_loss`` (the three-GEMM clipped policy loss with
-an entropy bonus: the float32 stored block), ``recompute`` (the four-GEMM log-prob + entropy op with
+an entropy bonus: the float16 offsets block), ``recompute`` (the four-GEMM log-prob + entropy op with
 random upstream gradients) and ``forward`` (log-prob + entropy without gradients). Floors: each
 bare cuBLAS product the path cannot avoid, timed alone at the full shape (``logits`` [T, V],
 ``grad_hidden`` [T, H], ``grad_weight`` [V, H]).

@@ -86,7 +86,8 @@ def backend_pass(backend, problem, upstream):
 def chunk_phases(problem, upstream, token_chunk, entropy_grad):
     """Milliseconds of each phase of one chunk of ``token_chunk`` rows (default tuning), each the
     pass's own method on the chunk: without an entropy term the direct operand, with one the
-    ``dz`` operand (of a float32 block)."""
+    ``dz`` operand, written over the block. Only times are read: the repeated calls reuse a block
+    that earlier calls overwrote."""
     chunk = ShardProblem(problem.hidden[:token_chunk], problem.weight, problem.target_column[:token_chunk], 1.0)
     rows = slice(0, token_chunk)
     backend = TritonLoss(token_chunk=token_chunk, entropy_grad=entropy_grad)

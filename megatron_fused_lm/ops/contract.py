@@ -93,7 +93,7 @@ class LossState(NamedTuple):
     """The tensors a loss-in-forward pass keeps between its phases: what the phases mutate."""
 
     block: torch.Tensor  # [token_chunk, vocab_shard]: the current chunk's logits, as the backend keeps them
-    reference: torch.Tensor  # [token_chunk] float32: each row's reference of the block (Triton), or [0]
+    reference: torch.Tensor  # float32, what the block is stored against (Triton): [token_chunk] or tile maxima; or [0]
     held_hidden: torch.Tensor  # [n, H] float32: this shard's partial hidden gradient, or [0]
     held_weight: List[torch.Tensor]  # float32 row parts of the weight gradient, or none
 

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from megatron_fused_lm.ops.backends.triton_loss import direct_factor
-from megatron_fused_lm.ops.backends.triton_reference import REFERENCE_HEADROOM, stored_dtype, stores_offsets
+from megatron_fused_lm.ops.backends.triton_reference import REFERENCE_HEADROOM, stored_dtype
 from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
+from megatron_fused_lm.ops.kernels.softmax_stats_kernel import LOWEST_OFFSET, stores_offsets
 from megatron_fused_lm.ops.softmax import block_statistics, chosen_logit_grad, logit_grad, summarize
 
 F64 = torch.float64
@@ -87,7 +88,8 @@ def offsets_logits(logits, tile_n):
     vocab = logits.shape[1]
     tiles = torch.nn.functional.pad(logits, (0, -vocab % tile_n), value=-torch.inf).view(ROWS, -1, tile_n)
     tile_max = tiles.amax(-1, keepdim=True)
-    return (tile_max + (tiles - tile_max).to(torch.float16).float()).view(ROWS, -1)[:, :vocab]
+    offsets = (tiles - tile_max).clamp(min=float(LOWEST_OFFSET.value)).to(torch.float16).float()
+    return (tile_max + offsets).view(ROWS, -1)[:, :vocab]
 
 
 def three_gemm_path(hidden, weight, targets, grad_logprob, grad_entropy, entropy_grad, block_dtype=None):

@@ -82,8 +82,10 @@ def run_case_here(case: dict) -> dict:
     from megatron_fused_lm.ops.softmax import summarize
 
     small_tiles = Tiles(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1, dot_precision="ieee")
+    # A wider forward tile spans several dz programs' columns (the GPU's tiles hold 128 or more).
+    forward_tiles = small_tiles._replace(block_n=case.get("forward_block_n", 32))
     tuning = TritonTuning(
-        forward_tiles=small_tiles,
+        forward_tiles=forward_tiles,
         backward_tiles=small_tiles,
         tiles_per_split=2,
         programs=2,
@@ -206,8 +208,8 @@ def run_case(**case) -> dict:
 # Bounds per input dtype: (max |log-prob or entropy error|, max gradient error relative to the
 # largest entry). float32 runs IEEE float32 products: measured errors are 0.5-2e-6, and 1e-5
 # leaves room for other summation orders. float16 inputs are exact in the float32 products, so
-# the values keep float32 accuracy (measured 1e-6); the gradients are rounded to float16 twice
-# (dz and the result, 2^-11 relative each), measured 3-6e-4. A dropped or misplaced term costs O(0.1).
+# the values keep float32 accuracy (measured 1e-6); the gradients are rounded to float16 two or
+# three times (the stored offsets, dz and the result, 2^-11 relative each), measured 3-6e-4. A dropped or misplaced term costs O(0.1).
 TOLERANCE = {"float32": (1e-5, 1e-5), "float16": (1e-5, 2e-3)}
 
 
@@ -258,6 +260,16 @@ def test_three_gemm_token_chunks(dtype, entropy_grad):
         dtype=dtype, shape=[40, 33, 601], token_chunk=16, seed=4, three_gemm=True, entropy_grad=entropy_grad
     )
     check(result, dtype)
+
+
+def test_three_gemm_offsets_tiles_wider_than_a_dz_program():
+    # float16 offsets against tile maxima of 256 columns, which the dz kernel's programs of 128
+    # columns read two to a tile (a wrong tile index reads another tile's maximum, or past the end).
+    result = run_case(
+        dtype="float16", shape=[20, 24, 601], three_gemm=True, entropy_grad=True, forward_block_n=256, seed=8,
+        temperature=0.7,
+    )  # fmt: skip
+    check(result, "float16")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

@@ -120,8 +120,9 @@ def test_three_gemm_path_against_float64(shape, loss_name, backend):
 @pytest.mark.parametrize("loss_name", ["sft", "policy"])
 def test_three_gemm_path_refreshed_references(loss_name):
     # One vocabulary row lies about 90 above the others' logits for half the tokens, and it is
-    # neither sampled for the reference nor a target there: those rows' stored exponentials are
-    # rewritten against their maximum (the precondition checks they are many).
+    # neither sampled for the reference nor a target there: with exponentials ("sft"), those rows'
+    # are rewritten against their maximum (the precondition checks they are many); "policy" has
+    # an entropy term, so its offsets need no reference and the case checks a dominant far row.
     hidden, weight, targets, gen = make_case(2048, 4096, 151936, seed=1)
     direction = torch.nn.functional.normalize(torch.randn(hidden.shape[1], device="cuda", generator=gen), dim=0)
     hidden[:1024] += (3.0 * direction).bfloat16()

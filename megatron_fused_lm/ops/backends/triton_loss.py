@@ -25,11 +25,11 @@ from ..contract import LossState, NeededGrads, SavedStatistics, ShardProblem, Up
 from ..kernels.chosen_token_kernel import add_chosen_rows, finish_hidden_grad
 from ..kernels.descriptors import addressable, addressable_empty
 from ..kernels.scale_kernel import scale_into
-from ..kernels.softmax_stats_kernel import refresh_exponentials, split_statistics
+from ..kernels.softmax_stats_kernel import refresh_exponentials, split_statistics, stores_offsets
 from ..kernels.stored_grad_kernel import stored_logit_grads
 from ..products import add_product
 from ..softmax import MAX, SoftmaxSummary, chosen_logit_grad, logit_grad, merge_statistics, zero_chosen
-from .triton_reference import row_references, stale_references, stored_dtype, stores_offsets
+from .triton_reference import row_references, stale_references, stored_dtype
 from .triton_tuning import REFERENCE_ROWS, TritonTuning, loss_token_chunk
 
 
@@ -137,6 +137,8 @@ class TritonLoss(held_gradients.HeldSteps):
         over the stored block itself, which has the weight's element size (``stored_dtype``)."""
         num_rows, weight = rows.stop - rows.start, problem.weight
         block = state.block[:num_rows]
+        if block.dtype.itemsize != weight.dtype.itemsize:  # stored_dtype's promise; a view would misread
+            raise RuntimeError(f"a {block.dtype} block cannot hold the {weight.dtype} dz in place")
         tiles = self.tuning.forward_tiles_for(weight.dtype, block.dtype, weight.device)
         saved = SavedStatistics(summary.lse.contiguous(), summary.mean_logit.contiguous())
         return stored_logit_grads(

@@ -22,7 +22,7 @@ MAX_ABOVE_REFERENCE = 32.0
 
 
 def stored_dtype(weight_dtype: torch.dtype, entropy_grad: bool) -> torch.dtype:
-    """The block's dtype, which names its form (``stores_offsets``): float32 exponentials for float32
+    """The block's dtype, which names its form (``softmax_stats_kernel.stores_offsets``): float32 exponentials for float32
     operands; the weight's dtype, exponentials the products read as they are, for a bfloat16 weight
     and no entropy term; float16 offsets otherwise (an entropy term reads each logit back, and
     float16's exponent range is too narrow for exponentials against a per-row reference)."""
@@ -31,11 +31,6 @@ def stored_dtype(weight_dtype: torch.dtype, entropy_grad: bool) -> torch.dtype:
     if entropy_grad or weight_dtype == torch.float16:
         return torch.float16
     return weight_dtype
-
-
-def stores_offsets(block_dtype: torch.dtype) -> bool:
-    """Whether a block of ``block_dtype`` holds offsets from tile maxima (else exponentials)."""
-    return block_dtype == torch.float16
 
 
 def row_references(

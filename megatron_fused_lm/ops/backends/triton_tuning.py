@@ -38,9 +38,9 @@ GPU_16BIT_GRAD_TILES = Tiles(
 GPU_FLOAT32_TILES = Tiles(
     block_m=64, block_n=64, block_k=32, group_m=8, num_warps=8, num_stages=3, dot_precision="ieee"
 )
-# Forward tiles of 16-bit operands that store a block, in order of preference; a kernel takes the
-# first that fits the device with its store (a 16-bit block: the first on an H100 or H200, a
-# 4-byte one the second; the last fits either within 163 KiB).
+# Forward tiles of 16-bit operands that store a (16-bit) block, in order of preference; a kernel
+# takes the first that fits the device with its store (an H100 or H200: the first; the last fits
+# within 163 KiB).
 STORING_CANDIDATES = (
     Tiles(block_m=256, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4, dot_precision="tf32"),
     Tiles(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, dot_precision="tf32"),

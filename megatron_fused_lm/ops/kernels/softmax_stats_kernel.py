@@ -7,7 +7,7 @@ order) and writes one ``[block_m, 4]`` slice of ``parts [num_splits, n, 4]``. Wi
 it also stores the tile through a descriptor: ``exp(z - reference)``, or with ``STORE_OFFSETS``
 float16 ``z - m`` and the tile's maximum ``m`` into ``reference [n, column tiles]``; ``REFRESH``
 launches rewrite the row tiles that hold a row whose reference proved stale. ``docs/DESIGN.md``
-("The Triton backend") says why splits and why each form.
+says why splits ("The Triton backend") and why each form ("The stored block").
 """
 
 from __future__ import annotations
@@ -22,6 +22,12 @@ from ..softmax import NUM_STATISTICS
 from .descriptors import addressable, descriptor
 from .epilogue import grouped_tile, next_k_step, product_step
 from .tiles import Tiles
+
+
+def stores_offsets(block_dtype: torch.dtype) -> bool:
+    """Whether a block of ``block_dtype`` holds offsets from tile maxima (else exponentials)."""
+    return block_dtype == torch.float16
+
 
 # Offsets below this are stored as it: their logits lie so far below the tile's maximum that p = 0
 # in float32, and the logit read back stays finite.
@@ -204,7 +210,7 @@ def _launch(
         reference.stride(0) if reference is not None else 0,
         refresh,
         STORE_BLOCK=block is not None,
-        STORE_OFFSETS=block is not None and block.dtype == torch.float16,
+        STORE_OFFSETS=block is not None and stores_offsets(block.dtype),
         REFRESH=refresh is not None,
         **tiles.launch_options(),
     )

@@ -6,19 +6,24 @@ deviation about 4). Sections (``--sections``):
 - ``rl``: per-token log-prob + entropy with random upstream gradients, at each ``--temperatures``:
   ``stock`` (materialized bf16 logits, float32 softmax), our ``torch`` and ``triton`` backends,
   ``liger_flsce`` (liger-kernel's CuTe fused linear scaled cross-entropy, SM90; see
-  ``../shared/tools/gpu-cutedsl.sh`` for what a GPU host needs) and ``floor`` (the four cuBLAS GEMMs
-  of any exact recompute method);
+  ``../shared/tools/gpu-cutedsl.sh`` for what a GPU host needs), ``liger_native`` (the same op by
+  liger-kernel's native CUTLASS + NVSHMEM kernels, liger-cute-kernels' Hopper core, as a
+  tensor-parallel group of one; ``devkit/gpu-liger-native.sh`` packs it, ``liger_native.py`` sets
+  it up and records its workspace, which PyTorch's allocator does not see, as
+  ``native_workspace_bytes``) and ``floor`` (the four cuBLAS GEMMs of any exact recompute method);
 - ``forward``: the same without gradients (old and reference log-probs): ``triton``,
-  ``liger_flsce`` and ``floor1`` (the logits GEMM);
+  ``liger_flsce``, ``liger_native`` and ``floor1`` (the logits GEMM);
 - ``sft``: mean cross-entropy: ``stock``, ``ours`` (``fused_linear_loss`` with
   ``losses.cross_entropy``: the gradients finished in the forward, three GEMMs), ``recompute`` (the
   mean of ``-fused_linear_logprob``, as the labels path computes it: four GEMMs), ``liger``
-  (liger-kernel's fused linear cross-entropy), ``cce`` (Apple's cut-cross-entropy) and ``floor``
-  (three GEMMs); a missing package gives a ``missing`` row, never a number;
+  (liger-kernel's fused linear cross-entropy), ``cce`` (Apple's cut-cross-entropy),
+  ``liger_native`` (the mean of its per-token NLL) and ``floor`` (three GEMMs); a missing package
+  (or a peer that cannot run on this device) gives a ``missing`` row with the reason, never a number;
 - ``rl_loss``: a policy loss known in the forward (``losses.ClippedPolicyLoss``, clip 0.2 / 0.28,
   entropy bonus ``--entropy-coef`` (0.01), token mean; ``--kl-coef`` adds a k3 KL penalty) at temperature 1: ``stock``
   (bf16 logits, ``logits_loss``), ``recompute`` (the loss on ``fused_linear_logprob``'s log-prob and
-  entropy: four GEMMs), ``ours`` (``fused_linear_loss``: three) and ``floor3`` (three GEMMs);
+  entropy: four GEMMs), ``ours`` (``fused_linear_loss``: three), ``liger_flsce`` and ``liger_native``
+  (the loss on the peer's log-prob and entropy, as ``recompute``) and ``floor3`` (three GEMMs);
 - ``scaling``: hidden x vocabulary ``--scaling-shape``, tokens doubling from ``--scaling-start``
   until each method runs out of memory or ``--scaling-max-tokens`` is reached (a cap that keeps
   the run short);
@@ -41,6 +46,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 
 import torch
 from harness import (
@@ -129,7 +135,7 @@ class Benchmark:
         self.args = args
         self.device = torch.device(args.device)
         self.dtype = getattr(torch, args.dtype)
-        self.competitors, self.missing = import_competitors()
+        self.competitors, self.missing = import_competitors(native_shapes(args), self.device)
         self.rows = []
 
     def measure_row(self, make_step, inputs, timing=None, record=None, **fields):
@@ -139,6 +145,8 @@ class Benchmark:
         warmup, repeats = timing or (self.args.warmup, self.args.repeats)
         measurement, failure = try_measure(make_step, inputs, warmup, repeats)
         row = result_row(measurement, failure, **fields)
+        if fields.get("method") == "liger_native" and "shape" in fields:
+            row.update(self.competitors["liger_native"].row_fields(parse_shapes(fields["shape"])[0]))
         self.rows.append(row)
         if record is not None and measurement is not None:
             outputs, measurement.outputs = measurement.outputs, None
@@ -247,11 +255,15 @@ class Benchmark:
         reference = loss_oracle(inputs, sample, loss_fn, loss_inputs)
         for method in self.args.rl_loss_methods:
             fields = dict(section="rl_loss", shape=name, method=method)
-            if method == "floor3":
+            if method in self.missing:
+                self.missing_row(method, section="rl_loss", shape=name)
+            elif method == "floor3":
                 self.measure_row(lambda: floor_step(inputs, recompute=False), inputs, **fields)
             else:
                 self.measure_row(
-                    lambda: rl_loss_step(method, inputs, loss_fn, loss_inputs, self.args.loss_token_chunk),
+                    lambda: rl_loss_step(
+                        method, inputs, loss_fn, loss_inputs, self.args.loss_token_chunk, self.competitors
+                    ),
                     inputs,
                     record=lambda row, outputs: record_loss_errors(row, outputs, sample, reference),
                     **fields,
@@ -325,6 +337,7 @@ class Benchmark:
             {key: value for key, value in vars(args).items() if key not in ("json", "plots", "device")},
             missing=self.missing,
             fused_backend=FUSED_BACKEND,
+            liger_native=native_meta(self.competitors.get("liger_native")),
             rl_loss={
                 "loss_fn": dataclasses.asdict(policy_loss(args.kl_coef, args.entropy_coef)),
                 "old_logprob_noise": OLD_LOGPROB_NOISE,
@@ -353,6 +366,36 @@ class Benchmark:
         print(json.dumps({key: meta[key] for key in ("device", "date", "versions")}))
         print_table(self.rows)
         return {"meta": meta, "rows": self.rows}
+
+
+def native_shapes(args):
+    """The shapes ``liger_native`` reserves its workspace for, ``None`` where no selected section
+    runs it (then it is not set up: no NVSHMEM in the process)."""
+    methods = {
+        "rl": args.rl_methods,
+        "forward": args.forward_methods,
+        "sft": args.sft_methods,
+        "rl_loss": args.rl_loss_methods,
+    }
+    if any("liger_native" in methods[section] for section in methods if section in args.sections):
+        return list(args.shapes)
+    return None
+
+
+def native_meta(native):
+    """How ``liger_native`` ran: its reserved capacity, the NVSHMEM libraries mapped into the
+    process and the NVSHMEM settings; ``None`` where it did not run."""
+    if native is None:
+        return None
+    import liger_native
+
+    names = (*liger_native.MULTICAST_OFF, *liger_native.NVSHMEM_DEFAULTS, "NVSHMEM_SYMMETRIC_SIZE")
+    return {
+        "capacity": native.row_fields(None)["native_capacity"],
+        "nvshmem_libraries": native.libraries,
+        "environment": {name: os.environ.get(name) for name in names},
+        "probe": native.probe_result,
+    }
 
 
 def record_errors(row, outputs, sample, reference):
@@ -391,7 +434,7 @@ def write_json(path, meta, rows):
 
 def print_table(rows):
     print(
-        f"{'section':>9} {'shape':>22} {'detail':>8} {'method':>9} {'ms':>9} {'x floor':>8} "
+        f"{'section':>9} {'shape':>22} {'detail':>8} {'method':>12} {'ms':>9} {'x floor':>8} "
         f"{'peak GiB':>9} {'lp err':>9} {'grad err':>9}  note"
     )
     for row in rows:
@@ -402,7 +445,7 @@ def print_table(rows):
         error = f"{row['logprob_max_error']:.2e}" if "logprob_max_error" in row else ""
         grad = f"{row['grad_hidden_error']:.2e}" if "grad_hidden_error" in row else ""
         print(
-            f"{row['section']:>9} {row.get('shape', ''):>22} {detail:>8} {row['method']:>9} {ms} "
+            f"{row['section']:>9} {row.get('shape', ''):>22} {detail:>8} {row['method']:>12} {ms} "
             f"{ratio:>8} {peak:>9} {error:>9} {grad:>9}  {row.get('note', '')[:60]}"
         )
 

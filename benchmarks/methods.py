@@ -14,16 +14,20 @@ from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, logits_lo
 FUSED_BACKEND = "triton"
 
 # Per-token log-prob + entropy (the RL use); "floor" is the four GEMMs of any exact recompute method;
-# "liger_flsce" is liger-kernel's CuTe fused linear scaled cross-entropy (SM90), the strongest peer.
-RL_METHODS = ("floor", "stock", "torch", "triton", "liger_flsce")
+# "liger_flsce" is liger-kernel's CuTe fused linear scaled cross-entropy (SM90), "liger_native" the
+# same op by its native CUTLASS + NVSHMEM kernels (liger-cute-kernels; liger_native.py), the peers.
+PEERS = ("liger_flsce", "liger_native")  # each (hidden, weight, targets, temperature) -> (logprob, entropy)
+RL_METHODS = ("floor", "stock", "torch", "triton", *PEERS)
 # Log-prob + entropy without gradients (old and reference log-probs); "floor1" is the logits GEMM.
-FORWARD_METHODS = ("floor1", "triton", "liger_flsce")
+FORWARD_METHODS = ("floor1", "triton", *PEERS)
 # Mean cross-entropy (the SFT use); "floor" is the three GEMMs (logits, grad_hidden, grad_weight).
 # "ours" finishes the gradients in the forward (fused_linear_loss: three GEMMs), "recompute" is the
 # mean of the per-token op's log-probs (fused_linear_logprob: the logits again in the backward, four).
-SFT_METHODS = ("floor", "stock", "ours", "ours_main_grad", "recompute", "liger", "cce")
-# A policy loss known in the forward (the RL loss); "floor3" is the three GEMMs, as for SFT.
-RL_LOSS_METHODS = ("floor3", "stock", "recompute", "ours", "ours_main_grad")
+# "liger_native" is the mean of its per-token NLL (no entropy term).
+SFT_METHODS = ("floor", "stock", "ours", "ours_main_grad", "recompute", "liger", "cce", "liger_native")
+# A policy loss known in the forward (the RL loss); "floor3" is the three GEMMs, as for SFT. The
+# peers compute it as "recompute" does: the loss on their log-prob and entropy, then autograd.
+RL_LOSS_METHODS = ("floor3", "stock", "recompute", "ours", "ours_main_grad", *PEERS)
 
 # The RL-loss section's per-token loss: DAPO's asymmetric clip with an entropy bonus, token mean.
 CLIP_LOW, CLIP_HIGH, ENTROPY_COEF = 0.2, 0.28, 0.01
@@ -32,12 +36,15 @@ CLIP_LOW, CLIP_HIGH, ENTROPY_COEF = 0.2, 0.28, 0.01
 OLD_LOGPROB_NOISE = 0.1
 
 
-def import_competitors():
+def import_competitors(native_shapes=None, device="cuda"):
     """``({method: function}, {method: why it is missing})`` for liger-kernel's fused linear
     cross-entropy and Apple's cut-cross-entropy, both ``(hidden, weight, targets, reduction=...)``,
-    and liger-kernel's CuTe fused linear scaled cross-entropy (``liger_flsce``: ``(hidden, weight,
-    targets, temperature) -> (logprob, entropy)``, where its SM90 kernel runs on this GPU, never its
-    torch fallback). They are optional benchmark extras, never package dependencies."""
+    and liger-kernel's fused linear scaled cross-entropy by its CuTe kernel (``liger_flsce``) and by
+    its native CUTLASS + NVSHMEM one (``liger_native``), both ``(hidden, weight, targets,
+    temperature) -> (logprob, entropy)`` where their SM90 kernels run on this GPU, never a torch
+    fallback. ``liger_native`` is set up (NVSHMEM initialized, workspace reserved for the
+    ``(tokens, hidden, vocab)`` ``native_shapes``) only when ``native_shapes`` is given. They are
+    optional benchmark extras, never package dependencies."""
     found, missing = {}, {}
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
@@ -55,6 +62,15 @@ def import_competitors():
         found["liger_flsce"] = liger_scaled_cross_entropy()
     except (ImportError, RuntimeError) as error:
         missing["liger_flsce"] = f"liger-kernel's CuTe kernel cannot run here ({error})"
+    if native_shapes is None:
+        missing["liger_native"] = "not selected"
+    else:
+        try:
+            from liger_native import NativeScaledCrossEntropy
+
+            found["liger_native"] = NativeScaledCrossEntropy(native_shapes, torch.device(device))
+        except Exception as error:  # a peer's setup failing must not lose the run: say why instead
+            missing["liger_native"] = f"liger-kernel's native kernel cannot run here ({type(error).__name__}: {error})"
     return found, missing
 
 
@@ -98,7 +114,7 @@ def floor_step(inputs, recompute):
 
 def rl_step(method, inputs, temperature, mask=None, competitors=None):
     """Log-prob + entropy with the random upstream gradients; returns the detached results.
-    ``competitors`` (``import_competitors``) holds ``liger_flsce``."""
+    ``competitors`` (``import_competitors``) holds the ``PEERS``."""
 
     def step():
         if method == "stock":
@@ -109,7 +125,7 @@ def rl_step(method, inputs, temperature, mask=None, competitors=None):
                 return_entropy=True,
                 mask=mask,
             )
-        elif method == "liger_flsce":
+        elif method in PEERS:
             logprob, entropy = competitors[method](inputs.hidden, inputs.weight, inputs.targets, temperature)
         else:
             logprob, entropy = fused_linear_logprob(
@@ -137,7 +153,7 @@ def forward_step(method, inputs, competitors=None):
 
     @torch.no_grad()
     def step():
-        if method == "liger_flsce":
+        if method in PEERS:
             return competitors[method](hidden, weight, targets, 1.0)
         return fused_linear_logprob(hidden, weight, targets, return_entropy=True, backend=method)
 
@@ -174,6 +190,9 @@ def sft_loss(method, competitors, hidden, weight, targets, reduction, weights=No
     not given); ``ours_main_grad`` the same through ``main_grad_route`` with ``main_grad``."""
     if method in ("liger", "cce"):
         return competitors[method](hidden, weight, targets, reduction=reduction)
+    if method == "liger_native":
+        logprob, _ = competitors[method](hidden, weight, targets, 1.0, return_entropy=False)
+        return -logprob.mean() if reduction == "mean" else -logprob
     if method in ("ours", "ours_main_grad"):
         if weights is None:
             weights = losses.token_mean_weights(torch.ones_like(targets, dtype=torch.float32))
@@ -245,7 +264,7 @@ def policy_loss_inputs(inputs, kl_coef=0.0, seed=2):
     return loss_inputs
 
 
-def rl_loss_step(method, inputs, loss_fn, loss_inputs, token_chunk=None):
+def rl_loss_step(method, inputs, loss_fn, loss_inputs, token_chunk=None, competitors=None):
     """``loss.backward()`` of the summed per-token ``loss_fn``; returns ``(loss, logprob, entropy,
     hidden's gradient)``, detached, for the error check.
 
@@ -253,15 +272,21 @@ def rl_loss_step(method, inputs, loss_fn, loss_inputs, token_chunk=None):
     - ``recompute``: ``fused_linear_logprob`` with entropy, ``loss_fn`` on its flattened results
       and autograd into the per-token op's backward (four GEMMs);
     - ``ours``: ``fused_linear_loss`` (three GEMMs, the gradients finished in the forward);
-    - ``ours_main_grad``: the same through ``main_grad_route``."""
+    - ``ours_main_grad``: the same through ``main_grad_route``;
+    - the ``PEERS`` (from ``competitors``): as ``recompute``, on the peer's log-prob and entropy."""
     main_grad = main_grad_for(method, inputs)
 
     def step():
         hidden, weight, targets = inputs.hidden, inputs.weight, inputs.targets
         if method == "stock":
             loss, logprob, entropy = logits_loss(hidden @ weight.t(), targets, loss_fn, loss_inputs=loss_inputs)
-        elif method == "recompute":
-            logprob, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, backend=FUSED_BACKEND)
+        elif method in ("recompute", *PEERS):
+            if method == "recompute":
+                logprob, entropy = fused_linear_logprob(
+                    hidden, weight, targets, return_entropy=True, backend=FUSED_BACKEND
+                )
+            else:
+                logprob, entropy = competitors[method](hidden, weight, targets, 1.0)
             flat = {name: value.reshape(-1) for name, value in loss_inputs.items()}
             loss = loss_fn(logprob.reshape(-1), entropy.reshape(-1), **flat).sum()
         elif method in ("ours", "ours_main_grad"):

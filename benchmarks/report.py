@@ -33,6 +33,7 @@ METHOD_STYLES = {
     "ours": ("ours (Triton)", "tab:orange", "o"),
     "liger": ("liger-kernel", "tab:purple", "^"),
     "liger_flsce": ("liger-kernel CuTe (fused linear scaled CE)", "tab:pink", "P"),
+    "liger_native": ("liger-kernel native CUTLASS + NVSHMEM (fused linear scaled CE, TP=1)", "tab:olive", "*"),
     "cce": ("cut-cross-entropy", "tab:brown", "D"),
     "recompute": ("recompute (our per-token op, then the loss: 4 GEMMs)", "tab:green", "v"),
     "ours_main_grad": ("ours, weight gradient into Megatron's main_grad", "tab:red", "X"),
@@ -471,16 +472,19 @@ def write_plots(results, folder):
         temperature = results["meta"]["temperatures"][0]
         path = os.path.join(folder, "bench_rl.png")
         title = f"RL: per-token log-prob + entropy, temperature {temperature:g}"
-        bar_panels(pyplot, results, "rl", ("stock", "liger_flsce", "triton", "floor"), title, path, temperature)
+        methods = ("stock", "liger_flsce", "liger_native", "triton", "floor")
+        bar_panels(pyplot, results, "rl", methods, title, path, temperature)
         written.append(path)
     if "sft" in sections:
         path = os.path.join(folder, "bench_sft.png")
         title = "SFT: mean cross-entropy"
-        bar_panels(pyplot, results, "sft", ("stock", "liger", "cce", "recompute", "ours", "floor"), title, path)
+        methods = ("stock", "liger", "cce", "liger_native", "recompute", "ours", "floor")
+        bar_panels(pyplot, results, "sft", methods, title, path)
         written.append(path)
     if "rl_loss" in sections:
         path = os.path.join(folder, "bench_rl_loss.png")
-        bar_panels(pyplot, results, "rl_loss", ("stock", "recompute", "ours", "floor3"), RL_LOSS_TITLE, path)
+        methods = ("stock", "liger_flsce", "liger_native", "recompute", "ours", "floor3")
+        bar_panels(pyplot, results, "rl_loss", methods, RL_LOSS_TITLE, path)
         written.append(path)
     if "scaling" in sections:
         path = os.path.join(folder, "bench_scaling.png")

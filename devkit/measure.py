@@ -79,7 +79,15 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict:
         "dtype": str(dtype).removeprefix("torch."),
         "versions": {
             name: package_version(name)
-            for name in ("torch", "triton", "megatron-core", "liger-kernel", "cut-cross-entropy")
+            for name in (
+                "torch",
+                "triton",
+                "megatron-core",
+                "liger-kernel",
+                "liger-cute-kernels",
+                "apache-tvm-ffi",
+                "cut-cross-entropy",
+            )
         },
     }
     # Run from a checkout (PYTHONPATH), so the package's own version, not an installed one's.

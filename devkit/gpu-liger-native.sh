@@ -11,15 +11,22 @@
 #     && export PYTHONPATH=/tmp/lnat${PYTHONPATH:+:$PYTHONPATH} \
 #        LD_LIBRARY_PATH=/tmp/lnat/cuda12${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
 #        NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-# then, for example (liger_native beside our Triton path and the GEMM floors):
+# then check the setup on its own (NVSHMEM for one PE and a small forward+backward against the
+# float64 oracle; prints the errors, the NVSHMEM libraries mapped and the settings as JSON):
+#   PYTHONPATH=.:$PYTHONPATH python3 benchmarks/liger_native.py
+# (if it reports two libnvshmem_host.so.3 mapped and a version mismatch, torch loaded its own first:
+# add LD_PRELOAD=/tmp/lnat/liger_cute_kernels/libnvshmem_host.so.3), and run, for example
+# (liger_native beside our Triton path and the GEMM floors):
 #   PYTHONPATH=.:$PYTHONPATH PYTHONUNBUFFERED=1 python3 benchmarks/bench_logprob.py \
 #     --sections rl,forward,sft,rl_loss --temperatures 1.0 \
 #     --rl-methods floor,triton,liger_native --forward-methods floor1,triton,liger_native \
 #     --sft-methods floor,ours,liger_native --rl-loss-methods floor3,recompute,ours,liger_native \
 #     --json $OUT/native.json
-# The archive holds liger-kernel 0.8.5 itself, so .whl is not needed for these methods (carry it
-# too, or .cute, for the other peers: the three together exceed 64 MiB, so .cute goes in its own
-# call). What the archive unpacks to (/tmp/lnat):
+# The archive holds liger-kernel 0.8.5 itself, so .whl is not needed for these methods (.whl, 3 MB,
+# can travel too). .cute (liger_flsce) and .liger-native together exceed the 64 MiB a call carries:
+# run liger_flsce in its own call, or unpack .cute to /tmp in one call and send the next within the
+# machine's 30 s warm window (/tmp and carried folders stay while it is held). What the archive
+# unpacks to (/tmp/lnat):
 #   liger_cute_kernels/           the package's Python files and libliger_cute_kernels_sm90a.so
 #                                 (49 MB, CUDA 12.9 build), plus NVSHMEM 3.6.5's cu12 host library
 #                                 and UID bootstrap plugin, which its loader looks for in this

@@ -503,6 +503,21 @@ def oracle_logprob_entropy(logits_shard: torch.Tensor, targets: torch.Tensor, te
     return logprob_entropy(gather_vocabulary(logits_shard), targets, temperature)
 
 
+def assert_topk_matches(logprobs, ids, logits_shard, k: int, temperature: float, atol: float, label: str) -> None:
+    """``(logprobs, ids) [b, s, k]`` are the top ``k`` of the float64 log-probs of the stock logits
+    shard ``[b, s, vocab/TP]`` (gathered): distinct ids scoring what the oracle gives them, in
+    descending order, none missing that the oracle ranks clearly above the last."""
+    oracle = torch.log_softmax(gather_vocabulary(logits_shard).detach().double() / temperature, dim=-1)
+    assert logprobs.shape == ids.shape == (*oracle.shape[:-1], k), f"{label}: {tuple(logprobs.shape)}"
+    assert logprobs.dtype == torch.float32 and ids.dtype == torch.int64 and not logprobs.requires_grad, label
+    flat_ids = ids.reshape(-1, k)
+    assert all(len(set(row.tolist())) == k for row in flat_ids), f"{label}: repeated ids"
+    assert_max_error(logprobs, oracle.gather(-1, ids), atol, f"{label} top-k log-probs")
+    assert bool((logprobs[..., :-1] >= logprobs[..., 1:]).all()), f"{label}: not descending"
+    kth = oracle.topk(k, dim=-1).values[..., -1]
+    assert bool((logprobs[..., -1].double() >= kth - atol).all()), f"{label}: a larger log-prob was missed"
+
+
 def parameter_grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """Every parameter's gradient (cloned), by name; zeroes them afterwards."""
     grads = {}

@@ -25,6 +25,7 @@ _INTEGRATION_NAMES = (
     "LabelsRequest",
     "LogprobRequest",
     "LossRequest",
+    "TopkRequest",
     "accepts_output_processor",
     "unwrap_model",
     "wrap_model",

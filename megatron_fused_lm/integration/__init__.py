@@ -19,7 +19,7 @@ except ImportError as error:
         "the ops (fused_linear_logprob, logits_logprob) work without it"
     ) from error
 
-from .calls import LogprobRequest, LossRequest  # noqa: E402
+from .calls import LogprobRequest, LossRequest, TopkRequest  # noqa: E402
 from .config import FusedLMConfig  # noqa: E402
 from .head import FusedLMHead, unwrap_model, wrap_model  # noqa: E402
 from .output_processor import FusedOutputProcessor, LabelsRequest, accepts_output_processor  # noqa: E402
@@ -31,6 +31,7 @@ __all__ = [
     "LabelsRequest",
     "LogprobRequest",
     "LossRequest",
+    "TopkRequest",
     "accepts_output_processor",
     "unwrap_model",
     "wrap_model",

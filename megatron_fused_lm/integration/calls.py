@@ -17,8 +17,10 @@ from ..ops import (
     fused_linear_cross_entropy,
     fused_linear_logprob,
     fused_linear_loss,
+    fused_linear_topk,
     logits_logprob,
     logits_loss,
+    logits_topk,
     name_weight_grad_into,
     outstanding_weight_grads,
 )
@@ -111,7 +113,17 @@ class LossRequest:
     main_grad_scale: Optional[float] = None
 
 
-Request = Union[LogprobRequest, LossRequest]
+@dataclass(frozen=True)
+class TopkRequest:
+    """Each position's ``k`` most likely tokens: the arguments of ``FusedLMHead.topk``, also the
+    ``output_processor_context`` asking for them. The answer: ``(logprobs [b, s, k] float32, ids
+    [b, s, k] int64)``, forward only."""
+
+    k: int
+    temperature: float = 1.0
+
+
+Request = Union[LogprobRequest, LossRequest, TopkRequest]
 
 
 def _op_arguments(call: HeadCall, config: FusedLMConfig) -> Dict[str, Any]:
@@ -125,6 +137,11 @@ def _op_arguments(call: HeadCall, config: FusedLMConfig) -> Dict[str, Any]:
 def answer(call: HeadCall, config: FusedLMConfig, hidden: torch.Tensor, request: Request):
     """``request`` by the fused op, for one projection ``call``; its tensors are laid out as
     ``hidden.shape[:-1]``."""
+    if isinstance(request, TopkRequest):
+        return fused_linear_topk(
+            hidden, call.weight, request.k, tp_group=call.tp_group, temperature=request.temperature,
+            backend=config.backend, token_chunk=config.token_chunk,
+        )  # fmt: skip
     arguments = dict(_op_arguments(call, config), temperature=request.temperature, mask=request.mask)
     if isinstance(request, LogprobRequest):
         return fused_linear_logprob(
@@ -146,6 +163,10 @@ def answer_from_logits(
     full_vocab = getattr(layer, "output_size", None)
     if full_vocab is not None and logits.dim() > 0 and logits.shape[-1] == full_vocab:
         tp_group = None  # gathered: nothing to merge across ranks
+    if isinstance(request, TopkRequest):
+        return logits_topk(
+            logits, request.k, tp_group=tp_group, temperature=request.temperature, token_chunk=config.token_chunk
+        )
     arguments = dict(
         tp_group=tp_group, temperature=request.temperature, mask=request.mask, token_chunk=config.token_chunk
     )

@@ -26,6 +26,7 @@ from .calls import (
     LogprobRequest,
     LossRequest,
     Request,
+    TopkRequest,
     answer,
     answer_from_logits,
     call_labels_loss,
@@ -278,6 +279,22 @@ class FusedLMHead:
         """
         request = LossRequest(targets, loss_fn, loss_inputs, mask, temperature, main_grad_scale)
         return self._answer(output, request, "head.loss")
+
+    def topk(self, output: torch.Tensor, k: int, *, temperature: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Each position's ``k`` most likely tokens under the model's next-token distribution (a
+        top-k distillation teacher's side), forward only: ``fused_linear_topk`` when fused, else
+        ``logits_topk`` on the logits.
+
+        Args:
+            output: what the wrapped model returned, as for ``logprobs``.
+            k: tokens per position, from 1 to the vocabulary size.
+            temperature: divides the logits.
+
+        Returns:
+            ``(logprobs [b, s, k] float32, ids [b, s, k] int64)``, descending, equal logits by
+            ascending id, the same on every tensor-parallel rank.
+        """
+        return self._answer(output, TopkRequest(k, temperature), "head.topk")
 
     def declare_loss_weights(self, weights: Optional[torch.Tensor], main_grad_scale: Optional[float] = None) -> None:
         """Declare the per-token weights of the labels-path loss, so that ``model(...,

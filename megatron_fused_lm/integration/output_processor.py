@@ -30,6 +30,7 @@ from .calls import (
     LogprobRequest,
     LossRequest,
     Request,
+    TopkRequest,
     answer,
     answer_from_logits,
     call_labels_loss,
@@ -138,17 +139,17 @@ class FusedOutputProcessor:
         of ``labels [b, s]``."""
         if id(output_layer) not in self._groups:
             raise RuntimeError("this FusedOutputProcessor was made for another model; make one for this model")
-        if context is not None and not isinstance(context, (LogprobRequest, LossRequest, LabelsRequest)):
+        if context is not None and not isinstance(context, (LogprobRequest, LossRequest, TopkRequest, LabelsRequest)):
             raise TypeError(
-                "output_processor_context must be a LogprobRequest, a LossRequest or a LabelsRequest, got "
-                f"{type(context).__name__}"
+                "output_processor_context must be a LogprobRequest, a LossRequest, a TopkRequest or a LabelsRequest, "
+                f"got {type(context).__name__}"
             )
         labels_path = context is None or isinstance(context, LabelsRequest)
         if labels_path:
             if labels is None:
                 raise ValueError(
                     "the fused output processor needs labels= or an output_processor_context (LogprobRequest, "
-                    "LossRequest); for logits, call the model without output_processor"
+                    "LossRequest, TopkRequest); for logits, call the model without output_processor"
                 )
             main_grad_scale = None if context is None else context.main_grad_scale
             declared = loss_mask if self.declare_loss_mask else None
@@ -158,7 +159,7 @@ class FusedOutputProcessor:
                     "declare_loss_mask=True and pass loss_mask= to the forward"
                 )
             check_declared_shape(declared, labels)
-        elif context.targets is None:
+        elif not isinstance(context, TopkRequest) and context.targets is None:
             if labels is None:
                 raise ValueError("the request has no targets and the forward no labels")
             context = dataclasses.replace(context, targets=labels)
@@ -178,7 +179,9 @@ class FusedOutputProcessor:
         result = answer(call, self.config, hidden, _sequence_first(context))
         if isinstance(context, LossRequest):
             return result._replace(logprob=_batch_first(result.logprob), entropy=_batch_first(result.entropy))
-        return tuple(map(_batch_first, result)) if context.return_entropy else _batch_first(result)
+        if isinstance(context, TopkRequest) or context.return_entropy:
+            return tuple(map(_batch_first, result))
+        return _batch_first(result)
 
     def main_grad_outstanding(self, *, forget_released: bool = False) -> List[str]:
         """As ``FusedLMHead.main_grad_outstanding``, for this processor's main_grad-route losses
@@ -188,6 +191,8 @@ class FusedOutputProcessor:
 
 def _sequence_first(request: Request) -> Request:
     """``request`` with its ``[b, s]`` tensors as ``[s, b]`` views, the hidden states' layout."""
+    if isinstance(request, TopkRequest):
+        return request
     swapped = {"targets": _swap(request.targets), "mask": _swap(request.mask)}
     if isinstance(request, LossRequest) and request.loss_inputs is not None:
         swapped["loss_inputs"] = {name: _swap(value) for name, value in request.loss_inputs.items()}

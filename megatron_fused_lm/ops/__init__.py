@@ -14,7 +14,7 @@ from .api import (
 )
 from .loss_in_forward import LossFn
 from .options import BACKENDS
-from .topk import fused_linear_topk
+from .topk import fused_linear_topk, logits_topk
 
 __all__ = [
     "BACKENDS",
@@ -26,6 +26,7 @@ __all__ = [
     "fused_linear_topk",
     "logits_logprob",
     "logits_loss",
+    "logits_topk",
     "losses",
     "name_weight_grad_into",
     "outstanding_weight_grads",

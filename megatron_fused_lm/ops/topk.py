@@ -13,7 +13,7 @@ one pass over the vocabulary shard, one chunk of rows' float32 logits at a time;
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .boundary import autocast_off
 from .contract import token_chunks
 from .distributed import all_gather_stacked, group_rank, group_size, merge_across_group
-from .inputs import check_linear_inputs
+from .inputs import check_float, check_linear_inputs
 from .options import HeadOptions, checked_number
 from .products import float32_product
 from .softmax import NUM_STATISTICS, block_statistics, summarize
@@ -102,20 +102,62 @@ def fused_linear_topk(
     options = HeadOptions.checked(
         temperature=temperature, token_chunk=token_chunk, tp_group=tp_group, device=hidden.device, backend=backend
     )
-    group, vocab_shard = options.tp_group, weight.shape[0]
+    rows, shard = hidden.reshape(-1, hidden.shape[-1]).detach().to(weight.dtype), weight.detach().t()
+    logprobs, ids = _topk_pass(
+        lambda chunk: float32_product(rows[chunk], shard).div_(options.temperature),
+        rows.shape[0], weight.shape[0], k, options, rows.device,
+    )  # fmt: skip
+    return logprobs.view(*hidden.shape[:-1], k), ids.view(*hidden.shape[:-1], k)
+
+
+def logits_topk(
+    logits: Tensor,
+    k: int,
+    *,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    temperature: float = 1.0,
+    token_chunk: Optional[int] = None,
+) -> Tuple[Tensor, Tensor]:
+    """``fused_linear_topk`` on a materialized logits shard ``[..., vocab_shard]`` (float32,
+    bfloat16 or float16; rank ``r`` owns global ids ``[r * vocab_shard, (r + 1) * vocab_shard)``):
+    the same results, forward only."""
+    check_float("logits", logits)
+    if logits.dim() == 0 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must be [..., vocab_shard >= 1], got shape {tuple(logits.shape)}")
+    options = HeadOptions.checked(
+        temperature=temperature, token_chunk=token_chunk, tp_group=tp_group, device=logits.device
+    )
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    logprobs, ids = _topk_pass(
+        lambda chunk: flat[chunk].float() / options.temperature, flat.shape[0], flat.shape[1], k, options,
+        flat.device,
+    )  # fmt: skip
+    return logprobs.view(*logits.shape[:-1], k), ids.view(*logits.shape[:-1], k)
+
+
+def _topk_pass(
+    block_logits: Callable[[slice], Tensor],
+    num_rows: int,
+    vocab_shard: int,
+    k: int,
+    options: HeadOptions,
+    device: torch.device,
+) -> Tuple[Tensor, Tensor]:
+    """Steps 1-3 above over ``block_logits(rows)``, a chunk's float32 logits ``[rows, vocab_shard]``
+    already divided by the temperature: ``(logprobs [n, k], ids [n, k])``."""
+    group = options.tp_group
     vocab = vocab_shard * group_size(group)
     if not 1 <= checked_number("k", k, integral=True) <= vocab:
         raise ValueError(f"k must be between 1 and the vocabulary size {vocab}, got {k}")
-    rows = hidden.reshape(-1, hidden.shape[-1]).detach().to(weight.dtype)
-    num_rows, local_k = rows.shape[0], min(k, vocab_shard)
-    keys = torch.full((num_rows, k), _NO_KEY, dtype=torch.int64, device=rows.device)
-    stats = rows.new_empty(num_rows, NUM_STATISTICS, dtype=torch.float32)
-    no_target = torch.full((num_rows,), -1, dtype=torch.int64, device=rows.device)
+    local_k = min(k, vocab_shard)
+    keys = torch.full((num_rows, k), _NO_KEY, dtype=torch.int64, device=device)
+    stats = torch.empty(num_rows, NUM_STATISTICS, dtype=torch.float32, device=device)
+    no_target = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
     first_id = group_rank(group) * vocab_shard
     rows_per_chunk = options.token_chunk or max(1, CHUNK_BYTES // (4 * vocab_shard))
-    with torch.no_grad(), autocast_off(rows.device):
+    with torch.no_grad(), autocast_off(device):
         for chunk in token_chunks(num_rows, rows_per_chunk):
-            logits = float32_product(rows[chunk], weight.detach().t()).div_(options.temperature)
+            logits = block_logits(chunk)
             stats[chunk] = block_statistics(logits, no_target[chunk])
             keys[chunk, :local_k] = chunk_top_keys(logits, first_id, local_k)
         if group_size(group) > 1 and num_rows > 0:
@@ -124,6 +166,4 @@ def fused_linear_topk(
             keys = candidates.topk(k, dim=1).values
             stats = merge_across_group(stats, group)
         logits, ids = keyed_logits(keys)
-        logprobs = logits - summarize(stats).lse.unsqueeze(1)
-    lead = hidden.shape[:-1]
-    return logprobs.view(*lead, k), ids.view(*lead, k)
+        return logits - summarize(stats).lse.unsqueeze(1), ids

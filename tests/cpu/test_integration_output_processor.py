@@ -7,7 +7,8 @@ For each case, on one float32 model, nothing patched:
    float64 oracle on the stock model's gathered logits, and every parameter's gradient of a random
    weighted sum of both equals the stock one; a disabled config gives the same from the logits.
 2. ``LossRequest`` with a clipped policy loss: the loss equals the float64 oracle's, the gradients
-   the stock ones.
+   the stock ones. ``TopkRequest``: the top log-probs and ids of the float64 oracle, fused and
+   disabled.
 3. The labels path: the per-token loss equals the stock model's; with ``declare_loss_mask`` and
    Megatron's SFT reduction, the stock gradients without the recompute's warning; labels outside
    the vocabulary (HF-style -100 padding) as the stock model scores them.
@@ -36,6 +37,7 @@ from megatron_fused_lm import (
     LabelsRequest,
     LogprobRequest,
     LossRequest,
+    TopkRequest,
     accepts_output_processor,
     losses,
 )
@@ -66,6 +68,15 @@ def check_logprobs(model, batch, response, label):
         harness.assert_max_error(got_entropy, (entropy * response).detach(), VALUE_ATOL, case)
         harness.head_loss(got_logprob, got_entropy).backward()
         harness.assert_grads_close(harness.parameter_grads(model), stock_grads, GRAD_RTOL, case)
+
+
+def check_topk(model, batch, label):
+    stock_logits = harness.forward(model, batch).detach()
+    for enabled in (True, False):
+        case = f"{label} {'fused' if enabled else 'disabled'} TopkRequest"
+        processor = FusedOutputProcessor(model, FusedLMConfig(enabled=enabled, token_chunk=5))
+        logprobs, ids = processed(model, batch, processor, TopkRequest(5, temperature=TEMPERATURE))
+        harness.assert_topk_matches(logprobs, ids, stock_logits, 5, TEMPERATURE, VALUE_ATOL, case)
 
 
 def check_loss(model, batch, response, label):
@@ -182,7 +193,7 @@ def check_bad_input() -> None:
     processor = FusedOutputProcessor(model, FusedLMConfig(enabled=True))
     with pytest.raises(ValueError, match="needs labels= or an output_processor_context"):
         processed(model, batch, processor)
-    with pytest.raises(TypeError, match="a LossRequest or a LabelsRequest"):
+    with pytest.raises(TypeError, match="a LossRequest, a TopkRequest or a LabelsRequest"):
         processed(model, batch, processor, {"targets": batch[3]})
     other = harness.build_gpt(sequence_parallel=False, tied=False)
     with pytest.raises(RuntimeError, match="made for another model"):
@@ -240,6 +251,7 @@ def processor_worker() -> None:
         response = torch.arange(harness.SEQ).expand(harness.BATCH, harness.SEQ) >= harness.SEQ // 3
         check_logprobs(model, batch, response, label)
         check_loss(model, batch, response, label)
+        check_topk(model, batch, label)
         loss_mask = (harness.random_weights(harness.BATCH, harness.SEQ, seed=23) > -0.4).float()
         check_labels_path(model, batch, loss_mask, label)
         assert torch.equal(harness.forward(model, batch), stock_logits), f"{label}: the model is no longer stock"

@@ -1,4 +1,4 @@
-"""``fused_linear_topk`` against a float64 oracle of the whole vocabulary's log-probs: on one rank
+"""``fused_linear_topk`` and ``logits_topk`` against a float64 oracle of the whole vocabulary's log-probs: on one rank
 (flat and confident rows, odd sizes, a temperature, leading dimensions, k from 1 to the whole
 vocabulary), with exact ties, and with the vocabulary split over two gloo ranks."""
 
@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from devkit.oracle import make_case
 from devkit.spawn import run_ranks
-from megatron_fused_lm import fused_linear_topk
+from megatron_fused_lm import fused_linear_topk, logits_topk
 
 F64 = torch.float64
 
@@ -44,6 +44,11 @@ def test_against_float64(peaky, dtype, k):
     check_against_oracle(logprobs, ids, expected, k, tolerance)
     if k == 97:  # the whole vocabulary: every id once, the probabilities summing to 1
         assert torch.allclose(logprobs.double().exp().sum(-1), torch.ones(3, 7, dtype=F64), atol=1e-5)
+    # The same from the logits, in the weight's dtype as the stock head makes them.
+    logits = (hidden.to(weight.dtype).float() @ weight.float().t()).to(dtype)
+    logprobs, ids = logits_topk(logits, k, temperature=0.7, token_chunk=5)
+    from_logits = torch.log_softmax(logits.double() / 0.7, dim=-1).reshape(-1, 97)
+    check_against_oracle(logprobs, ids, from_logits, k, tolerance)
 
 
 def tied_case(vocab=12, hidden_size=4):
@@ -82,6 +87,10 @@ def test_forward_only_and_checked_arguments():
     for k, error in ((0, ValueError), (12, ValueError), (2.0, TypeError), (True, TypeError)):
         with pytest.raises(error, match="k must be"):
             fused_linear_topk(hidden, weight, k)
+        with pytest.raises(error, match="k must be"):
+            logits_topk(hidden @ weight.t(), k)
+    with pytest.raises(TypeError, match="logits must be"):
+        logits_topk(torch.zeros(3, 4, dtype=torch.long), 1)
     empty, empty_ids = fused_linear_topk(hidden[:0], weight, 3)
     assert empty.shape == empty_ids.shape == (0, 3)
 
@@ -91,9 +100,12 @@ def two_rank_cases(rank, world):
     hidden, weight, _ = make_case((9,), 16, 2 * 23, torch.float32, peaky=True, seed=4)
     shard = weight[rank * 23 : (rank + 1) * 23]
     expected = oracle_logprobs(hidden, weight, 1.0)
+    logits = hidden @ weight.t()
     for k in (1, 7, 30):  # 30: more than one shard holds
         logprobs, ids = fused_linear_topk(hidden, shard, k, tp_group=group, token_chunk=4)
         check_against_oracle(logprobs, ids, expected, k, 1e-4)
+        logprobs, ids = logits_topk(logits[:, rank * 23 : (rank + 1) * 23], k, tp_group=group)
+        check_against_oracle(logprobs, ids, torch.log_softmax(logits.double(), dim=-1), k, 1e-4)
         gathered = [torch.empty_like(ids) for _ in range(world)]
         dist.all_gather(gathered, ids, group=group)
         assert all(torch.equal(other, ids) for other in gathered)  # the same result on every rank

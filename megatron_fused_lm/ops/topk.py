@@ -80,23 +80,30 @@ def fused_linear_topk(
 ) -> Tuple[Tensor, Tensor]:
     """Each row's ``k`` largest log-probs under ``softmax(hidden @ weight.T / temperature)`` (the
     whole vocabulary's, spread over ``tp_group``) and their global vocabulary ids, without
-    materializing the logits. Forward only: the results carry no gradient.
+    materializing the logits. Forward only: the results carry no gradient. Every row is
+    computed (no mask), and padded vocabulary rows count as tokens, as in the stock logits.
 
     Args:
         hidden: ``[..., H]`` float32, bfloat16 or float16, the same on every rank; cast to
             ``weight``'s dtype for the product.
-        weight: ``[vocab_shard, H]``, this rank's vocabulary rows: rank ``r`` owns global ids
-            ``[r * vocab_shard, (r + 1) * vocab_shard)``.
+        weight: ``[vocab_shard, H]``, this rank's vocabulary rows, as many on every rank (Megatron
+            pads the vocabulary so): rank ``r`` owns global ids ``[r * vocab_shard, (r + 1) *
+            vocab_shard)``.
         k: how many tokens per row, from 1 to the whole vocabulary (``vocab_shard * tp_size``).
         tp_group, temperature: as for ``fused_linear_logprob``.
         backend: checked as for ``fused_linear_logprob``; every backend runs the same cuBLAS
             products and torch selection (no Triton kernel selects the top k yet).
-        token_chunk: rows per chunk; ``None`` keeps a chunk's float32 logits within 256 MiB.
+        token_chunk: rows per chunk; ``None`` keeps a chunk's float32 logits within 256 MiB (the
+            selection's temporaries take about three times that again; a row whose boundary ties
+            more than ``MARGIN`` candidates, frequent for bfloat16 logits at ``k`` in the hundreds,
+            takes int64 keys of its whole shard). The merge under tensor parallelism gathers
+            ``[tp_size, n, k]`` int64 keys at once.
 
     Returns:
         ``(logprobs [..., k] float32, ids [..., k] int64)``, each row in descending order of
-        log-prob, equal logits in ascending order of id, the same on every rank. Two all-gathers
-        under tensor parallelism; one flag read on the host per chunk (``chunk_top_keys``).
+        logit, equal float32 logits in ascending order of id (two logits that differ can round to
+        the same log-prob: the larger comes first), the same on every rank. Two all-gathers under
+        tensor parallelism; one flag read on the host per chunk (``chunk_top_keys``).
     """
     check_linear_inputs(hidden, weight)
     options = HeadOptions.checked(
@@ -149,6 +156,8 @@ def _topk_pass(
     vocab = vocab_shard * group_size(group)
     if not 1 <= checked_number("k", k, integral=True) <= vocab:
         raise ValueError(f"k must be between 1 and the vocabulary size {vocab}, got {k}")
+    if vocab > _MAX_ID:
+        raise ValueError(f"a vocabulary of {vocab} ids does not fit the keys' 31 bits")
     local_k = min(k, vocab_shard)
     keys = torch.full((num_rows, k), _NO_KEY, dtype=torch.int64, device=device)
     stats = torch.empty(num_rows, NUM_STATISTICS, dtype=torch.float32, device=device)

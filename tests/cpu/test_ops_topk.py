@@ -80,6 +80,18 @@ def test_ties_at_the_boundary_go_to_the_lower_ids(tied):
     assert ids.tolist() == [sorted(tied_ids.tolist())[:3]] * 6
 
 
+def test_rows_with_and_without_the_fallback_in_one_chunk_and_signed_zeros():
+    # Row 0 has distinct logits; row 1 ties 24 logits at its boundary (past the margin), so only
+    # row 1 takes the whole shard's keys.
+    logits = torch.zeros(2, 64)
+    logits[0] = torch.arange(64.0)
+    logits[1, 40:] = 1.0
+    assert logits_topk(logits, 3)[1].tolist() == [[63, 62, 61], [40, 41, 42]]
+    # -0.0 equals +0.0: the lower id first.
+    assert logits_topk(torch.tensor([[-0.0, 0.0, -1.0]]), 2)[1].tolist() == [[0, 1]]
+    assert logits_topk(torch.tensor([[0.0, -0.0, -1.0]]), 2)[1].tolist() == [[0, 1]]
+
+
 def test_forward_only_and_checked_arguments():
     hidden, weight, _ = make_case((5,), 8, 11, torch.float32, peaky=False)
     logprobs, _ = fused_linear_topk(hidden.requires_grad_(), weight.requires_grad_(), 3)

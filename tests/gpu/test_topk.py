@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from devkit.oracle import make_case
-from megatron_fused_lm import fused_linear_topk
+from megatron_fused_lm import fused_linear_topk, logits_topk
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,3 +29,13 @@ def test_topk_against_float64(peaky, backend):
     assert (logprobs.double() - expected.gather(1, ids)).abs().max() <= tolerance
     assert bool((logprobs[:, :-1] >= logprobs[:, 1:]).all())
     assert bool((logprobs[:, -1].double() >= expected.topk(k, dim=1).values[:, -1] - tolerance).all())
+
+
+def test_negative_logits_ties_and_the_fallback_on_cuda():
+    # Negative logits (the keys' sign handling), a tie within the margin and one past it (the
+    # whole-shard fallback, with nonzero and an indexed write on the device), in one chunk.
+    logits = -torch.arange(1000, device="cuda", dtype=torch.float32).repeat(3, 1) / 7
+    logits[1, [10, 500, 900]] = 5.0
+    logits[2, 100:140] = 5.0
+    ids = logits_topk(logits, 3)[1].tolist()
+    assert ids == [[0, 1, 2], [10, 500, 900], [100, 101, 102]]

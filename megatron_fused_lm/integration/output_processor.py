@@ -190,12 +190,15 @@ class FusedOutputProcessor:
 
 
 def _sequence_first(request: Request) -> Request:
-    """``request`` with its ``[b, s]`` tensors as ``[s, b]`` views, the hidden states' layout."""
-    if isinstance(request, TopkRequest):
-        return request
-    swapped = {"targets": _swap(request.targets), "mask": _swap(request.mask)}
-    if isinstance(request, LossRequest) and request.loss_inputs is not None:
-        swapped["loss_inputs"] = {name: _swap(value) for name, value in request.loss_inputs.items()}
+    """``request`` with its ``[b, s]`` tensors (and those of its dicts: ``loss_inputs``) as
+    ``[s, b]`` views, the hidden states' layout."""
+    swapped = {}
+    for field in dataclasses.fields(request):
+        value = getattr(request, field.name)
+        if isinstance(value, torch.Tensor):
+            swapped[field.name] = _swap(value)
+        elif isinstance(value, dict):
+            swapped[field.name] = {name: _swap(tensor) for name, tensor in value.items()}
     return dataclasses.replace(request, **swapped)
 
 

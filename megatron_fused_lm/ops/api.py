@@ -12,7 +12,7 @@ import torch.distributed as dist
 from .boundary import fused_forward, logits_forward
 from .contract import NeededGrads, ShardProblem
 from .held_pass import HeldPass, attach
-from .inputs import RowSelection, check_float, check_linear_inputs, check_weight_grad_into, select_rows
+from .inputs import RowSelection, check_linear_inputs, check_logits, check_weight_grad_into, select_rows
 from .loss_in_forward import (
     LossFn,
     check_loss_inputs,
@@ -165,9 +165,7 @@ def logits_logprob(
         ``logprob [...]`` float32, or ``(logprob, entropy)``. The gradient goes to ``logits`` in
         their dtype (this rank's shard only; nothing is reduced across ranks).
     """
-    check_float("logits", logits)
-    if logits.dim() == 0 or logits.shape[-1] == 0:
-        raise ValueError(f"logits must be [..., vocab_shard >= 1], got shape {tuple(logits.shape)}")
+    check_logits(logits)
     options = HeadOptions.checked(
         temperature=temperature, token_chunk=token_chunk, tp_group=tp_group, device=logits.device,
         entropy_grad=entropy_grad,

@@ -33,6 +33,14 @@ def check_linear_inputs(hidden: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"hidden size {tuple(hidden.shape)[-1:]} does not match weight's {weight.shape[1]}")
 
 
+def check_logits(logits: torch.Tensor) -> None:
+    """``TypeError`` / ``ValueError`` unless ``logits`` is a float32, bfloat16 or float16 shard
+    ``[..., vocab_shard >= 1]``."""
+    check_float("logits", logits)
+    if logits.dim() == 0 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must be [..., vocab_shard >= 1], got shape {tuple(logits.shape)}")
+
+
 def check_weight_grad_into(weight_grad_into: torch.Tensor, weight: torch.Tensor) -> None:
     """``TypeError`` / ``ValueError`` unless ``weight_grad_into`` is a contiguous float32 tensor of the
     weight's shape on its device, needing no gradient."""

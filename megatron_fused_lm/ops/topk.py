@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 from .boundary import autocast_off
+from .chunking import chunk_rows
 from .contract import token_chunks
 from .distributed import all_gather_stacked, group_rank, group_size, merge_across_group
-from .inputs import check_float, check_linear_inputs
+from .inputs import check_linear_inputs, check_logits
 from .options import HeadOptions, checked_number
 from .products import float32_product
 from .softmax import NUM_STATISTICS, block_statistics, summarize
@@ -30,8 +31,6 @@ Tensor = torch.Tensor
 _LOW_BITS = 2**32 - 1
 _MAX_ID = 2**31 - 1
 _NO_KEY = torch.iinfo(torch.int64).min  # a shard narrower than k pads its candidates with it
-# One chunk's float32 logits: 4 bytes a logit, at most this many bytes.
-CHUNK_BYTES = 256 * 2**20
 # Candidates past the k-th logit that settle ties at the boundary without sorting the whole shard.
 MARGIN = 16
 
@@ -93,7 +92,8 @@ def fused_linear_topk(
         tp_group, temperature: as for ``fused_linear_logprob``.
         backend: checked as for ``fused_linear_logprob``; every backend runs the same cuBLAS
             products and torch selection (no Triton kernel selects the top k yet).
-        token_chunk: rows per chunk; ``None`` keeps a chunk's float32 logits within 256 MiB (the
+        token_chunk: rows per chunk; ``None`` keeps a chunk's float32 logits within 256 MiB
+            (``chunking.chunk_rows``; the
             selection's temporaries take about three times that again; a row whose boundary ties
             more than ``MARGIN`` candidates, frequent for bfloat16 logits at ``k`` in the hundreds,
             takes int64 keys of its whole shard). The merge under tensor parallelism gathers
@@ -128,9 +128,7 @@ def logits_topk(
     """``fused_linear_topk`` on a materialized logits shard ``[..., vocab_shard]`` (float32,
     bfloat16 or float16; rank ``r`` owns global ids ``[r * vocab_shard, (r + 1) * vocab_shard)``):
     the same results, forward only."""
-    check_float("logits", logits)
-    if logits.dim() == 0 or logits.shape[-1] == 0:
-        raise ValueError(f"logits must be [..., vocab_shard >= 1], got shape {tuple(logits.shape)}")
+    check_logits(logits)
     options = HeadOptions.checked(
         temperature=temperature, token_chunk=token_chunk, tp_group=tp_group, device=logits.device
     )
@@ -163,7 +161,7 @@ def _topk_pass(
     stats = torch.empty(num_rows, NUM_STATISTICS, dtype=torch.float32, device=device)
     no_target = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
     first_id = group_rank(group) * vocab_shard
-    rows_per_chunk = options.token_chunk or max(1, CHUNK_BYTES // (4 * vocab_shard))
+    rows_per_chunk = chunk_rows(options.token_chunk, vocab_shard)
     with torch.no_grad(), autocast_off(device):
         for chunk in token_chunks(num_rows, rows_per_chunk):
             logits = block_logits(chunk)

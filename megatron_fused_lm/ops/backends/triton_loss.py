@@ -85,15 +85,16 @@ class TritonLoss(held_gradients.HeldSteps):
         inv_temperature = 1.0 / problem.temperature
         tiles = self.tuning.forward_tiles_for(weight.dtype, block.dtype, weight.device)
         tiles_per_split = self.tuning.tiles_per_split_for(num_rows, weight.shape[0], tiles, weight.device)
-        if stores_offsets(block.dtype):
+        offsets = stores_offsets(block.dtype)
+        if offsets:  # the kernel writes each tile's maximum into the state
             reference = state.reference[:num_rows]
-            return merge_statistics(
-                split_statistics(hidden, weight, columns, inv_temperature, tiles, tiles_per_split, block, reference)
-            )
-        sample_rows = self.tuning.reference_rows or REFERENCE_ROWS
-        reference = row_references(hidden, weight, columns, inv_temperature, sample_rows)
+        else:
+            sample_rows = self.tuning.reference_rows or REFERENCE_ROWS
+            reference = row_references(hidden, weight, columns, inv_temperature, sample_rows)
         parts = split_statistics(hidden, weight, columns, inv_temperature, tiles, tiles_per_split, block, reference)
         local = merge_statistics(parts)
+        if offsets:
+            return local
         reference, refresh = stale_references(reference, local[:, MAX])
         state.reference[:num_rows] = reference
         refresh_exponentials(hidden, weight, inv_temperature, tiles, tiles_per_split, block, reference, refresh)

@@ -69,7 +69,7 @@ def sweep(shape):
     report(name, "cublas logits", shape, lambda out=logits: torch.mm(hidden, weight.t(), out=out))
     del logits  # freed before the kernels run
     for tiles in FORWARD_CANDIDATES:
-        best_split = rules.tiles_per_split_for(tokens, vocab, tiles, weight.device)
+        best_split = rules.tiles_per_split_for(vocab, tiles, weight.device)
         for per_split in sorted({8, best_split}):
             report(
                 name,

@@ -66,12 +66,48 @@ def held_gradient_kernels(case: dict) -> dict:
     return errors
 
 
+def merge_kernel_case(case: dict) -> dict:
+    """``merge_parts`` on the float32 statistics of uneven column blocks of float64 logits (one
+    block empty), against the float64 statistics of the whole rows: the largest relative error of
+    each statistic; and whether the first rows merged alone equal the same rows of the whole call."""
+    import torch
+
+    from megatron_fused_lm.ops.kernels.merge_kernel import merge_parts
+    from megatron_fused_lm.ops.softmax import NUM_STATISTICS, block_statistics
+
+    torch.manual_seed(case["seed"])
+    tokens, vocab = case["tokens"], case["vocab"]
+    logits = torch.randn(tokens, vocab, dtype=torch.float64) * 4
+    logits[: tokens // 2, 7] += 30  # confident rows
+    target_column = torch.randint(0, vocab, (tokens,))
+    edges = [0, 1, 1, 40, vocab // 2, vocab]  # the block [1, 1) has no columns
+    parts = torch.empty(len(edges) - 1, tokens, NUM_STATISTICS)
+    for index, (start, stop) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
+        if start == stop:
+            parts[index] = torch.tensor([float("-inf"), 0.0, 0.0, 0.0])
+            continue
+        inside = (target_column >= start) & (target_column < stop)
+        parts[index] = block_statistics(logits[:, start:stop].float(), torch.where(inside, target_column - start, -1))
+    merged = merge_parts(parts)
+    expected = block_statistics(logits, target_column)
+    errors = {
+        name: float(((merged[:, column].double() - expected[:, column]).abs() / expected[:, column].abs().clamp(min=1)).max())
+        for column, name in enumerate(("max", "sumexp", "sumexp_z", "target"))
+    }  # fmt: skip
+    errors["rows_alone_equal"] = all(
+        torch.equal(merge_parts(parts[:, :count].contiguous()), merged[:count]) for count in (1, 3)
+    )
+    return errors
+
+
 def run_case_here(case: dict) -> dict:
     """Run one case in this process (the interpreter must already be on); returns its errors."""
     import torch
 
     if case.get("kind") == "held_gradient_kernels":
         return held_gradient_kernels(case)
+    if case.get("kind") == "merge":
+        return merge_kernel_case(case)
 
     from devkit.oracle import max_abs_error, reference, relative_error
     from megatron_fused_lm.ops.backends.triton_loss import TritonLoss
@@ -317,6 +353,13 @@ def test_held_gradient_kernels_match_the_torch_code(dtype):
     # same float32 sum into the same dtype once.
     errors = run_case(kind="held_gradient_kernels", dtype=dtype, shape=[41, 300, 9], seed=8)
     assert all(error <= 1e-6 for error in errors.values()), errors
+
+
+def test_merge_kernel_against_float64():
+    # Float32 statistics of each block round by a few ulps; the merge adds a few more per part.
+    errors = run_case(kind="merge", tokens=37, vocab=300, seed=3)
+    assert errors.pop("rows_alone_equal")
+    assert all(error <= 1e-5 for error in errors.values()), errors
 
 
 @pytest.mark.parametrize("three_gemm", [False, True], ids=["recompute", "three_gemm"])

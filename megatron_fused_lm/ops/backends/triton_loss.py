@@ -24,11 +24,12 @@ from .. import held_gradients
 from ..contract import LossState, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
 from ..kernels.chosen_token_kernel import add_chosen_rows, finish_hidden_grad
 from ..kernels.descriptors import addressable, addressable_empty
+from ..kernels.merge_kernel import merge_parts
 from ..kernels.scale_kernel import scale_into
 from ..kernels.softmax_stats_kernel import refresh_exponentials, split_statistics, stores_offsets
 from ..kernels.stored_grad_kernel import stored_logit_grads
 from ..products import add_product
-from ..softmax import MAX, SoftmaxSummary, chosen_logit_grad, logit_grad, merge_statistics, zero_chosen
+from ..softmax import MAX, SoftmaxSummary, chosen_logit_grad, logit_grad, zero_chosen
 from .triton_reference import row_references, stale_references, stored_dtype
 from .triton_tuning import REFERENCE_ROWS, TritonTuning, loss_token_chunk
 
@@ -84,7 +85,7 @@ class TritonLoss(held_gradients.HeldSteps):
         columns, block = problem.target_column[rows].contiguous(), state.block[:num_rows]
         inv_temperature = 1.0 / problem.temperature
         tiles = self.tuning.forward_tiles_for(weight.dtype, block.dtype, weight.device)
-        tiles_per_split = self.tuning.tiles_per_split_for(num_rows, weight.shape[0], tiles, weight.device)
+        tiles_per_split = self.tuning.tiles_per_split_for(weight.shape[0], tiles, weight.device)
         offsets = stores_offsets(block.dtype)
         if offsets:  # the kernel writes each tile's maximum into the state
             reference = state.reference[:num_rows]
@@ -92,7 +93,7 @@ class TritonLoss(held_gradients.HeldSteps):
             sample_rows = self.tuning.reference_rows or REFERENCE_ROWS
             reference = row_references(hidden, weight, columns, inv_temperature, sample_rows)
         parts = split_statistics(hidden, weight, columns, inv_temperature, tiles, tiles_per_split, block, reference)
-        local = merge_statistics(parts)
+        local = merge_parts(parts)
         if offsets:
             return local
         reference, refresh = stale_references(reference, local[:, MAX])

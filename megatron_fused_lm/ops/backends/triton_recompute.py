@@ -1,7 +1,7 @@
 """The Triton backend's four-GEMM path.
 
 - Forward: ``split_statistics`` gives ``[num_splits, n, 4]`` statistics straight from hidden and
-  weight tiles; ``merge_statistics`` merges the splits.
+  weight tiles; ``merge_parts`` merges the splits (in an order set by their number alone).
 - Backward, blocked over token chunks and vocabulary chunks so the working set stays bounded
   (``triton_tuning``): per block, ``logit_grad_block`` recomputes the logits and writes ``dz / T``
   in the weight's dtype, then cuBLAS adds ``dz @ w`` into a float32 ``[token chunk, H]``
@@ -19,9 +19,10 @@ import torch
 from ..contract import Gradients, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads, token_chunks
 from ..kernels.descriptors import addressable
 from ..kernels.logit_grad_kernel import logit_grad_block
+from ..kernels.merge_kernel import merge_parts
 from ..kernels.softmax_stats_kernel import split_statistics
 from ..products import add_product
-from ..softmax import NUM_STATISTICS, merge_statistics
+from ..softmax import NUM_STATISTICS
 from .triton_tuning import TOKEN_CHUNK, VOCAB_CHUNK_MULTIPLE, TritonTuning
 
 
@@ -38,11 +39,11 @@ class TritonRecompute:
         if hidden.shape[0] == 0:
             return hidden.new_empty(0, NUM_STATISTICS, dtype=torch.float32)
         tiles = self.tuning.forward_tiles_for(weight.dtype)
-        tiles_per_split = self.tuning.tiles_per_split_for(hidden.shape[0], weight.shape[0], tiles, weight.device)
+        tiles_per_split = self.tuning.tiles_per_split_for(weight.shape[0], tiles, weight.device)
         parts = split_statistics(
             hidden, weight, problem.target_column, 1.0 / problem.temperature, tiles, tiles_per_split
         )
-        return merge_statistics(parts)
+        return merge_parts(parts)
 
     def local_gradients(
         self, problem: ShardProblem, saved: SavedStatistics, upstream: UpstreamGrads, needed: NeededGrads

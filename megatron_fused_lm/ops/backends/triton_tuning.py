@@ -4,8 +4,9 @@ object that fixes any of their choices instead (tile sweeps and the interpreter 
 
 - Tiles: the constants below; a forward kernel that stores a block from 16-bit operands takes the
   first of ``STORING_CANDIDATES`` whose shared memory (``shared_memory_bytes``) fits the device.
-- Vocabulary splits of the forward kernel: the column tiles per split (``TILES_PER_SPLIT``) that
-  leave the least idle time in the last wave of programs.
+- Vocabulary splits of the forward kernel: the column tiles per split (``TILES_PER_SPLIT``) whose
+  splits of one token tile leave the least idle time in the last wave of programs; chosen from the
+  vocabulary alone, so that a row's result does not depend on the other rows of the call.
 - Recompute backward: token chunks of ``TOKEN_CHUNK`` rows, vocabulary chunks within
   ``WORKING_SET_BYTES`` plus ``WORKING_SET_GRADIENT_SHARE`` of the gradients' bytes.
 - Loss-in-forward pass: token chunks whose stored block takes at most ``STORED_LOGITS_BYTES``, the
@@ -107,17 +108,19 @@ class TritonTuning:
         """One program per multiprocessor: the 16-bit tiles take most of its shared memory."""
         return self.programs or torch.cuda.get_device_properties(device).multi_processor_count
 
-    def tiles_per_split_for(self, num_tokens: int, vocab: int, tiles: Tiles, device: torch.device) -> int:
-        """The candidate whose programs, run ``programs`` at a time, leave the least idle time in
-        the last wave (ties: fewer splits)."""
+    def tiles_per_split_for(self, vocab: int, tiles: Tiles, device: torch.device) -> int:
+        """The candidate whose splits of one token tile, run ``programs`` at a time, leave the least
+        idle time in the last wave (ties: fewer splits). It does not depend on the number of tokens,
+        so that a row's statistics are merged in the same order whatever rows share the call (batch
+        invariance); a whole wave of splits per token tile also fills every wave of a larger call."""
         if self.tiles_per_split is not None:
             return self.tiles_per_split
         programs = self.programs_for(device)
-        row_tiles, col_tiles = -(-num_tokens // tiles.block_m), -(-vocab // tiles.block_n)
+        col_tiles = -(-vocab // tiles.block_n)
 
         def column_tiles_per_slot(per_split: int) -> int:
-            split_programs = row_tiles * -(-col_tiles // per_split)
-            return -(-split_programs // programs) * per_split
+            splits = -(-col_tiles // per_split)
+            return -(-splits // programs) * per_split
 
         candidates = {min(per_split, col_tiles) for per_split in TILES_PER_SPLIT}
         return min(candidates, key=lambda per_split: (column_tiles_per_slot(per_split), -per_split))

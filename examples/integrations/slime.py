@@ -38,13 +38,18 @@ _head: Optional[FusedLMHead] = None
 
 
 def add_fused_lm_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The three settings as slime flags: pass this as ``parse_args(add_custom_arguments=...)``.
+    """The four settings as slime flags: pass this as ``parse_args(add_custom_arguments=...)``.
     (slime's own ``--log-probs-chunk-size`` chunks its logits path and is not read;
     ``--fused-linear-logprob-token-chunk`` is the fused head's tokens per chunk, best left unset.)"""
     parser.add_argument("--fused-linear-logprob", action="store_true", help="fuse the LM head (megatron-fused-lm)")
     parser.add_argument("--fused-linear-logprob-backend", choices=["torch", "triton", "auto"], default="torch")
     parser.add_argument(
         "--fused-linear-logprob-token-chunk", type=int, default=None, help="tokens per chunk of the fused head"
+    )
+    parser.add_argument(
+        "--fused-linear-logprob-batch-invariant",
+        action="store_true",
+        help="each row's hidden gradient independent of the other rows of a call (Triton backend)",
     )
     return parser
 

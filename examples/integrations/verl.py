@@ -32,13 +32,14 @@ LOGITS_ONLY_OPTIONS = ("calculate_sum_pi_squared", "distillation_use_topk", "dis
 
 @dataclass
 class FusedLMSettings:
-    """The three settings, for a subclass of verl's ``McoreEngineConfig`` (the ``megatron`` section of
+    """The four settings, for a subclass of verl's ``McoreEngineConfig`` (the ``megatron`` section of
     ``actor_rollout_ref.actor``): verl instantiates that section from its ``_target_``, whose
     dataclass must declare every key."""
 
     fused_linear_logprob: bool = False
     fused_linear_logprob_backend: str = "torch"
     fused_linear_logprob_token_chunk: Optional[int] = None
+    fused_linear_logprob_batch_invariant: bool = False
 
 
 def uniform_temperature(temperature: Union[float, Tensor]) -> float:

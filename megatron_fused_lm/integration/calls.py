@@ -130,7 +130,7 @@ def _op_arguments(call: HeadCall, config: FusedLMConfig) -> Dict[str, Any]:
     # What every fused op takes from the projection call and the config.
     return dict(
         tp_group=call.tp_group, backend=config.backend, token_chunk=config.token_chunk,
-        reduce_hidden_grad=call.reduce_hidden_grad,
+        reduce_hidden_grad=call.reduce_hidden_grad, batch_invariant=config.batch_invariant,
     )  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""The three trainer settings that turn the fused LM head on and tune it.
+"""The four trainer settings that turn the fused LM head on and tune it.
 
 Each key is the package's own: a trainer's key of its own (SkyRL's and verl's
 ``logprobs_chunk_size``, which size their logits loops) never reaches the head, whose Triton path
@@ -21,6 +21,7 @@ TRAINER_KEYS = {
     "fused_linear_logprob": "enabled",
     "fused_linear_logprob_backend": "backend",
     "fused_linear_logprob_token_chunk": "token_chunk",
+    "fused_linear_logprob_batch_invariant": "batch_invariant",
 }
 
 _ABSENT = object()
@@ -36,11 +37,15 @@ class FusedLMConfig:
         token_chunk: tokens per chunk of the softmax work, a positive int, or ``None`` (the
             default) for the ops' own choice, which on the Triton backend is tuned per shape: a
             smaller chunk trades time for memory (``docs/BENCHMARKS.md``, section 11).
+        batch_invariant: ``True`` makes each row's hidden gradient, as its log-prob and entropy
+            already are, bitwise independent of the other rows of a call (the ops'
+            ``batch_invariant``; the Triton backend only, so ``backend="torch"`` is refused).
     """
 
     enabled: bool = False
     backend: str = "torch"
     token_chunk: Optional[int] = None
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -52,11 +57,18 @@ class FusedLMConfig:
                 object.__setattr__(self, field_name, check(getattr(self, field_name)))
             except (TypeError, ValueError) as error:
                 raise type(error)(f"{key}: {error}") from None
+        if not isinstance(self.batch_invariant, bool):
+            raise TypeError(f"fused_linear_logprob_batch_invariant must be true or false, got {self.batch_invariant!r}")
+        if self.batch_invariant and self.backend == "torch":
+            raise ValueError(
+                "fused_linear_logprob_batch_invariant needs fused_linear_logprob_backend 'triton' or 'auto'"
+            )
 
     @classmethod
     def from_trainer_config(cls, trainer_config: Any, section: Optional[str] = None) -> "FusedLMConfig":
-        """Read ``fused_linear_logprob``, ``fused_linear_logprob_backend`` and
-        ``fused_linear_logprob_token_chunk`` from a trainer config.
+        """Read ``fused_linear_logprob``, ``fused_linear_logprob_backend``,
+        ``fused_linear_logprob_token_chunk`` and ``fused_linear_logprob_batch_invariant`` from a
+        trainer config.
 
         Args:
             trainer_config: a mapping (dict, OmegaConf ``DictConfig``) or an object with attributes

@@ -67,6 +67,7 @@ def fused_linear_logprob(
     mask: Optional[Tensor] = None,
     max_rows: Optional[int] = None,
     out_of_vocab: str = "error",
+    batch_invariant: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Log-probs (and entropy) of ``targets`` under ``softmax(hidden @ weight.T / temperature)``,
     the vocabulary spread over ``tp_group``, without materializing the logits; the backward
@@ -106,6 +107,12 @@ def fused_linear_logprob(
             its logit were the row's largest and gives it no gradient: its log-prob is ``max - lse``
             and its logits' gradient ``-g * softmax`` (the labels path's ``-100`` padding then
             trains as in the stock model).
+        batch_invariant: with ``True`` (Triton backend only) a row's gradient w.r.t. ``hidden`` is
+            bitwise the same whatever other rows share the call, as its log-prob and entropy always
+            are on the Triton backend: the hidden product runs a kernel whose order of summation
+            the number of rows does not change, instead of cuBLAS (``docs/DESIGN.md``, "Batch
+            invariance"; cost in ``docs/BENCHMARKS.md``). Under tensor parallelism this holds for
+            groups of up to two ranks.
 
     Returns:
         ``logprob [...]`` float32, or ``(logprob, entropy)`` with ``return_entropy=True``.
@@ -118,11 +125,12 @@ def fused_linear_logprob(
     options, selection, rows = _fused_rows(
         hidden, weight, targets, mask, max_rows, tp_group, out_of_vocab, temperature=temperature,
         token_chunk=token_chunk, backend=backend, entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
+        batch_invariant=batch_invariant,
     )  # fmt: skip
     logprob, entropy, _, _ = fused_forward(
         rows, weight, selection.target_column, temperature=options.temperature, backend=options.backend,
         token_chunk=options.token_chunk, tp_group_name=options.tp_group_name,
-        reduce_hidden_grad=options.reduce_hidden_grad,
+        reduce_hidden_grad=options.reduce_hidden_grad, batch_invariant=options.batch_invariant,
     )  # fmt: skip
     return _results(selection, logprob, entropy if return_entropy else None, options.entropy_grad)
 
@@ -193,6 +201,7 @@ def fused_linear_loss(
     reduce_hidden_grad: bool = True,
     weight_grad_into: Optional[Tensor] = None,
     weight_grad_scale: float = 1.0,
+    batch_invariant: bool = False,
 ) -> FusedLoss:
     """``sum_t loss_fn(logprob_t, entropy_t, inputs_t)`` over the rows of
     ``softmax(hidden @ weight.T / temperature)``, with its gradients computed in the forward
@@ -210,8 +219,8 @@ def fused_linear_loss(
     ``losses.ClippedPolicyLoss``.
 
     Args:
-        hidden, weight, targets, tp_group, temperature, backend, reduce_hidden_grad: as for
-            ``fused_linear_logprob``.
+        hidden, weight, targets, tp_group, temperature, backend, reduce_hidden_grad,
+            batch_invariant: as for ``fused_linear_logprob``.
         token_chunk: rows per three-GEMM chunk; ``None`` picks one that bounds the working set.
         loss_fn: the per-token loss, as above.
         loss_inputs: per-token inputs of ``loss_fn``: a dict of tensors shaped like ``targets``
@@ -237,6 +246,7 @@ def fused_linear_loss(
     options, selection, rows = _fused_rows(
         hidden, weight, targets, mask, None, tp_group, temperature=temperature, token_chunk=token_chunk,
         backend=backend, entropy_grad=has_entropy_term(loss_fn, tuple(inputs)), reduce_hidden_grad=reduce_hidden_grad,
+        batch_invariant=batch_invariant,
     )  # fmt: skip
     if selection.rows is not None:
         inputs = {name: value.index_select(0, selection.rows) for name, value in inputs.items()}
@@ -276,6 +286,7 @@ def fused_linear_cross_entropy(
     weight_grad_into: Optional[Tensor] = None,
     weight_grad_scale: float = 1.0,
     out_of_vocab: str = "error",
+    batch_invariant: bool = False,
 ) -> Tensor:
     """Per-token cross-entropy ``-logprob [...]`` (float32), its gradients computed in the forward
     (three GEMMs) for an upstream gradient declared up to a scalar: ``c * declared_weights``.
@@ -299,6 +310,7 @@ def fused_linear_cross_entropy(
     options, selection, rows = _fused_rows(
         hidden, weight, targets, None, None, tp_group, out_of_vocab, temperature=temperature,
         token_chunk=token_chunk, backend=backend, entropy_grad=False, reduce_hidden_grad=reduce_hidden_grad,
+        batch_invariant=batch_invariant,
     )  # fmt: skip
     declared = check_per_token("declared_weights", declared_weights, hidden.shape[:-1], hidden.device)
     if not declared.dtype.is_floating_point and declared.dtype != torch.bool:

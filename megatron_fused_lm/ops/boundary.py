@@ -84,9 +84,11 @@ def fused_forward(
     token_chunk: Optional[int],
     tp_group_name: Optional[str],
     reduce_hidden_grad: bool,
+    batch_invariant: bool,
 ) -> Statistics:
     """Log-prob, entropy and the saved statistics of each row, over the whole vocabulary
-    (``reduce_hidden_grad`` is the backward's)."""
+    (``reduce_hidden_grad`` and ``batch_invariant`` are the backward's: the forward is batch
+    invariant either way)."""
     problem = ShardProblem(hidden, weight, target_column, temperature)
     with autocast_off(hidden.device):
         stats = recompute_backend(backend, token_chunk).local_statistics(problem)
@@ -115,12 +117,13 @@ def fused_backward(
     token_chunk: Optional[int],
     tp_group_name: Optional[str],
     reduce_hidden_grad: bool,
+    batch_invariant: bool,
 ) -> tuple[Tensor, Tensor]:
     """``(grad_hidden, grad_weight)``; an unneeded one is empty. The hidden gradient is summed
     over the group when ``reduce_hidden_grad``, else this rank's partial."""
     problem = ShardProblem(hidden, weight, target_column, temperature)
     with autocast_off(hidden.device):
-        grads = recompute_backend(backend, token_chunk).local_gradients(
+        grads = recompute_backend(backend, token_chunk, batch_invariant).local_gradients(
             problem,
             SavedStatistics(lse, mean_logit),
             UpstreamGrads(grad_logprob, grad_entropy),
@@ -312,6 +315,7 @@ def loss_gradients(
     accumulate: bool,
     temperature: float,
     backend: str,
+    batch_invariant: bool,
 ) -> None:
     """The backend's ``chunk_gradients`` for the rows ``[start, stop)``; ``summary`` holds the
     ``SoftmaxSummary`` fields in order."""
@@ -319,7 +323,7 @@ def loss_gradients(
     state = LossState(block, reference, held_hidden, held_weight)
     upstream = UpstreamGrads(grad_logprob, grad_entropy)
     with autocast_off(hidden.device):
-        loss_backend(backend).chunk_gradients(
+        loss_backend(backend, batch_invariant=batch_invariant).chunk_gradients(
             problem, state, slice(start, stop), SoftmaxSummary(*summary), upstream, accumulate
         )
 
@@ -362,5 +366,5 @@ class OperatorLossBackend:
         loss_gradients(
             problem.hidden, problem.weight, problem.target_column, state.block, state.reference, state.held_hidden,
             state.held_weight, list(summary), *upstream, start=rows.start, stop=rows.stop, accumulate=accumulate,
-            temperature=problem.temperature, backend=self.options.backend,
+            temperature=problem.temperature, backend=self.options.backend, batch_invariant=self.options.batch_invariant,
         )  # fmt: skip

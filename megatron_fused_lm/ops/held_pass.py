@@ -246,13 +246,14 @@ def held_backward(
     token_chunk: Optional[int],
     tp_group_name: Optional[str],
     reduce_hidden_grad: bool,
+    batch_invariant: bool,
 ) -> tuple[Tensor, Tensor]:
     """``HeldPass.backward`` of a pass ``pack``-ed into ``tensors`` (its own ``parts`` held weight
     parts: ``weight_grad_into`` runs eagerly only); per-token losses where ``upstream`` is ``[n]``.
     ``(grad_hidden, grad_weight)``, an unneeded one empty."""
     # Compiled, a scalar loss holds its own parts and never runs again: its tensors are the held ones.
     per_token = upstream.dim() > 0
-    options = HeadOptions(temperature, backend, token_chunk, tp_group_name, False, reduce_hidden_grad)
+    options = HeadOptions(temperature, backend, token_chunk, tp_group_name, False, reduce_hidden_grad, batch_invariant)
     needed = NeededGrads(tensors[0].dim() == 2, parts > 0)
     bare = HeldPass(
         ShardProblem(None, None, None, temperature), cross_entropy, dict.fromkeys(["weight"] if per_token else []),
@@ -278,6 +279,6 @@ def _compiled_backward(bare: HeldPass, tensors: List[Tensor], upstream: Tensor) 
     grads = held_backward(
         upstream, tensors, parts=len(bare.held.held_weight), dtype=bare.dtype, temperature=options.temperature,
         backend=options.backend, token_chunk=options.token_chunk, tp_group_name=options.tp_group_name,
-        reduce_hidden_grad=options.reduce_hidden_grad,
+        reduce_hidden_grad=options.reduce_hidden_grad, batch_invariant=options.batch_invariant,
     )  # fmt: skip
     return Gradients(*(grad if grad.dim() == 2 else None for grad in grads))

@@ -90,6 +90,7 @@ class HeadOptions:
     tp_group_name: Optional[str] = None  # the tensor-parallel group by its registered name
     entropy_grad: bool = True
     reduce_hidden_grad: bool = True
+    batch_invariant: bool = False
 
     @classmethod
     def checked(
@@ -102,16 +103,24 @@ class HeadOptions:
         backend: str = "torch",
         entropy_grad: bool = True,
         reduce_hidden_grad: bool = True,
+        batch_invariant: bool = False,
     ) -> HeadOptions:
         """The options of a public call on tensors of ``device``, each checked (``TypeError`` /
         ``ValueError``), the backend resolved."""
+        backend = resolved_backend(backend, device)
+        if batch_invariant and backend != "triton":
+            raise ValueError(
+                "batch_invariant=True needs the Triton backend (backend='triton', on CUDA): the torch "
+                "backend's products are cuBLAS's, whose order of summation depends on the number of rows"
+            )
         return cls(
             temperature=check_temperature(temperature),
-            backend=resolved_backend(backend, device),
+            backend=backend,
             token_chunk=check_token_chunk(token_chunk),
             tp_group_name=group_name(tp_group),
             entropy_grad=bool(entropy_grad),
             reduce_hidden_grad=bool(reduce_hidden_grad),
+            batch_invariant=bool(batch_invariant),
         )
 
     @property

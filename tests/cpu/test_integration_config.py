@@ -13,8 +13,9 @@ SETTINGS = {
     "fused_linear_logprob": True,
     "fused_linear_logprob_backend": "auto",
     "fused_linear_logprob_token_chunk": 256,
+    "fused_linear_logprob_batch_invariant": True,
 }
-EXPECTED = FusedLMConfig(enabled=True, backend="auto", token_chunk=256)
+EXPECTED = FusedLMConfig(enabled=True, backend="auto", token_chunk=256, batch_invariant=True)
 
 
 @dataclass
@@ -22,6 +23,7 @@ class TrainerSection:
     fused_linear_logprob: bool = True
     fused_linear_logprob_backend: str = "auto"
     fused_linear_logprob_token_chunk: Optional[int] = 256
+    fused_linear_logprob_batch_invariant: bool = True
 
 
 @dataclass
@@ -48,12 +50,13 @@ class AttributeConfig:
         AttributeConfig(trainer=AttributeConfig(**SETTINGS)),
         {
             "fused_linear_logprob": True,
+            "fused_linear_logprob_batch_invariant": True,
             "trainer": {"fused_linear_logprob_backend": "auto", "fused_linear_logprob_token_chunk": 256},
         },
     ],
     ids=["dict", "nested dict", "namespace", "nested namespace", "dataclass", "attributes", "split"],
 )
-def test_reads_the_three_keys(trainer_config):
+def test_reads_the_four_keys(trainer_config):
     assert FusedLMConfig.from_trainer_config(trainer_config) == EXPECTED
 
 
@@ -63,7 +66,7 @@ def test_reads_the_three_keys(trainer_config):
 )
 def test_absent_keys_take_the_defaults(trainer_config):
     assert FusedLMConfig.from_trainer_config(trainer_config) == FusedLMConfig()
-    assert FusedLMConfig() == FusedLMConfig(enabled=False, backend="torch", token_chunk=None)
+    assert FusedLMConfig() == FusedLMConfig(enabled=False, backend="torch", token_chunk=None, batch_invariant=False)
 
 
 def test_example_yaml_enables_the_fused_head():
@@ -86,6 +89,8 @@ def test_example_yaml_enables_the_fused_head():
         ({"fused_linear_logprob_token_chunk": 2.5}, TypeError, "fused_linear_logprob_token_chunk"),
         ({"fused_linear_logprob_token_chunk": "256"}, TypeError, "fused_linear_logprob_token_chunk"),
         ({"fused_linear_logprob_token_chunk": True}, TypeError, "fused_linear_logprob_token_chunk"),
+        ({"fused_linear_logprob_batch_invariant": "yes"}, TypeError, "fused_linear_logprob_batch_invariant"),
+        ({"fused_linear_logprob_batch_invariant": True}, ValueError, "fused_linear_logprob_backend 'triton'"),
     ],
 )
 def test_bad_values_raise(settings, error, words):

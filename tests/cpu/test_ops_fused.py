@@ -8,7 +8,8 @@ from torch.utils.checkpoint import checkpoint
 
 from devkit.allocations import LargestAllocation
 from devkit.oracle import LEAD_SHAPES, make_case, reference, relative_error
-from megatron_fused_lm import fused_linear_logprob
+from megatron_fused_lm import fused_linear_cross_entropy, fused_linear_logprob, fused_linear_loss
+from megatron_fused_lm.ops.losses import cross_entropy
 
 HIDDEN = 40  # not a multiple of any tile
 TOLERANCE = {  # (outputs, gradients): fp32 end to end; bf16 inputs with fp32 accumulation
@@ -197,6 +198,22 @@ def test_never_allocates_tokens_by_vocab(dtype):
     too_big = [entry for entry in recorder.sizes if entry[0] >= tokens * vocab]
     assert not too_big, too_big
     assert recorder.largest() >= 32 * vocab  # the recorder saw the chunk blocks
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "auto"])
+def test_batch_invariant_is_refused_where_the_torch_backend_runs(backend):
+    # Its products are cuBLAS's (or the CPU's BLAS): a row's gradient could change with the call's
+    # rows, so the option is an error rather than a promise the backend does not keep.
+    hidden, weight, targets = make_case((9,), HIDDEN, 97, torch.float32, peaky=False)
+    calls = (
+        lambda: fused_linear_logprob(hidden, weight, targets, backend=backend, batch_invariant=True),
+        lambda: fused_linear_loss(hidden, weight, targets, cross_entropy, loss_inputs={"weight": torch.ones(9)},
+                                  backend=backend, batch_invariant=True),
+        lambda: fused_linear_cross_entropy(hidden, weight, targets, torch.ones(9), backend=backend, batch_invariant=True),
+    )  # fmt: skip
+    for call in calls:
+        with pytest.raises(ValueError, match="batch_invariant=True needs the Triton backend"):
+            call()
 
 
 @pytest.mark.parametrize("backend", ["triton", "auto"])

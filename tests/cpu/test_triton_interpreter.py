@@ -147,19 +147,34 @@ def run_case_here(case: dict) -> dict:
     grad_logprob = torch.randn(tokens)
     grad_entropy = torch.randn(tokens) if case["entropy_grad"] else None
     # The backend alone, as the ops call it.
+    options = dict(
+        token_chunk=case.get("token_chunk"), batch_invariant=case.get("batch_invariant", False), tuning=tuning
+    )
     if case.get("three_gemm"):
-        backend = TritonLoss(token_chunk=case.get("token_chunk"), entropy_grad=case["entropy_grad"], tuning=tuning)
-        logprob, entropy, grads = three_gemm_pass(
-            backend, hidden, weight, targets, case["temperature"], grad_logprob, grad_entropy, case.get("shards", 1)
-        )
+        backend = TritonLoss(entropy_grad=case["entropy_grad"], **options)
+
+        def run(rows):
+            return three_gemm_pass(
+                backend, hidden[rows], weight, targets[rows], case["temperature"], grad_logprob[rows],
+                None if grad_entropy is None else grad_entropy[rows], case.get("shards", 1),
+            )  # fmt: skip
     else:  # one rank: every target in this shard
-        backend = TritonRecompute(token_chunk=case.get("token_chunk"), tuning=tuning)
-        problem = ShardProblem(hidden, weight, targets, case["temperature"])
-        summary = summarize(backend.local_statistics(problem))
-        upstream = UpstreamGrads(grad_logprob, grad_entropy)
-        saved = SavedStatistics(summary.lse, summary.mean_logit)
-        grads = backend.local_gradients(problem, saved, upstream, NeededGrads(hidden=True, weight=True))
-        logprob, entropy = summary.logprob, summary.entropy
+        backend = TritonRecompute(**options)
+
+        def run(rows):
+            problem = ShardProblem(hidden[rows], weight, targets[rows], case["temperature"])
+            summary = summarize(backend.local_statistics(problem))
+            upstream = UpstreamGrads(grad_logprob[rows], None if grad_entropy is None else grad_entropy[rows])
+            saved = SavedStatistics(summary.lse, summary.mean_logit)
+            grads = backend.local_gradients(problem, saved, upstream, NeededGrads(hidden=True, weight=True))
+            return summary.logprob, summary.entropy, grads
+
+    logprob, entropy, grads = run(slice(0, tokens))
+    # The first rows in a call of their own: bitwise the same log-prob, entropy and hidden rows?
+    alone = run(slice(0, min(tokens, 5)))
+    rows_alone_equal = all(
+        torch.equal(part, whole[: part.shape[0]]) for part, whole in zip(alone[:2], (logprob, entropy), strict=True)
+    ) and torch.equal(alone[2].hidden, grads.hidden[: alone[2].hidden.shape[0]])
     expected = reference(hidden, weight, targets, case["temperature"], grad_logprob, grad_entropy)
     sampled = weight[:: -(-weight.shape[0] // case["reference_rows"])] if case.get("reference_rows") else weight
     logits = hidden.double() @ weight.double().t() / case["temperature"]
@@ -172,6 +187,7 @@ def run_case_here(case: dict) -> dict:
         "grad_weight": relative_error(grads.weight, expected.grad_weight),
         "grad_weight_zero": not grads.weight.any().item(),
         "grad_dtypes": [str(grads.hidden.dtype), str(grads.weight.dtype)],
+        "rows_alone_equal": rows_alone_equal,
     }
 
 
@@ -345,6 +361,21 @@ def test_three_gemm_two_shards(dtype, entropy_grad):
         entropy_grad=entropy_grad,
     )  # fmt: skip
     check(result, dtype)
+
+
+@pytest.mark.parametrize("three_gemm", [False, True], ids=["recompute", "three_gemm"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_batch_invariant(dtype, three_gemm):
+    # The hidden product by rows_product, the vocabulary chunks sized for a whole token chunk (the
+    # dz block's budget holds 16 rows x 256 columns, so a 5-row call sized by its own rows would
+    # take 768-column chunks): against float64, and the first rows alone bitwise as in the whole call.
+    budget = 16 * 256 * (4 if dtype == "float32" else 2)
+    result = run_case(
+        dtype=dtype, shape=[40, 48, 1100], token_chunk=16, dz_block_bytes=budget, seed=9, three_gemm=three_gemm,
+        batch_invariant=True,
+    )  # fmt: skip
+    check(result, dtype)
+    assert result["rows_alone_equal"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

@@ -12,21 +12,25 @@ from .torch_loss import TorchLoss
 from .torch_recompute import TorchRecompute
 
 
-def recompute_backend(backend: str, token_chunk: Optional[int]) -> RecomputeBackend:
-    """The four-GEMM path's implementation of the resolved ``backend`` (``"torch"`` or ``"triton"``)."""
+def recompute_backend(backend: str, token_chunk: Optional[int], batch_invariant: bool = False) -> RecomputeBackend:
+    """The four-GEMM path's implementation of the resolved ``backend`` (``"torch"`` or ``"triton"``;
+    ``batch_invariant`` only with ``"triton"``: ``options.HeadOptions.checked`` refuses the rest)."""
     if backend == "triton":
         from .triton_recompute import TritonRecompute
 
-        return TritonRecompute(token_chunk=token_chunk)
+        return TritonRecompute(token_chunk=token_chunk, batch_invariant=batch_invariant)
     return TorchRecompute(token_chunk=token_chunk)
 
 
-def loss_backend(backend: str, token_chunk: Optional[int] = None, entropy_grad: bool = True) -> LossBackend:
+def loss_backend(
+    backend: str, token_chunk: Optional[int] = None, entropy_grad: bool = True, batch_invariant: bool = False
+) -> LossBackend:
     """The three-GEMM path's implementation of the resolved ``backend``, for a loss with
     (``entropy_grad``) or without an entropy term. Only its allocation reads ``token_chunk`` and
-    ``entropy_grad``: the later phases follow the block it allocated."""
+    ``entropy_grad``: the later phases follow the block it allocated; only its products read
+    ``batch_invariant`` (``"triton"`` only, as for ``recompute_backend``)."""
     if backend == "triton":
         from .triton_loss import TritonLoss
 
-        return TritonLoss(token_chunk, entropy_grad)
+        return TritonLoss(token_chunk, entropy_grad, batch_invariant=batch_invariant)
     return TorchLoss(token_chunk, entropy_grad)

@@ -25,6 +25,7 @@ from ..contract import LossState, NeededGrads, SavedStatistics, ShardProblem, Up
 from ..kernels.chosen_token_kernel import add_chosen_rows, finish_hidden_grad
 from ..kernels.descriptors import addressable, addressable_empty
 from ..kernels.merge_kernel import merge_parts
+from ..kernels.rows_product_kernel import rows_product
 from ..kernels.scale_kernel import scale_into
 from ..kernels.softmax_stats_kernel import refresh_exponentials, split_statistics, stores_offsets
 from ..kernels.stored_grad_kernel import stored_logit_grads
@@ -56,12 +57,14 @@ def reads_block_directly(state: LossState, weight: torch.Tensor, upstream: Upstr
 @dataclass(frozen=True)
 class TritonLoss(held_gradients.HeldSteps):
     """``token_chunk``: rows per chunk (``triton_tuning.loss_token_chunk``); ``entropy_grad``:
-    whether the loss has an entropy term (``triton_reference.stored_dtype``); ``tuning``: fixed
-    choices. The chosen tokens' term and the scaled copies run the kernels of
-    ``kernels.chosen_token_kernel`` and ``kernels.scale_kernel``."""
+    whether the loss has an entropy term (``triton_reference.stored_dtype``); ``batch_invariant``:
+    the hidden product by ``rows_product`` instead of cuBLAS; ``tuning``: fixed choices. The chosen
+    tokens' term and the scaled copies run the kernels of ``kernels.chosen_token_kernel`` and
+    ``kernels.scale_kernel``."""
 
     token_chunk: Optional[int] = None
     entropy_grad: bool = True
+    batch_invariant: bool = False
     tuning: TritonTuning = field(default_factory=TritonTuning)
 
     def allocate(self, problem: ShardProblem, needed: NeededGrads) -> LossState:
@@ -161,7 +164,9 @@ class TritonLoss(held_gradients.HeldSteps):
         and ``operand.T @ (f * h)`` into the weight gradient (added to it with ``accumulate``), in
         float32."""
         weight = problem.weight
-        if state.held_hidden.dim() == 2:
+        if state.held_hidden.dim() == 2 and self.batch_invariant:
+            rows_product(state.held_hidden[rows], operand, weight, False, self.tuning.backward_tiles_for(weight.dtype))
+        elif state.held_hidden.dim() == 2:
             add_product(state.held_hidden[rows], operand, weight, accumulate=False)
         if state.held_weight:
             hidden = problem.hidden[rows]

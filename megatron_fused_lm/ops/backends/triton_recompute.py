@@ -20,6 +20,7 @@ from ..contract import Gradients, NeededGrads, SavedStatistics, ShardProblem, Up
 from ..kernels.descriptors import addressable
 from ..kernels.logit_grad_kernel import logit_grad_block
 from ..kernels.merge_kernel import merge_parts
+from ..kernels.rows_product_kernel import rows_product
 from ..kernels.softmax_stats_kernel import split_statistics
 from ..products import add_product
 from ..softmax import NUM_STATISTICS
@@ -28,9 +29,12 @@ from .triton_tuning import TOKEN_CHUNK, VOCAB_CHUNK_MULTIPLE, TritonTuning
 
 @dataclass(frozen=True)
 class TritonRecompute:
-    """``token_chunk``: backward rows per token chunk (``TOKEN_CHUNK``); ``tuning``: fixed choices."""
+    """``token_chunk``: backward rows per token chunk (``TOKEN_CHUNK``); ``batch_invariant``: the
+    hidden product by ``rows_product`` over vocabulary chunks sized as for a whole token chunk,
+    whatever the call's rows; ``tuning``: fixed choices."""
 
     token_chunk: Optional[int] = None
+    batch_invariant: bool = False
     tuning: TritonTuning = field(default_factory=TritonTuning)
 
     def local_statistics(self, problem: ShardProblem) -> torch.Tensor:
@@ -58,13 +62,17 @@ class TritonRecompute:
             return Gradients(grad_hidden, None if grad_weight is None else grad_weight.zero_())
 
         token_chunk = min(self.token_chunk or TOKEN_CHUNK, num_tokens)
-        accumulator_bytes = token_chunk * hidden_size * 4 if needed.hidden else 0
-        gradient_bytes = sum(
-            grad.numel() * grad.element_size() for grad in (grad_hidden, grad_weight) if grad is not None
+        # The vocabulary chunks set each hidden row's order of summation: batch invariant, they are
+        # sized as for a whole token chunk of rows, whatever this call has.
+        sized_rows = (self.token_chunk or TOKEN_CHUNK) if self.batch_invariant else token_chunk
+        accumulator_bytes = sized_rows * hidden_size * 4 if needed.hidden else 0
+        hidden_rows = sized_rows if self.batch_invariant else num_tokens
+        gradient_bytes = (hidden_rows * hidden_size * hidden.element_size() if needed.hidden else 0) + (
+            weight.numel() * weight.element_size() if needed.weight else 0
         )
         dz_bytes = self.tuning.dz_block_bytes_for(gradient_bytes, accumulator_bytes)
         multiple = VOCAB_CHUNK_MULTIPLE
-        vocab_chunk = dz_bytes // weight.element_size() // token_chunk
+        vocab_chunk = dz_bytes // weight.element_size() // sized_rows
         vocab_chunk = min(vocab, max(multiple, vocab_chunk // multiple * multiple))
         # Row stride a multiple of VOCAB_CHUNK_MULTIPLE: the kernel stores through a tensor descriptor.
         logit_grads = weight.new_empty(token_chunk, -(-vocab_chunk // multiple) * multiple)
@@ -92,7 +100,9 @@ class TritonRecompute:
                     tiles,
                     programs,
                 )
-                if hidden_acc is not None:
+                if hidden_acc is not None and self.batch_invariant:
+                    rows_product(hidden_acc[:rows], block, weight[columns], columns.start > 0, tiles)
+                elif hidden_acc is not None:
                     add_product(hidden_acc[:rows], block, weight[columns], accumulate=columns.start > 0)
                 if grad_weight is not None:
                     add_product(grad_weight[columns], block.t(), hidden[tokens], accumulate=tokens.start > 0)

@@ -180,7 +180,7 @@ def opcheck_cases():
     from megatron_fused_lm.ops.softmax import summarize
 
     hidden, weight, targets, upstream, _ = inputs()
-    recompute = dict(temperature=1.0, backend="torch", token_chunk=7, tp_group_name=None)
+    recompute = dict(temperature=1.0, backend="torch", token_chunk=7, tp_group_name=None, batch_invariant=False)
     logits = (hidden @ weight.t()).detach()
     lse, mean_logit = torch.randn(ROWS), torch.randn(ROWS)
     ops = torch.ops.megatron_fused_lm
@@ -188,7 +188,7 @@ def opcheck_cases():
     problem = ShardProblem(hidden, weight, targets, 1.0)
     state = TorchLoss(token_chunk=7).allocate(problem, NeededGrads(True, True))
     summary = list(summarize(TorchLoss(token_chunk=7).chunk_statistics(problem, state, slice(0, 7))))
-    chunk = dict(start=0, stop=7, temperature=1.0, backend="torch")
+    chunk = dict(start=0, stop=7, temperature=1.0, backend="torch", batch_invariant=False)
     phases = (hidden, weight, targets, state.block, state.reference)
     held_weight = [torch.randn(VOCAB // 2, HIDDEN), torch.randn(VOCAB - VOCAB // 2, HIDDEN)]
     held = [torch.randn(ROWS, HIDDEN), *held_weight]

@@ -222,7 +222,8 @@ def call_labels_loss(
 ) -> torch.Tensor:
     """The labels path's per-token cross-entropy for one projection ``call``: ``-logprob`` (four
     GEMMs), or ``fused_linear_cross_entropy`` for the ``declared`` weights (three; with a
-    ``main_grad_scale``, into ``main_grad``). A label outside the vocabulary (``-100`` padding)
+    ``main_grad_scale``, into ``main_grad``) unless the config asks for batch invariance, which
+    that op's one scale fitted over all rows cannot keep. A label outside the vocabulary (``-100`` padding)
     scores as the stock loss scores it (``megatron_compat.labels_ignore_index``): the row's largest
     logit, or under TransformerEngine's fused cross-entropy 0 with no gradient for its
     ``ignore_idx`` and an error for any other id."""
@@ -232,7 +233,7 @@ def call_labels_loss(
         targets = torch.where(kept, targets, 0)  # any id: its loss is multiplied by 0 below
         declared = None if declared is None else declared * kept
     arguments = dict(_op_arguments(call, config), out_of_vocab=out_of_vocab)
-    if declared is None:
+    if declared is None or config.batch_invariant:
         losses = -fused_linear_logprob(hidden, call.weight, targets, **arguments)
     else:
         weight, accumulation = main_grad_route(call.weight, main_grad_scale, call.owner)

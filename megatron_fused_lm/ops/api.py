@@ -286,7 +286,6 @@ def fused_linear_cross_entropy(
     weight_grad_into: Optional[Tensor] = None,
     weight_grad_scale: float = 1.0,
     out_of_vocab: str = "error",
-    batch_invariant: bool = False,
 ) -> Tensor:
     """Per-token cross-entropy ``-logprob [...]`` (float32), its gradients computed in the forward
     (three GEMMs) for an upstream gradient declared up to a scalar: ``c * declared_weights``.
@@ -305,12 +304,13 @@ def fused_linear_cross_entropy(
             declared as ``weight_grad_scale * declared_weights``.
         out_of_vocab: as for ``fused_linear_logprob`` (``"max_logit"``: the stock labels path's
             loss, ``lse - max``, for a target id outside the vocabulary).
-        the rest: as for ``fused_linear_loss``.
+        the rest: as for ``fused_linear_loss``. There is no ``batch_invariant``: the backward fits
+            one scale over all rows, so a row's gradient depends on the others; the four-GEMM
+            ``fused_linear_logprob(..., batch_invariant=True)`` gives the same loss's gradients.
     """
     options, selection, rows = _fused_rows(
         hidden, weight, targets, None, None, tp_group, out_of_vocab, temperature=temperature,
         token_chunk=token_chunk, backend=backend, entropy_grad=False, reduce_hidden_grad=reduce_hidden_grad,
-        batch_invariant=batch_invariant,
     )  # fmt: skip
     declared = check_per_token("declared_weights", declared_weights, hidden.shape[:-1], hidden.device)
     if not declared.dtype.is_floating_point and declared.dtype != torch.bool:

@@ -246,9 +246,12 @@ def _(stats, **options) -> Tensor:
     return torch.empty_like(stats)
 
 
-def _allocate(hidden, weight, need_hidden, need_weight, backend, token_chunk, entropy_grad) -> List[Tensor]:
+def _allocate(
+    hidden, weight, need_hidden, need_weight, backend, token_chunk, entropy_grad, batch_invariant
+) -> List[Tensor]:
     problem = ShardProblem(hidden, weight, hidden.new_empty(0, dtype=torch.long), 1.0)
-    state = loss_backend(backend, token_chunk, entropy_grad).allocate(problem, NeededGrads(need_hidden, need_weight))
+    needed = NeededGrads(need_hidden, need_weight)
+    state = loss_backend(backend, token_chunk, entropy_grad, batch_invariant).allocate(problem, needed)
     return [state.block, state.reference, state.held_hidden, *state.held_weight]
 
 
@@ -262,9 +265,10 @@ def loss_allocate(
     backend: str,
     token_chunk: Optional[int],
     entropy_grad: bool,
+    batch_invariant: bool,
 ) -> List[Tensor]:
     """The backend's ``allocate``: ``[block, reference, held_hidden, *held_weight]``."""
-    return _allocate(hidden, weight, need_hidden, need_weight, backend, token_chunk, entropy_grad)
+    return _allocate(hidden, weight, need_hidden, need_weight, backend, token_chunk, entropy_grad, batch_invariant)
 
 
 @loss_allocate.register_fake
@@ -345,6 +349,7 @@ class OperatorLossBackend:
         block, reference, held_hidden, *held_weight = loss_allocate(
             problem.hidden, problem.weight, need_hidden=needed.hidden, need_weight=needed.weight,
             backend=options.backend, token_chunk=options.token_chunk, entropy_grad=options.entropy_grad,
+            batch_invariant=options.batch_invariant,
         )  # fmt: skip
         return LossState(block, reference, held_hidden, held_weight)
 

@@ -113,6 +113,11 @@ class HeadOptions:
                 "batch_invariant=True needs the Triton backend (backend='triton', on CUDA): the torch "
                 "backend's products are cuBLAS's, whose order of summation depends on the number of rows"
             )
+        if batch_invariant and tp_group is not None and dist.get_world_size(tp_group) > 2:
+            raise ValueError(
+                "batch_invariant=True holds for tensor-parallel groups of up to two ranks: a larger group "
+                "sums its ranks' terms in an order that depends on the message's size"
+            )
         return cls(
             temperature=check_temperature(temperature),
             backend=backend,

@@ -8,7 +8,7 @@ from torch.utils.checkpoint import checkpoint
 
 from devkit.allocations import LargestAllocation
 from devkit.oracle import LEAD_SHAPES, make_case, reference, relative_error
-from megatron_fused_lm import fused_linear_cross_entropy, fused_linear_logprob, fused_linear_loss
+from megatron_fused_lm import fused_linear_logprob, fused_linear_loss
 from megatron_fused_lm.ops.losses import cross_entropy
 
 HIDDEN = 40  # not a multiple of any tile
@@ -209,7 +209,6 @@ def test_batch_invariant_is_refused_where_the_torch_backend_runs(backend):
         lambda: fused_linear_logprob(hidden, weight, targets, backend=backend, batch_invariant=True),
         lambda: fused_linear_loss(hidden, weight, targets, cross_entropy, loss_inputs={"weight": torch.ones(9)},
                                   backend=backend, batch_invariant=True),
-        lambda: fused_linear_cross_entropy(hidden, weight, targets, torch.ones(9), backend=backend, batch_invariant=True),
     )  # fmt: skip
     for call in calls:
         with pytest.raises(ValueError, match="batch_invariant=True needs the Triton backend"):

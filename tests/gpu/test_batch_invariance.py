@@ -78,7 +78,7 @@ def test_a_rows_forward_does_not_depend_on_the_other_rows(path):
 
 
 def recompute_grad(hidden, weight, targets, batch_invariant):
-    hidden = hidden.requires_grad_()
+    hidden, weight = hidden.requires_grad_(), weight.detach().requires_grad_()
     logprob, entropy = fused_linear_logprob(
         hidden, weight, targets, return_entropy=True, backend="triton", batch_invariant=batch_invariant
     )
@@ -88,7 +88,7 @@ def recompute_grad(hidden, weight, targets, batch_invariant):
 
 def three_gemm_grad(entropy_coef):
     def run(hidden, weight, targets, batch_invariant):
-        hidden = hidden.requires_grad_()
+        hidden, weight = hidden.requires_grad_(), weight.detach().requires_grad_()
         fused_linear_loss(
             hidden, weight, targets, lambda logprob, entropy: entropy_coef * entropy - logprob, backend="triton",
             batch_invariant=batch_invariant,
@@ -105,14 +105,24 @@ GRADIENT_PATHS = {
 }
 
 
+def argmax_targets(hidden, weight):
+    """Each row's largest logit: a confident model's label, which the three-GEMM path's references
+    would otherwise lean on."""
+    return torch.cat([(rows @ weight.t()).argmax(-1) for rows in hidden.split(1024)])
+
+
+@pytest.mark.parametrize("labels", ["random", "argmax"])
 @pytest.mark.parametrize("path", GRADIENT_PATHS)
-def test_with_batch_invariant_a_rows_hidden_gradient_does_not_depend_on_the_other_rows(path):
+def test_with_batch_invariant_a_rows_hidden_gradient_does_not_depend_on_the_other_rows(path, labels):
+    # The weight gradient is asked for too, as in training.
     hidden, weight, targets = inputs()
+    if labels == "argmax":
+        targets = argmax_targets(hidden, weight)
     call = GRADIENT_PATHS[path]
     whole = call(hidden.clone(), weight, targets, True)
     others = torch.arange(TOKENS, device="cuda").flip(0)
-    for probe in (0, TOKENS - 1):
-        for size in (1, 64, 4097):
+    for probe in (0, 4097, TOKENS - 1):
+        for size in (1, 8, 64, 4097):
             for position in sorted({0, size - 1}):
                 fill = others[others != probe][: size - 1]
                 order = torch.cat([fill[:position], torch.tensor([probe], device="cuda"), fill[position:]])

@@ -27,8 +27,8 @@ def loss_backend(
 ) -> LossBackend:
     """The three-GEMM path's implementation of the resolved ``backend``, for a loss with
     (``entropy_grad``) or without an entropy term. Only its allocation reads ``token_chunk`` and
-    ``entropy_grad``: the later phases follow the block it allocated; only its products read
-    ``batch_invariant`` (``"triton"`` only, as for ``recompute_backend``)."""
+    ``entropy_grad``: the later phases follow the block it allocated; ``batch_invariant``
+    (``"triton"`` only, as for ``recompute_backend``) sets the block's form and the products."""
     if backend == "triton":
         from .triton_loss import TritonLoss
 

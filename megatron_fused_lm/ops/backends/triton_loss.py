@@ -70,7 +70,14 @@ class TritonLoss(held_gradients.HeldSteps):
     def allocate(self, problem: ShardProblem, needed: NeededGrads) -> LossState:
         hidden, weight = problem.hidden, problem.weight
         num_tokens, vocab = hidden.shape[0], weight.shape[0]
-        block_dtype = stored_dtype(weight.dtype, self.entropy_grad)
+        if self.batch_invariant and weight.dtype == torch.float32:
+            raise ValueError(
+                "batch_invariant=True on the three-GEMM path needs 16-bit weights: a float32 block is stored "
+                "against row references from products whose order depends on the rows"
+            )
+        # Batch invariant, the block holds offsets from the kernel's own tile maxima, never exponentials
+        # against row references (those come from products and reductions over the chunk's rows).
+        block_dtype = stored_dtype(weight.dtype, self.entropy_grad or self.batch_invariant)
         tiles = self.tuning.forward_tiles_for(weight.dtype, block_dtype, weight.device)
         token_chunk = self.token_chunk or loss_token_chunk(num_tokens, vocab, block_dtype.itemsize, tiles)
         token_chunk = min(token_chunk, max(num_tokens, 1))

@@ -4,9 +4,9 @@
   weight tiles; ``merge_parts`` merges the splits (in an order set by their number alone).
 - Backward, blocked over token chunks and vocabulary chunks so the working set stays bounded
   (``triton_tuning``): per block, ``logit_grad_block`` recomputes the logits and writes ``dz / T``
-  in the weight's dtype, then cuBLAS adds ``dz @ w`` into a float32 ``[token chunk, H]``
-  accumulator for ``grad_hidden`` and ``dz.T @ h`` into ``grad_weight`` (rounded to the weight's
-  dtype once per token chunk).
+  in the weight's dtype, then cuBLAS (``rows_product`` with ``batch_invariant``) adds ``dz @ w``
+  into a float32 ``[token chunk, H]`` accumulator for ``grad_hidden``, and cuBLAS ``dz.T @ h`` into
+  ``grad_weight`` (rounded to the weight's dtype once per token chunk).
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ from .triton_tuning import TOKEN_CHUNK, VOCAB_CHUNK_MULTIPLE, TritonTuning
 @dataclass(frozen=True)
 class TritonRecompute:
     """``token_chunk``: backward rows per token chunk (``TOKEN_CHUNK``); ``batch_invariant``: the
-    hidden product by ``rows_product`` over vocabulary chunks sized as for a whole token chunk,
-    whatever the call's rows; ``tuning``: fixed choices."""
+    hidden product by ``rows_product`` instead of cuBLAS; ``tuning``: fixed choices."""
 
     token_chunk: Optional[int] = None
     batch_invariant: bool = False
@@ -62,17 +61,13 @@ class TritonRecompute:
             return Gradients(grad_hidden, None if grad_weight is None else grad_weight.zero_())
 
         token_chunk = min(self.token_chunk or TOKEN_CHUNK, num_tokens)
-        # The vocabulary chunks set each hidden row's order of summation: batch invariant, they are
-        # sized as for a whole token chunk of rows, whatever this call has.
-        sized_rows = (self.token_chunk or TOKEN_CHUNK) if self.batch_invariant else token_chunk
-        accumulator_bytes = sized_rows * hidden_size * 4 if needed.hidden else 0
-        hidden_rows = sized_rows if self.batch_invariant else num_tokens
-        gradient_bytes = (hidden_rows * hidden_size * hidden.element_size() if needed.hidden else 0) + (
-            weight.numel() * weight.element_size() if needed.weight else 0
+        accumulator_bytes = token_chunk * hidden_size * 4 if needed.hidden else 0
+        gradient_bytes = sum(
+            grad.numel() * grad.element_size() for grad in (grad_hidden, grad_weight) if grad is not None
         )
         dz_bytes = self.tuning.dz_block_bytes_for(gradient_bytes, accumulator_bytes)
         multiple = VOCAB_CHUNK_MULTIPLE
-        vocab_chunk = dz_bytes // weight.element_size() // sized_rows
+        vocab_chunk = dz_bytes // weight.element_size() // token_chunk
         vocab_chunk = min(vocab, max(multiple, vocab_chunk // multiple * multiple))
         # Row stride a multiple of VOCAB_CHUNK_MULTIPLE: the kernel stores through a tensor descriptor.
         logit_grads = weight.new_empty(token_chunk, -(-vocab_chunk // multiple) * multiple)
@@ -101,7 +96,9 @@ class TritonRecompute:
                     programs,
                 )
                 if hidden_acc is not None and self.batch_invariant:
-                    rows_product(hidden_acc[:rows], block, weight[columns], columns.start > 0, tiles)
+                    # Each vocabulary chunk continues the row's float32 sum where the last left it
+                    # (chunks start at multiples of the tiles' hidden step): one order whatever the chunks.
+                    rows_product(hidden_acc[:rows], block, weight_operand[columns], columns.start > 0, tiles)
                 elif hidden_acc is not None:
                     add_product(hidden_acc[:rows], block, weight[columns], accumulate=columns.start > 0)
                 if grad_weight is not None:

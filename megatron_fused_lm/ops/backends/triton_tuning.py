@@ -71,7 +71,8 @@ class TritonTuning:
 
     Attributes:
         forward_tiles: the forward kernel's launch shape (also the loss-in-forward pass's).
-        backward_tiles: the recompute backward kernel's launch shape.
+        backward_tiles: the recompute backward kernel's launch shape, and ``rows_product``'s on both
+            paths (``batch_invariant``).
         tiles_per_split: the forward kernel's column tiles per vocabulary split.
         programs: programs of the persistent backward grid, and the wave size of the split rule
             (the multiprocessor count).

@@ -111,8 +111,9 @@ def fused_linear_logprob(
             bitwise the same whatever other rows share the call, as its log-prob and entropy always
             are on the Triton backend: the hidden product runs a kernel whose order of summation
             the number of rows does not change, instead of cuBLAS (``docs/DESIGN.md``, "Batch
-            invariance"; cost in ``docs/BENCHMARKS.md``). Under tensor parallelism this holds for
-            groups of up to two ranks.
+            invariance"; cost in ``docs/BENCHMARKS.md``). ``ValueError`` on the torch backend and
+            for tensor-parallel groups of more than two ranks (their sums' order follows the
+            message size); ``fused_linear_loss`` also refuses float32 weights.
 
     Returns:
         ``logprob [...]`` float32, or ``(logprob, entropy)`` with ``return_entropy=True``.

@@ -130,7 +130,7 @@ def _op_arguments(call: HeadCall, config: FusedLMConfig) -> Dict[str, Any]:
     # What every fused op takes from the projection call and the config.
     return dict(
         tp_group=call.tp_group, backend=config.backend, token_chunk=config.token_chunk,
-        reduce_hidden_grad=call.reduce_hidden_grad, batch_invariant=config.batch_invariant,
+        reduce_hidden_grad=call.reduce_hidden_grad,
     )  # fmt: skip
 
 
@@ -142,7 +142,10 @@ def answer(call: HeadCall, config: FusedLMConfig, hidden: torch.Tensor, request:
             hidden, call.weight, request.k, tp_group=call.tp_group, temperature=request.temperature,
             backend=config.backend, token_chunk=config.token_chunk,
         )  # fmt: skip
-    arguments = dict(_op_arguments(call, config), temperature=request.temperature, mask=request.mask)
+    arguments = dict(
+        _op_arguments(call, config), temperature=request.temperature, mask=request.mask,
+        batch_invariant=config.batch_invariant,
+    )  # fmt: skip
     if isinstance(request, LogprobRequest):
         return fused_linear_logprob(
             hidden, call.weight, request.targets, return_entropy=request.return_entropy,
@@ -234,7 +237,9 @@ def call_labels_loss(
         declared = None if declared is None else declared * kept
     arguments = dict(_op_arguments(call, config), out_of_vocab=out_of_vocab)
     if declared is None or config.batch_invariant:
-        losses = -fused_linear_logprob(hidden, call.weight, targets, **arguments)
+        losses = -fused_linear_logprob(
+            hidden, call.weight, targets, batch_invariant=config.batch_invariant, **arguments
+        )
     else:
         weight, accumulation = main_grad_route(call.weight, main_grad_scale, call.owner)
         losses = fused_linear_cross_entropy(hidden, weight, targets, declared, **accumulation, **arguments)

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from .._logging import warn_once
-from ..ops.options import check_backend, check_token_chunk
+from ..ops.options import check_backend, check_batch_invariant, check_token_chunk
 
 # Trainer key -> FusedLMConfig field.
 TRAINER_KEYS = {
@@ -57,12 +57,10 @@ class FusedLMConfig:
                 object.__setattr__(self, field_name, check(getattr(self, field_name)))
             except (TypeError, ValueError) as error:
                 raise type(error)(f"{key}: {error}") from None
-        if not isinstance(self.batch_invariant, bool):
-            raise TypeError(f"fused_linear_logprob_batch_invariant must be true or false, got {self.batch_invariant!r}")
-        if self.batch_invariant and self.backend == "torch":
-            raise ValueError(
-                "fused_linear_logprob_batch_invariant needs fused_linear_logprob_backend 'triton' or 'auto'"
-            )
+        try:  # the ops' own check, on the backend as named (the ops see it resolved)
+            check_batch_invariant(self.batch_invariant, self.backend)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"fused_linear_logprob_batch_invariant: {error}") from None
 
     @classmethod
     def from_trainer_config(cls, trainer_config: Any, section: Optional[str] = None) -> "FusedLMConfig":

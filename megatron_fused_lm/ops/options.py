@@ -42,6 +42,19 @@ def check_token_chunk(token_chunk: Optional[int]) -> Optional[int]:
     return None if token_chunk is None else int(token_chunk)
 
 
+def check_batch_invariant(batch_invariant: bool, backend: str) -> bool:
+    """``batch_invariant``; ``TypeError`` unless a bool, ``ValueError`` if true with the torch
+    ``backend`` (named or resolved), whose products are cuBLAS's."""
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be True or False, got {batch_invariant!r}")
+    if batch_invariant and backend == "torch":
+        raise ValueError(
+            "batch_invariant=True needs the Triton backend (backend='triton' or 'auto', on CUDA): the torch "
+            "backend's products are cuBLAS's, whose order of summation depends on the number of rows"
+        )
+    return batch_invariant
+
+
 def check_temperature(temperature: float) -> float:
     """``temperature`` as a float; ``ValueError`` unless it is positive and finite."""
     temperature = checked_number("temperature", temperature)
@@ -108,11 +121,7 @@ class HeadOptions:
         """The options of a public call on tensors of ``device``, each checked (``TypeError`` /
         ``ValueError``), the backend resolved."""
         backend = resolved_backend(backend, device)
-        if batch_invariant and backend != "triton":
-            raise ValueError(
-                "batch_invariant=True needs the Triton backend (backend='triton', on CUDA): the torch "
-                "backend's products are cuBLAS's, whose order of summation depends on the number of rows"
-            )
+        batch_invariant = check_batch_invariant(batch_invariant, backend)
         if batch_invariant and tp_group is not None and dist.get_world_size(tp_group) > 2:
             raise ValueError(
                 "batch_invariant=True holds for tensor-parallel groups of up to two ranks: a larger group "
@@ -125,7 +134,7 @@ class HeadOptions:
             tp_group_name=group_name(tp_group),
             entropy_grad=bool(entropy_grad),
             reduce_hidden_grad=bool(reduce_hidden_grad),
-            batch_invariant=bool(batch_invariant),
+            batch_invariant=batch_invariant,
         )
 
     @property

@@ -53,7 +53,7 @@ def make_problem(tokens, hidden_size, vocab):
     weight = (torch.randn(vocab, hidden_size, device="cuda", generator=gen) * (4.0 / hidden_size**0.5)).bfloat16()
     targets = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
     upstream = torch.randn(tokens, device="cuda", generator=gen), torch.randn(tokens, device="cuda", generator=gen)
-    return ShardProblem(hidden, weight, targets, 1.0), upstream
+    return ShardProblem(hidden, weight, targets, torch.ones(tokens, device="cuda")), upstream
 
 
 def three_gemms(problem):
@@ -88,8 +88,8 @@ def chunk_phases(problem, upstream, token_chunk, entropy_grad):
     pass's own method on the chunk: without an entropy term the direct operand, with one the
     ``dz`` operand, written over the block. Only times are read: the repeated calls reuse a block
     that earlier calls overwrote."""
-    chunk = ShardProblem(problem.hidden[:token_chunk], problem.weight, problem.target_column[:token_chunk], 1.0)
     rows = slice(0, token_chunk)
+    chunk = ShardProblem(problem.hidden[rows], problem.weight, problem.target_column[rows], problem.temperature[rows])
     backend = TritonLoss(token_chunk=token_chunk, entropy_grad=entropy_grad)
     state = backend.allocate(chunk, NeededGrads(True, True))
     summary = summarize(backend.chunk_statistics(chunk, state, rows))

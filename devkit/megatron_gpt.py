@@ -497,16 +497,18 @@ def gather_vocabulary(shard: torch.Tensor) -> torch.Tensor:
     return gather_from_tensor_model_parallel_region(shard.contiguous(), group=group)
 
 
-def oracle_logprob_entropy(logits_shard: torch.Tensor, targets: torch.Tensor, temperature: float):
+def oracle_logprob_entropy(logits_shard: torch.Tensor, targets: torch.Tensor, temperature):
     """Float64 log-probs and entropy ``[b, s]`` of ``targets [b, s]`` from a logits shard
     ``[b, s, vocab/TP]``, gathered across the TP group first (``gather_vocabulary``)."""
     return logprob_entropy(gather_vocabulary(logits_shard), targets, temperature)
 
 
-def assert_topk_matches(logprobs, ids, logits_shard, k: int, temperature: float, atol: float, label: str) -> None:
+def assert_topk_matches(logprobs, ids, logits_shard, k: int, temperature, atol: float, label: str) -> None:
     """``(logprobs, ids) [b, s, k]`` are the top ``k`` of the float64 log-probs of the stock logits
     shard ``[b, s, vocab/TP]`` (gathered): distinct ids scoring what the oracle gives them, in
     descending order, none missing that the oracle ranks clearly above the last."""
+    if isinstance(temperature, torch.Tensor):  # one per position
+        temperature = temperature.double().unsqueeze(-1)
     oracle = torch.log_softmax(gather_vocabulary(logits_shard).detach().double() / temperature, dim=-1)
     assert logprobs.shape == ids.shape == (*oracle.shape[:-1], k), f"{label}: {tuple(logprobs.shape)}"
     assert logprobs.dtype == torch.float32 and ids.dtype == torch.int64 and not logprobs.requires_grad, label

@@ -23,8 +23,11 @@ class Reference(NamedTuple):
         return self.grad_hidden
 
 
-def logprob_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
-    """Float64 ``(logprob [...], entropy [...])`` of ``targets`` under ``softmax(logits / T)``."""
+def logprob_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature=1.0):
+    """Float64 ``(logprob [...], entropy [...])`` of ``targets`` under ``softmax(logits / T)``;
+    ``temperature`` a number or a tensor of ``targets``' shape (one per row)."""
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.double().unsqueeze(-1)
     log_probs = torch.log_softmax(logits.double() / temperature, dim=-1)
     logprob = log_probs.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
     entropy = -(log_probs.exp() * log_probs).sum(-1)

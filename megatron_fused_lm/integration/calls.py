@@ -87,11 +87,11 @@ def project_input(
 class LogprobRequest:
     """Log-probs (and entropy): the arguments of ``FusedLMHead.logprobs``, also the
     ``output_processor_context`` asking for them. ``targets`` ``[b, s]`` integer global ids; ``None``
-    takes the forward's ``labels`` (hook route). The answer: ``logprob [b, s]`` float32, or
-    ``(logprob, entropy)``."""
+    takes the forward's ``labels`` (hook route); ``temperature`` a number or a float ``[b, s]``
+    tensor. The answer: ``logprob [b, s]`` float32, or ``(logprob, entropy)``."""
 
     targets: Optional[torch.Tensor] = None
-    temperature: float = 1.0
+    temperature: Union[float, torch.Tensor] = 1.0
     return_entropy: bool = False
     entropy_grad: bool = True
     mask: Optional[torch.Tensor] = None
@@ -109,7 +109,7 @@ class LossRequest:
     loss_fn: LossFn
     loss_inputs: Optional[Dict[str, torch.Tensor]] = None
     mask: Optional[torch.Tensor] = None
-    temperature: float = 1.0
+    temperature: Union[float, torch.Tensor] = 1.0
     main_grad_scale: Optional[float] = None
 
 
@@ -120,7 +120,7 @@ class TopkRequest:
     [b, s, k] int64)``, forward only."""
 
     k: int
-    temperature: float = 1.0
+    temperature: Union[float, torch.Tensor] = 1.0
 
 
 Request = Union[LogprobRequest, LossRequest, TopkRequest]

@@ -210,7 +210,7 @@ class FusedLMHead:
         output: torch.Tensor,
         targets: torch.Tensor,
         *,
-        temperature: float = 1.0,
+        temperature: Union[float, torch.Tensor] = 1.0,
         return_entropy: bool = False,
         entropy_grad: bool = True,
         mask: Optional[torch.Tensor] = None,
@@ -223,7 +223,9 @@ class FusedLMHead:
                 ``fused``, else the logits ``[b, s, vocab/TP]`` (or ``[b, s, vocab]`` when the
                 model gathered them).
             targets: ``[b, s]`` integer global vocabulary ids.
-            temperature: divides the logits.
+            temperature: divides the logits: a positive number, or a float tensor ``[b, s]`` (each
+                position its own, e.g. the temperature each rollout was sampled at; no gradient),
+                the same on every tensor-parallel rank.
             return_entropy: also return the entropy.
             entropy_grad: ``False`` makes the entropy a metric (no graph, no backward term).
             mask: optional bool ``[b, s]``: only these positions are computed (e.g. the response
@@ -252,7 +254,7 @@ class FusedLMHead:
         *,
         loss_inputs: Optional[Dict[str, torch.Tensor]] = None,
         mask: Optional[torch.Tensor] = None,
-        temperature: float = 1.0,
+        temperature: Union[float, torch.Tensor] = 1.0,
         main_grad_scale: Optional[float] = None,
     ) -> FusedLoss:
         """``sum_t loss_fn(logprob_t, entropy_t, inputs_t)``, its gradients finished in the forward
@@ -280,7 +282,9 @@ class FusedLMHead:
         request = LossRequest(targets, loss_fn, loss_inputs, mask, temperature, main_grad_scale)
         return self._answer(output, request, "head.loss")
 
-    def topk(self, output: torch.Tensor, k: int, *, temperature: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    def topk(
+        self, output: torch.Tensor, k: int, *, temperature: Union[float, torch.Tensor] = 1.0
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Each position's ``k`` most likely tokens under the model's next-token distribution (a
         top-k distillation teacher's side), forward only: ``fused_linear_topk`` when fused, else
         ``logits_topk`` on the logits.
@@ -288,7 +292,7 @@ class FusedLMHead:
         Args:
             output: what the wrapped model returned, as for ``logprobs``.
             k: tokens per position, from 1 to the vocabulary size.
-            temperature: divides the logits.
+            temperature: as for ``logprobs``.
 
         Returns:
             ``(logprobs [b, s, k] float32, ids [b, s, k] int64)``, descending, equal logits by

@@ -12,7 +12,14 @@ import torch.distributed as dist
 from .boundary import fused_forward, logits_forward
 from .contract import NeededGrads, ShardProblem
 from .held_pass import HeldPass, attach
-from .inputs import RowSelection, check_linear_inputs, check_logits, check_weight_grad_into, select_rows
+from .inputs import (
+    RowSelection,
+    check_linear_inputs,
+    check_logits,
+    check_weight_grad_into,
+    row_temperatures,
+    select_rows,
+)
 from .loss_in_forward import (
     LossFn,
     check_loss_inputs,
@@ -36,14 +43,15 @@ class FusedLoss(NamedTuple):
 
 
 def _fused_rows(
-    hidden, weight, targets, mask, max_rows, tp_group, out_of_vocab="error", **options
-) -> tuple[HeadOptions, RowSelection, Tensor]:
-    """A fused op's checked options, its selected rows, and their hidden states in the weight's dtype
-    (the products run in it)."""
+    hidden, weight, targets, mask, max_rows, tp_group, temperature, out_of_vocab="error", **options
+) -> tuple[HeadOptions, RowSelection, Tensor, Tensor]:
+    """A fused op's checked options, its selected rows, their hidden states in the weight's dtype
+    (the products run in it) and their temperatures ``[k]`` float32."""
     check_linear_inputs(hidden, weight)
     options = HeadOptions.checked(tp_group=tp_group, device=hidden.device, **options)
     selection = select_rows(targets, hidden.shape[:-1], mask, max_rows, weight.shape[0], tp_group, out_of_vocab)
-    return options, selection, selection.take(hidden).to(weight.dtype)
+    rows = selection.take(hidden).to(weight.dtype)
+    return options, selection, rows, row_temperatures(temperature, selection, hidden.device)
 
 
 def needed_grads(hidden: Tensor, weight: Tensor) -> NeededGrads:
@@ -58,7 +66,7 @@ def fused_linear_logprob(
     targets: Tensor,
     *,
     tp_group: Optional[dist.ProcessGroup] = None,
-    temperature: float = 1.0,
+    temperature: Union[float, Tensor] = 1.0,
     return_entropy: bool = False,
     entropy_grad: bool = True,
     backend: str = "torch",
@@ -80,7 +88,11 @@ def fused_linear_logprob(
             ``r`` owns global ids ``[r * vocab_shard, (r + 1) * vocab_shard)``.
         targets: ``[...]`` (``hidden.shape[:-1]``) integer global vocabulary ids.
         tp_group: the tensor-parallel group the vocabulary is split over; ``None`` for no split.
-        temperature: divides the logits.
+        temperature: divides the logits: a positive number, or a float tensor ``[...]``
+            (``targets``' shape; 0-dim for every row) giving each row its own, needing no
+            gradient, the same on every rank of ``tp_group``; the gradients are exact for each
+            row's temperature. A tensor's values are checked without a host synchronization (on
+            a GPU, a device-side assertion).
         return_entropy: also return the entropy of the distribution.
         entropy_grad: with ``False`` the entropy is a metric: no graph, no backward term.
         backend: ``"torch"``, ``"triton"`` or ``"auto"`` (Triton on CUDA when available; otherwise
@@ -123,13 +135,13 @@ def fused_linear_logprob(
         with ``max_rows``): an out-of-range target raises ``ValueError`` on the CPU and trips a
         device-side assertion on a GPU.
     """
-    options, selection, rows = _fused_rows(
-        hidden, weight, targets, mask, max_rows, tp_group, out_of_vocab, temperature=temperature,
-        token_chunk=token_chunk, backend=backend, entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
+    options, selection, rows, temperature = _fused_rows(
+        hidden, weight, targets, mask, max_rows, tp_group, temperature, out_of_vocab, token_chunk=token_chunk,
+        backend=backend, entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
         batch_invariant=batch_invariant,
     )  # fmt: skip
     logprob, entropy, _, _ = fused_forward(
-        rows, weight, selection.target_column, temperature=options.temperature, backend=options.backend,
+        rows, weight, selection.target_column, temperature, backend=options.backend,
         token_chunk=options.token_chunk, tp_group_name=options.tp_group_name,
         reduce_hidden_grad=options.reduce_hidden_grad, batch_invariant=options.batch_invariant,
     )  # fmt: skip
@@ -150,7 +162,7 @@ def logits_logprob(
     targets: Tensor,
     *,
     tp_group: Optional[dist.ProcessGroup] = None,
-    temperature: float = 1.0,
+    temperature: Union[float, Tensor] = 1.0,
     return_entropy: bool = False,
     entropy_grad: bool = True,
     token_chunk: Optional[int] = None,
@@ -176,12 +188,11 @@ def logits_logprob(
     """
     check_logits(logits)
     options = HeadOptions.checked(
-        temperature=temperature, token_chunk=token_chunk, tp_group=tp_group, device=logits.device,
-        entropy_grad=entropy_grad,
-    )  # fmt: skip
+        token_chunk=token_chunk, tp_group=tp_group, device=logits.device, entropy_grad=entropy_grad
+    )
     selection = select_rows(targets, logits.shape[:-1], mask, max_rows, logits.shape[-1], tp_group)
     logprob, entropy, _, _ = logits_forward(
-        selection.take(logits), selection.target_column, temperature=options.temperature,
+        selection.take(logits), selection.target_column, row_temperatures(temperature, selection, logits.device),
         token_chunk=options.token_chunk, tp_group_name=options.tp_group_name,
     )  # fmt: skip
     return _results(selection, logprob, entropy if return_entropy else None, options.entropy_grad)
@@ -195,7 +206,7 @@ def fused_linear_loss(
     *,
     loss_inputs: Optional[Dict[str, Tensor]] = None,
     tp_group: Optional[dist.ProcessGroup] = None,
-    temperature: float = 1.0,
+    temperature: Union[float, Tensor] = 1.0,
     mask: Optional[Tensor] = None,
     backend: str = "torch",
     token_chunk: Optional[int] = None,
@@ -244,14 +255,14 @@ def fused_linear_loss(
         ``entropy`` detached float32 ``[...]`` metrics. Nothing flows into ``loss_inputs``.
     """
     inputs = check_loss_inputs(loss_fn, loss_inputs, hidden.shape[:-1], hidden.device)
-    options, selection, rows = _fused_rows(
-        hidden, weight, targets, mask, None, tp_group, temperature=temperature, token_chunk=token_chunk,
-        backend=backend, entropy_grad=has_entropy_term(loss_fn, tuple(inputs)), reduce_hidden_grad=reduce_hidden_grad,
+    options, selection, rows, temperature = _fused_rows(
+        hidden, weight, targets, mask, None, tp_group, temperature, token_chunk=token_chunk, backend=backend,
+        entropy_grad=has_entropy_term(loss_fn, tuple(inputs)), reduce_hidden_grad=reduce_hidden_grad,
         batch_invariant=batch_invariant,
     )  # fmt: skip
     if selection.rows is not None:
         inputs = {name: value.index_select(0, selection.rows) for name, value in inputs.items()}
-    problem = ShardProblem(rows.detach(), weight.detach(), selection.target_column, options.temperature)
+    problem = ShardProblem(rows.detach(), weight.detach(), selection.target_column, temperature)
     held_pass = HeldPass(problem, loss_fn, inputs, options, needed_grads(rows, weight))
     _send_weight_grad(held_pass, weight_grad_into, weight_grad_scale)
     chunk_loss = held_pass.run()
@@ -280,7 +291,7 @@ def fused_linear_cross_entropy(
     declared_weights: Tensor,
     *,
     tp_group: Optional[dist.ProcessGroup] = None,
-    temperature: float = 1.0,
+    temperature: Union[float, Tensor] = 1.0,
     backend: str = "torch",
     token_chunk: Optional[int] = None,
     reduce_hidden_grad: bool = True,
@@ -309,14 +320,14 @@ def fused_linear_cross_entropy(
             one scale over all rows, so a row's gradient depends on the others; the four-GEMM
             ``fused_linear_logprob(..., batch_invariant=True)`` gives the same loss's gradients.
     """
-    options, selection, rows = _fused_rows(
-        hidden, weight, targets, None, None, tp_group, out_of_vocab, temperature=temperature,
-        token_chunk=token_chunk, backend=backend, entropy_grad=False, reduce_hidden_grad=reduce_hidden_grad,
+    options, selection, rows, temperature = _fused_rows(
+        hidden, weight, targets, None, None, tp_group, temperature, out_of_vocab, token_chunk=token_chunk,
+        backend=backend, entropy_grad=False, reduce_hidden_grad=reduce_hidden_grad,
     )  # fmt: skip
     declared = check_per_token("declared_weights", declared_weights, hidden.shape[:-1], hidden.device)
     if not declared.dtype.is_floating_point and declared.dtype != torch.bool:
         raise TypeError(f"declared_weights must be float or bool, got {declared.dtype}")
-    problem = ShardProblem(rows.detach(), weight.detach(), selection.target_column, options.temperature)
+    problem = ShardProblem(rows.detach(), weight.detach(), selection.target_column, temperature)
     inputs, needed = {"weight": declared.float()}, needed_grads(rows, weight)
     held_pass = HeldPass(problem, cross_entropy, inputs, options, needed, per_token=True)
     _send_weight_grad(held_pass, weight_grad_into, weight_grad_scale)
@@ -331,7 +342,7 @@ def logits_loss(
     *,
     loss_inputs: Optional[Dict[str, Tensor]] = None,
     tp_group: Optional[dist.ProcessGroup] = None,
-    temperature: float = 1.0,
+    temperature: Union[float, Tensor] = 1.0,
     mask: Optional[Tensor] = None,
     token_chunk: Optional[int] = None,
 ) -> FusedLoss:

@@ -2,8 +2,8 @@
 uses are parameters of the names ``HeadOptions`` gives them.
 
 - Recompute path (so ``torch.compile`` keeps each whole and autocast stays outside):
-  ``fused_forward(hidden [n, H], weight [vocab_shard, H], target_column [n]) -> (logprob, entropy,
-  lse, mean_logit)``, each ``[n]`` float32, and the ``fused_backward`` its autograd formula runs;
+  ``fused_forward(hidden [n, H], weight [vocab_shard, H], target_column [n], temperature [n]) ->
+  (logprob, entropy, lse, mean_logit)``, each ``[n]`` float32, and the ``fused_backward`` its autograd formula runs;
   ``logits_forward`` / ``logits_backward`` on a materialized logits shard. Only O(n) statistics
   are saved; the backward recomputes.
 - Three-GEMM path (``held_pass``): its phases, ``loss_allocate``, ``loss_statistics``,
@@ -78,8 +78,8 @@ def fused_forward(
     hidden: Tensor,
     weight: Tensor,
     target_column: Tensor,
+    temperature: Tensor,
     *,
-    temperature: float,
     backend: str,
     token_chunk: Optional[int],
     tp_group_name: Optional[str],
@@ -96,7 +96,7 @@ def fused_forward(
 
 
 @fused_forward.register_fake
-def _(hidden, weight, target_column, **options) -> Statistics:
+def _(hidden, weight, target_column, temperature, **options) -> Statistics:
     return _statistics_like(hidden)
 
 
@@ -105,6 +105,7 @@ def fused_backward(
     hidden: Tensor,
     weight: Tensor,
     target_column: Tensor,
+    temperature: Tensor,
     lse: Tensor,
     mean_logit: Tensor,
     grad_logprob: Optional[Tensor],
@@ -112,7 +113,6 @@ def fused_backward(
     *,
     need_hidden: bool,
     need_weight: bool,
-    temperature: float,
     backend: str,
     token_chunk: Optional[int],
     tp_group_name: Optional[str],
@@ -145,14 +145,14 @@ def _(hidden, weight, *statistics_and_upstream, need_hidden, need_weight, **opti
 def _fused_gradients(ctx, grad_logprob, grad_entropy, _grad_lse, _grad_mean_logit):
     opened = _open_backward(ctx, grad_logprob, grad_entropy)
     if opened is None:
-        return None, None, None
-    (hidden, weight, target_column), saved, upstream = opened
+        return None, None, None, None
+    (hidden, weight, target_column, temperature), saved, upstream = opened
     need_hidden, need_weight = ctx.needs_input_grad[:2]
     grad_hidden, grad_weight = fused_backward(
-        hidden, weight, target_column, *saved, *upstream, need_hidden=need_hidden, need_weight=need_weight,
-        **ctx.options,
+        hidden, weight, target_column, temperature, *saved, *upstream, need_hidden=need_hidden,
+        need_weight=need_weight, **ctx.options,
     )  # fmt: skip
-    return (grad_hidden if need_hidden else None), (grad_weight if need_weight else None), None
+    return (grad_hidden if need_hidden else None), (grad_weight if need_weight else None), None, None
 
 
 fused_forward.register_autograd(_fused_gradients, setup_context=_save_statistics)
@@ -161,17 +161,17 @@ fused_forward.register_autograd(_fused_gradients, setup_context=_save_statistics
 # The unfused path, on a materialized logits shard.
 
 
-def _scaled(logits: Tensor, temperature: float) -> BlockLogits:
+def _scaled(logits: Tensor, temperature: Tensor) -> BlockLogits:
     # Out of place: logits.float() is logits itself when it is float32 already.
-    return lambda rows: logits[rows].float() / temperature
+    return lambda rows: logits[rows].float() / temperature[rows, None]
 
 
 @torch.library.custom_op("megatron_fused_lm::logits_forward", mutates_args=())
 def logits_forward(
     logits: Tensor,
     target_column: Tensor,
+    temperature: Tensor,
     *,
-    temperature: float,
     token_chunk: Optional[int],
     tp_group_name: Optional[str],
 ) -> Statistics:
@@ -183,7 +183,7 @@ def logits_forward(
 
 
 @logits_forward.register_fake
-def _(logits, target_column, **options) -> Statistics:
+def _(logits, target_column, temperature, **options) -> Statistics:
     return _statistics_like(logits)
 
 
@@ -191,12 +191,12 @@ def _(logits, target_column, **options) -> Statistics:
 def logits_backward(
     logits: Tensor,
     target_column: Tensor,
+    temperature: Tensor,
     lse: Tensor,
     mean_logit: Tensor,
     grad_logprob: Optional[Tensor],
     grad_entropy: Optional[Tensor],
     *,
-    temperature: float,
     token_chunk: Optional[int],
 ) -> Tensor:
     """The gradient with respect to the logits shard, in its dtype (the float32 softmax is
@@ -220,13 +220,11 @@ def _(logits, *statistics_and_upstream, **options) -> Tensor:
 def _logits_gradients(ctx, grad_logprob, grad_entropy, _grad_lse, _grad_mean_logit):
     opened = _open_backward(ctx, grad_logprob, grad_entropy)
     if opened is None:
-        return None, None
-    (logits, target_column), saved, upstream = opened
-    options = ctx.options
+        return None, None, None
+    (logits, target_column, temperature), saved, upstream = opened
     return logits_backward(
-        logits, target_column, *saved, *upstream, temperature=options["temperature"],
-        token_chunk=options["token_chunk"],
-    ), None  # fmt: skip
+        logits, target_column, temperature, *saved, *upstream, token_chunk=ctx.options["token_chunk"]
+    ), None, None  # fmt: skip
 
 
 logits_forward.register_autograd(_logits_gradients, setup_context=_save_statistics)
@@ -249,7 +247,9 @@ def _(stats, **options) -> Tensor:
 def _allocate(
     hidden, weight, need_hidden, need_weight, backend, token_chunk, entropy_grad, batch_invariant
 ) -> List[Tensor]:
-    problem = ShardProblem(hidden, weight, hidden.new_empty(0, dtype=torch.long), 1.0)
+    problem = ShardProblem(
+        hidden, weight, hidden.new_empty(0, dtype=torch.long), hidden.new_empty(0, dtype=torch.float32)
+    )
     needed = NeededGrads(need_hidden, need_weight)
     state = loss_backend(backend, token_chunk, entropy_grad, batch_invariant).allocate(problem, needed)
     return [state.block, state.reference, state.held_hidden, *state.held_weight]
@@ -282,14 +282,14 @@ def loss_statistics(
     hidden: Tensor,
     weight: Tensor,
     target_column: Tensor,
+    temperature: Tensor,
     block: Tensor,
     reference: Tensor,
     *,
-    temperature: float,
     backend: str,
 ) -> Tensor:
-    """The backend's ``chunk_statistics`` for a chunk's ``k`` rows (``hidden``, ``target_column``),
-    into the block's first ``k`` rows: ``[k, 4]``."""
+    """The backend's ``chunk_statistics`` for a chunk's ``k`` rows (``hidden``, ``target_column``,
+    ``temperature``), into the block's first ``k`` rows: ``[k, 4]``."""
     problem = ShardProblem(hidden, weight, target_column, temperature)
     state = LossState(block, reference, hidden.new_empty(0), [])
     with autocast_off(hidden.device):
@@ -306,6 +306,7 @@ def loss_gradients(
     hidden: Tensor,
     weight: Tensor,
     target_column: Tensor,
+    temperature: Tensor,
     block: Tensor,
     reference: Tensor,
     held_hidden: Tensor,
@@ -317,7 +318,6 @@ def loss_gradients(
     start: int,
     stop: int,
     accumulate: bool,
-    temperature: float,
     backend: str,
     batch_invariant: bool,
 ) -> None:
@@ -355,8 +355,8 @@ class OperatorLossBackend:
 
     def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice) -> Tensor:
         return loss_statistics(
-            problem.hidden[rows], problem.weight, problem.target_column[rows], state.block, state.reference,
-            temperature=problem.temperature, backend=self.options.backend,
+            problem.hidden[rows], problem.weight, problem.target_column[rows], problem.temperature[rows], state.block,
+            state.reference, backend=self.options.backend,
         )  # fmt: skip
 
     def chunk_gradients(
@@ -369,7 +369,7 @@ class OperatorLossBackend:
         accumulate: bool,
     ) -> None:
         loss_gradients(
-            problem.hidden, problem.weight, problem.target_column, state.block, state.reference, state.held_hidden,
-            state.held_weight, list(summary), *upstream, start=rows.start, stop=rows.stop, accumulate=accumulate,
-            temperature=problem.temperature, backend=self.options.backend, batch_invariant=self.options.batch_invariant,
+            *problem, state.block, state.reference, state.held_hidden, state.held_weight, list(summary), *upstream,
+            start=rows.start, stop=rows.stop, accumulate=accumulate, backend=self.options.backend,
+            batch_invariant=self.options.batch_invariant,
         )  # fmt: skip

@@ -1,6 +1,6 @@
 """Walking the rows in chunks of float32 logits: the loops the torch backend's recompute path and the
 unfused logits path share. ``block_logits(rows)`` produces one chunk's float32 logits
-``[rows, vocab_shard]``, already divided by the temperature; nothing larger than one chunk's block
+``[rows, vocab_shard]``, already divided by each row's temperature; nothing larger than one chunk's block
 exists at a time."""
 
 from __future__ import annotations
@@ -35,13 +35,14 @@ def chunk_logit_grads(
     target_column: torch.Tensor,
     saved: SavedStatistics,
     upstream: UpstreamGrads,
-    temperature: float,
+    temperature: torch.Tensor,
     token_chunk: int,
 ) -> Iterator[Tuple[slice, torch.Tensor]]:
     """Yield ``(rows, grad)``: the float32 gradient with respect to the *unscaled* logits of each
-    chunk (``dz / temperature``), its logits recomputed by ``block_logits``."""
+    chunk (``dz / temperature``, ``temperature [n]`` per row), its logits recomputed by
+    ``block_logits``."""
     for rows in token_chunks(target_column.shape[0], token_chunk):
         grad = block_logit_grad(
             block_logits(rows), target_column[rows], saved.lse[rows], saved.mean_logit[rows], *upstream.rows(rows)
         )
-        yield rows, grad.div_(temperature)
+        yield rows, grad.div_(temperature[rows, None])

@@ -26,7 +26,7 @@ class ShardProblem(NamedTuple):
     hidden: torch.Tensor  # [n, H] float32, bfloat16 or float16
     weight: torch.Tensor  # [vocab_shard, H], hidden's dtype
     target_column: torch.Tensor  # [n] int64: the target's row in the shard, -1 where another shard owns it
-    temperature: float  # divides the logits
+    temperature: torch.Tensor  # [n] float32, positive: divides each row's logits
 
 
 class SavedStatistics(NamedTuple):

@@ -158,14 +158,14 @@ class HeldPass:
     def pack(self) -> tuple[HeldPass, List[Tensor]]:
         """``(the pass without its tensors, its tensors)``, for the autograd node and its
         ``save_for_backward``: the held gradients (not a caller's sink, which other gradients
-        change meanwhile) and, where a second pass may run, the rows, the weight, the targets and
-        the loss's inputs."""
+        change meanwhile) and, where a second pass may run, the rows, the weight, the targets, the
+        temperatures and the loss's inputs."""
         held_weight = [] if self.into_caller else self.held.held_weight
         tensors = [self.held.held_hidden, *held_weight]
         if self.may_run_again:
-            tensors += [*self.problem[:3], self.merged, *self.inputs.values()]
+            tensors += [*self.problem, self.merged, *self.inputs.values()]
         bare = dataclasses.replace(
-            self, problem=self.problem._replace(hidden=None, weight=None, target_column=None),
+            self, problem=ShardProblem(None, None, None, None),
             inputs=dict.fromkeys(self.inputs), held=LossState(None, None, None, [None] * len(held_weight)), merged=None,
         )  # fmt: skip
         return bare, tensors
@@ -177,8 +177,8 @@ class HeldPass:
         held_weight, rest = rest[:parts], rest[parts:]
         whole = dataclasses.replace(self, held=LossState(None, None, held_hidden, held_weight or self._sink()))
         if self.may_run_again:
-            hidden, weight, target_column, whole.merged, *values = rest
-            whole.problem = self.problem._replace(hidden=hidden, weight=weight, target_column=target_column)
+            hidden, weight, target_column, temperature, whole.merged, *values = rest
+            whole.problem = ShardProblem(hidden, weight, target_column, temperature)
             whole.inputs = dict(zip(self.inputs, values, strict=True))
         return whole
 
@@ -241,7 +241,6 @@ def held_backward(
     *,
     parts: int,
     dtype: torch.dtype,
-    temperature: float,
     backend: str,
     token_chunk: Optional[int],
     tp_group_name: Optional[str],
@@ -253,10 +252,10 @@ def held_backward(
     ``(grad_hidden, grad_weight)``, an unneeded one empty."""
     # Compiled, a scalar loss holds its own parts and never runs again: its tensors are the held ones.
     per_token = upstream.dim() > 0
-    options = HeadOptions(temperature, backend, token_chunk, tp_group_name, False, reduce_hidden_grad, batch_invariant)
+    options = HeadOptions(backend, token_chunk, tp_group_name, False, reduce_hidden_grad, batch_invariant)
     needed = NeededGrads(tensors[0].dim() == 2, parts > 0)
     bare = HeldPass(
-        ShardProblem(None, None, None, temperature), cross_entropy, dict.fromkeys(["weight"] if per_token else []),
+        ShardProblem(None, None, None, None), cross_entropy, dict.fromkeys(["weight"] if per_token else []),
         options, needed, per_token, held=LossState(None, None, None, [None] * parts), dtype=dtype,
     )  # fmt: skip
     grads = bare.unpack(tensors).backward(upstream, narrow_in_place=False)
@@ -277,8 +276,7 @@ def _(upstream, tensors, *, parts, dtype, **options) -> tuple[Tensor, Tensor]:
 def _compiled_backward(bare: HeldPass, tensors: List[Tensor], upstream: Tensor) -> Gradients:
     options = bare.options
     grads = held_backward(
-        upstream, tensors, parts=len(bare.held.held_weight), dtype=bare.dtype, temperature=options.temperature,
-        backend=options.backend, token_chunk=options.token_chunk, tp_group_name=options.tp_group_name,
+        upstream, tensors, parts=len(bare.held.held_weight), dtype=bare.dtype, backend=options.backend, token_chunk=options.token_chunk, tp_group_name=options.tp_group_name,
         reduce_hidden_grad=options.reduce_hidden_grad, batch_invariant=options.batch_invariant,
     )  # fmt: skip
     return Gradients(*(grad if grad.dim() == 2 else None for grad in grads))

@@ -3,12 +3,14 @@ mapping of global target ids onto this rank's vocabulary shard (``softmax`` give
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+import math
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from .distributed import group_rank, group_size
+from .options import checked_number
 from .softmax import OUTSIDE_VOCAB
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -88,6 +90,11 @@ class RowSelection(NamedTuple):
     def take(self, values: torch.Tensor) -> torch.Tensor:
         """``values [*lead_shape, X]`` -> the selected rows ``[k, X]`` (differentiable)."""
         flat = values.reshape(-1, values.shape[-1])
+        return flat if self.rows is None else flat.index_select(0, self.rows)
+
+    def take_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-row ``values [*lead_shape]`` -> the selected rows' ``[k]``."""
+        flat = values.reshape(-1)
         return flat if self.rows is None else flat.index_select(0, self.rows)
 
     def place(self, values: torch.Tensor) -> torch.Tensor:
@@ -187,3 +194,35 @@ def target_columns(
             f"{group_size(tp_group)} ranks); leave such positions out with mask=",
         )
     return column
+
+
+def row_temperatures(
+    temperature: Union[float, torch.Tensor], selection: RowSelection, device: torch.device
+) -> torch.Tensor:
+    """The selected rows' temperatures, float32 ``[k]`` on ``device``, from ``temperature``: a
+    positive finite number, or a float tensor shaped like the rows (``selection.lead_shape``, or
+    0-dim for all of them) that needs no gradient. ``TypeError`` / ``ValueError`` otherwise; a
+    tensor's values are checked by ``check_on_device`` (no host synchronization on a GPU)."""
+    num_rows = selection.lead_shape.numel() if selection.rows is None else selection.rows.shape[0]
+    if not isinstance(temperature, torch.Tensor):
+        value = checked_number("temperature", temperature)
+        if not value > 0 or not math.isfinite(value):
+            raise ValueError(f"temperature must be a positive finite number, got {value}")
+        return torch.full((num_rows,), value, dtype=torch.float32, device=device)
+    if not temperature.dtype.is_floating_point:
+        raise TypeError(f"temperature must be a float tensor (one per row) or a number, got {temperature.dtype}")
+    if temperature.requires_grad:
+        raise ValueError("temperature takes no gradient: pass it detached")
+    if temperature.device != device:
+        raise ValueError(f"temperature must be on {device}, got {temperature.device}")
+    if temperature.dim() == 0:
+        temperature = temperature.expand(selection.lead_shape)
+    elif temperature.shape != selection.lead_shape:
+        raise ValueError(
+            f"temperature.shape {tuple(temperature.shape)} must equal the rows' shape {tuple(selection.lead_shape)} "
+            "(one per row of targets), or be 0-dim"
+        )
+    rows = selection.take_rows(temperature).float()
+    if rows.numel() > 0:
+        check_on_device(((rows > 0) & rows.isfinite()).all(), "every temperature must be positive and finite")
+    return rows.contiguous()

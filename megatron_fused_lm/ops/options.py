@@ -1,5 +1,5 @@
 """The ops' scalar options, checked once into the one object that carries them across the autograd
-boundary (``HeadOptions``)."""
+boundary (``HeadOptions``); the temperature is per row, a tensor (``inputs.row_temperatures``)."""
 
 from __future__ import annotations
 
@@ -55,14 +55,6 @@ def check_batch_invariant(batch_invariant: bool, backend: str) -> bool:
     return batch_invariant
 
 
-def check_temperature(temperature: float) -> float:
-    """``temperature`` as a float; ``ValueError`` unless it is positive and finite."""
-    temperature = checked_number("temperature", temperature)
-    if not temperature > 0 or not math.isfinite(temperature):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
-    return temperature
-
-
 def check_weight_grad_scale(weight_grad_scale: float) -> float:
     """``weight_grad_scale`` as a float; ``ValueError`` unless it is finite and not 0 (the held
     hidden gradient is divided by it)."""
@@ -97,7 +89,6 @@ class HeadOptions:
     and its autograd function; the custom operators take the fields they use as typed parameters
     of the same names. The public ops document each."""
 
-    temperature: float = 1.0
     backend: str = "torch"  # resolved: "torch" or "triton"
     token_chunk: Optional[int] = None  # rows per chunk; None: the path's own rule
     tp_group_name: Optional[str] = None  # the tensor-parallel group by its registered name
@@ -109,7 +100,6 @@ class HeadOptions:
     def checked(
         cls,
         *,
-        temperature: float,
         token_chunk: Optional[int],
         tp_group: Optional[dist.ProcessGroup],
         device: torch.device,
@@ -128,7 +118,6 @@ class HeadOptions:
                 "sums its ranks' terms in an order that depends on the message's size"
             )
         return cls(
-            temperature=check_temperature(temperature),
             backend=backend,
             token_chunk=check_token_chunk(token_chunk),
             tp_group_name=group_name(tp_group),

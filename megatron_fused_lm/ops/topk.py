@@ -13,7 +13,7 @@ one pass over the vocabulary shard, one chunk of rows' float32 logits at a time;
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ from .boundary import autocast_off
 from .chunking import chunk_rows
 from .contract import token_chunks
 from .distributed import all_gather_stacked, group_rank, group_size, merge_across_group
-from .inputs import check_linear_inputs, check_logits
+from .inputs import RowSelection, check_linear_inputs, check_logits, row_temperatures
 from .options import HeadOptions, checked_number
 from .products import float32_product
 from .softmax import NUM_STATISTICS, block_statistics, summarize
@@ -73,7 +73,7 @@ def fused_linear_topk(
     k: int,
     *,
     tp_group: Optional[dist.ProcessGroup] = None,
-    temperature: float = 1.0,
+    temperature: Union[float, Tensor] = 1.0,
     backend: str = "torch",
     token_chunk: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor]:
@@ -106,12 +106,11 @@ def fused_linear_topk(
         tensor parallelism; one flag read on the host per chunk (``chunk_top_keys``).
     """
     check_linear_inputs(hidden, weight)
-    options = HeadOptions.checked(
-        temperature=temperature, token_chunk=token_chunk, tp_group=tp_group, device=hidden.device, backend=backend
-    )
+    options = HeadOptions.checked(token_chunk=token_chunk, tp_group=tp_group, device=hidden.device, backend=backend)
+    temperature = row_temperatures(temperature, RowSelection(hidden.shape[:-1], None, None, None), hidden.device)
     rows, shard = hidden.reshape(-1, hidden.shape[-1]).detach().to(weight.dtype), weight.detach().t()
     logprobs, ids = _topk_pass(
-        lambda chunk: float32_product(rows[chunk], shard).div_(options.temperature),
+        lambda chunk: float32_product(rows[chunk], shard).div_(temperature[chunk, None]),
         rows.shape[0], weight.shape[0], k, options, rows.device,
     )  # fmt: skip
     return logprobs.view(*hidden.shape[:-1], k), ids.view(*hidden.shape[:-1], k)
@@ -122,19 +121,18 @@ def logits_topk(
     k: int,
     *,
     tp_group: Optional[dist.ProcessGroup] = None,
-    temperature: float = 1.0,
+    temperature: Union[float, Tensor] = 1.0,
     token_chunk: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor]:
     """``fused_linear_topk`` on a materialized logits shard ``[..., vocab_shard]`` (float32,
     bfloat16 or float16; rank ``r`` owns global ids ``[r * vocab_shard, (r + 1) * vocab_shard)``):
     the same results, forward only."""
     check_logits(logits)
-    options = HeadOptions.checked(
-        temperature=temperature, token_chunk=token_chunk, tp_group=tp_group, device=logits.device
-    )
+    options = HeadOptions.checked(token_chunk=token_chunk, tp_group=tp_group, device=logits.device)
+    temperature = row_temperatures(temperature, RowSelection(logits.shape[:-1], None, None, None), logits.device)
     flat = logits.detach().reshape(-1, logits.shape[-1])
     logprobs, ids = _topk_pass(
-        lambda chunk: flat[chunk].float() / options.temperature, flat.shape[0], flat.shape[1], k, options,
+        lambda chunk: flat[chunk].float() / temperature[chunk, None], flat.shape[0], flat.shape[1], k, options,
         flat.device,
     )  # fmt: skip
     return logprobs.view(*logits.shape[:-1], k), ids.view(*logits.shape[:-1], k)

@@ -3,7 +3,7 @@ the stock GPTModel: TP=1 and TP=2, sequence parallel on and off, tied and untied
 releases whose forward has no hook, the processor refuses the model with a clear error.
 
 For each case, on one float32 model, nothing patched:
-1. ``LogprobRequest`` (entropy, a response mask, a temperature): log-probs and entropy equal the
+1. ``LogprobRequest`` (entropy, a response mask, a temperature per position): log-probs and entropy equal the
    float64 oracle on the stock model's gathered logits, and every parameter's gradient of a random
    weighted sum of both equals the stock one; a disabled config gives the same from the logits.
 2. ``LossRequest`` with a clipped policy loss: the loss equals the float64 oracle's, the gradients
@@ -44,7 +44,8 @@ from megatron_fused_lm import (
 
 VALUE_ATOL = 2e-5
 GRAD_RTOL = 5e-5
-TEMPERATURE = 0.8
+# Each position its own temperature (0.5 to 2): every request carries a [b, s] tensor.
+TEMPERATURE = torch.rand(harness.BATCH, harness.SEQ, generator=torch.Generator().manual_seed(4)) * 1.5 + 0.5
 POLICY_LOSS = losses.ClippedPolicyLoss(clip_low=0.2, clip_high=0.28, entropy_coef=0.01, kl_coef=0.05)
 
 

@@ -8,7 +8,8 @@ For each case, on one model:
 2. disabled config: the model is untouched (bitwise the same logits) and the head's log-probs on
    the logits shard match the oracle.
 3. fused: the model returns hidden states; the head's log-probs and entropy match the oracle and
-   every parameter's gradient (the tied embedding included) matches the stock one; the labels path
+   every parameter's gradient (the tied embedding included) matches the stock one, also for a
+   response mask with a temperature per position; the labels path
    returns the stock loss with the same gradients.
 4. unwrap: bitwise the stock logits and loss again.
 
@@ -26,6 +27,8 @@ from devkit import megatron_gpt as harness
 from megatron_fused_lm.integration import FusedLMConfig, unwrap_model, wrap_model
 
 TEMPERATURE = 0.7
+# The masked case: each position its own temperature, from 0.5 to 2 (as rollouts sampled at several).
+PER_ROW_TEMPERATURE = torch.rand(harness.BATCH, harness.SEQ, generator=torch.Generator().manual_seed(3)) * 1.5 + 0.5
 VALUE_ATOL = 2e-5
 GRAD_RTOL = 5e-5
 
@@ -45,8 +48,8 @@ def check_case(sequence_parallel: bool, tied: bool, token_chunk, label: str) -> 
     # Row selection: a response mask (the later positions of every sequence).
     response = torch.arange(harness.SEQ).expand(harness.BATCH, harness.SEQ) >= harness.SEQ // 3
     stock_logits = harness.forward(model, batch)
-    oracle_logprob, oracle_entropy = harness.oracle_logprob_entropy(stock_logits, targets, TEMPERATURE)
-    harness.head_loss(oracle_logprob * response, oracle_entropy * response).backward()
+    masked_logprob, masked_entropy = harness.oracle_logprob_entropy(stock_logits, targets, PER_ROW_TEMPERATURE)
+    harness.head_loss(masked_logprob * response, masked_entropy * response).backward()
     stock_masked_grads = harness.parameter_grads(model)
     stock_loss = harness.forward(model, batch, labels=targets)
     harness.labels_loss(stock_loss).backward()
@@ -78,9 +81,10 @@ def check_case(sequence_parallel: bool, tied: bool, token_chunk, label: str) -> 
     harness.assert_grads_close(harness.parameter_grads(model), stock_grads, GRAD_RTOL, f"{label} fused")
 
     logprob, entropy = head.logprobs(
-        harness.forward(model, batch), targets, temperature=TEMPERATURE, return_entropy=True, mask=response
+        harness.forward(model, batch), targets, temperature=PER_ROW_TEMPERATURE, return_entropy=True, mask=response
     )
-    harness.assert_max_error(logprob[response], oracle_logprob[response], VALUE_ATOL, f"{label} masked logprob")
+    harness.assert_max_error(logprob[response], masked_logprob[response], VALUE_ATOL, f"{label} masked logprob")
+    harness.assert_max_error(entropy[response], masked_entropy[response], VALUE_ATOL, f"{label} masked entropy")
     assert torch.count_nonzero(logprob[~response]) == 0 and torch.count_nonzero(entropy[~response]) == 0, label
     harness.head_loss(logprob, entropy).backward()
     harness.assert_grads_close(harness.parameter_grads(model), stock_masked_grads, GRAD_RTOL, f"{label} fused masked")

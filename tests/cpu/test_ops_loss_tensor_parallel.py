@@ -7,7 +7,8 @@ and loss inputs. Checked: the loss, the metrics, this rank's weight-gradient sha
 gradient of ``fused_linear_loss`` (SFT, clipped policy and custom losses; chunks of 1, 7 and the
 default; targets on both ranks or all on rank 1; a mask; float32 and bfloat16), the partial hidden
 gradient of ``reduce_hidden_grad=False``, ``no_grad``, ``logits_loss`` on logits shards, and
-``fused_linear_cross_entropy`` for an upstream gradient that matches its declared weights or not.
+``fused_linear_cross_entropy`` for an upstream gradient that matches its declared weights or not;
+one temperature for all tokens, and one per token.
 
 Collectives (``recorded_collectives``), as the README documents them. ``fused_linear_loss``
 finishes its gradients in the forward: one all-gather of each chunk's shard statistics
@@ -33,6 +34,8 @@ from megatron_fused_lm import fused_linear_cross_entropy, fused_linear_loss, log
 H, V_LOCAL, LEAD = 24, 53, (4, 8)
 TOKENS = LEAD[0] * LEAD[1]
 TEMPERATURE = 0.8
+# One temperature per token, from 0.5 to 2, the same on both ranks.
+PER_ROW_TEMPERATURE = torch.rand(LEAD, generator=torch.Generator().manual_seed(21)) * 1.5 + 0.5
 FLOAT32_TOL = 1e-5
 STOCK_RATIO = 1.2
 
@@ -61,7 +64,7 @@ def problem(dtype, targets_on_rank_1_only=False, masked=False, seed=7):
     return hidden, weight, torch.where(mask, targets, -100), mask
 
 
-def loss_case(name, hidden, weight, targets, mask):
+def loss_case(name, hidden, weight, targets, mask, temperature=TEMPERATURE):
     """``(loss_fn, loss_inputs)``, the same on both ranks; the policy case's old and reference
     log-probs lie near the true ones (the k3 KL estimator is exponential in their difference)."""
     gen = torch.Generator().manual_seed(11)
@@ -70,7 +73,7 @@ def loss_case(name, hidden, weight, targets, mask):
         return losses.cross_entropy, {"weight": weights}
     if name == "custom":
         return custom_loss, {"w": torch.rand(LEAD, generator=gen)}
-    logprob, _ = logprob_entropy(hidden.double() @ weight.double().t(), targets.clamp_min(0), TEMPERATURE)
+    logprob, _ = logprob_entropy(hidden.double() @ weight.double().t(), targets.clamp_min(0), temperature)
     loss_fn = losses.ClippedPolicyLoss(clip_low=0.2, clip_high=0.28, dual_clip=3.0, entropy_coef=0.01, kl_coef=0.05)
     return loss_fn, policy_loss_inputs(logprob, weights, gen)
 
@@ -105,10 +108,12 @@ def assert_values_match(result, expected, mask):
         assert torch.count_nonzero(result.logprob[~mask]) == torch.count_nonzero(result.entropy[~mask]) == 0
 
 
-def check_loss(rank, group, case, dtype, token_chunk, targets_on_rank_1_only=False, masked=False):
+def check_loss(
+    rank, group, case, dtype, token_chunk, targets_on_rank_1_only=False, masked=False, temperature=TEMPERATURE
+):
     hidden, weight, targets, mask = problem(dtype, targets_on_rank_1_only, masked)
-    loss_fn, loss_inputs = loss_case(case, hidden, weight, targets, mask)
-    options = dict(temperature=TEMPERATURE, mask=mask)
+    loss_fn, loss_inputs = loss_case(case, hidden, weight, targets, mask, temperature)
+    options = dict(temperature=temperature, mask=mask)
     leaf_hidden, leaf_shard = leaves(hidden, shard_of(rank, weight))
     with recorded_collectives() as calls:
         result = fused_linear_loss(
@@ -167,10 +172,10 @@ def check_no_grad(rank, group):
     assert_values_match(result, expected, None)
 
 
-def check_logits_loss(rank, group):
+def check_logits_loss(rank, group, temperature=TEMPERATURE):
     hidden, weight, targets, mask = problem(torch.float32, masked=True, seed=5)
-    loss_fn, loss_inputs = loss_case("policy", hidden, weight, targets, mask)
-    options = dict(temperature=TEMPERATURE, mask=mask)
+    loss_fn, loss_inputs = loss_case("policy", hidden, weight, targets, mask, temperature)
+    options = dict(temperature=temperature, mask=mask)
     result, grad_hidden, grad_shard = run_stock(
         hidden, shard_of(rank, weight), targets, loss_fn, loss_inputs, group, token_chunk=4, **options
     )
@@ -180,7 +185,7 @@ def check_logits_loss(rank, group):
     assert relative_error(grad_shard, shard_of(rank, expected.grad_weight)) <= FLOAT32_TOL
 
 
-def check_declared_cross_entropy(rank, group, matching):
+def check_declared_cross_entropy(rank, group, matching, temperature=TEMPERATURE):
     hidden, weight, targets, _ = problem(torch.float32, seed=6)
     declared = torch.rand(LEAD, generator=torch.Generator().manual_seed(12)) < 0.7
     # The loss per token taken on the returned losses: its upstream gradient is 0.37 * declared, or not.
@@ -188,7 +193,7 @@ def check_declared_cross_entropy(rank, group, matching):
     leaf_hidden, leaf_shard = leaves(hidden, shard_of(rank, weight))
     with recorded_collectives() as calls:
         out = fused_linear_cross_entropy(
-            leaf_hidden, leaf_shard, targets, declared, tp_group=group, temperature=TEMPERATURE, token_chunk=7
+            leaf_hidden, leaf_shard, targets, declared, tp_group=group, temperature=temperature, token_chunk=7
         )
         forward_calls = list(calls)
         per_token(out, declared.float()).sum().backward()
@@ -196,7 +201,7 @@ def check_declared_cross_entropy(rank, group, matching):
     assert calls == forward_calls + [("all_reduce", (TOKENS, H))], calls
     expected = loss_reference(
         hidden, weight, targets, lambda logprob, entropy, *, d: per_token(-logprob, d), {"d": declared.double()},
-        TEMPERATURE,
+        temperature,
     )  # fmt: skip
     assert relative_error(out, -expected.logprob) <= FLOAT32_TOL
     assert relative_error(leaf_hidden.grad, expected.grad_hidden) <= FLOAT32_TOL
@@ -217,6 +222,11 @@ def tensor_parallel_cases(rank, world_size):
     check_logits_loss(rank, group)
     for matching in (True, False):
         check_declared_cross_entropy(rank, group, matching)
+    # A temperature per token: the recompute pass of a mismatched upstream reads them again.
+    check_loss(rank, group, "policy", torch.float32, 7, masked=True, temperature=PER_ROW_TEMPERATURE)
+    check_loss(rank, group, "custom", torch.bfloat16, 7, temperature=PER_ROW_TEMPERATURE)
+    check_logits_loss(rank, group, temperature=PER_ROW_TEMPERATURE)
+    check_declared_cross_entropy(rank, group, False, temperature=PER_ROW_TEMPERATURE)
 
 
 def test_two_ranks():

@@ -180,16 +180,17 @@ def opcheck_cases():
     from megatron_fused_lm.ops.softmax import summarize
 
     hidden, weight, targets, upstream, _ = inputs()
-    recompute = dict(temperature=1.0, backend="torch", token_chunk=7, tp_group_name=None, batch_invariant=False)
+    recompute = dict(backend="torch", token_chunk=7, tp_group_name=None, batch_invariant=False)
+    temperature = torch.rand(ROWS) + 1.0  # one per row, at least 1: the random lse must not overflow exp(z - lse)
     logits = (hidden @ weight.t()).detach()
     lse, mean_logit = torch.randn(ROWS), torch.randn(ROWS)
     ops = torch.ops.megatron_fused_lm
     hidden, weight = hidden.detach(), weight.detach()
-    problem = ShardProblem(hidden, weight, targets, 1.0)
+    problem = ShardProblem(hidden, weight, targets, temperature)
     state = TorchLoss(token_chunk=7).allocate(problem, NeededGrads(True, True))
     summary = list(summarize(TorchLoss(token_chunk=7).chunk_statistics(problem, state, slice(0, 7))))
-    chunk = dict(start=0, stop=7, temperature=1.0, backend="torch", batch_invariant=False)
-    phases = (hidden, weight, targets, state.block, state.reference)
+    chunk = dict(start=0, stop=7, backend="torch", batch_invariant=False)
+    phases = (hidden, weight, targets, temperature, state.block, state.reference)
     held_weight = [torch.randn(VOCAB // 2, HIDDEN), torch.randn(VOCAB - VOCAB // 2, HIDDEN)]
     held = [torch.randn(ROWS, HIDDEN), *held_weight]
     finish = dict(parts=2, dtype=torch.bfloat16, reduce_hidden_grad=True, **recompute)
@@ -200,8 +201,8 @@ def opcheck_cases():
             dict(need_hidden=True, need_weight=True, backend="torch", token_chunk=7, entropy_grad=True, batch_invariant=False),
         ),
         "loss_statistics": (
-            ops.loss_statistics, (hidden[:7], weight, targets[:7], state.block, state.reference),
-            dict(temperature=1.0, backend="torch"),
+            ops.loss_statistics, (hidden[:7], weight, targets[:7], temperature[:7], state.block, state.reference),
+            dict(backend="torch"),
         ),
         "loss_gradients": (
             ops.loss_gradients,
@@ -211,26 +212,26 @@ def opcheck_cases():
         "held_backward": (ops.held_backward, (torch.tensor(0.37), held), finish),
         "held_backward_per_token": (
             ops.held_backward,
-            (upstream[0] * 0.0 + 0.5, [*held, hidden, weight, targets, torch.randn(ROWS, 4), torch.ones(ROWS)]),
+            (upstream[0] * 0.0 + 0.5, [*held, hidden, weight, targets, temperature, torch.randn(ROWS, 4), torch.ones(ROWS)]),
             finish,
         ),
         "fused_forward": (
             ops.fused_forward,
-            (hidden.detach().requires_grad_(), weight.detach().requires_grad_(), targets),
+            (hidden.detach().requires_grad_(), weight.detach().requires_grad_(), targets, temperature),
             dict(recompute, reduce_hidden_grad=True),
         ),
         "fused_backward": (
             ops.fused_backward,
-            (hidden.detach(), weight.detach(), targets, lse, mean_logit, upstream[0], upstream[1]),
+            (hidden.detach(), weight.detach(), targets, temperature, lse, mean_logit, upstream[0], upstream[1]),
             dict(recompute, need_hidden=True, need_weight=True, reduce_hidden_grad=True),
         ),
         "logits_forward": (
-            ops.logits_forward, (logits.clone().requires_grad_(), targets),
-            dict(temperature=1.0, token_chunk=7, tp_group_name=None),
+            ops.logits_forward, (logits.clone().requires_grad_(), targets, temperature),
+            dict(token_chunk=7, tp_group_name=None),
         ),
         "logits_backward": (
-            ops.logits_backward, (logits, targets, lse, mean_logit, upstream[0], None),
-            dict(temperature=1.0, token_chunk=7),
+            ops.logits_backward, (logits, targets, temperature, lse, mean_logit, upstream[0], None),
+            dict(token_chunk=7),
         ),
     }  # fmt: skip
 

@@ -12,7 +12,7 @@ from megatron_fused_lm import fused_linear_logprob, logits_logprob
 H, V_LOCAL, TOKENS = 24, 53, 31
 
 
-def check_fused(rank, group, dtype, token_chunk, targets_on_rank_1_only):
+def check_fused(rank, group, dtype, token_chunk, targets_on_rank_1_only, temperature=0.7):
     world = dist.get_world_size(group)
     hidden, weight, targets = make_case((TOKENS,), H, V_LOCAL * world, dtype, peaky=True, seed=7)
     if targets_on_rank_1_only:  # rank 0 owns no target: its shard still gets the -p term
@@ -24,13 +24,19 @@ def check_fused(rank, group, dtype, token_chunk, targets_on_rank_1_only):
     grad_logprob, grad_entropy = torch.randn(TOKENS), torch.randn(TOKENS)
     with recorded_collectives() as calls:
         logprob, entropy = fused_linear_logprob(
-            hidden_leaf, shard, targets, tp_group=group, temperature=0.7, return_entropy=True, token_chunk=token_chunk
+            hidden_leaf,
+            shard,
+            targets,
+            tp_group=group,
+            temperature=temperature,
+            return_entropy=True,
+            token_chunk=token_chunk,
         )
         forward_counts = counts(calls)
         ((logprob * grad_logprob).sum() + (entropy * grad_entropy).sum()).backward()
     assert forward_counts == {ALL_GATHER: 1, "all_reduce": 0}, forward_counts
     assert counts(calls) == {ALL_GATHER: 1, "all_reduce": 1}, calls
-    expected = reference(hidden, weight, targets, 0.7, grad_logprob, grad_entropy)
+    expected = reference(hidden, weight, targets, temperature, grad_logprob, grad_entropy)
     output_tol, grad_tol = (2e-5, 2e-5) if dtype == torch.float32 else (1e-4, 1e-2)
     assert relative_error(logprob, expected.logprob) <= output_tol
     assert relative_error(entropy, expected.entropy) <= output_tol
@@ -91,6 +97,9 @@ def tensor_parallel_cases(rank, world_size):
         for token_chunk in (1, 7, None):
             check_fused(rank, group, dtype, token_chunk, targets_on_rank_1_only=False)
     check_fused(rank, group, torch.float32, 5, targets_on_rank_1_only=True)
+    per_row = torch.rand(TOKENS, generator=torch.Generator().manual_seed(9)) * 1.5 + 0.5  # the same on both ranks
+    for dtype in (torch.float32, torch.bfloat16):
+        check_fused(rank, group, dtype, 7, targets_on_rank_1_only=False, temperature=per_row)
     check_partial_hidden_grad(rank, group)
     check_masked(rank, group)
     for token_chunk in (4, None):

@@ -144,6 +144,9 @@ def run_case_here(case: dict) -> dict:
         weight = weight.t().contiguous().t()
     hidden, weight = hidden.to(dtype), weight.to(dtype)
     targets = torch.randint(0, case.get("distinct_targets", vocab), (tokens,))
+    # "per_row": each row its own temperature, from 0.5 to 2.
+    per_row = case["temperature"] == "per_row"
+    temperature = torch.rand(tokens) * 1.5 + 0.5 if per_row else torch.full((tokens,), case["temperature"])
     grad_logprob = torch.randn(tokens)
     grad_entropy = torch.randn(tokens) if case["entropy_grad"] else None
     # The backend alone, as the ops call it.
@@ -155,14 +158,14 @@ def run_case_here(case: dict) -> dict:
 
         def run(rows):
             return three_gemm_pass(
-                backend, hidden[rows], weight, targets[rows], case["temperature"], grad_logprob[rows],
+                backend, hidden[rows], weight, targets[rows], temperature[rows], grad_logprob[rows],
                 None if grad_entropy is None else grad_entropy[rows], case.get("shards", 1),
             )  # fmt: skip
     else:  # one rank: every target in this shard
         backend = TritonRecompute(**options)
 
         def run(rows):
-            problem = ShardProblem(hidden[rows], weight, targets[rows], case["temperature"])
+            problem = ShardProblem(hidden[rows], weight, targets[rows], temperature[rows])
             summary = summarize(backend.local_statistics(problem))
             upstream = UpstreamGrads(grad_logprob[rows], None if grad_entropy is None else grad_entropy[rows])
             saved = SavedStatistics(summary.lse, summary.mean_logit)
@@ -176,10 +179,10 @@ def run_case_here(case: dict) -> dict:
         rows_alone_equal = all(
             torch.equal(part, whole[: part.shape[0]]) for part, whole in zip(alone[:2], (logprob, entropy), strict=True)
         ) and torch.equal(alone[2].hidden, grads.hidden[: alone[2].hidden.shape[0]])
-    expected = reference(hidden, weight, targets, case["temperature"], grad_logprob, grad_entropy)
+    expected = reference(hidden, weight, targets, temperature, grad_logprob, grad_entropy)
     sampled = weight[:: -(-weight.shape[0] // case["reference_rows"])] if case.get("reference_rows") else weight
-    logits = hidden.double() @ weight.double().t() / case["temperature"]
-    sampled_max = (hidden.double() @ sampled.double().t() / case["temperature"]).amax(1)
+    logits = hidden.double() @ weight.double().t() / temperature.double()[:, None]
+    sampled_max = (hidden.double() @ sampled.double().t() / temperature.double()[:, None]).amax(1)
     return {
         "rows_far_above_sample": int((logits.amax(1) - sampled_max > 60).sum()),
         "logprob": max_abs_error(logprob, expected.logprob),
@@ -279,6 +282,18 @@ def test_odd_sizes_and_temperature(dtype, three_gemm):
     result = run_case(dtype=dtype, shape=[37, 45, 211], temperature=0.7, hidden_scale=2.0, three_gemm=three_gemm)
     check(result, dtype)
     assert result["grad_dtypes"] == [f"torch.{dtype}"] * 2
+
+
+@pytest.mark.parametrize("three_gemm", [False, True], ids=["recompute", "three_gemm"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_temperature_per_row(dtype, three_gemm):
+    # Each row its own temperature (0.5 to 2), over three token chunks and several vocabulary
+    # blocks, so that a chunk reading another chunk's temperatures would show.
+    result = run_case(
+        dtype=dtype, shape=[40, 33, 601], temperature="per_row", hidden_scale=2.0, token_chunk=16,
+        dz_block_bytes=16 * 256 * 4, seed=11, three_gemm=three_gemm,
+    )  # fmt: skip
+    check(result, dtype)
 
 
 @pytest.mark.parametrize("three_gemm", [False, True], ids=["recompute", "three_gemm"])
@@ -391,7 +406,7 @@ def test_batch_invariant_three_gemm_refuses_float32_weights():
     from megatron_fused_lm.ops.backends.triton_loss import TritonLoss
     from megatron_fused_lm.ops.contract import NeededGrads, ShardProblem
 
-    problem = ShardProblem(torch.zeros(4, 8), torch.zeros(16, 8), torch.zeros(4, dtype=torch.long), 1.0)
+    problem = ShardProblem(torch.zeros(4, 8), torch.zeros(16, 8), torch.zeros(4, dtype=torch.long), torch.ones(4))
     with pytest.raises(ValueError, match="needs 16-bit weights"):
         TritonLoss(batch_invariant=True).allocate(problem, NeededGrads(True, True))
 

@@ -18,9 +18,9 @@ def test_row_references_bracket_the_row_maximum():
     torch.manual_seed(1)
     hidden, weight = torch.randn(64, 16), torch.randn(1000, 16)
     target_column = torch.randint(-1, 1000, (64,))
-    temperature = 0.7
-    reference = row_references(hidden, weight, target_column, 1 / temperature, sample_rows=10)
-    logits = hidden.double() @ weight.double().t() / temperature
+    temperature = torch.rand(64) * 1.5 + 0.5  # one per row
+    reference = row_references(hidden, weight, target_column, temperature, sample_rows=10)
+    logits = hidden.double() @ weight.double().t() / temperature.double()[:, None]
     row_max = logits.amax(1)
     # Never more than the headroom above the maximum: the top exponentials stay normal numbers.
     assert (reference <= row_max + REFERENCE_HEADROOM + 1e-3).all()
@@ -29,7 +29,7 @@ def test_row_references_bracket_the_row_maximum():
     chosen = logits[owned, target_column[owned]]
     assert (reference[owned] >= chosen + REFERENCE_HEADROOM - 1e-3).all()
     # With every row sampled, the reference is the maximum plus the headroom.
-    exact = row_references(hidden, weight, target_column, 1 / temperature, sample_rows=1000)
+    exact = row_references(hidden, weight, target_column, temperature, sample_rows=1000)
     assert torch.allclose(exact.double(), row_max + REFERENCE_HEADROOM, atol=1e-4)
 
 
@@ -50,20 +50,20 @@ def test_factor_and_chosen_term_give_dz():
     targets = torch.tensor([7, 3, 0, 49])
     target_column = torch.tensor([7, 3, -1, 49])  # row 2's target lies in another shard
     grad_logprob = torch.tensor([0.5, -1.0, 2.0, 0.25])
-    inv_temperature = 1 / 0.8
+    temperature = torch.tensor([0.8, 1.3, 0.6, 2.0])  # one per row
     lse = logits.logsumexp(1)
     expected = -grad_logprob.double()[:, None] * (logits - lse[:, None]).exp()
     owned = target_column >= 0
     expected[owned, targets[owned]] += grad_logprob.double()[owned]
-    expected *= inv_temperature
+    expected /= temperature.double()[:, None]
     reference = logits.amax(1) + 5.0
     stored = (logits - reference[:, None]).exp().float()
     zero_chosen(stored, target_column)
     assert stored[2, 0] != 0 and (stored[owned, targets[owned]] == 0).all()  # another shard's chosen token stays
     summary = summarize(block_statistics(logits.float(), target_column))
     # Row 2 as its own shard sees it: the owner's statistics would add its target logit.
-    factor = direct_factor(reference.float(), summary.lse, grad_logprob, inv_temperature)
-    chosen = chosen_logit_grad(target_column, summary, grad_logprob, None) * inv_temperature
+    factor = direct_factor(reference.float(), summary.lse, grad_logprob, temperature)
+    chosen = chosen_logit_grad(target_column, summary, grad_logprob, None) / temperature
     dz = factor[:, None].double() * stored.double()
     dz[owned, targets[owned]] += chosen.double()[owned]
     assert torch.allclose(dz, expected, rtol=1e-5, atol=1e-7 * expected.abs().max().item())
@@ -73,5 +73,5 @@ def test_factor_and_chosen_term_give_dz():
 
 
 def test_factor_without_log_prob_term_is_zero():
-    factor = direct_factor(torch.zeros(3), torch.ones(3), None, 1.0)
+    factor = direct_factor(torch.zeros(3), torch.ones(3), None, torch.ones(3))
     assert factor.tolist() == [0.0, 0.0, 0.0]

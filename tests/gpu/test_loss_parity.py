@@ -252,12 +252,19 @@ def test_every_regime_within_the_recompute_paths_error(regime, dtypes, backend):
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize(
     "shape, temperature, masked",
-    [((1, 1000, 32003), 1.0, False), ((0, 1000, 32003), 1.0, False), ((300, 1003, 50021), 0.7, True)],
-    ids=["one token", "zero tokens", "odd sizes, temperature, mask"],
+    [
+        ((1, 1000, 32003), 1.0, False),
+        ((0, 1000, 32003), 1.0, False),
+        ((300, 1003, 50021), 0.7, True),
+        ((300, 1003, 50021), "per_row", True),
+    ],
+    ids=["one token", "zero tokens", "odd sizes, temperature, mask", "odd sizes, temperature per row, mask"],
 )
 def test_odd_sizes_temperature_and_mask(shape, temperature, masked, backend):
     for dtypes in DTYPES.values():
         hidden, weight, targets, gen = peaked_case(("chosen", 0.999), dtypes, *shape)
+        if temperature == "per_row":  # 0.5 to 2, each row its own
+            temperature = torch.rand(shape[0], device="cuda", generator=gen) * 1.5 + 0.5
         mask = torch.rand(shape[0], device="cuda", generator=gen) < 0.6 if masked else None
         with torch.no_grad():
             current = fused_linear_logprob(hidden, weight, targets, backend=backend, temperature=temperature)

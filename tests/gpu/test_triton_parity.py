@@ -132,6 +132,23 @@ def test_parity_with_float64_oracle(shape, dtype, logit_scale):
             assert errors["logprob"] <= stock_error / 10, (backend, errors, stock_error)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_parity_with_a_temperature_per_row(dtype):
+    # Each row its own temperature (0.5 to 2), on peaked logits: the kernels read each row's.
+    num_tokens, hidden_size, vocab = 384, 1000, 129920
+    inputs = make_inputs(num_tokens, hidden_size, vocab, dtype, 30.0)
+    hidden, weight, targets, grad_logprob, grad_entropy = inputs
+    temperature = torch.rand(num_tokens, device="cuda", generator=torch.Generator("cuda").manual_seed(5)) * 1.5 + 0.5
+    expected = reference(hidden, weight, targets, temperature, grad_logprob, grad_entropy)
+    stock = run("stock", *inputs, temperature=temperature)
+    stock_error = max_abs_error(stock[0], expected.logprob)
+    bound = value_bound(hidden, weight, float(temperature.min()))
+    grad_bounds = stock_grad_bounds(expected, stock, dtype)
+    for backend in BACKENDS:
+        errors = check_against(expected, run(backend, *inputs, temperature=temperature), bound, grad_bounds, backend)
+        assert errors["logprob"] <= stock_error / 10, (backend, errors, stock_error)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_targets_on_other_ranks(backend):
     """Simulated TP=3: each shard's statistics from the backend, merged as the collective would,
@@ -147,7 +164,11 @@ def test_targets_on_other_ranks(backend):
     for rank in range(ranks):
         local = targets - rank * shard
         target_column = torch.where((local >= 0) & (local < shard), local, -1)
-        shards.append(ShardProblem(hidden, weight[rank * shard : (rank + 1) * shard], target_column, 1.0))
+        shards.append(
+            ShardProblem(
+                hidden, weight[rank * shard : (rank + 1) * shard], target_column, torch.ones(num_tokens, device="cuda")
+            )
+        )
         stats.append(implementation.local_statistics(shards[-1]))
     summary = summarize(merge_statistics(torch.stack(stats)))
     saved = SavedStatistics(summary.lse, summary.mean_logit)
@@ -233,7 +254,7 @@ def test_backward_blocked_over_token_and_vocabulary_chunks():
     expected = reference(hidden, weight, targets, 1.0, grad_logprob, grad_entropy)
     stock = run("stock", *inputs)
     blocked = TritonRecompute(token_chunk=1000, tuning=TritonTuning(dz_block_bytes=1000 * 20000 * 2))  # 3 x 7 blocks
-    problem = ShardProblem(hidden, weight, targets, 1.0)
+    problem = ShardProblem(hidden, weight, targets, torch.ones(hidden.shape[0], device="cuda"))
     summary = summarize(blocked.local_statistics(problem))
     grads = blocked.local_gradients(
         problem,

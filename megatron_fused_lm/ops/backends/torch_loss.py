@@ -32,7 +32,8 @@ class TorchLoss(held_gradients.HeldSteps):
 
     def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice) -> torch.Tensor:
         logits = state.block[: rows.stop - rows.start]
-        add_product(logits, problem.hidden[rows], problem.weight.t(), accumulate=False).div_(problem.temperature)
+        temperature = problem.temperature[rows, None]
+        add_product(logits, problem.hidden[rows], problem.weight.t(), accumulate=False).div_(temperature)
         return block_statistics(logits, problem.target_column[rows])
 
     def chunk_gradients(
@@ -46,14 +47,14 @@ class TorchLoss(held_gradients.HeldSteps):
     ) -> None:
         """``dz`` in float32 with the chosen tokens' elements zeroed (their term is added in float32
         by ``add_chosen``), the products in the weight's dtype accumulating in float32."""
-        weight, target_column = problem.weight, problem.target_column[rows]
+        weight, target_column, temperature = problem.weight, problem.target_column[rows], problem.temperature[rows]
         logits = state.block[: rows.stop - rows.start]
         grad = block_logit_grad(logits, target_column, summary.lse, summary.mean_logit, *upstream)
         zero_chosen(grad, target_column)
-        operand = grad.div_(problem.temperature).to(weight.dtype)
+        operand = grad.div_(temperature[:, None]).to(weight.dtype)
         del grad
         if state.held_hidden.dim() == 2:
             add_product(state.held_hidden[rows], operand, weight, accumulate=False)
         held_gradients.add_weight_product(state.held_weight, operand, problem.hidden[rows], accumulate)
-        chosen = chosen_logit_grad(target_column, summary, *upstream) / problem.temperature
+        chosen = chosen_logit_grad(target_column, summary, *upstream) / temperature
         self.add_chosen(state, rows, target_column, chosen, problem.hidden[rows], weight)

@@ -17,9 +17,9 @@ from ..products import add_product, float32_product
 
 
 def block_logits(problem: ShardProblem) -> BlockLogits:
-    """A chunk's float32 logits ``[rows, vocab_shard]``, divided by the temperature."""
+    """A chunk's float32 logits ``[rows, vocab_shard]``, divided by each row's temperature."""
     hidden, weight_t, temperature = problem.hidden, problem.weight.t(), problem.temperature
-    return lambda rows: float32_product(hidden[rows], weight_t).div_(temperature)
+    return lambda rows: float32_product(hidden[rows], weight_t).div_(temperature[rows, None])
 
 
 @dataclass(frozen=True)

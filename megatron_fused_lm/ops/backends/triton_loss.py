@@ -36,14 +36,14 @@ from .triton_tuning import REFERENCE_ROWS, TritonTuning, loss_token_chunk
 
 
 def direct_factor(
-    reference: torch.Tensor, lse: torch.Tensor, grad_logprob: Optional[torch.Tensor], inv_temperature: float
+    reference: torch.Tensor, lse: torch.Tensor, grad_logprob: Optional[torch.Tensor], temperature: torch.Tensor
 ) -> torch.Tensor:
     """``f / T [n]``, which turns a stored row ``exp(z - reference)`` into ``dz / T`` for every column
     but the chosen token's when the loss has no entropy term: ``softmax.logit_grad`` at
     ``p = exp(reference - lse)``; 0 without a log-prob term."""
     if grad_logprob is None:
         return torch.zeros_like(lse)
-    return logit_grad(torch.exp(reference - lse), None, grad_logprob, None, True, False).mul_(inv_temperature)
+    return logit_grad(torch.exp(reference - lse), None, grad_logprob, None, True, False).div_(temperature)
 
 
 def reads_block_directly(state: LossState, weight: torch.Tensor, upstream: UpstreamGrads) -> bool:
@@ -93,7 +93,7 @@ class TritonLoss(held_gradients.HeldSteps):
         num_rows = rows.stop - rows.start
         hidden, weight = addressable(problem.hidden[rows]), addressable(problem.weight)
         columns, block = problem.target_column[rows].contiguous(), state.block[:num_rows]
-        inv_temperature = 1.0 / problem.temperature
+        temperature = problem.temperature[rows].contiguous()
         tiles = self.tuning.forward_tiles_for(weight.dtype, block.dtype, weight.device)
         tiles_per_split = self.tuning.tiles_per_split_for(weight.shape[0], tiles, weight.device)
         offsets = stores_offsets(block.dtype)
@@ -101,14 +101,14 @@ class TritonLoss(held_gradients.HeldSteps):
             reference = state.reference[:num_rows]
         else:
             sample_rows = self.tuning.reference_rows or REFERENCE_ROWS
-            reference = row_references(hidden, weight, columns, inv_temperature, sample_rows)
-        parts = split_statistics(hidden, weight, columns, inv_temperature, tiles, tiles_per_split, block, reference)
+            reference = row_references(hidden, weight, columns, temperature, sample_rows)
+        parts = split_statistics(hidden, weight, columns, temperature, tiles, tiles_per_split, block, reference)
         local = merge_parts(parts)
         if offsets:
             return local
         reference, refresh = stale_references(reference, local[:, MAX])
         state.reference[:num_rows] = reference
-        refresh_exponentials(hidden, weight, inv_temperature, tiles, tiles_per_split, block, reference, refresh)
+        refresh_exponentials(hidden, weight, temperature, tiles, tiles_per_split, block, reference, refresh)
         return local
 
     def chunk_gradients(
@@ -127,8 +127,8 @@ class TritonLoss(held_gradients.HeldSteps):
         else:
             operand, factor = self.dz_operand(problem, state, rows, summary, upstream), None
         self.products(problem, state, rows, operand, factor, accumulate)
-        columns, inv_temperature = problem.target_column[rows].contiguous(), 1.0 / problem.temperature
-        chosen = chosen_logit_grad(columns, summary, *upstream).mul_(inv_temperature)
+        columns = problem.target_column[rows].contiguous()
+        chosen = chosen_logit_grad(columns, summary, *upstream).div_(problem.temperature[rows])
         hidden, weight = addressable(problem.hidden[rows]), addressable(problem.weight)
         self.add_chosen(state, rows, columns, chosen, hidden, weight, factor)
 
@@ -139,7 +139,7 @@ class TritonLoss(held_gradients.HeldSteps):
         num_rows = rows.stop - rows.start
         block = state.block[:num_rows]
         zero_chosen(block, problem.target_column[rows])
-        factor = direct_factor(state.reference[:num_rows], summary.lse, upstream.logprob, 1.0 / problem.temperature)
+        factor = direct_factor(state.reference[:num_rows], summary.lse, upstream.logprob, problem.temperature[rows])
         return block, factor
 
     def dz_operand(
@@ -155,7 +155,7 @@ class TritonLoss(held_gradients.HeldSteps):
         saved = SavedStatistics(summary.lse.contiguous(), summary.mean_logit.contiguous())
         return stored_logit_grads(
             block, state.reference[:num_rows], block.view(weight.dtype), problem.target_column[rows].contiguous(),
-            saved, upstream, 1.0 / problem.temperature, tiles.block_n if stores_offsets(block.dtype) else 0,
+            saved, upstream, problem.temperature[rows].contiguous(), tiles.block_n if stores_offsets(block.dtype) else 0,
         )  # fmt: skip
 
     def products(

@@ -44,7 +44,7 @@ class TritonRecompute:
         tiles = self.tuning.forward_tiles_for(weight.dtype)
         tiles_per_split = self.tuning.tiles_per_split_for(weight.shape[0], tiles, weight.device)
         parts = split_statistics(
-            hidden, weight, problem.target_column, 1.0 / problem.temperature, tiles, tiles_per_split
+            hidden, weight, problem.target_column, problem.temperature.contiguous(), tiles, tiles_per_split
         )
         return merge_parts(parts)
 
@@ -75,7 +75,7 @@ class TritonRecompute:
         tiles = self.tuning.backward_tiles_for(weight.dtype)
         programs = self.tuning.programs_for(weight.device)
         hidden_operand, weight_operand = addressable(hidden), addressable(weight)
-        target_column = problem.target_column.contiguous()
+        target_column, temperature = problem.target_column.contiguous(), problem.temperature.contiguous()
         saved = SavedStatistics(*(part.contiguous() for part in saved))
         upstream = UpstreamGrads(*(None if part is None else part.contiguous() for part in upstream))
 
@@ -91,7 +91,7 @@ class TritonRecompute:
                     columns.start,
                     token_saved,
                     upstream.rows(tokens),
-                    1.0 / problem.temperature,
+                    temperature[tokens],
                     tiles,
                     programs,
                 )

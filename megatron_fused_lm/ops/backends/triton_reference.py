@@ -37,20 +37,21 @@ def row_references(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target_column: torch.Tensor,
-    inv_temperature: float,
+    temperature: torch.Tensor,
     sample_rows: int,
 ) -> torch.Tensor:
     """``r [n]``: the largest logit among ``sample_rows`` evenly spaced rows of the shard and the
-    row's chosen token (where ``target_column >= 0``), plus ``REFERENCE_HEADROOM``.
+    row's chosen token (where ``target_column >= 0``), divided by the row's temperature, plus
+    ``REFERENCE_HEADROOM``.
 
     ``hidden [n, H]``, ``weight [V, H]`` (one dtype), ``target_column [n]`` int64 (-1: another
-    shard's). An estimate: ``stale_references`` checks it once the statistics are known.
+    shard's), ``temperature [n]``. An estimate: ``stale_references`` checks it once the statistics are known.
     """
     sampled = weight[:: -(-weight.shape[0] // sample_rows)]
     estimate = float32_product(hidden, sampled.t()).amax(dim=1)
     chosen_logit = (hidden * weight[target_column.clamp(min=0)]).sum(dim=1, dtype=torch.float32)
     estimate = torch.where(target_column >= 0, torch.maximum(estimate, chosen_logit), estimate)
-    return estimate.mul_(inv_temperature).add_(REFERENCE_HEADROOM)
+    return estimate.div_(temperature).add_(REFERENCE_HEADROOM)
 
 
 def stale_references(reference: torch.Tensor, local_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,7 +31,7 @@ def logit_grad_kernel(
     vocab,
     hidden_size,
     first_column,
-    inv_temperature,
+    temperature_ptr,
     HAS_GRAD_LOGPROB: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -68,6 +68,7 @@ def logit_grad_kernel(
                 rows, rows < num_tokens, target_column_ptr, lse_ptr, mean_logit_ptr, grad_logprob_ptr,
                 grad_entropy_ptr, HAS_GRAD_LOGPROB, HAS_GRAD_ENTROPY,
             )  # fmt: skip
+            inv_temperature = 1.0 / tl.load(temperature_ptr + rows, mask=rows < num_tokens, other=1.0)[:, None]
             logits = acc * inv_temperature
             grad = logit_grad_tile(
                 tl.exp(logits - lse[:, None]),
@@ -93,7 +94,7 @@ def logit_grad_block(
     first_column: int,
     saved: SavedStatistics,
     upstream: UpstreamGrads,
-    inv_temperature: float,
+    temperature: torch.Tensor,
     tiles: Tiles,
     num_programs: int,
 ) -> torch.Tensor:
@@ -102,7 +103,8 @@ def logit_grad_block(
     block ``weight [v >= 1, H]`` that starts at the shard's row ``first_column`` (both
     ``descriptors.addressable``).
 
-    ``target_column [n]`` (int64, the shard's encoding); ``saved`` and ``upstream`` hold ``[n]``
+    ``target_column [n]`` (int64, the shard's encoding); ``temperature [n]`` (float32, contiguous)
+    divides each row's logits; ``saved`` and ``upstream`` hold ``[n]``
     float32 contiguous tensors; a ``None`` upstream gradient contributes nothing. The grid has
     ``num_programs`` programs (fewer if there are fewer tiles).
     """
@@ -119,7 +121,7 @@ def logit_grad_block(
         vocab,
         hidden_size,
         first_column,
-        inv_temperature,
+        temperature,
         **row_flags,
         **tiles.launch_options(),
     )

@@ -47,7 +47,7 @@ def softmax_stats_kernel(
     num_splits,
     stride_parts_split,
     stride_parts_token,
-    inv_temperature,
+    temperature_ptr,
     block_desc,
     reference_ptr,
     stride_reference_row,
@@ -71,6 +71,7 @@ def softmax_stats_kernel(
     rows = row0 + tl.arange(0, BLOCK_M)
     row_valid = rows < num_tokens
     target_column = tl.load(target_column_ptr + rows, mask=row_valid, other=-1)  # -1: another shard's
+    inv_temperature = 1.0 / tl.load(temperature_ptr + rows, mask=row_valid, other=1.0)
     if STORE_BLOCK and not STORE_OFFSETS:
         reference = tl.load(reference_ptr + rows, mask=row_valid, other=0.0)
     num_steps = num_col_tiles * k_steps
@@ -94,7 +95,7 @@ def softmax_stats_kernel(
         if k_step == k_steps - 1:
             # Offsets within the tile against scalars: no per-element column indices (registers).
             col_valid = (tl.arange(0, BLOCK_N) < vocab - col0)[None, :]
-            logits = tl.where(col_valid, acc * inv_temperature, float("-inf"))
+            logits = tl.where(col_valid, acc * inv_temperature[:, None], float("-inf"))
             tile_max = tl.max(logits, axis=1)
             new_max = tl.maximum(running_max, tile_max)
             # First tile: nothing to rescale (and -inf - new_max must not meet sumexp = 0).
@@ -140,7 +141,7 @@ def split_statistics(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target_column: torch.Tensor,
-    inv_temperature: float,
+    temperature: torch.Tensor,
     tiles: Tiles,
     tiles_per_split: int,
     block: Optional[torch.Tensor] = None,
@@ -150,7 +151,8 @@ def split_statistics(
 
     ``hidden [n >= 1, H]`` and ``weight [V, H]`` share a dtype (any strides); ``target_column
     [n]`` (int64, contiguous) is the target's row in ``weight``, or -1 where this shard does not
-    own it. Columns are the ``softmax`` order (MAX, SUMEXP, SUMEXP_Z, TARGET).
+    own it; ``temperature [n]`` (float32, contiguous) divides each row's logits. Columns are the
+    ``softmax`` order (MAX, SUMEXP, SUMEXP_Z, TARGET).
 
     With a ``block [n, V]`` (unit last stride, 16-byte aligned rows) the kernel also stores every
     logit: a bfloat16 or float32 block as ``exp(z - reference[row])`` (``reference [n]`` float32,
@@ -160,14 +162,14 @@ def split_statistics(
     """
     num_splits = triton.cdiv(triton.cdiv(weight.shape[0], tiles.block_n), tiles_per_split)
     parts = torch.empty(num_splits, hidden.shape[0], NUM_STATISTICS, dtype=torch.float32, device=hidden.device)
-    _launch(hidden, weight, target_column, inv_temperature, tiles, tiles_per_split, parts, block, reference)
+    _launch(hidden, weight, target_column, temperature, tiles, tiles_per_split, parts, block, reference)
     return parts
 
 
 def refresh_exponentials(
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    inv_temperature: float,
+    temperature: torch.Tensor,
     tiles: Tiles,
     tiles_per_split: int,
     block: torch.Tensor,
@@ -180,14 +182,12 @@ def refresh_exponentials(
     no_targets = torch.full_like(reference, -1, dtype=torch.int64)
     unwritten_parts = reference.new_empty(1, 1, NUM_STATISTICS)  # refresh mode writes no statistics
     _launch(
-        hidden, weight, no_targets, inv_temperature, tiles, tiles_per_split, unwritten_parts, block, reference,
+        hidden, weight, no_targets, temperature, tiles, tiles_per_split, unwritten_parts, block, reference,
         refresh,
     )  # fmt: skip
 
 
-def _launch(
-    hidden, weight, target_column, inv_temperature, tiles, tiles_per_split, parts, block, reference, refresh=None
-):
+def _launch(hidden, weight, target_column, temperature, tiles, tiles_per_split, parts, block, reference, refresh=None):
     num_tokens, hidden_size = hidden.shape
     vocab = weight.shape[0]
     num_splits = triton.cdiv(triton.cdiv(vocab, tiles.block_n), tiles_per_split)
@@ -204,7 +204,7 @@ def _launch(
         num_splits,
         parts.stride(0),
         parts.stride(1),
-        inv_temperature,
+        temperature,
         None if block is None else descriptor(block, [tiles.block_m, tiles.block_n // 2]),
         reference,
         reference.stride(0) if reference is not None else 0,

@@ -38,7 +38,7 @@ def stored_grad_kernel(
     grad_entropy_ptr,
     num_tokens,
     vocab,
-    inv_temperature,
+    temperature_ptr,
     HAS_GRAD_LOGPROB: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
     OFFSETS_TILE_N: tl.constexpr,
@@ -78,7 +78,8 @@ def stored_grad_kernel(
     )
     grad = tl.where(cols[None, :] == target_column[:, None], 0.0, grad)
     grad_out = grad_ptr + wide_rows * stride_grad_row + cols[None, :]
-    tl.store(grad_out, (grad * inv_temperature).to(grad_ptr.dtype.element_ty), mask=valid)
+    inv_temperature = 1.0 / tl.load(temperature_ptr + rows, mask=row_valid, other=1.0)
+    tl.store(grad_out, (grad * inv_temperature[:, None]).to(grad_ptr.dtype.element_ty), mask=valid)
 
 
 def stored_logit_grads(
@@ -88,7 +89,7 @@ def stored_logit_grads(
     target_column: torch.Tensor,
     saved: SavedStatistics,
     upstream: UpstreamGrads,
-    inv_temperature: float,
+    temperature: torch.Tensor,
     offsets_tile_n: int = 0,
 ) -> torch.Tensor:
     """``dz / T`` ``[n, V]`` but the chosen tokens' elements (0), written into ``out`` (``[n, V]``,
@@ -98,7 +99,8 @@ def stored_logit_grads(
     ``block [n, V]`` (unit last stride) holds ``exp(z - reference[row])`` with ``reference [n]``
     float32, or with ``offsets_tile_n`` (a power of two) the float16 offsets ``z - m`` from the
     maxima ``reference [n, ceil(V / offsets_tile_n)]`` (float32, unit last stride) of column tiles
-    of that width; ``target_column [n]`` (int64, -1: another shard's); ``saved`` and ``upstream``
+    of that width; ``target_column [n]`` (int64, -1: another shard's); ``temperature [n]`` (float32,
+    contiguous) divides each row's logits; ``saved`` and ``upstream``
     hold ``[n]`` float32 contiguous tensors (``None``: no term). Each program reads its elements
     before it writes them, and no two programs share an element, so ``out`` may alias ``block``.
     """
@@ -117,7 +119,7 @@ def stored_logit_grads(
         *row_pointers,
         num_tokens,
         vocab,
-        inv_temperature,
+        temperature,
         **row_flags,
         OFFSETS_TILE_N=offsets_tile_n,
         BLOCK_M=ROWS_PER_PROGRAM,

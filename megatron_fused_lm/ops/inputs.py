@@ -199,16 +199,17 @@ def target_columns(
 def row_temperatures(
     temperature: Union[float, torch.Tensor], selection: RowSelection, device: torch.device
 ) -> torch.Tensor:
-    """The selected rows' temperatures, float32 ``[k]`` on ``device``, from ``temperature``: a
-    positive finite number, or a float tensor shaped like the rows (``selection.lead_shape``, or
-    0-dim for all of them) that needs no gradient. ``TypeError`` / ``ValueError`` otherwise; a
+    """The selected rows' temperatures, float32 ``[k]`` on ``device`` (stride 0 where they share one),
+    from ``temperature``: a positive finite number, or a float tensor shaped like the rows
+    (``selection.lead_shape``, or 0-dim for all of them) that needs no gradient. ``TypeError`` / ``ValueError`` otherwise; a
     tensor's values are checked by ``check_on_device`` (no host synchronization on a GPU)."""
     num_rows = selection.lead_shape.numel() if selection.rows is None else selection.rows.shape[0]
     if not isinstance(temperature, torch.Tensor):
         value = checked_number("temperature", temperature)
         if not value > 0 or not math.isfinite(value):
             raise ValueError(f"temperature must be a positive finite number, got {value}")
-        return torch.full((num_rows,), value, dtype=torch.float32, device=device)
+        # One value seen by every row (stride 0): the kernels then scale by a scalar.
+        return torch.full((1,), value, dtype=torch.float32, device=device).expand(num_rows)
     if not temperature.dtype.is_floating_point:
         raise TypeError(f"temperature must be a float tensor (one per row) or a number, got {temperature.dtype}")
     if temperature.requires_grad:
@@ -216,8 +217,10 @@ def row_temperatures(
     if temperature.device != device:
         raise ValueError(f"temperature must be on {device}, got {temperature.device}")
     if temperature.dim() == 0:
-        temperature = temperature.expand(selection.lead_shape)
-    elif temperature.shape != selection.lead_shape:
+        rows = temperature.float().reshape(1)
+        check_on_device(((rows > 0) & rows.isfinite()).all(), "every temperature must be positive and finite")
+        return rows.expand(num_rows)
+    if temperature.shape != selection.lead_shape:
         raise ValueError(
             f"temperature.shape {tuple(temperature.shape)} must equal the rows' shape {tuple(selection.lead_shape)} "
             "(one per row of targets), or be 0-dim"

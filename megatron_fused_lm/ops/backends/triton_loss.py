@@ -93,7 +93,7 @@ class TritonLoss(held_gradients.HeldSteps):
         num_rows = rows.stop - rows.start
         hidden, weight = addressable(problem.hidden[rows]), addressable(problem.weight)
         columns, block = problem.target_column[rows].contiguous(), state.block[:num_rows]
-        temperature = problem.temperature[rows].contiguous()
+        temperature = problem.temperature[rows]
         tiles = self.tuning.forward_tiles_for(weight.dtype, block.dtype, weight.device)
         tiles_per_split = self.tuning.tiles_per_split_for(weight.shape[0], tiles, weight.device)
         offsets = stores_offsets(block.dtype)
@@ -155,7 +155,7 @@ class TritonLoss(held_gradients.HeldSteps):
         saved = SavedStatistics(summary.lse.contiguous(), summary.mean_logit.contiguous())
         return stored_logit_grads(
             block, state.reference[:num_rows], block.view(weight.dtype), problem.target_column[rows].contiguous(),
-            saved, upstream, problem.temperature[rows].contiguous(), tiles.block_n if stores_offsets(block.dtype) else 0,
+            saved, upstream, problem.temperature[rows], tiles.block_n if stores_offsets(block.dtype) else 0,
         )  # fmt: skip
 
     def products(

@@ -43,9 +43,7 @@ class TritonRecompute:
             return hidden.new_empty(0, NUM_STATISTICS, dtype=torch.float32)
         tiles = self.tuning.forward_tiles_for(weight.dtype)
         tiles_per_split = self.tuning.tiles_per_split_for(weight.shape[0], tiles, weight.device)
-        parts = split_statistics(
-            hidden, weight, problem.target_column, problem.temperature.contiguous(), tiles, tiles_per_split
-        )
+        parts = split_statistics(hidden, weight, problem.target_column, problem.temperature, tiles, tiles_per_split)
         return merge_parts(parts)
 
     def local_gradients(
@@ -75,7 +73,7 @@ class TritonRecompute:
         tiles = self.tuning.backward_tiles_for(weight.dtype)
         programs = self.tuning.programs_for(weight.device)
         hidden_operand, weight_operand = addressable(hidden), addressable(weight)
-        target_column, temperature = problem.target_column.contiguous(), problem.temperature.contiguous()
+        target_column, temperature = problem.target_column.contiguous(), problem.temperature
         saved = SavedStatistics(*(part.contiguous() for part in saved))
         upstream = UpstreamGrads(*(None if part is None else part.contiguous() for part in upstream))
 

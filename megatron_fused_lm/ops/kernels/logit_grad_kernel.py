@@ -13,7 +13,16 @@ import triton.language as tl
 
 from ..contract import SavedStatistics, UpstreamGrads
 from .descriptors import descriptor
-from .epilogue import grouped_tile, logit_grad_tile, next_k_step, product_step, row_upstream, row_upstream_arguments
+from .epilogue import (
+    grouped_tile,
+    inverse_temperature,
+    logit_grad_tile,
+    next_k_step,
+    product_step,
+    row_upstream,
+    row_upstream_arguments,
+    temperature_arguments,
+)
 from .tiles import Tiles
 
 
@@ -34,6 +43,7 @@ def logit_grad_kernel(
     temperature_ptr,
     HAS_GRAD_LOGPROB: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
+    UNIFORM_TEMPERATURE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -68,7 +78,7 @@ def logit_grad_kernel(
                 rows, rows < num_tokens, target_column_ptr, lse_ptr, mean_logit_ptr, grad_logprob_ptr,
                 grad_entropy_ptr, HAS_GRAD_LOGPROB, HAS_GRAD_ENTROPY,
             )  # fmt: skip
-            inv_temperature = 1.0 / tl.load(temperature_ptr + rows, mask=rows < num_tokens, other=1.0)[:, None]
+            inv_temperature = inverse_temperature(temperature_ptr, rows, rows < num_tokens, UNIFORM_TEMPERATURE)
             logits = acc * inv_temperature
             grad = logit_grad_tile(
                 tl.exp(logits - lse[:, None]),
@@ -103,8 +113,8 @@ def logit_grad_block(
     block ``weight [v >= 1, H]`` that starts at the shard's row ``first_column`` (both
     ``descriptors.addressable``).
 
-    ``target_column [n]`` (int64, the shard's encoding); ``temperature [n]`` (float32, contiguous)
-    divides each row's logits; ``saved`` and ``upstream`` hold ``[n]``
+    ``target_column [n]`` (int64, the shard's encoding); ``temperature [n]`` (float32; stride 0:
+    one for all rows) divides each row's logits; ``saved`` and ``upstream`` hold ``[n]``
     float32 contiguous tensors; a ``None`` upstream gradient contributes nothing. The grid has
     ``num_programs`` programs (fewer if there are fewer tiles).
     """
@@ -112,6 +122,7 @@ def logit_grad_block(
     vocab = weight.shape[0]
     num_tiles = triton.cdiv(num_tokens, tiles.block_m) * triton.cdiv(vocab, tiles.block_n)
     row_pointers, row_flags = row_upstream_arguments(target_column, saved, upstream)
+    temperature, temperature_flag = temperature_arguments(temperature)
     logit_grad_kernel[(min(num_tiles, num_programs),)](
         descriptor(hidden, [tiles.block_m, tiles.block_k]),
         descriptor(weight, [tiles.block_n, tiles.block_k]),
@@ -123,6 +134,7 @@ def logit_grad_block(
         first_column,
         temperature,
         **row_flags,
+        **temperature_flag,
         **tiles.launch_options(),
     )
     return out

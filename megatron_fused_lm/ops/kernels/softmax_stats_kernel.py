@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ..softmax import NUM_STATISTICS
 from .descriptors import addressable, descriptor
-from .epilogue import grouped_tile, next_k_step, product_step
+from .epilogue import grouped_tile, inverse_temperature, next_k_step, product_step, temperature_arguments
 from .tiles import Tiles
 
 
@@ -55,6 +55,7 @@ def softmax_stats_kernel(
     STORE_BLOCK: tl.constexpr,
     STORE_OFFSETS: tl.constexpr,
     REFRESH: tl.constexpr,
+    UNIFORM_TEMPERATURE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -71,7 +72,7 @@ def softmax_stats_kernel(
     rows = row0 + tl.arange(0, BLOCK_M)
     row_valid = rows < num_tokens
     target_column = tl.load(target_column_ptr + rows, mask=row_valid, other=-1)  # -1: another shard's
-    inv_temperature = 1.0 / tl.load(temperature_ptr + rows, mask=row_valid, other=1.0)
+    inv_temperature = inverse_temperature(temperature_ptr, rows, row_valid, UNIFORM_TEMPERATURE)
     if STORE_BLOCK and not STORE_OFFSETS:
         reference = tl.load(reference_ptr + rows, mask=row_valid, other=0.0)
     num_steps = num_col_tiles * k_steps
@@ -95,7 +96,7 @@ def softmax_stats_kernel(
         if k_step == k_steps - 1:
             # Offsets within the tile against scalars: no per-element column indices (registers).
             col_valid = (tl.arange(0, BLOCK_N) < vocab - col0)[None, :]
-            logits = tl.where(col_valid, acc * inv_temperature[:, None], float("-inf"))
+            logits = tl.where(col_valid, acc * inv_temperature, float("-inf"))
             tile_max = tl.max(logits, axis=1)
             new_max = tl.maximum(running_max, tile_max)
             # First tile: nothing to rescale (and -inf - new_max must not meet sumexp = 0).
@@ -151,7 +152,7 @@ def split_statistics(
 
     ``hidden [n >= 1, H]`` and ``weight [V, H]`` share a dtype (any strides); ``target_column
     [n]`` (int64, contiguous) is the target's row in ``weight``, or -1 where this shard does not
-    own it; ``temperature [n]`` (float32, contiguous) divides each row's logits. Columns are the
+    own it; ``temperature [n]`` (float32; stride 0: one for all rows) divides each row's logits. Columns are the
     ``softmax`` order (MAX, SUMEXP, SUMEXP_Z, TARGET).
 
     With a ``block [n, V]`` (unit last stride, 16-byte aligned rows) the kernel also stores every
@@ -192,6 +193,7 @@ def _launch(hidden, weight, target_column, temperature, tiles, tiles_per_split, 
     vocab = weight.shape[0]
     num_splits = triton.cdiv(triton.cdiv(vocab, tiles.block_n), tiles_per_split)
     grid = (triton.cdiv(num_tokens, tiles.block_m) * num_splits,)
+    temperature, temperature_flag = temperature_arguments(temperature)
     softmax_stats_kernel[grid](
         descriptor(addressable(hidden), [tiles.block_m, tiles.block_k]),
         descriptor(addressable(weight), [tiles.block_n, tiles.block_k]),
@@ -212,5 +214,6 @@ def _launch(hidden, weight, target_column, temperature, tiles, tiles_per_split, 
         STORE_BLOCK=block is not None,
         STORE_OFFSETS=block is not None and stores_offsets(block.dtype),
         REFRESH=refresh is not None,
+        **temperature_flag,
         **tiles.launch_options(),
     )

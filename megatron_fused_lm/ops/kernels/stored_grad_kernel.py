@@ -15,7 +15,13 @@ import triton
 import triton.language as tl
 
 from ..contract import SavedStatistics, UpstreamGrads
-from .epilogue import logit_grad_tile, row_upstream, row_upstream_arguments
+from .epilogue import (
+    inverse_temperature,
+    logit_grad_tile,
+    row_upstream,
+    row_upstream_arguments,
+    temperature_arguments,
+)
 
 # Launch shape of this memory-bound pass (docs/BENCHMARKS.md has the sweep).
 ROWS_PER_PROGRAM = 16
@@ -41,6 +47,7 @@ def stored_grad_kernel(
     temperature_ptr,
     HAS_GRAD_LOGPROB: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
+    UNIFORM_TEMPERATURE: tl.constexpr,
     OFFSETS_TILE_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -78,8 +85,8 @@ def stored_grad_kernel(
     )
     grad = tl.where(cols[None, :] == target_column[:, None], 0.0, grad)
     grad_out = grad_ptr + wide_rows * stride_grad_row + cols[None, :]
-    inv_temperature = 1.0 / tl.load(temperature_ptr + rows, mask=row_valid, other=1.0)
-    tl.store(grad_out, (grad * inv_temperature[:, None]).to(grad_ptr.dtype.element_ty), mask=valid)
+    inv_temperature = inverse_temperature(temperature_ptr, rows, row_valid, UNIFORM_TEMPERATURE)
+    tl.store(grad_out, (grad * inv_temperature).to(grad_ptr.dtype.element_ty), mask=valid)
 
 
 def stored_logit_grads(
@@ -99,8 +106,8 @@ def stored_logit_grads(
     ``block [n, V]`` (unit last stride) holds ``exp(z - reference[row])`` with ``reference [n]``
     float32, or with ``offsets_tile_n`` (a power of two) the float16 offsets ``z - m`` from the
     maxima ``reference [n, ceil(V / offsets_tile_n)]`` (float32, unit last stride) of column tiles
-    of that width; ``target_column [n]`` (int64, -1: another shard's); ``temperature [n]`` (float32,
-    contiguous) divides each row's logits; ``saved`` and ``upstream``
+    of that width; ``target_column [n]`` (int64, -1: another shard's); ``temperature [n]`` (float32;
+    stride 0: one for all rows) divides each row's logits; ``saved`` and ``upstream``
     hold ``[n]`` float32 contiguous tensors (``None``: no term). Each program reads its elements
     before it writes them, and no two programs share an element, so ``out`` may alias ``block``.
     """
@@ -108,6 +115,7 @@ def stored_logit_grads(
     # A program's columns lie in one column tile of the offsets.
     columns = min(COLUMNS_PER_PROGRAM, offsets_tile_n) if offsets_tile_n else COLUMNS_PER_PROGRAM
     row_pointers, row_flags = row_upstream_arguments(target_column, saved, upstream)
+    temperature, temperature_flag = temperature_arguments(temperature)
     grid = (triton.cdiv(vocab, columns), triton.cdiv(num_tokens, ROWS_PER_PROGRAM))
     stored_grad_kernel[grid](
         block,
@@ -121,6 +129,7 @@ def stored_logit_grads(
         vocab,
         temperature,
         **row_flags,
+        **temperature_flag,
         OFFSETS_TILE_N=offsets_tile_n,
         BLOCK_M=ROWS_PER_PROGRAM,
         BLOCK_N=columns,

@@ -1,0 +1,70 @@
+"""What a temperature per token costs beside one temperature for all, on one GPU (Triton backend,
+bf16, the inputs of ``harness.make_inputs``): the forward (``no_grad``), the recompute op's forward
++ backward (log-prob and entropy, random upstream gradients) and the three-GEMM SFT loss, each with
+``temperature=0.7`` and with a ``[tokens]`` tensor of temperatures from 0.5 to 2. Median of
+``--repeats`` timed calls after ``--warmup``, peak extra memory of one more.
+
+    PYTHONPATH=.:benchmarks python benchmarks/bench_temperature.py --shapes 8192x4096x151936 --json temperature.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from harness import make_inputs, parse_shapes, result_row, shape_name, try_measure
+
+from devkit.measure import environment
+from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, losses
+
+
+def steps(inputs, temperature):
+    hidden, weight, targets = inputs.hidden, inputs.weight, inputs.targets
+    options = dict(temperature=temperature, backend="triton")
+
+    def forward():
+        with torch.no_grad():
+            return fused_linear_logprob(hidden, weight, targets, return_entropy=True, **options)
+
+    def recompute():
+        logprob, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, **options)
+        torch.autograd.backward([logprob, entropy], [inputs.grad_logprob, inputs.grad_entropy])
+
+    weights = torch.full_like(inputs.grad_logprob, 1.0 / targets.numel())
+
+    def sft():
+        fused_linear_loss(
+            hidden, weight, targets, losses.cross_entropy, loss_inputs={"weight": weights}, **options
+        ).loss.backward()
+
+    return {"forward": forward, "recompute": recompute, "sft": sft}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="4096x2048x151936,16384x5120x152064")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    for shape in parse_shapes(args.shapes):
+        inputs = make_inputs(*shape, torch.bfloat16, device)
+        gen = torch.Generator(device=device).manual_seed(3)
+        per_token = torch.rand(shape[0], device=device, generator=gen) * 1.5 + 0.5
+        for label, temperature in (("one", 0.7), ("per_token", per_token)):
+            for use, step in steps(inputs, temperature).items():
+                measurement, failure = try_measure(lambda step=step: step, inputs, args.warmup, args.repeats)
+                row = result_row(measurement, failure, shape=shape_name(shape), use=use, temperature=label)
+                rows.append(row)
+                print(row)
+        del inputs
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"meta": environment(torch.device(device), torch.bfloat16), "rows": rows}, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -42,16 +42,12 @@ class FusedLMSettings:
     fused_linear_logprob_batch_invariant: bool = False
 
 
-def uniform_temperature(temperature: Union[float, Tensor]) -> float:
-    """The one sampling temperature of a micro-batch, from verl's per-row ``temperature`` (rows
-    holding 0 or less are padding). The fused head divides all logits by one temperature."""
-    values = torch.as_tensor(temperature).detach().flatten()
-    values = values[values > 0]
-    if values.numel() == 0:
-        return 1.0
-    if bool((values != values[0]).any()):
-        raise NotImplementedError("per-sample temperatures need the logits: turn fused_linear_logprob off for them")
-    return float(values[0])
+def head_temperature(temperature: Union[float, Tensor]) -> Union[float, Tensor]:
+    """verl's ``temperature`` as the head takes it: a float as it is; per-row temperatures with the
+    padding rows (0 or less, whose results verl's postprocessing drops) at 1."""
+    if not isinstance(temperature, Tensor):
+        return temperature
+    return torch.where(temperature > 0, temperature, 1.0).detach()
 
 
 def fused_logits_processor(
@@ -68,20 +64,20 @@ def fused_logits_processor(
     Args:
         output: ``[1, T, h]`` (packed) or ``[b, s, h]`` hidden states when fused, else the logits shard.
         label: int ``[1, T]`` or ``[b, s]``: the row's next token.
-        temperature: verl's per-row temperatures (or one float).
+        temperature: verl's per-row temperatures ``label``'s shape (or one float).
         calculate_entropy: also return the entropy (verl asks for it when the loss uses it).
         entropy_grad: ``False`` when the entropy is only a metric (``entropy_coeff: 0``).
 
     Returns:
         ``{"log_probs": ..., "entropy": ...}`` (entropy only if asked), float32, ``label``'s shape.
     """
-    value = uniform_temperature(temperature)
+    temperature = head_temperature(temperature)
     if calculate_entropy:
         log_probs, entropy = head.logprobs(
-            output, label, temperature=value, return_entropy=True, entropy_grad=entropy_grad
+            output, label, temperature=temperature, return_entropy=True, entropy_grad=entropy_grad
         )
         return {"log_probs": log_probs, "entropy": entropy}
-    return {"log_probs": head.logprobs(output, label, temperature=value)}
+    return {"log_probs": head.logprobs(output, label, temperature=temperature)}
 
 
 class FusedLMHeadEngine:

@@ -228,14 +228,15 @@ def check_verl(tied: bool) -> None:
     packed = pack(tokens, cu_seqlens)
     label = packed.roll(-1, dims=1)  # preprocess_thd_engine(need_roll=True) at CP = 1
     temperature = torch.zeros(packed.shape)  # verl's per-token temperatures, 0 on padding rows
-    for start, length in zip(cu_seqlens.tolist(), lengths, strict=False):
-        temperature[0, start : start + length] = TEMPERATURE
+    for index, (start, length) in enumerate(zip(cu_seqlens.tolist(), lengths, strict=False)):
+        temperature[0, start : start + length] = TEMPERATURE * (1 + 0.5 * index)  # each sample its own
     mask = harness.packed_attention_mask(cu_seqlens)
     model = harness.build_gpt(MODEL_SHAPE, sequence_parallel=True, tied=tied)
     scored = torch.zeros(packed.shape, dtype=torch.bool)  # the rows postprocess_thd_engine keeps and the loss reads
     for start, length in zip(cu_seqlens.tolist(), lengths, strict=False):
         scored[0, start : start + length - 1] = True
-    expected = tuple(value[scored] for value in stock_rows(model, packed, mask, TEMPERATURE))
+    on_rows = torch.where(temperature > 0, temperature, 1.0)
+    expected = tuple(value[scored] for value in stock_rows(model, packed, mask, on_rows))
     grads = stock_grads(model, weighted(expected, seed=30))
 
     options = dict(
@@ -259,14 +260,6 @@ def check_verl(tied: bool) -> None:
             engine._lm_head_logits_processor(
                 run_model(model, packed, mask), label, temperature, **{**options, option: True}
             )
-    with pytest.raises(NotImplementedError, match="per-sample temperatures"):
-        verl.fused_logits_processor(
-            engine.fused_head,
-            run_model(model, packed, mask),
-            label,
-            temperature * torch.rand(packed.shape),
-            calculate_entropy=False,
-        )
     with pytest.raises(ValueError, match="use_fused_kernels"):
         VerlEngine([model], verl_engine_config(use_fused_kernels=True))._build_megatron_module()
     stock = VerlEngine([model], verl_engine_config(fused_linear_logprob=False))

@@ -9,11 +9,10 @@ bf16, the inputs of ``harness.make_inputs``): the forward (``no_grad``), the rec
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
-from harness import make_inputs, parse_shapes, result_row, shape_name, try_measure
+from harness import make_inputs, parse_shapes, result_row, shape_name, timing_parser, try_measure
 
 from devkit.measure import environment
 from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, losses
@@ -42,11 +41,7 @@ def steps(inputs, temperature):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="4096x2048x151936,16384x5120x152064")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--json")
+    parser = timing_parser(__doc__.splitlines()[0], "4096x2048x151936,16384x5120x152064", warmup=2, repeats=7)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []

@@ -8,11 +8,10 @@ timed calls after ``--warmup``, peak extra memory of one more.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
-from harness import make_inputs, parse_shapes, result_row, shape_name, try_measure
+from harness import make_inputs, parse_shapes, result_row, shape_name, timing_parser, try_measure
 
 from megatron_fused_lm import fused_linear_logprob, fused_linear_topk
 
@@ -34,12 +33,8 @@ def methods(inputs, ks):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="8192x4096x151936")
+    parser = timing_parser(__doc__.splitlines()[0], "8192x4096x151936", warmup=3, repeats=10)
     parser.add_argument("--ks", default="1,64")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--json")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []

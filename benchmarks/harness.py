@@ -9,6 +9,7 @@ times come from the host clock and there is no memory figure.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import traceback
 from dataclasses import dataclass
@@ -28,6 +29,17 @@ GIB = 2**30
 def parse_shapes(text):
     """``"TxHxV,..."`` -> list of ``(tokens, hidden, vocab)``."""
     return [tuple(int(part) for part in item.lower().split("x")) for item in text.split(",") if item]
+
+
+def timing_parser(description: str, shapes: str, warmup: int, repeats: int) -> argparse.ArgumentParser:
+    """The options of a timing script: ``--shapes`` (TOKENSxHIDDENxVOCAB, comma-separated),
+    ``--warmup``, ``--repeats`` and ``--json``, with these defaults."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--shapes", default=shapes)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--json")
+    return parser
 
 
 def shape_name(shape):

@@ -50,11 +50,12 @@ def reference(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
-    temperature: float = 1.0,
+    temperature=1.0,
     grad_logprob: Optional[torch.Tensor] = None,
     grad_entropy: Optional[torch.Tensor] = None,
 ) -> Reference:
     """Log-probs and entropy of ``targets [...]`` under ``softmax(hidden [..., H] @ weight.T / T)``
+    (``T`` a number or a tensor of ``targets``' shape)
     over the whole vocabulary ``weight [V, H]``; given upstream gradients, the gradients of
     ``sum(logprob * grad_logprob + entropy * grad_entropy)`` with respect to hidden and weight."""
     return _reference(lambda h, w: h @ w.t(), (hidden, weight), targets, temperature, grad_logprob, grad_entropy)
@@ -63,7 +64,7 @@ def reference(
 def reference_from_logits(
     logits: torch.Tensor,
     targets: torch.Tensor,
-    temperature: float = 1.0,
+    temperature=1.0,
     grad_logprob: Optional[torch.Tensor] = None,
     grad_entropy: Optional[torch.Tensor] = None,
 ) -> Reference:
@@ -89,7 +90,7 @@ def loss_reference(
     targets: torch.Tensor,
     loss_fn,
     loss_inputs: Optional[dict] = None,
-    temperature: float = 1.0,
+    temperature=1.0,
     mask: Optional[torch.Tensor] = None,
 ) -> LossReference:
     """``sum_t loss_fn(logprob_t, entropy_t, **inputs_t)`` over the rows ``mask`` selects (every row

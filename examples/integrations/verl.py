@@ -64,7 +64,7 @@ def fused_logits_processor(
     Args:
         output: ``[1, T, h]`` (packed) or ``[b, s, h]`` hidden states when fused, else the logits shard.
         label: int ``[1, T]`` or ``[b, s]``: the row's next token.
-        temperature: verl's per-row temperatures ``label``'s shape (or one float).
+        temperature: verl's per-row temperatures, of ``label``'s shape (or one float).
         calculate_entropy: also return the entropy (verl asks for it when the loss uses it).
         entropy_grad: ``False`` when the entropy is only a metric (``entropy_coeff: 0``).
 

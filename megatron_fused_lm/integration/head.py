@@ -309,7 +309,9 @@ class FusedLMHead:
         rank) before the forward; it holds until replaced or cleared with ``None``. The backward
         checks that it receives ``c * weights`` and corrects any other upstream gradient exactly by
         a second pass (``fused_linear_cross_entropy``). ``main_grad_scale``: ``c`` itself, for the
-        ``main_grad`` route (as ``loss``'s). A stock head ignores the declaration.
+        ``main_grad`` route (as ``loss``'s). A stock head ignores the declaration. The labels path
+        takes no temperature (Megatron's has none); ``loss(..., losses.cross_entropy,
+        temperature=)`` is SFT at one.
         """
         if weights is not None:
             if not isinstance(weights, torch.Tensor):

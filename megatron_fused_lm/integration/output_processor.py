@@ -191,11 +191,11 @@ class FusedOutputProcessor:
 
 def _sequence_first(request: Request) -> Request:
     """``request`` with its ``[b, s]`` tensors (and those of its dicts: ``loss_inputs``) as
-    ``[s, b]`` views, the hidden states' layout."""
+    ``[s, b]`` views, the hidden states' layout; a 0-dim one (a temperature for all rows) as it is."""
     swapped = {}
     for field in dataclasses.fields(request):
         value = getattr(request, field.name)
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
             swapped[field.name] = _swap(value)
         elif isinstance(value, dict):
             swapped[field.name] = {name: _swap(tensor) for name, tensor in value.items()}

@@ -276,7 +276,8 @@ def _(upstream, tensors, *, parts, dtype, **options) -> tuple[Tensor, Tensor]:
 def _compiled_backward(bare: HeldPass, tensors: List[Tensor], upstream: Tensor) -> Gradients:
     options = bare.options
     grads = held_backward(
-        upstream, tensors, parts=len(bare.held.held_weight), dtype=bare.dtype, backend=options.backend, token_chunk=options.token_chunk, tp_group_name=options.tp_group_name,
+        upstream, tensors, parts=len(bare.held.held_weight), dtype=bare.dtype, backend=options.backend,
+        token_chunk=options.token_chunk, tp_group_name=options.tp_group_name,
         reduce_hidden_grad=options.reduce_hidden_grad, batch_invariant=options.batch_invariant,
     )  # fmt: skip
     return Gradients(*(grad if grad.dim() == 2 else None for grad in grads))

@@ -200,10 +200,17 @@ def row_temperatures(
     temperature: Union[float, torch.Tensor], selection: RowSelection, device: torch.device
 ) -> torch.Tensor:
     """The selected rows' temperatures, float32 ``[k]`` on ``device`` (stride 0 where they share one),
-    from ``temperature``: a positive finite number, or a float tensor shaped like the rows
-    (``selection.lead_shape``, or 0-dim for all of them) that needs no gradient. ``TypeError`` / ``ValueError`` otherwise; a
-    tensor's values are checked by ``check_on_device`` (no host synchronization on a GPU)."""
+    from ``temperature``: a positive finite number (a 0-dim CPU tensor counts as one), or a float
+    tensor on ``device``, shaped like the rows (``selection.lead_shape``) or 0-dim, that needs no
+    gradient. ``TypeError`` / ``ValueError`` otherwise; a tensor's values are checked by
+    ``check_on_device`` (no host synchronization on a GPU), those of rows the selection leaves out
+    (``max_rows`` padding included) not at all. Always a copy: the caller's tensor may change, or
+    be an inference tensor, before the backward reads it."""
     num_rows = selection.lead_shape.numel() if selection.rows is None else selection.rows.shape[0]
+    if isinstance(temperature, torch.Tensor) and temperature.dim() == 0 and temperature.device.type == "cpu":
+        if temperature.requires_grad:
+            raise ValueError("temperature takes no gradient: pass it detached")
+        temperature = temperature.item()  # read on the host, where it lives
     if not isinstance(temperature, torch.Tensor):
         value = checked_number("temperature", temperature)
         if not value > 0 or not math.isfinite(value):
@@ -215,17 +222,18 @@ def row_temperatures(
     if temperature.requires_grad:
         raise ValueError("temperature takes no gradient: pass it detached")
     if temperature.device != device:
-        raise ValueError(f"temperature must be on {device}, got {temperature.device}")
+        raise ValueError(f"temperature must be on {device} (or be a number), got {temperature.device}")
     if temperature.dim() == 0:
-        rows = temperature.float().reshape(1)
-        check_on_device(((rows > 0) & rows.isfinite()).all(), "every temperature must be positive and finite")
-        return rows.expand(num_rows)
-    if temperature.shape != selection.lead_shape:
+        rows = temperature.to(torch.float32, copy=True).reshape(1)
+    elif temperature.shape != selection.lead_shape:
         raise ValueError(
             f"temperature.shape {tuple(temperature.shape)} must equal the rows' shape {tuple(selection.lead_shape)} "
-            "(one per row of targets), or be 0-dim"
+            "(one per row), or be 0-dim"
         )
-    rows = selection.take_rows(temperature).float()
+    else:
+        rows = selection.take_rows(temperature).to(torch.float32, copy=True)
+        if selection.slots is not None:  # max_rows padding computes a real row; its temperature is not read
+            rows = torch.where(selection.slots == selection.lead_shape.numel(), 1.0, rows)
     if rows.numel() > 0:
         check_on_device(((rows > 0) & rows.isfinite()).all(), "every temperature must be positive and finite")
-    return rows.contiguous()
+    return rows.expand(num_rows) if temperature.dim() == 0 else rows.contiguous()

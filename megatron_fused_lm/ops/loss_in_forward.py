@@ -189,7 +189,11 @@ class ChunkLoss:
         if not self.upstream:
             self.total += total(summary.logprob, summary.entropy)
             return summary, UpstreamGrads(None, None)
-        grad_logprob, grad_entropy, chunk_total = per_token_grads(total, summary.logprob, summary.entropy)
+        row_grads = getattr(self.loss_fn, "row_grads", None)  # a ready-made loss's closed form
+        if row_grads is not None:
+            (grad_logprob, grad_entropy), chunk_total = row_grads(**inputs), total(summary.logprob, summary.entropy)
+        else:
+            grad_logprob, grad_entropy, chunk_total = per_token_grads(total, summary.logprob, summary.entropy)
         self.total += chunk_total
         grads = UpstreamGrads(grad_logprob, grad_entropy if self.entropy_grad else None)
         if self.upstream_scale is not None:
@@ -206,6 +210,8 @@ def per_token_grads(total: Callable[[Tensor, Tensor], Tensor], logprob: Tensor, 
         return grad_logprob, grad_entropy, value
     logprob, entropy = logprob.detach().requires_grad_(), entropy.detach().requires_grad_()
     with torch.enable_grad():
+        if not (logprob * 1).requires_grad:  # inside a custom operator: autograd records nothing here
+            raise RuntimeError("a loss_fn without a closed form (row_grads) cannot be differentiated here")
         value = total(logprob, entropy)
     if not value.requires_grad:
         return None, None, value

@@ -40,6 +40,10 @@ def cross_entropy(logprob: Tensor, entropy: Tensor, *, weight: Tensor) -> Tensor
 
 
 cross_entropy.entropy_grad = False
+# Its per-token gradients (d loss / d logprob, d loss / d entropy) in closed form: the second pass
+# of fused_linear_cross_entropy's compiled backward runs inside a custom operator, where autograd
+# records nothing.
+cross_entropy.row_grads = lambda *, weight: (-weight, None)
 
 
 def kl_penalty(logprob: Tensor, ref_logprob: Tensor, estimator: str) -> Tensor:

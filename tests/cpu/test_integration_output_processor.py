@@ -78,6 +78,9 @@ def check_topk(model, batch, label):
         processor = FusedOutputProcessor(model, FusedLMConfig(enabled=enabled, token_chunk=5))
         logprobs, ids = processed(model, batch, processor, TopkRequest(5, temperature=TEMPERATURE))
         harness.assert_topk_matches(logprobs, ids, stock_logits, 5, TEMPERATURE, VALUE_ATOL, case)
+        # A 0-dim tensor: one temperature for every position, not swapped with the [b, s] ones.
+        logprobs, ids = processed(model, batch, processor, TopkRequest(5, temperature=torch.tensor(0.8)))
+        harness.assert_topk_matches(logprobs, ids, stock_logits, 5, 0.8, VALUE_ATOL, f"{case} 0-dim temperature")
 
 
 def check_loss(model, batch, response, label):

@@ -286,7 +286,13 @@ def test_fullgraph_compile_of_the_loss_path_equals_eager(loss_fn):
         per_token = fused_linear_cross_entropy(hidden, weight, targets, loss_inputs["advantages"].abs(), token_chunk=7)
         return per_token, 0.37 * (per_token * loss_inputs["advantages"].abs()).sum()
 
-    for function in (loss_of, declared_of):
+    def declared_other_of(hidden, weight):
+        # An upstream gradient not proportional to the declared weights: the second pass runs inside
+        # the compiled backward's custom operator.
+        per_token = fused_linear_cross_entropy(hidden, weight, targets, loss_inputs["advantages"].abs(), token_chunk=7)
+        return per_token, (per_token**2).sum()
+
+    for function in (loss_of, declared_of, declared_other_of):
         results = {}
         for name, run in (("eager", function), ("compiled", torch.compile(function, fullgraph=True))):
             leaves = hidden.clone().requires_grad_(), weight.clone().requires_grad_()

@@ -222,12 +222,45 @@ def test_temperatures_that_cannot_be_right_are_refused(temperature, error, match
             call()
 
 
-def test_a_masked_out_row_may_hold_any_temperature():
-    # Rows the mask leaves out are not read: a 0 there (a padding position) is no error.
+@pytest.mark.parametrize("max_rows", [None, 25])
+def test_a_masked_out_row_may_hold_any_temperature(max_rows):
+    # Rows the mask leaves out are not read: a 0 there (a padding position) is no error, also where
+    # max_rows pads the selection with the last row (masked out here).
     hidden, weight, targets = make_case(LEAD, H, V, torch.float32, peaky=False, seed=10)
     mask = torch.ones(LEAD, dtype=torch.bool)
     mask[0, :4] = False
+    mask[-1, -1] = False
     temperature = per_row(seed=16).masked_fill(~mask, 0.0)
-    logprob = fused_linear_logprob(hidden, weight, targets, temperature=temperature, mask=mask)
+    logprob = fused_linear_logprob(hidden, weight, targets, temperature=temperature, mask=mask, max_rows=max_rows)
     expected = reference(hidden, weight, targets, temperature.masked_fill(~mask, 1.0))
     assert relative_error(logprob[mask], expected.logprob[mask]) <= FLOAT32_TOL
+
+
+def test_a_temperature_made_under_inference_mode_trains():
+    # Rollout code often makes its tensors under inference_mode; the ops keep their own copy.
+    hidden, weight, targets = make_case(LEAD, H, V, torch.float32, peaky=False, seed=11)
+    with torch.inference_mode():
+        temperature = per_row(seed=17) + 0.0
+    expected = reference(hidden, weight, targets, temperature, grad_logprob=-torch.ones(LEAD))
+    for three_gemm in (False, True):
+        leaf_hidden, leaf_weight = leaves(hidden, weight)
+        if three_gemm:
+            loss = fused_linear_loss(
+                leaf_hidden, leaf_weight, targets, losses.cross_entropy, loss_inputs={"weight": torch.ones(LEAD)},
+                temperature=temperature,
+            ).loss  # fmt: skip
+        else:
+            loss = -fused_linear_logprob(leaf_hidden, leaf_weight, targets, temperature=temperature).sum()
+        loss.backward()
+        assert relative_error(leaf_hidden.grad, expected.grad_hidden) <= FLOAT32_TOL
+        assert relative_error(leaf_weight.grad, expected.grad_weight) <= FLOAT32_TOL
+
+
+def test_one_temperature_reaches_the_backends_as_one_value():
+    # A number or a 0-dim tensor: a stride-0 view, which the Triton kernels read as one scalar.
+    from megatron_fused_lm.ops.inputs import RowSelection, row_temperatures
+
+    selection = RowSelection(torch.Size(LEAD), None, None, None)
+    for temperature in (0.7, torch.tensor(0.7)):
+        rows = row_temperatures(temperature, selection, torch.device("cpu"))
+        assert rows.shape == (30,) and rows.stride() == (0,) and float(rows[0]) == pytest.approx(0.7)

@@ -144,9 +144,10 @@ def run_case_here(case: dict) -> dict:
         weight = weight.t().contiguous().t()
     hidden, weight = hidden.to(dtype), weight.to(dtype)
     targets = torch.randint(0, case.get("distinct_targets", vocab), (tokens,))
-    # "per_row": each row its own temperature, from 0.5 to 2.
+    # "per_row": each row its own temperature, from 0.5 to 2; a number, as the ops pass it: one value
+    # seen by every row (stride 0), which the kernels read as a scalar.
     per_row = case["temperature"] == "per_row"
-    temperature = torch.rand(tokens) * 1.5 + 0.5 if per_row else torch.full((tokens,), case["temperature"])
+    temperature = torch.rand(tokens) * 1.5 + 0.5 if per_row else torch.full((1,), case["temperature"]).expand(tokens)
     grad_logprob = torch.randn(tokens)
     grad_entropy = torch.randn(tokens) if case["entropy_grad"] else None
     # The backend alone, as the ops call it.
@@ -351,15 +352,16 @@ def test_three_gemm_repeated_targets(dtype):
     check(result, dtype)
 
 
+@pytest.mark.parametrize("temperature", [1.0, "per_row"], ids=["one_temperature", "per_row"])
 @pytest.mark.parametrize("entropy_grad", [False, True], ids=["direct", "dz_pass"])
-def test_three_gemm_refreshed_references(entropy_grad):
+def test_three_gemm_refreshed_references(entropy_grad, temperature):
     # A row's reference comes from 4 sampled weight rows and its target; a dominant row outside
     # them lies far above that for about half the tokens (the precondition below), so their
     # stored exponentials are rewritten against the true maximum, in row tiles that also hold
     # rows which keep theirs. Without the refresh those exponentials overflow (inf, then NaN).
     result = run_case(
         dtype="float32", shape=[40, 48, 97], three_gemm=True, reference_rows=4, dominant_row=60,
-        entropy_grad=entropy_grad, seed=5,
+        entropy_grad=entropy_grad, seed=5, temperature=temperature,
     )  # fmt: skip
     assert result["rows_far_above_sample"] >= 10, result
     # Logits reach about 120: the value bound scales with them, as in test_peaky_logits.

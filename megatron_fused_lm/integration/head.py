@@ -222,7 +222,8 @@ class FusedLMHead:
             output: what the wrapped model returned for this batch: ``hidden [b, s, h]`` when
                 ``fused``, else the logits ``[b, s, vocab/TP]`` (or ``[b, s, vocab]`` when the
                 model gathered them).
-            targets: ``[b, s]`` integer global vocabulary ids.
+            targets: ``[b, s]`` integer global vocabulary ids, or ``[b, s, k]`` for ``k`` ids per
+                position (a teacher's top-k, say), whose log-probs come back ``[b, s, k]``.
             temperature: divides the logits: a positive number, or a float tensor ``[b, s]`` (each
                 position its own, e.g. the temperature each rollout was sampled at; no gradient),
                 the same on every tensor-parallel rank.
@@ -236,7 +237,8 @@ class FusedLMHead:
                 shape (no host synchronization; see ``fused_linear_logprob``).
 
         Returns:
-            ``logprob [b, s]`` float32, or ``(logprob, entropy)``, each ``[b, s]`` float32.
+            ``logprob [b, s]`` (or ``[b, s, k]``) float32, or ``(logprob, entropy)``, the entropy
+            ``[b, s]`` float32.
 
         Raises:
             ValueError: a target id outside the vocabulary (``-100`` padding) at a selected

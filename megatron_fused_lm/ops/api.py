@@ -86,7 +86,13 @@ def fused_linear_logprob(
             It is cast to ``weight``'s dtype for the product; its gradient comes back in its own.
         weight: ``[vocab_shard, H]``, this rank's vocabulary rows (padded rows included): rank
             ``r`` owns global ids ``[r * vocab_shard, (r + 1) * vocab_shard)``.
-        targets: ``[...]`` (``hidden.shape[:-1]``) integer global vocabulary ids.
+        targets: ``[...]`` (``hidden.shape[:-1]``) integer global vocabulary ids, or ``[..., k]``:
+            ``k`` ids per row (a teacher's top-k, say; repeats allowed), whose log-probs come back
+            ``[..., k]``; the entropy stays ``[...]``. Their logits are read beside the statistics
+            (``several_targets``: float32 ``[rows, k, H]`` chunks of 256 MiB; one all-reduce of
+            ``[rows, k]`` more under tensor parallelism) and the backward adds each id's term to
+            the float32 logits gradient, as for one; not with ``out_of_vocab="max_logit"`` or
+            ``batch_invariant``.
         tp_group: the tensor-parallel group the vocabulary is split over; ``None`` for no split.
         temperature: divides the logits: a positive number, or a float tensor ``[...]``
             (``targets``' shape; 0-dim for every row) giving each row its own, needing no
@@ -128,24 +134,43 @@ def fused_linear_logprob(
             message size); ``fused_linear_loss`` also refuses float32 weights.
 
     Returns:
-        ``logprob [...]`` float32, or ``(logprob, entropy)`` with ``return_entropy=True``.
+        ``logprob [...]`` (``[..., k]`` for several targets) float32, or ``(logprob, entropy)`` with
+        ``return_entropy=True``.
         Gradients: w.r.t. ``hidden`` in hidden's dtype, w.r.t. ``weight`` (this shard's rows) in
         the weight's dtype. Computed by the custom operators ``torch.ops.megatron_fused_lm.fused_*``
         in float32 whatever the autocast context; no host synchronization without a mask (or
         with ``max_rows``): an out-of-range target raises ``ValueError`` on the CPU and trips a
         device-side assertion on a GPU.
     """
+    several = _several_targets(targets, hidden.shape[:-1], out_of_vocab, batch_invariant)
     options, selection, rows, temperature = _fused_rows(
-        hidden, weight, targets, mask, max_rows, tp_group, temperature, out_of_vocab, token_chunk=token_chunk,
-        backend=backend, entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
+        hidden, weight, targets[..., 0] if several else targets, mask, max_rows, tp_group, temperature, out_of_vocab,
+        token_chunk=token_chunk, backend=backend, entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
         batch_invariant=batch_invariant,
     )  # fmt: skip
+    if several:  # the op takes the k ids of each row as its target columns [rows, k]
+        selection = selection._replace(
+            target_column=selection.several_target_columns(targets, weight.shape[0], tp_group)
+        )
     logprob, entropy, _, _ = fused_forward(
         rows, weight, selection.target_column, temperature, backend=options.backend,
         token_chunk=options.token_chunk, tp_group_name=options.tp_group_name,
         reduce_hidden_grad=options.reduce_hidden_grad, batch_invariant=options.batch_invariant,
     )  # fmt: skip
     return _results(selection, logprob, entropy if return_entropy else None, options.entropy_grad)
+
+
+def _several_targets(targets: Tensor, lead_shape: torch.Size, out_of_vocab: str, batch_invariant: bool) -> bool:
+    """Whether ``targets`` holds several ids per row (``[*lead_shape, k]``, ``k >= 1``); ``ValueError``
+    for the options that take one id per row."""
+    several = isinstance(targets, Tensor) and targets.dim() == len(lead_shape) + 1 and targets.shape[:-1] == lead_shape
+    if several and targets.shape[-1] == 0:
+        raise ValueError("targets [..., k] needs k >= 1 ids per row")
+    if several and out_of_vocab != "error":
+        raise ValueError("several targets per row take ids inside the vocabulary only (out_of_vocab='error')")
+    if several and batch_invariant:
+        raise ValueError("batch_invariant=True takes one target per row: the k logits are read by torch.bmm")
+    return several
 
 
 def _results(selection: RowSelection, logprob: Tensor, entropy: Optional[Tensor], entropy_grad: bool):
@@ -175,7 +200,8 @@ def logits_logprob(
     Args:
         logits: ``[..., vocab_shard]`` float32, bfloat16 or float16, this rank's vocabulary
             columns: rank ``r`` owns global ids ``[r * vocab_shard, (r + 1) * vocab_shard)``.
-        targets: ``[...]`` (``logits.shape[:-1]``) integer global vocabulary ids.
+        targets: ``[...]`` (``logits.shape[:-1]``) integer global vocabulary ids, or ``[..., k]``
+            (as for ``fused_linear_logprob``).
         tp_group, temperature, return_entropy, entropy_grad: as for ``fused_linear_logprob``.
         token_chunk: rows per chunk of the float32 softmax, which bounds its ``[token_chunk,
             vocab_shard]`` working set; ``None`` keeps one chunk's float32 block near 256 MiB.
@@ -190,10 +216,18 @@ def logits_logprob(
     options = HeadOptions.checked(
         token_chunk=token_chunk, tp_group=tp_group, device=logits.device, entropy_grad=entropy_grad
     )
-    selection = select_rows(targets, logits.shape[:-1], mask, max_rows, logits.shape[-1], tp_group)
+    several = _several_targets(targets, logits.shape[:-1], "error", False)
+    selection = select_rows(
+        targets[..., 0] if several else targets, logits.shape[:-1], mask, max_rows, logits.shape[-1], tp_group
+    )
+    if several:  # as for fused_linear_logprob
+        selection = selection._replace(
+            target_column=selection.several_target_columns(targets, logits.shape[-1], tp_group)
+        )
+    rows, temperature = selection.take(logits), row_temperatures(temperature, selection, logits.device)
     logprob, entropy, _, _ = logits_forward(
-        selection.take(logits), selection.target_column, row_temperatures(temperature, selection, logits.device),
-        token_chunk=options.token_chunk, tp_group_name=options.tp_group_name,
+        rows, selection.target_column, temperature, token_chunk=options.token_chunk,
+        tp_group_name=options.tp_group_name,
     )  # fmt: skip
     return _results(selection, logprob, entropy if return_entropy else None, options.entropy_grad)
 
@@ -348,6 +382,11 @@ def logits_loss(
 ) -> FusedLoss:
     """``fused_linear_loss`` on a materialized logits shard: the same loss, the same contract for
     ``loss_fn`` and ``loss_inputs``, the gradient (to ``logits``) by the usual backward."""
+    if isinstance(targets, Tensor) and targets.shape != logits.shape[:-1]:  # [..., k] is logits_logprob's alone
+        raise ValueError(
+            f"targets.shape {tuple(targets.shape)} must equal the leading shape {tuple(logits.shape[:-1])}: the losses "
+            "take one target per row"
+        )
     logprob, entropy = logits_logprob(
         logits, targets, tp_group=tp_group, temperature=temperature, return_entropy=True,
         token_chunk=token_chunk, mask=mask,

@@ -22,6 +22,7 @@ from .backends import loss_backend, recompute_backend
 from .chunking import BlockLogits, chunk_logit_grads, chunk_rows, chunk_statistics
 from .contract import LossState, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
 from .distributed import all_reduce_sum, group_by_name, merge_across_group
+from .several_targets import gathered_logits, several_logprob, statistics_column, taken_logits
 from .softmax import NUM_STATISTICS, SoftmaxSummary, summarize
 
 Tensor = torch.Tensor
@@ -36,13 +37,25 @@ def autocast_off(device: torch.device):
     return contextlib.nullcontext()
 
 
-def _summary(stats: Tensor, target_column: Tensor, tp_group_name: Optional[str]) -> Statistics:
-    summary = summarize(merge_across_group(stats, group_by_name(tp_group_name)), target_column)
-    return summary.logprob, summary.entropy, summary.lse, summary.mean_logit
+def _summary(
+    stats: Tensor, target_column: Tensor, target_logits: Optional[Tensor], tp_group_name: Optional[str]
+) -> Statistics:
+    """The rows' results from this shard's statistics; for several targets (``target_column [n,
+    k]``) with their ``target_logits [n, k]`` on this shard, summed over the group first."""
+    group = group_by_name(tp_group_name)
+    merged = merge_across_group(stats, group)
+    summary = summarize(merged, statistics_column(target_column))
+    logprob = summary.logprob
+    if target_logits is not None:
+        all_reduce_sum(target_logits, group)  # each rank holds its own ids' logits, 0 elsewhere
+        logprob = several_logprob(merged, target_logits)
+    return logprob, summary.entropy, summary.lse, summary.mean_logit
 
 
-def _statistics_like(rows: Tensor) -> Statistics:
-    return tuple(rows.new_empty(rows.shape[0], dtype=torch.float32) for _ in range(4))
+def _statistics_like(rows: Tensor, target_column: Tensor) -> Statistics:
+    # The log-prob has the targets' shape ([n] or [n, k]); the rest are [n].
+    logprob = target_column.new_empty(target_column.shape, dtype=torch.float32)
+    return (logprob, *(rows.new_empty(rows.shape[0], dtype=torch.float32) for _ in range(3)))
 
 
 def _empty_unless(needed: bool, like: Tensor) -> Tensor:
@@ -88,16 +101,18 @@ def fused_forward(
 ) -> Statistics:
     """Log-prob, entropy and the saved statistics of each row, over the whole vocabulary
     (``reduce_hidden_grad`` and ``batch_invariant`` are the backward's: the forward is batch
-    invariant either way)."""
-    problem = ShardProblem(hidden, weight, target_column, temperature)
+    invariant either way). ``target_column [n, k]``: ``k`` targets per row, log-probs ``[n, k]``."""
+    problem = ShardProblem(hidden, weight, statistics_column(target_column), temperature)
     with autocast_off(hidden.device):
         stats = recompute_backend(backend, token_chunk).local_statistics(problem)
-        return _summary(stats, target_column, tp_group_name)
+        several = target_column.dim() == 2
+        target_logits = gathered_logits(hidden, weight, target_column, temperature) if several else None
+        return _summary(stats, target_column, target_logits, tp_group_name)
 
 
 @fused_forward.register_fake
 def _(hidden, weight, target_column, temperature, **options) -> Statistics:
-    return _statistics_like(hidden)
+    return _statistics_like(hidden, target_column)
 
 
 @torch.library.custom_op("megatron_fused_lm::fused_backward", mutates_args=())
@@ -175,16 +190,19 @@ def logits_forward(
     token_chunk: Optional[int],
     tp_group_name: Optional[str],
 ) -> Statistics:
-    """Log-prob, entropy and the saved statistics of each row of a logits shard."""
+    """Log-prob, entropy and the saved statistics of each row of a logits shard (``target_column
+    [n, k]``: as for ``fused_forward``)."""
     with autocast_off(logits.device):
         rows = chunk_rows(token_chunk, logits.shape[-1])
-        stats = chunk_statistics(_scaled(logits, temperature), target_column, rows)
-        return _summary(stats, target_column, tp_group_name)
+        stats = chunk_statistics(_scaled(logits, temperature), statistics_column(target_column), rows)
+        several = target_column.dim() == 2
+        target_logits = taken_logits(logits, target_column, temperature) if several else None
+        return _summary(stats, target_column, target_logits, tp_group_name)
 
 
 @logits_forward.register_fake
 def _(logits, target_column, temperature, **options) -> Statistics:
-    return _statistics_like(logits)
+    return _statistics_like(logits, target_column)
 
 
 @torch.library.custom_op("megatron_fused_lm::logits_backward", mutates_args=())

@@ -98,12 +98,25 @@ class RowSelection(NamedTuple):
         return flat if self.rows is None else flat.index_select(0, self.rows)
 
     def place(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-row results ``[k]`` back in ``lead_shape``, 0 on unselected rows (differentiable)."""
+        """Per-row results ``[k, ...]`` back in ``[*lead_shape, ...]``, 0 on unselected rows
+        (differentiable)."""
+        shape = (*self.lead_shape, *values.shape[1:])
         if self.rows is None:
-            return values.view(self.lead_shape)
+            return values.view(shape)
         size = self.lead_shape.numel()
-        full = values.new_zeros(size + 1)  # the last slot takes the padding rows' results
-        return full.index_copy(0, self.slots, values)[:size].view(self.lead_shape)
+        full = values.new_zeros(size + 1, *values.shape[1:])  # the last slot takes the padding rows' results
+        return full.index_copy(0, self.slots, values)[:size].view(shape)
+
+    def several_target_columns(
+        self, targets: torch.Tensor, vocab_shard: int, tp_group: Optional[dist.ProcessGroup]
+    ) -> torch.Tensor:
+        """The selected rows' targets ``[*lead_shape, t]`` as ``target_column [k, t]`` (-1 where
+        another shard owns the id; an id outside the vocabulary is an error), a padding row's
+        (``max_rows``) never read."""
+        taken = self.take(targets)
+        if self.slots is not None:
+            taken = torch.where((self.slots == self.lead_shape.numel())[:, None], 0, taken)
+        return target_columns(taken.reshape(-1), vocab_shard, tp_group).view(taken.shape)
 
 
 def select_rows(
@@ -128,7 +141,10 @@ def select_rows(
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
         raise TypeError(f"targets must hold integer token ids, got {targets.dtype}")
     if targets.shape != lead_shape:
-        raise ValueError(f"targets.shape {tuple(targets.shape)} must equal the leading shape {tuple(lead_shape)}")
+        raise ValueError(
+            f"targets.shape {tuple(targets.shape)} must equal the leading shape {tuple(lead_shape)} (several "
+            "targets per row, [..., k]: fused_linear_logprob and logits_logprob take them)"
+        )
     flat = targets.reshape(-1)
     if mask is None:
         if max_rows is not None:

@@ -116,22 +116,27 @@ def block_logit_grad(
 ) -> torch.Tensor:
     """``dz [n, v]`` for one block of float32 logits ``[n, v]`` (``lse``, ``mean_logit`` and the
     upstream gradients ``[n]``, ``None``: no term), the chosen token's ``+g_lp`` added with a scatter
-    where the block owns the target."""
+    where the block owns the target. Several targets per row: ``target_column`` and
+    ``grad_logprob`` ``[n, k]``, the shared term taking their row sum and each target its own
+    ``+g_lp``, in float32 before anything is rounded."""
     if grad_logprob is None and grad_entropy is None:
         return torch.zeros_like(logits)
+    if target_column.dim() == 1:
+        target_column = target_column.unsqueeze(-1)
+        grad_logprob = None if grad_logprob is None else grad_logprob.unsqueeze(-1)
     prob = torch.sub(logits, lse.unsqueeze(-1)).exp_()
     mean_minus_logit = torch.sub(mean_logit.unsqueeze(-1), logits) if grad_entropy is not None else None
     grad = logit_grad(
         prob,
         mean_minus_logit,
-        None if grad_logprob is None else grad_logprob.unsqueeze(-1),
+        None if grad_logprob is None else grad_logprob.sum(-1, keepdim=True),
         None if grad_entropy is None else grad_entropy.unsqueeze(-1),
         grad_logprob is not None,
         grad_entropy is not None,
     )
     if grad_logprob is not None:
         owned = target_column >= 0
-        grad.scatter_add_(-1, target_column.clamp(min=0).unsqueeze(-1), torch.where(owned, grad_logprob, 0.0)[:, None])
+        grad.scatter_add_(-1, target_column.clamp(min=0), torch.where(owned, grad_logprob, 0.0))
     return grad
 
 

@@ -9,7 +9,8 @@ For each case, on one model:
    the logits shard match the oracle.
 3. fused: the model returns hidden states; the head's log-probs and entropy match the oracle and
    every parameter's gradient (the tied embedding included) matches the stock one, also for a
-   response mask with a temperature per position; the labels path
+   response mask with a temperature per position; several ids per position give their log-probs;
+   the labels path
    returns the stock loss with the same gradients.
 4. unwrap: bitwise the stock logits and loss again.
 
@@ -88,6 +89,13 @@ def check_case(sequence_parallel: bool, tied: bool, token_chunk, label: str) -> 
     assert torch.count_nonzero(logprob[~response]) == 0 and torch.count_nonzero(entropy[~response]) == 0, label
     harness.head_loss(logprob, entropy).backward()
     harness.assert_grads_close(harness.parameter_grads(model), stock_masked_grads, GRAD_RTOL, f"{label} fused masked")
+
+    # Several ids per position ([b, s, k]: a teacher's top-k, say) against the gathered stock logits.
+    several = torch.stack([targets, torch.roll(targets, 1, dims=1), (targets + 5) % harness.VOCAB_SHARD], dim=-1)
+    stock_log_probs = torch.log_softmax(harness.gather_vocabulary(stock_logits).detach().double() / TEMPERATURE, -1)
+    logprob = head.logprobs(harness.forward(model, batch), several, temperature=TEMPERATURE)
+    assert logprob.shape == several.shape, label
+    harness.assert_max_error(logprob, stock_log_probs.gather(-1, several), VALUE_ATOL, f"{label} several targets")
 
     fused_loss = harness.forward(model, batch, labels=targets)
     assert fused_loss.shape == stock_loss.shape and fused_loss.dtype == torch.float32, label

@@ -53,7 +53,7 @@ def test_fused_rejects(overrides, error, message):
     "overrides,error,message",
     [
         (dict(targets=torch.tensor([0, 1, V, 2])), ValueError, "outside the vocabulary"),
-        (dict(targets=torch.zeros(4, 1, dtype=torch.long)), ValueError, "targets.shape"),
+        (dict(targets=torch.zeros(4, 2, 1, dtype=torch.long)), ValueError, "targets.shape"),
         (dict(logits=torch.ones(4, V, dtype=torch.long)), TypeError, "logits must be float32"),
         (dict(logits=torch.randn(4, 0)), ValueError, "vocab_shard"),
         (dict(token_chunk=0), ValueError, "token_chunk"),

@@ -186,6 +186,7 @@ def opcheck_cases():
     lse, mean_logit = torch.randn(ROWS), torch.randn(ROWS)
     ops = torch.ops.megatron_fused_lm
     hidden, weight = hidden.detach(), weight.detach()
+    several = torch.stack([targets, targets.flip(0), targets], dim=-1)  # three ids per row, one repeated
     problem = ShardProblem(hidden, weight, targets, temperature)
     state = TorchLoss(token_chunk=7).allocate(problem, NeededGrads(True, True))
     summary = list(summarize(TorchLoss(token_chunk=7).chunk_statistics(problem, state, slice(0, 7))))
@@ -225,6 +226,20 @@ def opcheck_cases():
             (hidden.detach(), weight.detach(), targets, temperature, lse, mean_logit, upstream[0], upstream[1]),
             dict(recompute, need_hidden=True, need_weight=True, reduce_hidden_grad=True),
         ),
+        "fused_forward_several": (
+            ops.fused_forward,
+            (hidden.detach().requires_grad_(), weight.detach().requires_grad_(), several, temperature),
+            dict(recompute, reduce_hidden_grad=True),
+        ),
+        "fused_backward_several": (
+            ops.fused_backward,
+            (hidden.detach(), weight.detach(), several, temperature, lse, mean_logit, upstream[0][:, None].repeat(1, 3), upstream[1]),
+            dict(recompute, need_hidden=True, need_weight=True, reduce_hidden_grad=True),
+        ),
+        "logits_forward_several": (
+            ops.logits_forward, (logits.clone().requires_grad_(), several, temperature),
+            dict(token_chunk=7, tp_group_name=None),
+        ),
         "logits_forward": (
             ops.logits_forward, (logits.clone().requires_grad_(), targets, temperature),
             dict(token_chunk=7, tp_group_name=None),
@@ -241,6 +256,9 @@ def opcheck_cases():
     [
         "fused_forward",
         "fused_backward",
+        "fused_forward_several",
+        "fused_backward_several",
+        "logits_forward_several",
         "logits_forward",
         "logits_backward",
         "merge_statistics",

@@ -100,6 +100,52 @@ def merge_kernel_case(case: dict) -> dict:
     return errors
 
 
+def several_targets_case(case: dict) -> dict:
+    """The four-GEMM path's backend with ``k`` targets per row (``target_column [n, k]``, a repeated
+    id among them), as ``fused_forward`` and ``fused_backward`` drive it, against the float64
+    oracle of ``log_softmax(...).gather``: relative errors of the log-probs and both gradients."""
+    import torch
+
+    from devkit.oracle import relative_error
+    from megatron_fused_lm.ops.backends.triton_recompute import TritonRecompute
+    from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
+    from megatron_fused_lm.ops.contract import NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
+    from megatron_fused_lm.ops.kernels.tiles import Tiles
+    from megatron_fused_lm.ops.several_targets import gathered_logits, several_logprob, statistics_column
+    from megatron_fused_lm.ops.softmax import summarize
+
+    tiles = Tiles(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1, dot_precision="ieee")
+    tuning = TritonTuning(forward_tiles=tiles, backward_tiles=tiles, tiles_per_split=2, programs=2,
+                          dz_block_bytes=16 * 64 * 4)  # fmt: skip
+    backend = TritonRecompute(token_chunk=16, tuning=tuning)
+    torch.manual_seed(case["seed"])
+    tokens, hidden_size, vocab, k = case["shape"]
+    dtype = getattr(torch, case["dtype"])
+    hidden = (torch.randn(tokens, hidden_size) * 2).to(dtype)
+    weight = (torch.randn(vocab, hidden_size) / hidden_size**0.5).to(dtype)
+    ids = torch.randint(0, vocab, (tokens, k))
+    ids[:, 1] = ids[:, 0]
+    temperature = torch.rand(tokens) * 1.5 + 0.5
+    grad_logprob, grad_entropy = torch.randn(tokens, k), torch.randn(tokens)
+    problem = ShardProblem(hidden, weight, ids, temperature)
+    stats = backend.local_statistics(problem._replace(target_column=statistics_column(ids)))
+    summary = summarize(stats)
+    logprob = several_logprob(stats, gathered_logits(hidden, weight, ids, temperature))
+    grads = backend.local_gradients(
+        problem, SavedStatistics(summary.lse, summary.mean_logit), UpstreamGrads(grad_logprob, grad_entropy),
+        NeededGrads(hidden=True, weight=True),
+    )  # fmt: skip
+    leaves = [tensor.double().requires_grad_() for tensor in (hidden, weight)]
+    log_probs = torch.log_softmax(leaves[0] @ leaves[1].t() / temperature.double()[:, None], dim=-1)
+    exact, entropy = log_probs.gather(-1, ids), -(log_probs.exp() * log_probs).sum(-1)
+    ((exact * grad_logprob.double()).sum() + (entropy * grad_entropy.double()).sum()).backward()
+    return {
+        "logprob": relative_error(logprob, exact.detach()),
+        "grad_hidden": relative_error(grads.hidden, leaves[0].grad),
+        "grad_weight": relative_error(grads.weight, leaves[1].grad),
+    }
+
+
 def run_case_here(case: dict) -> dict:
     """Run one case in this process (the interpreter must already be on); returns its errors."""
     import torch
@@ -108,6 +154,8 @@ def run_case_here(case: dict) -> dict:
         return held_gradient_kernels(case)
     if case.get("kind") == "merge":
         return merge_kernel_case(case)
+    if case.get("kind") == "several_targets":
+        return several_targets_case(case)
 
     from devkit.oracle import max_abs_error, reference, relative_error
     from megatron_fused_lm.ops.backends.triton_loss import TritonLoss
@@ -436,3 +484,13 @@ def test_zero_tokens(three_gemm):
 
 if __name__ == "__main__":
     print(json.dumps(run_case_here(json.loads(sys.argv[1]))))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_several_targets_per_row(dtype):
+    # k = 3 ids per row (one repeated) over two token chunks and several vocabulary blocks: the
+    # backward kernel adds each id's term to the float32 tile, the shared term taking their sum.
+    result = run_case(kind="several_targets", dtype=dtype, shape=[24, 40, 131, 3], seed=12)
+    value_tol, grad_tol = TOLERANCE[dtype]
+    assert result["logprob"] <= value_tol, result
+    assert result["grad_hidden"] <= grad_tol and result["grad_weight"] <= grad_tol, result

@@ -149,6 +149,36 @@ def test_parity_with_a_temperature_per_row(dtype):
         assert errors["logprob"] <= stock_error / 10, (backend, errors, stock_error)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_several_targets_per_row(dtype):
+    # k = 8 ids per row (a teacher's top-k, a repeat among them): log-probs [n, k] and both
+    # gradients against the float64 oracle, within the one-target path's bounds on the same inputs.
+    num_tokens, hidden_size, vocab, k = 384, 1000, 129920, 8
+    inputs = make_inputs(num_tokens, hidden_size, vocab, dtype, 30.0)
+    hidden, weight, targets, grad_logprob, grad_entropy = inputs
+    gen = torch.Generator("cuda").manual_seed(6)
+    ids = torch.randint(0, vocab, (num_tokens, k), device="cuda", generator=gen)
+    ids[:, 0], ids[:, 1] = targets, targets
+    grad_several = torch.randn(num_tokens, k, device="cuda", generator=gen)
+    leaves = [tensor.detach().double().requires_grad_() for tensor in (hidden, weight)]
+    log_probs = torch.log_softmax(leaves[0] @ leaves[1].t() / 0.8, dim=-1)
+    exact, entropy = log_probs.gather(-1, ids), -(log_probs.exp() * log_probs).sum(-1)
+    ((exact * grad_several).sum() + (entropy * grad_entropy).sum()).backward()
+    one_target = reference(hidden, weight, targets, 0.8, grad_logprob, grad_entropy)
+    stock = run("stock", *inputs, temperature=0.8)
+    bound = value_bound(hidden, weight, 0.8)
+    grad_bounds = stock_grad_bounds(one_target, stock, dtype)
+    for backend in BACKENDS:
+        leaf_hidden, leaf_weight = (tensor.detach().requires_grad_() for tensor in (hidden, weight))
+        logprob, got_entropy = fused_linear_logprob(
+            leaf_hidden, leaf_weight, ids, temperature=0.8, return_entropy=True, backend=backend
+        )
+        ((logprob * grad_several).sum() + (got_entropy * grad_entropy).sum()).backward()
+        assert max_abs_error(logprob, exact) <= bound and max_abs_error(got_entropy, entropy) <= bound, backend
+        assert relative_error(leaf_hidden.grad, leaves[0].grad) <= grad_bounds[0], backend
+        assert relative_error(leaf_weight.grad, leaves[1].grad) <= grad_bounds[1], backend
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_targets_on_other_ranks(backend):
     """Simulated TP=3: each shard's statistics from the backend, merged as the collective would,

@@ -63,8 +63,9 @@ def inverse_temperature(temperature_ptr, rows, row_valid, UNIFORM_TEMPERATURE: t
 
 
 def row_upstream_arguments(target_column, saved, upstream) -> tuple[tuple, dict]:
-    """The launch arguments ``row_upstream`` reads: its five pointers (the ``[n]`` tensors; an absent
-    upstream term points at ``saved.lse``, never read) and its two flags."""
+    """The launch arguments ``row_upstream`` reads: its five pointers (the ``[n]`` tensors, or
+    ``[n, k]`` contiguous target columns and log-prob gradients for several targets per row; an
+    absent upstream term points at ``saved.lse``, never read) and its three flags."""
     grad_logprob, grad_entropy = upstream
     pointers = (
         target_column,
@@ -73,7 +74,9 @@ def row_upstream_arguments(target_column, saved, upstream) -> tuple[tuple, dict]
         saved.lse if grad_logprob is None else grad_logprob,
         saved.lse if grad_entropy is None else grad_entropy,
     )
-    return pointers, dict(HAS_GRAD_LOGPROB=grad_logprob is not None, HAS_GRAD_ENTROPY=grad_entropy is not None)
+    num_targets = 1 if target_column.dim() == 1 else target_column.shape[1]
+    flags = dict(HAS_GRAD_LOGPROB=grad_logprob is not None, HAS_GRAD_ENTROPY=grad_entropy is not None)
+    return pointers, dict(flags, NUM_TARGETS=num_targets)
 
 
 @triton.jit
@@ -87,11 +90,17 @@ def row_upstream(
     grad_entropy_ptr,
     HAS_GRAD_LOGPROB: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
+    NUM_TARGETS: tl.constexpr,
 ):
     """``(target_column, lse, mean_logit, grad_logprob, grad_entropy)`` of the rows (``[BLOCK_M]``;
     -1: the target is another shard's). The pointers of a term that is off are never read: its
-    values are stand-ins that ``logit_grad_tile`` ignores."""
-    target_column = tl.load(target_column_ptr + rows, mask=row_valid, other=-1)
+    values are stand-ins that ``logit_grad_tile`` ignores. Several targets per row
+    (``NUM_TARGETS > 1``): no single target (-1), and the log-prob gradients' row sum, which the
+    shared term takes; ``add_targets`` adds each target's own."""
+    if NUM_TARGETS == 1:
+        target_column = tl.load(target_column_ptr + rows, mask=row_valid, other=-1)
+    else:
+        target_column = tl.zeros_like(rows).to(tl.int64) - 1
     lse = tl.load(lse_ptr + rows, mask=row_valid, other=0.0)
     mean_logit = lse
     grad_entropy = lse
@@ -100,5 +109,25 @@ def row_upstream(
         grad_entropy = tl.load(grad_entropy_ptr + rows, mask=row_valid, other=0.0)
     grad_logprob = lse
     if HAS_GRAD_LOGPROB:
-        grad_logprob = tl.load(grad_logprob_ptr + rows, mask=row_valid, other=0.0)
+        grad_logprob = tl.load(grad_logprob_ptr + rows * NUM_TARGETS, mask=row_valid, other=0.0)
+        for target in tl.static_range(1, NUM_TARGETS):
+            grad_logprob += tl.load(grad_logprob_ptr + rows * NUM_TARGETS + target, mask=row_valid, other=0.0)
     return target_column, lse, mean_logit, grad_logprob, grad_entropy
+
+
+@triton.jit
+def add_targets(
+    grad, rows, row_valid, first_col, target_column_ptr, grad_logprob_ptr, NUM_TARGETS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """``grad [BLOCK_M, BLOCK_N]`` (the tile whose first column is the shard's ``first_col``) plus
+    each of the rows' ``NUM_TARGETS`` targets' ``+g_lp`` where the tile holds the target (a repeated
+    id adds once per entry), in float32 before the tile is rounded."""
+    for target in tl.static_range(NUM_TARGETS):
+        where = rows * NUM_TARGETS + target
+        column = tl.load(target_column_ptr + where, mask=row_valid, other=-1)
+        upstream = tl.load(grad_logprob_ptr + where, mask=row_valid, other=0.0)
+        # Offsets within the tile against per-row scalars: no per-element column indices.
+        is_target = tl.arange(0, BLOCK_N)[None, :] == (column - first_col)[:, None]
+        grad = tl.where(is_target, grad + upstream[:, None], grad)
+    return grad

@@ -14,6 +14,7 @@ import triton.language as tl
 from ..contract import SavedStatistics, UpstreamGrads
 from .descriptors import descriptor
 from .epilogue import (
+    add_targets,
     grouped_tile,
     inverse_temperature,
     logit_grad_tile,
@@ -43,6 +44,7 @@ def logit_grad_kernel(
     temperature_ptr,
     HAS_GRAD_LOGPROB: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
+    NUM_TARGETS: tl.constexpr,
     UNIFORM_TEMPERATURE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -76,7 +78,7 @@ def logit_grad_kernel(
             rows = row0 + tl.arange(0, BLOCK_M)
             target_column, lse, mean_logit, grad_logprob, grad_entropy = row_upstream(
                 rows, rows < num_tokens, target_column_ptr, lse_ptr, mean_logit_ptr, grad_logprob_ptr,
-                grad_entropy_ptr, HAS_GRAD_LOGPROB, HAS_GRAD_ENTROPY,
+                grad_entropy_ptr, HAS_GRAD_LOGPROB, HAS_GRAD_ENTROPY, NUM_TARGETS,
             )  # fmt: skip
             inv_temperature = inverse_temperature(temperature_ptr, rows, rows < num_tokens, UNIFORM_TEMPERATURE)
             logits = acc * inv_temperature
@@ -88,10 +90,15 @@ def logit_grad_kernel(
                 HAS_GRAD_LOGPROB,
                 HAS_GRAD_ENTROPY,
             )
-            if HAS_GRAD_LOGPROB:
+            if HAS_GRAD_LOGPROB and NUM_TARGETS == 1:
                 # Offsets within the tile against per-row scalars: no per-element column indices.
                 is_target = tl.arange(0, BLOCK_N)[None, :] == (target_column - first_column - col0)[:, None]
                 grad = tl.where(is_target, grad + grad_logprob[:, None], grad)
+            elif HAS_GRAD_LOGPROB:
+                grad = add_targets(
+                    grad, rows, rows < num_tokens, first_column + col0, target_column_ptr, grad_logprob_ptr,
+                    NUM_TARGETS, BLOCK_N,
+                )  # fmt: skip
             out_desc.store([row0, col0], (grad * inv_temperature).to(out_desc.dtype))
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
 

@@ -47,6 +47,7 @@ def stored_grad_kernel(
     temperature_ptr,
     HAS_GRAD_LOGPROB: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
+    NUM_TARGETS: tl.constexpr,  # 1: the three-GEMM path takes one target per row
     UNIFORM_TEMPERATURE: tl.constexpr,
     OFFSETS_TILE_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -60,7 +61,7 @@ def stored_grad_kernel(
     stored = tl.load(block_ptr + wide_rows * stride_block_row + cols[None, :], mask=valid, other=0.0).to(tl.float32)
     target_column, lse, mean_logit, grad_logprob, grad_entropy = row_upstream(
         rows, row_valid, target_column_ptr, lse_ptr, mean_logit_ptr, grad_logprob_ptr, grad_entropy_ptr,
-        HAS_GRAD_LOGPROB, HAS_GRAD_ENTROPY,
+        HAS_GRAD_LOGPROB, HAS_GRAD_ENTROPY, NUM_TARGETS,
     )  # fmt: skip
     if OFFSETS_TILE_N > 0:
         # Every column of this program lies in one column tile of the forward kernel.

@@ -1,0 +1,50 @@
+"""Several targets per row (``target_column [n, k]``): their logits, read beside the statistics.
+
+``logprob_j = z_{y_j} - lse``: the statistics run with no target (the target statistic 0), and
+each row's ``k`` logits are read here, this shard's ids only (0 at another shard's; one all-reduce
+sums them). The backward needs nothing from here: the backends' ``dz`` blocks take the ``k``
+columns' ``+g_j`` and their row sum's shared term (``softmax.block_logit_grad``, the Triton
+``logit_grad_kernel``) in float32 before anything is rounded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .softmax import MAX, SUMEXP
+
+Tensor = torch.Tensor
+# Gathered weight rows per chunk, float32 elements: bounds the [rows, k, H] working set (256 MiB).
+GATHER_ELEMENTS = 2**26
+
+
+def statistics_column(target_column: Tensor) -> Tensor:
+    """The ``[n]`` target column the statistics run with: ``target_column`` itself, or for several
+    targets ``[n, k]`` none (-1)."""
+    if target_column.dim() == 1:
+        return target_column
+    return torch.full_like(target_column[:, 0], -1)
+
+
+def gathered_logits(hidden: Tensor, weight: Tensor, target_column: Tensor, temperature: Tensor) -> Tensor:
+    """``[n, k]`` float32: ``hidden [n, H] . weight[target_column] / temperature [n]`` where this
+    shard owns the id (``target_column >= 0``), else 0; products in float32, in chunks of rows."""
+    logits = hidden.new_zeros(target_column.shape, dtype=torch.float32)
+    chunk = max(1, GATHER_ELEMENTS // max(target_column.shape[1] * hidden.shape[1], 1))
+    for start in range(0, target_column.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        gathered = weight[target_column[rows].clamp(min=0)].float()  # [rows, k, H]
+        logits[rows] = torch.bmm(gathered, hidden[rows].float().unsqueeze(-1)).squeeze(-1)
+    return torch.where(target_column >= 0, logits / temperature[:, None], 0.0)
+
+
+def taken_logits(logits: Tensor, target_column: Tensor, temperature: Tensor) -> Tensor:
+    """``gathered_logits`` from a materialized logits shard ``[n, vocab_shard]``."""
+    taken = logits.gather(-1, target_column.clamp(min=0)).float() / temperature[:, None]
+    return torch.where(target_column >= 0, taken, 0.0)
+
+
+def several_logprob(merged: Tensor, target_logits: Tensor) -> Tensor:
+    """``[n, k]``: ``softmax.summarize``'s log-prob, ``(z - max) - log sumexp``, for each of the
+    ``k`` target logits ``[n, k]`` of the whole vocabulary's merged statistics ``[n, 4]``."""
+    return (target_logits - merged[:, MAX, None]) - merged[:, SUMEXP, None].log()

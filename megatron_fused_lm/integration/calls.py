@@ -230,6 +230,11 @@ def call_labels_loss(
     scores as the stock loss scores it (``megatron_compat.labels_ignore_index``): the row's largest
     logit, or under TransformerEngine's fused cross-entropy 0 with no gradient for its
     ``ignore_idx`` and an error for any other id."""
+    if targets.shape != hidden.shape[:-1]:  # [..., k] ids are head.logprobs' alone
+        raise ValueError(
+            f"labels {tuple(targets.shape)} must have the positions' shape {tuple(hidden.shape[:-1])}: the labels "
+            "path takes one id per position"
+        )
     kept, out_of_vocab = None, "max_logit"
     if call.labels_ignore_index is not None:
         kept, out_of_vocab = targets != call.labels_ignore_index, "error"

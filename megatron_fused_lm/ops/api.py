@@ -91,8 +91,9 @@ def fused_linear_logprob(
             ``[..., k]``; the entropy stays ``[...]``. Their logits are read beside the statistics
             (``several_targets``: float32 ``[rows, k, H]`` chunks of 256 MiB; one all-reduce of
             ``[rows, k]`` more under tensor parallelism) and the backward adds each id's term to
-            the float32 logits gradient, as for one; not with ``out_of_vocab="max_logit"`` or
-            ``batch_invariant``.
+            the float32 logits gradient, as for one (``k`` up to a few hundred: each ``k`` compiles
+            its own Triton kernel, which adds ``k`` selects per tile); not with
+            ``out_of_vocab="max_logit"`` or ``batch_invariant``.
         tp_group: the tensor-parallel group the vocabulary is split over; ``None`` for no split.
         temperature: divides the logits: a positive number, or a float tensor ``[...]``
             (``targets``' shape; 0-dim for every row) giving each row its own, needing no

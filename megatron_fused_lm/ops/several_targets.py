@@ -34,7 +34,8 @@ def gathered_logits(hidden: Tensor, weight: Tensor, target_column: Tensor, tempe
     for start in range(0, target_column.shape[0], chunk):
         rows = slice(start, start + chunk)
         gathered = weight[target_column[rows].clamp(min=0)].float()  # [rows, k, H]
-        logits[rows] = torch.bmm(gathered, hidden[rows].float().unsqueeze(-1)).squeeze(-1)
+        # A reduction, not a matmul: float32 whatever TF32 setting the caller chose.
+        logits[rows] = torch.linalg.vecdot(gathered, hidden[rows].float().unsqueeze(1))
     return torch.where(target_column >= 0, logits / temperature[:, None], 0.0)
 
 
@@ -46,5 +47,7 @@ def taken_logits(logits: Tensor, target_column: Tensor, temperature: Tensor) -> 
 
 def several_logprob(merged: Tensor, target_logits: Tensor) -> Tensor:
     """``[n, k]``: ``softmax.summarize``'s log-prob, ``(z - max) - log sumexp``, for each of the
-    ``k`` target logits ``[n, k]`` of the whole vocabulary's merged statistics ``[n, 4]``."""
-    return (target_logits - merged[:, MAX, None]) - merged[:, SUMEXP, None].log()
+    ``k`` target logits ``[n, k]`` of the whole vocabulary's merged statistics ``[n, 4]``. A logit
+    read here may round an ulp above the maximum the kernels found for it: ``z - max`` is capped at
+    0, as it is when both come from one accumulator."""
+    return (target_logits - merged[:, MAX, None]).clamp(max=0.0) - merged[:, SUMEXP, None].log()

@@ -22,6 +22,7 @@ gradient. A dropped or doubled term moves values by O(1); a hidden gradient redu
 at all is off by tens of percent.
 """
 
+import pytest
 import torch
 
 from devkit import megatron_gpt as harness
@@ -96,6 +97,8 @@ def check_case(sequence_parallel: bool, tied: bool, token_chunk, label: str) -> 
     logprob = head.logprobs(harness.forward(model, batch), several, temperature=TEMPERATURE)
     assert logprob.shape == several.shape, label
     harness.assert_max_error(logprob, stock_log_probs.gather(-1, several), VALUE_ATOL, f"{label} several targets")
+    with pytest.raises(ValueError, match="one id per position"):  # the labels path takes one
+        harness.forward(model, batch, labels=several)
 
     fused_loss = harness.forward(model, batch, labels=targets)
     assert fused_loss.shape == stock_loss.shape and fused_loss.dtype == torch.float32, label

@@ -109,9 +109,10 @@ def row_upstream(
         grad_entropy = tl.load(grad_entropy_ptr + rows, mask=row_valid, other=0.0)
     grad_logprob = lse
     if HAS_GRAD_LOGPROB:
-        grad_logprob = tl.load(grad_logprob_ptr + rows * NUM_TARGETS, mask=row_valid, other=0.0)
+        first = rows.to(tl.int64) * NUM_TARGETS
+        grad_logprob = tl.load(grad_logprob_ptr + first, mask=row_valid, other=0.0)
         for target in tl.static_range(1, NUM_TARGETS):
-            grad_logprob += tl.load(grad_logprob_ptr + rows * NUM_TARGETS + target, mask=row_valid, other=0.0)
+            grad_logprob += tl.load(grad_logprob_ptr + first + target, mask=row_valid, other=0.0)
     return target_column, lse, mean_logit, grad_logprob, grad_entropy
 
 
@@ -122,9 +123,10 @@ def add_targets(
 ):  # fmt: skip
     """``grad [BLOCK_M, BLOCK_N]`` (the tile whose first column is the shard's ``first_col``) plus
     each of the rows' ``NUM_TARGETS`` targets' ``+g_lp`` where the tile holds the target (a repeated
-    id adds once per entry), in float32 before the tile is rounded."""
+    id adds once per entry), in float32 before the tile is rounded. Unrolled: ``k`` selects per
+    tile, and each ``k`` compiles its own kernel."""
     for target in tl.static_range(NUM_TARGETS):
-        where = rows * NUM_TARGETS + target
+        where = rows.to(tl.int64) * NUM_TARGETS + target
         column = tl.load(target_column_ptr + where, mask=row_valid, other=-1)
         upstream = tl.load(grad_logprob_ptr + where, mask=row_valid, other=0.0)
         # Offsets within the tile against per-row scalars: no per-element column indices.

@@ -170,7 +170,9 @@ def _several_targets(targets: Tensor, lead_shape: torch.Size, out_of_vocab: str,
     if several and out_of_vocab != "error":
         raise ValueError("several targets per row take ids inside the vocabulary only (out_of_vocab='error')")
     if several and batch_invariant:
-        raise ValueError("batch_invariant=True takes one target per row: the k logits are read by torch.bmm")
+        raise ValueError(
+            "batch_invariant=True takes one target per row (the k logits are read by torch, not its kernels)"
+        )
     return several
 
 

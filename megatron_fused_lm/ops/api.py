@@ -43,13 +43,16 @@ class FusedLoss(NamedTuple):
 
 
 def _fused_rows(
-    hidden, weight, targets, mask, max_rows, tp_group, temperature, out_of_vocab="error", **options
+    hidden, weight, targets, mask, max_rows, tp_group, temperature, out_of_vocab="error", several=False, **options
 ) -> tuple[HeadOptions, RowSelection, Tensor, Tensor]:
-    """A fused op's checked options, its selected rows, their hidden states in the weight's dtype
-    (the products run in it) and their temperatures ``[k]`` float32."""
+    """A fused op's checked options, its selected rows (``several``: ``k`` targets each), their
+    hidden states in the weight's dtype (the products run in it) and their temperatures ``[k]``
+    float32."""
     check_linear_inputs(hidden, weight)
     options = HeadOptions.checked(tp_group=tp_group, device=hidden.device, **options)
-    selection = select_rows(targets, hidden.shape[:-1], mask, max_rows, weight.shape[0], tp_group, out_of_vocab)
+    selection = select_rows(
+        targets, hidden.shape[:-1], mask, max_rows, weight.shape[0], tp_group, out_of_vocab, several
+    )
     rows = selection.take(hidden).to(weight.dtype)
     return options, selection, rows, row_temperatures(temperature, selection, hidden.device)
 
@@ -145,14 +148,10 @@ def fused_linear_logprob(
     """
     several = _several_targets(targets, hidden.shape[:-1], out_of_vocab, batch_invariant)
     options, selection, rows, temperature = _fused_rows(
-        hidden, weight, targets[..., 0] if several else targets, mask, max_rows, tp_group, temperature, out_of_vocab,
-        token_chunk=token_chunk, backend=backend, entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
+        hidden, weight, targets, mask, max_rows, tp_group, temperature, out_of_vocab, several, token_chunk=token_chunk,
+        backend=backend, entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
         batch_invariant=batch_invariant,
     )  # fmt: skip
-    if several:  # the op takes the k ids of each row as its target columns [rows, k]
-        selection = selection._replace(
-            target_column=selection.several_target_columns(targets, weight.shape[0], tp_group)
-        )
     logprob, entropy, _, _ = fused_forward(
         rows, weight, selection.target_column, temperature, backend=options.backend,
         token_chunk=options.token_chunk, tp_group_name=options.tp_group_name,
@@ -220,13 +219,7 @@ def logits_logprob(
         token_chunk=token_chunk, tp_group=tp_group, device=logits.device, entropy_grad=entropy_grad
     )
     several = _several_targets(targets, logits.shape[:-1], "error", False)
-    selection = select_rows(
-        targets[..., 0] if several else targets, logits.shape[:-1], mask, max_rows, logits.shape[-1], tp_group
-    )
-    if several:  # as for fused_linear_logprob
-        selection = selection._replace(
-            target_column=selection.several_target_columns(targets, logits.shape[-1], tp_group)
-        )
+    selection = select_rows(targets, logits.shape[:-1], mask, max_rows, logits.shape[-1], tp_group, several=several)
     rows, temperature = selection.take(logits), row_temperatures(temperature, selection, logits.device)
     logprob, entropy, _, _ = logits_forward(
         rows, selection.target_column, temperature, token_chunk=options.token_chunk,

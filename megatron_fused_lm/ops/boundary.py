@@ -3,7 +3,8 @@ uses are parameters of the names ``HeadOptions`` gives them.
 
 - Recompute path (so ``torch.compile`` keeps each whole and autocast stays outside):
   ``fused_forward(hidden [n, H], weight [vocab_shard, H], target_column [n], temperature [n]) ->
-  (logprob, entropy, lse, mean_logit)``, each ``[n]`` float32, and the ``fused_backward`` its autograd formula runs;
+  (logprob, entropy, lse, mean_logit)``, each ``[n]`` float32 (``target_column [n, k]``: log-probs
+  ``[n, k]``), and the ``fused_backward`` its autograd formula runs;
   ``logits_forward`` / ``logits_backward`` on a materialized logits shard. Only O(n) statistics
   are saved; the backward recomputes.
 - Three-GEMM path (``held_pass``): its phases, ``loss_allocate``, ``loss_statistics``,
@@ -22,7 +23,7 @@ from .backends import loss_backend, recompute_backend
 from .chunking import BlockLogits, chunk_logit_grads, chunk_rows, chunk_statistics
 from .contract import LossState, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
 from .distributed import all_reduce_sum, group_by_name, merge_across_group
-from .several_targets import gathered_logits, several_logprob, statistics_column, taken_logits
+from .several_targets import gathered_logits, statistics_column, taken_logits
 from .softmax import NUM_STATISTICS, SoftmaxSummary, summarize
 
 Tensor = torch.Tensor
@@ -43,13 +44,10 @@ def _summary(
     """The rows' results from this shard's statistics; for several targets (``target_column [n,
     k]``) with their ``target_logits [n, k]`` on this shard, summed over the group first."""
     group = group_by_name(tp_group_name)
-    merged = merge_across_group(stats, group)
-    summary = summarize(merged, statistics_column(target_column))
-    logprob = summary.logprob
     if target_logits is not None:
         all_reduce_sum(target_logits, group)  # each rank holds its own ids' logits, 0 elsewhere
-        logprob = several_logprob(merged, target_logits)
-    return logprob, summary.entropy, summary.lse, summary.mean_logit
+    summary = summarize(merge_across_group(stats, group), statistics_column(target_column), target_logits)
+    return summary.logprob, summary.entropy, summary.lse, summary.mean_logit
 
 
 def _statistics_like(rows: Tensor, target_column: Tensor) -> Statistics:

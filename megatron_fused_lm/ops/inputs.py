@@ -97,6 +97,12 @@ class RowSelection(NamedTuple):
         flat = values.reshape(-1)
         return flat if self.rows is None else flat.index_select(0, self.rows)
 
+    @property
+    def padding(self) -> Optional[torch.Tensor]:
+        """``[k]`` bool: the ``max_rows`` padding rows, which compute a real row whose inputs are
+        not read and whose results go nowhere; ``None`` without ``max_rows``."""
+        return None if self.slots is None else self.slots == self.lead_shape.numel()
+
     def place(self, values: torch.Tensor) -> torch.Tensor:
         """Per-row results ``[k, ...]`` back in ``[*lead_shape, ...]``, 0 on unselected rows
         (differentiable)."""
@@ -107,17 +113,6 @@ class RowSelection(NamedTuple):
         full = values.new_zeros(size + 1, *values.shape[1:])  # the last slot takes the padding rows' results
         return full.index_copy(0, self.slots, values)[:size].view(shape)
 
-    def several_target_columns(
-        self, targets: torch.Tensor, vocab_shard: int, tp_group: Optional[dist.ProcessGroup]
-    ) -> torch.Tensor:
-        """The selected rows' targets ``[*lead_shape, t]`` as ``target_column [k, t]`` (-1 where
-        another shard owns the id; an id outside the vocabulary is an error), a padding row's
-        (``max_rows``) never read."""
-        taken = self.take(targets)
-        if self.slots is not None:
-            taken = torch.where((self.slots == self.lead_shape.numel())[:, None], 0, taken)
-        return target_columns(taken.reshape(-1), vocab_shard, tp_group).view(taken.shape)
-
 
 def select_rows(
     targets: torch.Tensor,
@@ -127,10 +122,12 @@ def select_rows(
     vocab_shard: int,
     tp_group: Optional[dist.ProcessGroup],
     out_of_vocab: str = "error",
+    several: bool = False,
 ) -> RowSelection:
     """Check ``targets`` (and ``mask``) against ``lead_shape`` and select the rows to compute:
     every row without a mask, else those where ``mask`` is True (their targets only are read);
-    ``out_of_vocab`` as for ``target_columns``.
+    ``out_of_vocab`` as for ``target_columns``. With ``several``, ``targets [*lead_shape, k]`` hold
+    ``k`` ids per row and the selection's ``target_column`` is ``[rows, k]``.
 
     With ``max_rows`` the selection has a static shape, ``[max_rows]``: the selected rows padded
     with rows whose results go nowhere (no host sync; more selected rows than ``max_rows`` is an
@@ -140,16 +137,20 @@ def select_rows(
         raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
         raise TypeError(f"targets must hold integer token ids, got {targets.dtype}")
-    if targets.shape != lead_shape:
+    if (targets.shape[:-1] if several else targets.shape) != lead_shape:
         raise ValueError(
             f"targets.shape {tuple(targets.shape)} must equal the leading shape {tuple(lead_shape)} (several "
             "targets per row, [..., k]: fused_linear_logprob and logits_logprob take them)"
         )
-    flat = targets.reshape(-1)
+    flat = targets.reshape(lead_shape.numel(), targets.shape[-1]) if several else targets.reshape(-1)
+
+    def columns(chosen: torch.Tensor) -> torch.Tensor:  # [rows] or [rows, k]
+        return target_columns(chosen.reshape(-1), vocab_shard, tp_group, out_of_vocab).view(chosen.shape)
+
     if mask is None:
         if max_rows is not None:
             raise ValueError("max_rows bounds the rows a mask selects; it needs a mask")
-        return RowSelection(lead_shape, None, None, target_columns(flat, vocab_shard, tp_group, out_of_vocab))
+        return RowSelection(lead_shape, None, None, columns(flat))
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
     if mask.shape != lead_shape:
@@ -157,10 +158,10 @@ def select_rows(
     flat_mask = mask.reshape(-1)
     if max_rows is None:
         rows = flat_mask.nonzero().squeeze(-1)
-        return RowSelection(lead_shape, rows, rows, target_columns(flat[rows], vocab_shard, tp_group, out_of_vocab))
+        return RowSelection(lead_shape, rows, rows, columns(flat[rows]))
     if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0:
         raise ValueError(f"max_rows must be a non-negative int or None, got {max_rows!r}")
-    size = flat.numel()
+    size = lead_shape.numel()
     max_rows = min(max_rows, size)
     check_on_device(flat_mask.sum() <= max_rows, f"mask selects more than max_rows={max_rows} rows")
     # The selected rows in order, then padding, by a scatter (no host sync, no data-dependent
@@ -170,11 +171,11 @@ def select_rows(
     destination = torch.where(flat_mask & (rank < max_rows), rank, max_rows + row_ids)
     slots = flat_mask.new_full((max_rows + size,), size, dtype=torch.long).scatter_(0, destination, row_ids)
     slots = slots[:max_rows]
-    padding = slots == size
     rows = slots.clamp(max=max(size - 1, 0))  # padding rows compute a real row, their results go nowhere
-    selected_targets = torch.where(padding, 0, flat[rows])  # a padding row's target is never read
-    selected_columns = target_columns(selected_targets, vocab_shard, tp_group, out_of_vocab)
-    return RowSelection(lead_shape, rows, slots, selected_columns)
+    selection = RowSelection(lead_shape, rows, slots, None)
+    padding = selection.padding.view(-1, *(1,) * (flat.dim() - 1))
+    selected_targets = torch.where(padding, 0, flat[rows])  # a padding row's targets are never read
+    return selection._replace(target_column=columns(selected_targets))
 
 
 OUT_OF_VOCAB = ("error", "max_logit")
@@ -248,8 +249,8 @@ def row_temperatures(
         )
     else:
         rows = selection.take_rows(temperature).to(torch.float32, copy=True)
-        if selection.slots is not None:  # max_rows padding computes a real row; its temperature is not read
-            rows = torch.where(selection.slots == selection.lead_shape.numel(), 1.0, rows)
+        if selection.padding is not None:  # a padding row's temperature is not read
+            rows = torch.where(selection.padding, 1.0, rows)
     if rows.numel() > 0:
         check_on_device(((rows > 0) & rows.isfinite()).all(), "every temperature must be positive and finite")
     return rows.expand(num_rows) if temperature.dim() == 0 else rows.contiguous()

@@ -2,7 +2,7 @@
 
 ``logprob_j = z_{y_j} - lse``: the statistics run with no target (the target statistic 0), and
 each row's ``k`` logits are read here, this shard's ids only (0 at another shard's; one all-reduce
-sums them). The backward needs nothing from here: the backends' ``dz`` blocks take the ``k``
+sums them), for ``softmax.summarize`` to turn into log-probs. The backward needs nothing from here: the backends' ``dz`` blocks take the ``k``
 columns' ``+g_j`` and their row sum's shared term (``softmax.block_logit_grad``, the Triton
 ``logit_grad_kernel``) in float32 before anything is rounded.
 """
@@ -10,8 +10,6 @@ columns' ``+g_j`` and their row sum's shared term (``softmax.block_logit_grad``,
 from __future__ import annotations
 
 import torch
-
-from .softmax import MAX, SUMEXP
 
 Tensor = torch.Tensor
 # Gathered weight rows per chunk, float32 elements: bounds the [rows, k, H] working set (256 MiB).
@@ -43,11 +41,3 @@ def taken_logits(logits: Tensor, target_column: Tensor, temperature: Tensor) -> 
     """``gathered_logits`` from a materialized logits shard ``[n, vocab_shard]``."""
     taken = logits.gather(-1, target_column.clamp(min=0)).float() / temperature[:, None]
     return torch.where(target_column >= 0, taken, 0.0)
-
-
-def several_logprob(merged: Tensor, target_logits: Tensor) -> Tensor:
-    """``[n, k]``: ``softmax.summarize``'s log-prob, ``(z - max) - log sumexp``, for each of the
-    ``k`` target logits ``[n, k]`` of the whole vocabulary's merged statistics ``[n, 4]``. A logit
-    read here may round an ulp above the maximum the kernels found for it: ``z - max`` is capped at
-    0, as it is when both come from one accumulator."""
-    return (target_logits - merged[:, MAX, None]).clamp(max=0.0) - merged[:, SUMEXP, None].log()

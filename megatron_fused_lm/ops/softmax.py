@@ -66,17 +66,25 @@ def merge_statistics(parts: torch.Tensor) -> torch.Tensor:
     return merged
 
 
-def summarize(stats: torch.Tensor, target_column: Optional[torch.Tensor] = None) -> SoftmaxSummary:
+def summarize(
+    stats: torch.Tensor, target_column: Optional[torch.Tensor] = None, target_logits: Optional[torch.Tensor] = None
+) -> SoftmaxSummary:
     """The per-token results of the whole vocabulary's merged statistics ``[n, 4]``; with the rows'
     ``target_column``, a row whose target is ``OUTSIDE_VOCAB`` takes the largest logit as its target
-    logit (its log-prob is ``max - lse``)."""
+    logit (its log-prob is ``max - lse``). ``target_logits [n, k]``: several targets' logits read
+    apart from the statistics (``several_targets``), whose log-probs ``[n, k]`` the summary gives;
+    ``z - max`` is capped at 0, where such a logit rounds an ulp above the maximum."""
     log_sumexp = stats[:, SUMEXP].log()
     spread = stats[:, SUMEXP_Z] / stats[:, SUMEXP]  # mean logit minus max, <= 0
     target = stats[:, TARGET]
     if target_column is not None:
         target = torch.where(target_column == OUTSIDE_VOCAB, stats[:, MAX], target)
+    if target_logits is None:
+        logprob = (target - stats[:, MAX]) - log_sumexp
+    else:
+        logprob = (target_logits - stats[:, MAX, None]).clamp(max=0.0) - log_sumexp[:, None]
     return SoftmaxSummary(
-        logprob=(target - stats[:, MAX]) - log_sumexp,
+        logprob=logprob,
         entropy=log_sumexp - spread,
         lse=stats[:, MAX] + log_sumexp,
         mean_logit=stats[:, MAX] + spread,

@@ -111,7 +111,7 @@ def several_targets_case(case: dict) -> dict:
     from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
     from megatron_fused_lm.ops.contract import NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
     from megatron_fused_lm.ops.kernels.tiles import Tiles
-    from megatron_fused_lm.ops.several_targets import gathered_logits, several_logprob, statistics_column
+    from megatron_fused_lm.ops.several_targets import gathered_logits, statistics_column
     from megatron_fused_lm.ops.softmax import summarize
 
     tiles = Tiles(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1, dot_precision="ieee")
@@ -130,7 +130,7 @@ def several_targets_case(case: dict) -> dict:
     problem = ShardProblem(hidden, weight, ids, temperature)
     stats = backend.local_statistics(problem._replace(target_column=statistics_column(ids)))
     summary = summarize(stats)
-    logprob = several_logprob(stats, gathered_logits(hidden, weight, ids, temperature))
+    logprob = summarize(stats, None, gathered_logits(hidden, weight, ids, temperature)).logprob
     grads = backend.local_gradients(
         problem, SavedStatistics(summary.lse, summary.mean_logit), UpstreamGrads(grad_logprob, grad_entropy),
         NeededGrads(hidden=True, weight=True),

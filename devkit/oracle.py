@@ -23,22 +23,26 @@ class Reference(NamedTuple):
         return self.grad_hidden
 
 
-def logprob_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature=1.0):
+def logprob_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature=1.0, kept=None):
     """Float64 ``(logprob [...], entropy [...])`` of ``targets`` under ``softmax(logits / T)``;
-    ``temperature`` a number or a tensor of ``targets``' shape (one per row)."""
+    ``temperature`` a number or a tensor of ``targets``' shape (one per row); ``kept [..., V]``
+    bool: the softmax over each row's kept columns alone."""
     if isinstance(temperature, torch.Tensor):
         temperature = temperature.double().unsqueeze(-1)
-    log_probs = torch.log_softmax(logits.double() / temperature, dim=-1)
+    scaled = logits.double() / temperature
+    if kept is not None:  # a finite stand-in for -inf: p = 0 exactly, and no 0 * inf in autograd
+        scaled = torch.where(kept, scaled, -1e300)
+    log_probs = torch.log_softmax(scaled, dim=-1)
     logprob = log_probs.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
     entropy = -(log_probs.exp() * log_probs).sum(-1)
     return logprob, entropy
 
 
-def _reference(logits_of, inputs, targets, temperature, grad_logprob, grad_entropy) -> Reference:
+def _reference(logits_of, inputs, targets, temperature, grad_logprob, grad_entropy, kept=None) -> Reference:
     """``logits_of(*leaves)`` on float64 leaves made from ``inputs``; the gradients of the upstream
     loss with respect to those leaves, given any upstream gradient."""
     leaves = [tensor.detach().double().requires_grad_() for tensor in inputs]
-    logprob, entropy = logprob_entropy(logits_of(*leaves), targets, temperature)
+    logprob, entropy = logprob_entropy(logits_of(*leaves), targets, temperature, kept)
     upstream = [(value, grad) for value, grad in ((logprob, grad_logprob), (entropy, grad_entropy)) if grad is not None]
     if not upstream:
         return Reference(logprob.detach(), entropy.detach())
@@ -53,12 +57,16 @@ def reference(
     temperature=1.0,
     grad_logprob: Optional[torch.Tensor] = None,
     grad_entropy: Optional[torch.Tensor] = None,
+    kept: Optional[torch.Tensor] = None,
 ) -> Reference:
     """Log-probs and entropy of ``targets [...]`` under ``softmax(hidden [..., H] @ weight.T / T)``
     (``T`` a number or a tensor of ``targets``' shape)
-    over the whole vocabulary ``weight [V, H]``; given upstream gradients, the gradients of
-    ``sum(logprob * grad_logprob + entropy * grad_entropy)`` with respect to hidden and weight."""
-    return _reference(lambda h, w: h @ w.t(), (hidden, weight), targets, temperature, grad_logprob, grad_entropy)
+    over the whole vocabulary ``weight [V, H]`` (``kept [..., V]`` bool: each row's kept columns);
+    given upstream gradients, the gradients of ``sum(logprob * grad_logprob + entropy *
+    grad_entropy)`` with respect to hidden and weight."""
+    return _reference(
+        lambda h, w: h @ w.t(), (hidden, weight), targets, temperature, grad_logprob, grad_entropy, kept
+    )
 
 
 def reference_from_logits(
@@ -67,10 +75,11 @@ def reference_from_logits(
     temperature=1.0,
     grad_logprob: Optional[torch.Tensor] = None,
     grad_entropy: Optional[torch.Tensor] = None,
+    kept: Optional[torch.Tensor] = None,
 ) -> Reference:
     """As ``reference`` from materialized logits ``[..., V]``; ``grad_logits`` (``grad_hidden``)
     holds the gradient with respect to the logits."""
-    return _reference(lambda logits: logits, (logits,), targets, temperature, grad_logprob, grad_entropy)
+    return _reference(lambda logits: logits, (logits,), targets, temperature, grad_logprob, grad_entropy, kept)
 
 
 class LossReference(NamedTuple):
@@ -92,15 +101,17 @@ def loss_reference(
     loss_inputs: Optional[dict] = None,
     temperature=1.0,
     mask: Optional[torch.Tensor] = None,
+    kept: Optional[torch.Tensor] = None,
 ) -> LossReference:
     """``sum_t loss_fn(logprob_t, entropy_t, **inputs_t)`` over the rows ``mask`` selects (every row
     without one) under ``softmax(hidden [..., H] @ weight.T / T)`` over the whole vocabulary
     ``weight [V, H]``, in float64 (float inputs upcast), and its gradients by autograd.
-    ``loss_fn`` receives the selected rows flattened, ``[rows]``; unselected targets are not read."""
+    ``loss_fn`` receives the selected rows flattened, ``[rows]``; unselected targets are not read.
+    ``kept [..., V]`` bool: each row's softmax over its kept columns."""
     leaves = [tensor.detach().double().requires_grad_() for tensor in (hidden, weight)]
     selected = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask.to(torch.bool)
     readable_targets = torch.where(selected, targets, torch.zeros_like(targets))
-    logprob, entropy = logprob_entropy(leaves[0] @ leaves[1].t(), readable_targets, temperature)
+    logprob, entropy = logprob_entropy(leaves[0] @ leaves[1].t(), readable_targets, temperature, kept)
     rows = selected.reshape(-1)
     inputs = {
         name: (value.double() if value.is_floating_point() else value).reshape(-1)[rows]
@@ -176,3 +187,13 @@ def policy_loss_inputs(
         "advantages": torch.randn(shape, generator=generator),
         "weight": weights,
     }
+
+
+def dense_kept(offsets: torch.Tensor, token_ids: torch.Tensor, rows: torch.Tensor, shape, vocab: int) -> torch.Tensor:
+    """``kept [*shape, vocab]`` bool from the compressed sets ``(offsets, token_ids)`` of the flat
+    rows ``rows`` (in order), every column kept on the other rows: a plain loop, for tests."""
+    kept = torch.ones(int(torch.tensor(shape).prod()), vocab, dtype=torch.bool)
+    for index, row in enumerate(rows.tolist()):
+        kept[row] = False
+        kept[row, token_ids[offsets[index] : offsets[index + 1]].cpu()] = True
+    return kept.view(*shape, vocab).to(offsets.device)

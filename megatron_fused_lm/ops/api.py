@@ -9,6 +9,7 @@ from typing import Dict, NamedTuple, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from .backends import kept_mask as build_kept_mask
 from .boundary import fused_forward, logits_forward
 from .contract import NeededGrads, ShardProblem
 from .held_pass import HeldPass, attach
@@ -20,6 +21,7 @@ from .inputs import (
     row_temperatures,
     select_rows,
 )
+from .kept_tokens import KeptTokens, every_column, kept_pairs
 from .loss_in_forward import (
     LossFn,
     check_loss_inputs,
@@ -43,18 +45,42 @@ class FusedLoss(NamedTuple):
 
 
 def _fused_rows(
-    hidden, weight, targets, mask, max_rows, tp_group, temperature, out_of_vocab="error", several=False, **options
-) -> tuple[HeadOptions, RowSelection, Tensor, Tensor]:
+    hidden,
+    weight,
+    targets,
+    mask,
+    max_rows,
+    tp_group,
+    temperature,
+    kept_tokens,
+    out_of_vocab="error",
+    several=False,
+    **options,
+) -> tuple[HeadOptions, RowSelection, Tensor, Tensor, Tensor]:
     """A fused op's checked options, its selected rows (``several``: ``k`` targets each), their
-    hidden states in the weight's dtype (the products run in it) and their temperatures ``[k]``
-    float32."""
+    hidden states in the weight's dtype (the products run in it), their temperatures ``[k]``
+    float32 and their ``kept_mask``."""
     check_linear_inputs(hidden, weight)
     options = HeadOptions.checked(tp_group=tp_group, device=hidden.device, **options)
     selection = select_rows(
         targets, hidden.shape[:-1], mask, max_rows, weight.shape[0], tp_group, out_of_vocab, several
     )
     rows = selection.take(hidden).to(weight.dtype)
-    return options, selection, rows, row_temperatures(temperature, selection, hidden.device)
+    temperature = row_temperatures(temperature, selection, hidden.device)
+    kept_mask = _kept_mask(kept_tokens, selection, targets, weight.shape[0], tp_group, options.backend, several)
+    return options, selection, rows, temperature, kept_mask
+
+
+def _kept_mask(
+    kept_tokens: Optional[KeptTokens], selection: RowSelection, targets: Tensor, vocab_shard: int, tp_group,
+    backend: str, several: bool,
+) -> Tensor:  # fmt: skip
+    """The selected rows' ``kept_mask`` on this shard (``kept_tokens``' form), built by ``backend``."""
+    if kept_tokens is None:
+        return every_column(targets.device)
+    if several:
+        raise ValueError("kept_tokens takes one target per row, not targets [..., k]")
+    return build_kept_mask(backend, kept_pairs(kept_tokens, selection, targets, vocab_shard, tp_group), vocab_shard)
 
 
 def needed_grads(hidden: Tensor, weight: Tensor) -> NeededGrads:
@@ -79,6 +105,7 @@ def fused_linear_logprob(
     max_rows: Optional[int] = None,
     out_of_vocab: str = "error",
     batch_invariant: bool = False,
+    kept_tokens: Optional[KeptTokens] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Log-probs (and entropy) of ``targets`` under ``softmax(hidden @ weight.T / temperature)``,
     the vocabulary spread over ``tp_group``, without materializing the logits; the backward
@@ -136,6 +163,17 @@ def fused_linear_logprob(
             invariance"; cost in ``docs/BENCHMARKS.md``). ``ValueError`` on the torch backend and
             for tensor-parallel groups of more than two ranks (their sums' order follows the
             message size); ``fused_linear_loss`` also refuses float32 weights.
+        kept_tokens: optional ``(offsets, token_ids)``, each row's kept set (the ids a top-k /
+            top-p / min-p sampler kept): ``offsets [rows + 1]`` and ``token_ids [nnz]`` int64 on
+            hidden's device, row ``i``'s global ids ``token_ids[offsets[i]:offsets[i + 1]]``, the
+            rows those computed, in the order of ``targets`` flattened (with ``mask=``, the selected
+            rows; the same on every rank of ``tp_group``). Each row's log-prob and entropy are then
+            those of its softmax renormalized over its set, ``z_y - logsumexp_{j in set} z_j``,
+            with exact gradients (0 for the ids left out); under tensor parallelism each rank
+            reads the ids of its shard. A target outside its row's set, ids outside the
+            vocabulary and malformed offsets are errors (checked as the targets are). The sets
+            travel as a bitmask of ``ceil(vocab_shard / 32)`` int32 words per row (``kept_tokens``
+            module), saved for the backward. Not with several targets per row.
 
     Returns:
         ``logprob [...]`` (``[..., k]`` for several targets) float32, or ``(logprob, entropy)`` with
@@ -147,13 +185,13 @@ def fused_linear_logprob(
         device-side assertion on a GPU.
     """
     several = _several_targets(targets, hidden.shape[:-1], out_of_vocab, batch_invariant)
-    options, selection, rows, temperature = _fused_rows(
-        hidden, weight, targets, mask, max_rows, tp_group, temperature, out_of_vocab, several, token_chunk=token_chunk,
-        backend=backend, entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
+    options, selection, rows, temperature, kept_mask = _fused_rows(
+        hidden, weight, targets, mask, max_rows, tp_group, temperature, kept_tokens, out_of_vocab, several,
+        token_chunk=token_chunk, backend=backend, entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
         batch_invariant=batch_invariant,
     )  # fmt: skip
     logprob, entropy, _, _ = fused_forward(
-        rows, weight, selection.target_column, temperature, backend=options.backend,
+        rows, weight, selection.target_column, temperature, kept_mask, backend=options.backend,
         token_chunk=options.token_chunk, tp_group_name=options.tp_group_name,
         reduce_hidden_grad=options.reduce_hidden_grad, batch_invariant=options.batch_invariant,
     )  # fmt: skip
@@ -195,6 +233,7 @@ def logits_logprob(
     token_chunk: Optional[int] = None,
     mask: Optional[Tensor] = None,
     max_rows: Optional[int] = None,
+    kept_tokens: Optional[KeptTokens] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Log-probs (and entropy) of ``targets`` under ``softmax(logits / temperature)``, the
     vocabulary spread over ``tp_group``: the stock (unfused) path.
@@ -204,7 +243,7 @@ def logits_logprob(
             columns: rank ``r`` owns global ids ``[r * vocab_shard, (r + 1) * vocab_shard)``.
         targets: ``[...]`` (``logits.shape[:-1]``) integer global vocabulary ids, or ``[..., k]``
             (as for ``fused_linear_logprob``).
-        tp_group, temperature, return_entropy, entropy_grad: as for ``fused_linear_logprob``.
+        tp_group, temperature, return_entropy, entropy_grad, kept_tokens: as for ``fused_linear_logprob``.
         token_chunk: rows per chunk of the float32 softmax, which bounds its ``[token_chunk,
             vocab_shard]`` working set; ``None`` keeps one chunk's float32 block near 256 MiB.
         mask, max_rows: only rows where ``mask`` is True are computed; the others are 0 with zero
@@ -221,8 +260,9 @@ def logits_logprob(
     several = _several_targets(targets, logits.shape[:-1], "error", False)
     selection = select_rows(targets, logits.shape[:-1], mask, max_rows, logits.shape[-1], tp_group, several=several)
     rows, temperature = selection.take(logits), row_temperatures(temperature, selection, logits.device)
+    kept_mask = _kept_mask(kept_tokens, selection, targets, logits.shape[-1], tp_group, "torch", several)
     logprob, entropy, _, _ = logits_forward(
-        rows, selection.target_column, temperature, token_chunk=options.token_chunk,
+        rows, selection.target_column, temperature, kept_mask, token_chunk=options.token_chunk,
         tp_group_name=options.tp_group_name,
     )  # fmt: skip
     return _results(selection, logprob, entropy if return_entropy else None, options.entropy_grad)
@@ -244,6 +284,7 @@ def fused_linear_loss(
     weight_grad_into: Optional[Tensor] = None,
     weight_grad_scale: float = 1.0,
     batch_invariant: bool = False,
+    kept_tokens: Optional[KeptTokens] = None,
 ) -> FusedLoss:
     """``sum_t loss_fn(logprob_t, entropy_t, inputs_t)`` over the rows of
     ``softmax(hidden @ weight.T / temperature)``, with its gradients computed in the forward
@@ -262,7 +303,7 @@ def fused_linear_loss(
 
     Args:
         hidden, weight, targets, tp_group, temperature, backend, reduce_hidden_grad,
-            batch_invariant: as for ``fused_linear_logprob``.
+            batch_invariant, kept_tokens: as for ``fused_linear_logprob``.
         token_chunk: rows per three-GEMM chunk; ``None`` picks one that bounds the working set.
         loss_fn: the per-token loss, as above.
         loss_inputs: per-token inputs of ``loss_fn``: a dict of tensors shaped like ``targets``
@@ -285,14 +326,14 @@ def fused_linear_loss(
         ``entropy`` detached float32 ``[...]`` metrics. Nothing flows into ``loss_inputs``.
     """
     inputs = check_loss_inputs(loss_fn, loss_inputs, hidden.shape[:-1], hidden.device)
-    options, selection, rows, temperature = _fused_rows(
-        hidden, weight, targets, mask, None, tp_group, temperature, token_chunk=token_chunk, backend=backend,
-        entropy_grad=has_entropy_term(loss_fn, tuple(inputs)), reduce_hidden_grad=reduce_hidden_grad,
+    options, selection, rows, temperature, kept_mask = _fused_rows(
+        hidden, weight, targets, mask, None, tp_group, temperature, kept_tokens, token_chunk=token_chunk,
+        backend=backend, entropy_grad=has_entropy_term(loss_fn, tuple(inputs)), reduce_hidden_grad=reduce_hidden_grad,
         batch_invariant=batch_invariant,
     )  # fmt: skip
     if selection.rows is not None:
         inputs = {name: value.index_select(0, selection.rows) for name, value in inputs.items()}
-    problem = ShardProblem(rows.detach(), weight.detach(), selection.target_column, temperature)
+    problem = ShardProblem(rows.detach(), weight.detach(), selection.target_column, temperature, kept_mask)
     held_pass = HeldPass(problem, loss_fn, inputs, options, needed_grads(rows, weight))
     _send_weight_grad(held_pass, weight_grad_into, weight_grad_scale)
     chunk_loss = held_pass.run()
@@ -350,14 +391,14 @@ def fused_linear_cross_entropy(
             one scale over all rows, so a row's gradient depends on the others; the four-GEMM
             ``fused_linear_logprob(..., batch_invariant=True)`` gives the same loss's gradients.
     """
-    options, selection, rows, temperature = _fused_rows(
-        hidden, weight, targets, None, None, tp_group, temperature, out_of_vocab, token_chunk=token_chunk,
+    options, selection, rows, temperature, kept_mask = _fused_rows(
+        hidden, weight, targets, None, None, tp_group, temperature, None, out_of_vocab, token_chunk=token_chunk,
         backend=backend, entropy_grad=False, reduce_hidden_grad=reduce_hidden_grad,
     )  # fmt: skip
     declared = check_per_token("declared_weights", declared_weights, hidden.shape[:-1], hidden.device)
     if not declared.dtype.is_floating_point and declared.dtype != torch.bool:
         raise TypeError(f"declared_weights must be float or bool, got {declared.dtype}")
-    problem = ShardProblem(rows.detach(), weight.detach(), selection.target_column, temperature)
+    problem = ShardProblem(rows.detach(), weight.detach(), selection.target_column, temperature, kept_mask)
     inputs, needed = {"weight": declared.float()}, needed_grads(rows, weight)
     held_pass = HeldPass(problem, cross_entropy, inputs, options, needed, per_token=True)
     _send_weight_grad(held_pass, weight_grad_into, weight_grad_scale)
@@ -375,6 +416,7 @@ def logits_loss(
     temperature: Union[float, Tensor] = 1.0,
     mask: Optional[Tensor] = None,
     token_chunk: Optional[int] = None,
+    kept_tokens: Optional[KeptTokens] = None,
 ) -> FusedLoss:
     """``fused_linear_loss`` on a materialized logits shard: the same loss, the same contract for
     ``loss_fn`` and ``loss_inputs``, the gradient (to ``logits``) by the usual backward."""
@@ -385,7 +427,7 @@ def logits_loss(
         )
     logprob, entropy = logits_logprob(
         logits, targets, tp_group=tp_group, temperature=temperature, return_entropy=True,
-        token_chunk=token_chunk, mask=mask,
+        token_chunk=token_chunk, mask=mask, kept_tokens=kept_tokens,
     )  # fmt: skip
     inputs = check_loss_inputs(loss_fn, loss_inputs, logits.shape[:-1], logits.device)
     logprob_rows, entropy_rows = logprob.reshape(-1), entropy.reshape(-1)

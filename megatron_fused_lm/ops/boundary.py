@@ -2,9 +2,10 @@
 uses are parameters of the names ``HeadOptions`` gives them.
 
 - Recompute path (so ``torch.compile`` keeps each whole and autocast stays outside):
-  ``fused_forward(hidden [n, H], weight [vocab_shard, H], target_column [n], temperature [n]) ->
-  (logprob, entropy, lse, mean_logit)``, each ``[n]`` float32 (``target_column [n, k]``: log-probs
-  ``[n, k]``), and the ``fused_backward`` its autograd formula runs;
+  ``fused_forward(hidden [n, H], weight [vocab_shard, H], target_column [n], temperature [n],
+  kept_mask [n, words] or [0]) -> (logprob, entropy, lse, mean_logit)``, each ``[n]`` float32
+  (``target_column [n, k]``: log-probs ``[n, k]``), and the ``fused_backward`` its autograd formula
+  runs;
   ``logits_forward`` / ``logits_backward`` on a materialized logits shard. Only O(n) statistics
   are saved; the backward recomputes.
 - Three-GEMM path (``held_pass``): its phases, ``loss_allocate``, ``loss_statistics``,
@@ -90,6 +91,7 @@ def fused_forward(
     weight: Tensor,
     target_column: Tensor,
     temperature: Tensor,
+    kept_mask: Tensor,
     *,
     backend: str,
     token_chunk: Optional[int],
@@ -99,8 +101,9 @@ def fused_forward(
 ) -> Statistics:
     """Log-prob, entropy and the saved statistics of each row, over the whole vocabulary
     (``reduce_hidden_grad`` and ``batch_invariant`` are the backward's: the forward is batch
-    invariant either way). ``target_column [n, k]``: ``k`` targets per row, log-probs ``[n, k]``."""
-    problem = ShardProblem(hidden, weight, statistics_column(target_column), temperature)
+    invariant either way). ``target_column [n, k]``: ``k`` targets per row, log-probs ``[n, k]``;
+    ``kept_mask`` (``kept_tokens``' form): each row's softmax over its kept columns alone."""
+    problem = ShardProblem(hidden, weight, statistics_column(target_column), temperature, kept_mask)
     with autocast_off(hidden.device):
         stats = recompute_backend(backend, token_chunk).local_statistics(problem)
         several = target_column.dim() == 2
@@ -109,7 +112,7 @@ def fused_forward(
 
 
 @fused_forward.register_fake
-def _(hidden, weight, target_column, temperature, **options) -> Statistics:
+def _(hidden, weight, target_column, temperature, kept_mask, **options) -> Statistics:
     return _statistics_like(hidden, target_column)
 
 
@@ -119,6 +122,7 @@ def fused_backward(
     weight: Tensor,
     target_column: Tensor,
     temperature: Tensor,
+    kept_mask: Tensor,
     lse: Tensor,
     mean_logit: Tensor,
     grad_logprob: Optional[Tensor],
@@ -134,7 +138,7 @@ def fused_backward(
 ) -> tuple[Tensor, Tensor]:
     """``(grad_hidden, grad_weight)``; an unneeded one is empty. The hidden gradient is summed
     over the group when ``reduce_hidden_grad``, else this rank's partial."""
-    problem = ShardProblem(hidden, weight, target_column, temperature)
+    problem = ShardProblem(hidden, weight, target_column, temperature, kept_mask)
     with autocast_off(hidden.device):
         grads = recompute_backend(backend, token_chunk, batch_invariant).local_gradients(
             problem,
@@ -158,14 +162,13 @@ def _(hidden, weight, *statistics_and_upstream, need_hidden, need_weight, **opti
 def _fused_gradients(ctx, grad_logprob, grad_entropy, _grad_lse, _grad_mean_logit):
     opened = _open_backward(ctx, grad_logprob, grad_entropy)
     if opened is None:
-        return None, None, None, None
-    (hidden, weight, target_column, temperature), saved, upstream = opened
+        return None, None, None, None, None
+    inputs, saved, upstream = opened
     need_hidden, need_weight = ctx.needs_input_grad[:2]
     grad_hidden, grad_weight = fused_backward(
-        hidden, weight, target_column, temperature, *saved, *upstream, need_hidden=need_hidden,
-        need_weight=need_weight, **ctx.options,
-    )  # fmt: skip
-    return (grad_hidden if need_hidden else None), (grad_weight if need_weight else None), None, None
+        *inputs, *saved, *upstream, need_hidden=need_hidden, need_weight=need_weight, **ctx.options
+    )
+    return (grad_hidden if need_hidden else None), (grad_weight if need_weight else None), None, None, None
 
 
 fused_forward.register_autograd(_fused_gradients, setup_context=_save_statistics)
@@ -184,22 +187,23 @@ def logits_forward(
     logits: Tensor,
     target_column: Tensor,
     temperature: Tensor,
+    kept_mask: Tensor,
     *,
     token_chunk: Optional[int],
     tp_group_name: Optional[str],
 ) -> Statistics:
     """Log-prob, entropy and the saved statistics of each row of a logits shard (``target_column
-    [n, k]``: as for ``fused_forward``)."""
+    [n, k]`` and ``kept_mask``: as for ``fused_forward``)."""
     with autocast_off(logits.device):
         rows = chunk_rows(token_chunk, logits.shape[-1])
-        stats = chunk_statistics(_scaled(logits, temperature), statistics_column(target_column), rows)
+        stats = chunk_statistics(_scaled(logits, temperature), statistics_column(target_column), kept_mask, rows)
         several = target_column.dim() == 2
         target_logits = taken_logits(logits, target_column, temperature) if several else None
         return _summary(stats, target_column, target_logits, tp_group_name)
 
 
 @logits_forward.register_fake
-def _(logits, target_column, temperature, **options) -> Statistics:
+def _(logits, target_column, temperature, kept_mask, **options) -> Statistics:
     return _statistics_like(logits, target_column)
 
 
@@ -208,6 +212,7 @@ def logits_backward(
     logits: Tensor,
     target_column: Tensor,
     temperature: Tensor,
+    kept_mask: Tensor,
     lse: Tensor,
     mean_logit: Tensor,
     grad_logprob: Optional[Tensor],
@@ -221,7 +226,7 @@ def logits_backward(
     with autocast_off(logits.device):
         logit_grads = chunk_logit_grads(
             _scaled(logits, temperature), target_column, SavedStatistics(lse, mean_logit),
-            UpstreamGrads(grad_logprob, grad_entropy), temperature, chunk_rows(token_chunk, logits.shape[-1]),
+            UpstreamGrads(grad_logprob, grad_entropy), temperature, kept_mask, chunk_rows(token_chunk, logits.shape[-1]),
         )  # fmt: skip
         for rows, grad in logit_grads:
             grad_logits[rows] = grad
@@ -236,11 +241,9 @@ def _(logits, *statistics_and_upstream, **options) -> Tensor:
 def _logits_gradients(ctx, grad_logprob, grad_entropy, _grad_lse, _grad_mean_logit):
     opened = _open_backward(ctx, grad_logprob, grad_entropy)
     if opened is None:
-        return None, None, None
-    (logits, target_column, temperature), saved, upstream = opened
-    return logits_backward(
-        logits, target_column, temperature, *saved, *upstream, token_chunk=ctx.options["token_chunk"]
-    ), None, None  # fmt: skip
+        return None, None, None, None
+    inputs, saved, upstream = opened
+    return logits_backward(*inputs, *saved, *upstream, token_chunk=ctx.options["token_chunk"]), None, None, None
 
 
 logits_forward.register_autograd(_logits_gradients, setup_context=_save_statistics)
@@ -263,8 +266,9 @@ def _(stats, **options) -> Tensor:
 def _allocate(
     hidden, weight, need_hidden, need_weight, backend, token_chunk, entropy_grad, batch_invariant
 ) -> List[Tensor]:
+    # Allocation reads the shapes of the rows and the weight alone.
     problem = ShardProblem(
-        hidden, weight, hidden.new_empty(0, dtype=torch.long), hidden.new_empty(0, dtype=torch.float32)
+        hidden, weight, *(hidden.new_empty(0, dtype=dtype) for dtype in (torch.long, torch.float32, torch.int32))
     )
     needed = NeededGrads(need_hidden, need_weight)
     state = loss_backend(backend, token_chunk, entropy_grad, batch_invariant).allocate(problem, needed)
@@ -299,14 +303,15 @@ def loss_statistics(
     weight: Tensor,
     target_column: Tensor,
     temperature: Tensor,
+    kept_mask: Tensor,
     block: Tensor,
     reference: Tensor,
     *,
     backend: str,
 ) -> Tensor:
     """The backend's ``chunk_statistics`` for a chunk's ``k`` rows (``hidden``, ``target_column``,
-    ``temperature``), into the block's first ``k`` rows: ``[k, 4]``."""
-    problem = ShardProblem(hidden, weight, target_column, temperature)
+    ``temperature``, ``kept_mask``), into the block's first ``k`` rows: ``[k, 4]``."""
+    problem = ShardProblem(hidden, weight, target_column, temperature, kept_mask)
     state = LossState(block, reference, hidden.new_empty(0), [])
     with autocast_off(hidden.device):
         return loss_backend(backend).chunk_statistics(problem, state, slice(0, hidden.shape[0]))
@@ -323,6 +328,7 @@ def loss_gradients(
     weight: Tensor,
     target_column: Tensor,
     temperature: Tensor,
+    kept_mask: Tensor,
     block: Tensor,
     reference: Tensor,
     held_hidden: Tensor,
@@ -339,7 +345,7 @@ def loss_gradients(
 ) -> None:
     """The backend's ``chunk_gradients`` for the rows ``[start, stop)``; ``summary`` holds the
     ``SoftmaxSummary`` fields in order."""
-    problem = ShardProblem(hidden, weight, target_column, temperature)
+    problem = ShardProblem(hidden, weight, target_column, temperature, kept_mask)
     state = LossState(block, reference, held_hidden, held_weight)
     upstream = UpstreamGrads(grad_logprob, grad_entropy)
     with autocast_off(hidden.device):
@@ -371,8 +377,8 @@ class OperatorLossBackend:
 
     def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice) -> Tensor:
         return loss_statistics(
-            problem.hidden[rows], problem.weight, problem.target_column[rows], problem.temperature[rows], state.block,
-            state.reference, backend=self.options.backend,
+            problem.hidden[rows], problem.weight, problem.target_column[rows], problem.temperature[rows],
+            problem.kept_mask[rows], state.block, state.reference, backend=self.options.backend,
         )  # fmt: skip
 
     def chunk_gradients(

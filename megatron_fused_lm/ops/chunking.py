@@ -10,6 +10,7 @@ from typing import Callable, Iterator, Optional, Tuple
 import torch
 
 from .contract import SavedStatistics, UpstreamGrads, token_chunks
+from .kept_tokens import kept_block
 from .softmax import NUM_STATISTICS, block_logit_grad, block_statistics
 
 BlockLogits = Callable[[slice], torch.Tensor]
@@ -21,12 +22,16 @@ def chunk_rows(token_chunk: Optional[int], vocab_shard: int) -> int:
     return token_chunk or max(1, BLOCK_BYTES // (4 * vocab_shard))
 
 
-def chunk_statistics(block_logits: BlockLogits, target_column: torch.Tensor, token_chunk: int) -> torch.Tensor:
-    """The shard's statistics ``[n, 4]`` (float32), one chunk of rows at a time."""
+def chunk_statistics(
+    block_logits: BlockLogits, target_column: torch.Tensor, kept_mask: torch.Tensor, token_chunk: int
+) -> torch.Tensor:
+    """The shard's statistics ``[n, 4]`` (float32), one chunk of rows at a time, over each row's
+    kept columns (``kept_mask``, ``kept_tokens``' form)."""
     num_tokens = target_column.shape[0]
     stats = torch.empty(num_tokens, NUM_STATISTICS, dtype=torch.float32, device=target_column.device)
     for rows in token_chunks(num_tokens, token_chunk):
-        stats[rows] = block_statistics(block_logits(rows), target_column[rows])
+        logits = block_logits(rows)
+        stats[rows] = block_statistics(logits, target_column[rows], kept_block(kept_mask, rows, logits.shape[1]))
     return stats
 
 
@@ -36,13 +41,16 @@ def chunk_logit_grads(
     saved: SavedStatistics,
     upstream: UpstreamGrads,
     temperature: torch.Tensor,
+    kept_mask: torch.Tensor,
     token_chunk: int,
 ) -> Iterator[Tuple[slice, torch.Tensor]]:
     """Yield ``(rows, grad)``: the float32 gradient with respect to the *unscaled* logits of each
-    chunk (``dz / temperature``, ``temperature [n]`` per row), its logits recomputed by
-    ``block_logits``."""
+    chunk (``dz / temperature``, ``temperature [n]`` per row; 0 outside the kept columns), its
+    logits recomputed by ``block_logits``."""
     for rows in token_chunks(target_column.shape[0], token_chunk):
+        logits = block_logits(rows)
         grad = block_logit_grad(
-            block_logits(rows), target_column[rows], saved.lse[rows], saved.mean_logit[rows], *upstream.rows(rows)
-        )
+            logits, target_column[rows], saved.lse[rows], saved.mean_logit[rows], *upstream.rows(rows),
+            kept_block(kept_mask, rows, logits.shape[1]),
+        )  # fmt: skip
         yield rows, grad.div_(temperature[rows, None])

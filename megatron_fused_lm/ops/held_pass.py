@@ -158,14 +158,14 @@ class HeldPass:
     def pack(self) -> tuple[HeldPass, List[Tensor]]:
         """``(the pass without its tensors, its tensors)``, for the autograd node and its
         ``save_for_backward``: the held gradients (not a caller's sink, which other gradients
-        change meanwhile) and, where a second pass may run, the rows, the weight, the targets, the
-        temperatures and the loss's inputs."""
+        change meanwhile) and, where a second pass may run, the problem (rows, weight, targets,
+        temperatures, kept columns) and the loss's inputs."""
         held_weight = [] if self.into_caller else self.held.held_weight
         tensors = [self.held.held_hidden, *held_weight]
         if self.may_run_again:
             tensors += [*self.problem, self.merged, *self.inputs.values()]
         bare = dataclasses.replace(
-            self, problem=ShardProblem(None, None, None, None),
+            self, problem=ShardProblem(*[None] * len(ShardProblem._fields)),
             inputs=dict.fromkeys(self.inputs), held=LossState(None, None, None, [None] * len(held_weight)), merged=None,
         )  # fmt: skip
         return bare, tensors
@@ -177,8 +177,8 @@ class HeldPass:
         held_weight, rest = rest[:parts], rest[parts:]
         whole = dataclasses.replace(self, held=LossState(None, None, held_hidden, held_weight or self._sink()))
         if self.may_run_again:
-            hidden, weight, target_column, temperature, whole.merged, *values = rest
-            whole.problem = ShardProblem(hidden, weight, target_column, temperature)
+            fields = len(ShardProblem._fields)
+            whole.problem, whole.merged, values = ShardProblem(*rest[:fields]), rest[fields], rest[fields + 1 :]
             whole.inputs = dict(zip(self.inputs, values, strict=True))
         return whole
 
@@ -255,7 +255,7 @@ def held_backward(
     options = HeadOptions(backend, token_chunk, tp_group_name, False, reduce_hidden_grad, batch_invariant)
     needed = NeededGrads(tensors[0].dim() == 2, parts > 0)
     bare = HeldPass(
-        ShardProblem(None, None, None, None), cross_entropy, dict.fromkeys(["weight"] if per_token else []),
+        ShardProblem(*[None] * len(ShardProblem._fields)), cross_entropy, dict.fromkeys(["weight"] if per_token else []),
         options, needed, per_token, held=LossState(None, None, None, [None] * parts), dtype=dtype,
     )  # fmt: skip
     grads = bare.unpack(tensors).backward(upstream, narrow_in_place=False)

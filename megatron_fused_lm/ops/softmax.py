@@ -35,15 +35,22 @@ class SoftmaxSummary(NamedTuple):
     mean_minus_target: torch.Tensor  # mean - z_y, free of the cancellation of mean_logit - z_y
 
 
-def block_statistics(logits: torch.Tensor, target_column: torch.Tensor) -> torch.Tensor:
-    """Statistics ``[n, 4]`` of one block of float32 logits ``[n, v]``."""
+def block_statistics(
+    logits: torch.Tensor, target_column: torch.Tensor, kept: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Statistics ``[n, 4]`` of one block of float32 logits ``[n, v]``; with ``kept [n, v]`` bool,
+    of the kept columns alone (a row keeping none: ``merge_statistics``' empty block)."""
+    if kept is not None:
+        logits = logits.masked_fill(~kept, -torch.inf)
     row_max = logits.amax(dim=-1, keepdim=True)
-    shifted = logits - row_max
+    # A row keeping no column has max -inf: its shifted logits stay -inf, not NaN.
+    shifted = logits - (row_max if kept is None else row_max.clamp(min=torch.finfo(torch.float32).min))
     weights = shifted.exp()
     stats = torch.empty(logits.shape[0], NUM_STATISTICS, dtype=torch.float32, device=logits.device)
     stats[:, MAX] = row_max.squeeze(-1)
     stats[:, SUMEXP] = weights.sum(dim=-1)
-    stats[:, SUMEXP_Z] = torch.linalg.vecdot(weights, shifted)  # no fourth block for the product
+    # No fourth block for the product; a column left out adds 0, not 0 * -inf.
+    stats[:, SUMEXP_Z] = torch.linalg.vecdot(weights, shifted if kept is None else shifted.masked_fill(~kept, 0.0))
     target_logit = logits.gather(-1, target_column.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     stats[:, TARGET] = torch.where(target_column >= 0, target_logit, 0.0)
     return stats
@@ -121,12 +128,14 @@ def block_logit_grad(
     mean_logit: torch.Tensor,
     grad_logprob: Optional[torch.Tensor],
     grad_entropy: Optional[torch.Tensor],
+    kept: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``dz [n, v]`` for one block of float32 logits ``[n, v]`` (``lse``, ``mean_logit`` and the
     upstream gradients ``[n]``, ``None``: no term), the chosen token's ``+g_lp`` added with a scatter
     where the block owns the target. Several targets per row: ``target_column`` and
     ``grad_logprob`` ``[n, k]``, the shared term taking their row sum and each target its own
-    ``+g_lp``, in float32 before anything is rounded."""
+    ``+g_lp``, in float32 before anything is rounded. ``kept [n, v]`` bool: 0 on the columns left
+    out (their logits, finite or not, are never read into the result)."""
     if grad_logprob is None and grad_entropy is None:
         return torch.zeros_like(logits)
     if target_column.dim() == 1:
@@ -142,6 +151,8 @@ def block_logit_grad(
         grad_logprob is not None,
         grad_entropy is not None,
     )
+    if kept is not None:
+        grad.masked_fill_(~kept, 0.0)
     if grad_logprob is not None:
         owned = target_column >= 0
         grad.scatter_add_(-1, target_column.clamp(min=0), torch.where(owned, grad_logprob, 0.0))

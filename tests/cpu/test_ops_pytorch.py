@@ -13,6 +13,7 @@ from megatron_fused_lm import (
     logits_logprob,
     losses,
 )
+from megatron_fused_lm.ops.kept_tokens import every_column
 
 HIDDEN, VOCAB, ROWS = 24, 97, 19
 
@@ -187,7 +188,7 @@ def opcheck_cases():
     ops = torch.ops.megatron_fused_lm
     hidden, weight = hidden.detach(), weight.detach()
     several = torch.stack([targets, targets.flip(0), targets], dim=-1)  # three ids per row, one repeated
-    problem = ShardProblem(hidden, weight, targets, temperature)
+    problem = ShardProblem(hidden, weight, targets, temperature, every_column(hidden.device))
     state = TorchLoss(token_chunk=7).allocate(problem, NeededGrads(True, True))
     summary = list(summarize(TorchLoss(token_chunk=7).chunk_statistics(problem, state, slice(0, 7))))
     chunk = dict(start=0, stop=7, backend="torch", batch_invariant=False)

@@ -110,6 +110,8 @@ def several_targets_case(case: dict) -> dict:
     from megatron_fused_lm.ops.backends.triton_recompute import TritonRecompute
     from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
     from megatron_fused_lm.ops.contract import NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
+    from megatron_fused_lm.ops.kept_tokens import KeptPairs, every_column, torch_kept_mask
+    from megatron_fused_lm.ops.kernels.kept_mask_kernel import kept_mask
     from megatron_fused_lm.ops.kernels.tiles import Tiles
     from megatron_fused_lm.ops.several_targets import gathered_logits, statistics_column
     from megatron_fused_lm.ops.softmax import summarize
@@ -127,7 +129,7 @@ def several_targets_case(case: dict) -> dict:
     ids[:, 1] = ids[:, 0]
     temperature = torch.rand(tokens) * 1.5 + 0.5
     grad_logprob, grad_entropy = torch.randn(tokens, k), torch.randn(tokens)
-    problem = ShardProblem(hidden, weight, ids, temperature)
+    problem = ShardProblem(hidden, weight, ids, temperature, every_column(hidden.device))
     stats = backend.local_statistics(problem._replace(target_column=statistics_column(ids)))
     summary = summarize(stats)
     logprob = summarize(stats, None, gathered_logits(hidden, weight, ids, temperature)).logprob
@@ -162,6 +164,8 @@ def run_case_here(case: dict) -> dict:
     from megatron_fused_lm.ops.backends.triton_recompute import TritonRecompute
     from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
     from megatron_fused_lm.ops.contract import NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
+    from megatron_fused_lm.ops.kept_tokens import KeptPairs, every_column, torch_kept_mask
+    from megatron_fused_lm.ops.kernels.kept_mask_kernel import kept_mask
     from megatron_fused_lm.ops.kernels.tiles import Tiles
     from megatron_fused_lm.ops.softmax import summarize
 
@@ -198,6 +202,35 @@ def run_case_here(case: dict) -> dict:
     temperature = torch.rand(tokens) * 1.5 + 0.5 if per_row else torch.full((1,), case["temperature"]).expand(tokens)
     grad_logprob = torch.randn(tokens)
     grad_entropy = torch.randn(tokens) if case["entropy_grad"] else None
+    # "kept": each row keeps up to that many random ids and its target (kept_tokens), as the
+    # Triton builder's bitmask; it must equal the torch builder's.
+    kept, builders_agree = None, None
+    if case.get("kept"):
+        kept = torch.rand(tokens, vocab) < case["kept"] / vocab
+        if case.get("kept_none_in_half"):  # rows keeping nothing in the second half: one shard empty
+            targets[: tokens // 2] %= vocab // 2
+            kept[: tokens // 2, vocab // 2 :] = False
+        if case.get("dominant_row") is not None:  # left out: the kept maximum lies far below the reference
+            targets[targets == case["dominant_row"]] += 1
+            kept[:, case["dominant_row"]] = False
+        kept[torch.arange(tokens), targets] = True
+        kept_row, kept_id = kept.nonzero().unbind(1)
+        kept_row, kept_id = torch.cat([kept_row, kept_row[::3]]), torch.cat([kept_id, kept_id[::3]])  # repeats
+        builders_agree = True
+
+    def kept_mask_of(rows, first, count):
+        if kept is None:
+            return every_column(hidden.device)
+        inside = (kept_row >= rows.start) & (kept_row < rows.stop)
+        column = kept_id[inside] - first
+        pairs = KeptPairs(
+            kept_row[inside] - rows.start, torch.where((column >= 0) & (column < count), column, -1), rows.stop - rows.start
+        )
+        mask = kept_mask(pairs, count)
+        nonlocal builders_agree
+        builders_agree = builders_agree and torch.equal(mask, torch_kept_mask(pairs, count))
+        return mask
+
     # The backend alone, as the ops call it.
     options = dict(
         token_chunk=case.get("token_chunk"), batch_invariant=case.get("batch_invariant", False), tuning=tuning
@@ -209,12 +242,13 @@ def run_case_here(case: dict) -> dict:
             return three_gemm_pass(
                 backend, hidden[rows], weight, targets[rows], temperature[rows], grad_logprob[rows],
                 None if grad_entropy is None else grad_entropy[rows], case.get("shards", 1),
+                lambda first, count: kept_mask_of(rows, first, count),
             )  # fmt: skip
     else:  # one rank: every target in this shard
         backend = TritonRecompute(**options)
 
         def run(rows):
-            problem = ShardProblem(hidden[rows], weight, targets[rows], temperature[rows])
+            problem = ShardProblem(hidden[rows], weight, targets[rows], temperature[rows], kept_mask_of(rows, 0, vocab))
             summary = summarize(backend.local_statistics(problem))
             upstream = UpstreamGrads(grad_logprob[rows], None if grad_entropy is None else grad_entropy[rows])
             saved = SavedStatistics(summary.lse, summary.mean_logit)
@@ -228,7 +262,7 @@ def run_case_here(case: dict) -> dict:
         rows_alone_equal = all(
             torch.equal(part, whole[: part.shape[0]]) for part, whole in zip(alone[:2], (logprob, entropy), strict=True)
         ) and torch.equal(alone[2].hidden, grads.hidden[: alone[2].hidden.shape[0]])
-    expected = reference(hidden, weight, targets, temperature, grad_logprob, grad_entropy)
+    expected = reference(hidden, weight, targets, temperature, grad_logprob, grad_entropy, kept=kept)
     sampled = weight[:: -(-weight.shape[0] // case["reference_rows"])] if case.get("reference_rows") else weight
     logits = hidden.double() @ weight.double().t() / temperature.double()[:, None]
     sampled_max = (hidden.double() @ sampled.double().t() / temperature.double()[:, None]).amax(1)
@@ -241,13 +275,16 @@ def run_case_here(case: dict) -> dict:
         "grad_weight_zero": not grads.weight.any().item(),
         "grad_dtypes": [str(grads.hidden.dtype), str(grads.weight.dtype)],
         "rows_alone_equal": rows_alone_equal,
+        "kept_builders_agree": builders_agree,
+        "grad_weight_left_out": None if kept is None else grads.weight[~kept.any(0)].abs().max().item(),
     }
 
 
-def three_gemm_pass(backend, hidden, weight, targets, temperature, grad_logprob, grad_entropy, shards):
+def three_gemm_pass(backend, hidden, weight, targets, temperature, grad_logprob, grad_entropy, shards, kept_mask_of):
     """The package's loss-in-forward pass (``run_loss_pass``) with the vocabulary split into
     ``shards`` equal shards, one pass per shard as each rank of a tensor-parallel group would run
-    it; the chunk step merges the shards' statistics as the group's all-gather does. Returns
+    it (``kept_mask_of(first column, columns)``: its kept_mask); the chunk step merges the shards'
+    statistics as the group's all-gather does. Returns
     ``(logprob, entropy, Gradients)`` with the hidden gradient summed over the shards and the
     weight gradient's shards stacked."""
     import torch
@@ -263,6 +300,7 @@ def three_gemm_pass(backend, hidden, weight, targets, temperature, grad_logprob,
             weight[shard * shard_rows : (shard + 1) * shard_rows],
             torch.where(targets // shard_rows == shard, targets - shard * shard_rows, -1),
             temperature,
+            kept_mask_of(shard * shard_rows, shard_rows),
         )
         for shard in range(shards)
     ]
@@ -322,6 +360,43 @@ def check(result: dict, dtype: str) -> None:
     value_tol, grad_tol = TOLERANCE[dtype]
     assert result["logprob"] <= value_tol and result["entropy"] <= value_tol, result
     assert result["grad_hidden"] <= grad_tol and result["grad_weight"] <= grad_tol, result
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+@pytest.mark.parametrize("three_gemm", [False, True], ids=["recompute", "three_gemm"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_kept_tokens(dtype, three_gemm, shards):
+    # Each row's softmax over its kept set (kept_tokens: a dozen ids of 211 with repeats, its
+    # target among them), against the float64 oracle over the same sets, within the same bounds
+    # as the whole vocabulary: a column left out that leaked in costs O(0.1). Two shards: half the
+    # rows keep nothing on the second (its statistics are an empty block; float16's stored offsets
+    # then read tiles whose maximum is -inf). Peaked rows (hidden scale 4), per-row temperatures;
+    # with an entropy term (float16 offsets) and without (exponentials, refreshed where the kept
+    # maximum lies far below the sampled rows' reference).
+    if shards == 2 and not three_gemm:
+        pytest.skip("the recompute backend takes one shard here; TP=2 runs in test_ops_tensor_parallel")
+    for entropy_grad in (True, False):
+        result = run_case(
+            dtype=dtype, shape=[37, 45, 212], temperature="per_row", hidden_scale=4.0, three_gemm=three_gemm,
+            kept=12, kept_none_in_half=True, shards=shards, entropy_grad=entropy_grad, token_chunk=16,
+        )  # fmt: skip
+        check(result, dtype)
+        assert result["kept_builders_agree"], result
+        assert result["grad_weight_left_out"] == 0.0, result
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_kept_tokens_far_below_reference(dtype):
+    # A dominant vocabulary row among those the three-GEMM pass samples for its exponentials'
+    # references, left out of every kept set: the kept maximum lies ~100 below the reference, where
+    # exponentials underflow (float32 weights, no entropy term: the exponentials block); those rows
+    # are stored again against their own maximum.
+    result = run_case(
+        dtype=dtype, shape=[37, 45, 212], dominant_row=0, kept=12, three_gemm=True, entropy_grad=False,
+        token_chunk=16,
+    )  # fmt: skip
+    assert result["rows_far_above_sample"] == 0  # the dominant row is sampled: the reference is high, not low
+    check(result, dtype)
 
 
 @pytest.mark.parametrize("three_gemm", [False, True], ids=["recompute", "three_gemm"])
@@ -455,8 +530,11 @@ def test_batch_invariant_three_gemm_refuses_float32_weights():
 
     from megatron_fused_lm.ops.backends.triton_loss import TritonLoss
     from megatron_fused_lm.ops.contract import NeededGrads, ShardProblem
+    from megatron_fused_lm.ops.kept_tokens import every_column
 
-    problem = ShardProblem(torch.zeros(4, 8), torch.zeros(16, 8), torch.zeros(4, dtype=torch.long), torch.ones(4))
+    problem = ShardProblem(
+        torch.zeros(4, 8), torch.zeros(16, 8), torch.zeros(4, dtype=torch.long), torch.ones(4), every_column("cpu")
+    )
     with pytest.raises(ValueError, match="needs 16-bit weights"):
         TritonLoss(batch_invariant=True).allocate(problem, NeededGrads(True, True))
 

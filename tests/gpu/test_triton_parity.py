@@ -26,6 +26,7 @@ import torch
 from devkit.oracle import max_abs_error, reference, relative_error
 from megatron_fused_lm import fused_linear_logprob, logits_logprob
 from megatron_fused_lm.ops.contract import NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
+from megatron_fused_lm.ops.kept_tokens import every_column
 from megatron_fused_lm.ops.softmax import merge_statistics, summarize
 
 pytestmark = [
@@ -196,7 +197,11 @@ def test_targets_on_other_ranks(backend):
         target_column = torch.where((local >= 0) & (local < shard), local, -1)
         shards.append(
             ShardProblem(
-                hidden, weight[rank * shard : (rank + 1) * shard], target_column, torch.ones(num_tokens, device="cuda")
+                hidden,
+                weight[rank * shard : (rank + 1) * shard],
+                target_column,
+                torch.ones(num_tokens, device="cuda"),
+                every_column(hidden.device),
             )
         )
         stats.append(implementation.local_statistics(shards[-1]))
@@ -284,7 +289,9 @@ def test_backward_blocked_over_token_and_vocabulary_chunks():
     expected = reference(hidden, weight, targets, 1.0, grad_logprob, grad_entropy)
     stock = run("stock", *inputs)
     blocked = TritonRecompute(token_chunk=1000, tuning=TritonTuning(dz_block_bytes=1000 * 20000 * 2))  # 3 x 7 blocks
-    problem = ShardProblem(hidden, weight, targets, torch.ones(hidden.shape[0], device="cuda"))
+    problem = ShardProblem(
+        hidden, weight, targets, torch.ones(hidden.shape[0], device="cuda"), every_column(hidden.device)
+    )
     summary = summarize(blocked.local_statistics(problem))
     grads = blocked.local_gradients(
         problem,

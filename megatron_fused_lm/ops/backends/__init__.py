@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from ..contract import LossBackend, RecomputeBackend
+from ..kept_tokens import KeptPairs, torch_kept_mask
 from .torch_loss import TorchLoss
 from .torch_recompute import TorchRecompute
 
@@ -34,3 +37,13 @@ def loss_backend(
 
         return TritonLoss(token_chunk, entropy_grad, batch_invariant=batch_invariant)
     return TorchLoss(token_chunk, entropy_grad)
+
+
+def kept_mask(backend: str, pairs: KeptPairs, vocab_shard: int) -> torch.Tensor:
+    """The ``kept_mask`` of ``pairs`` (``kept_tokens``' form), built by the resolved ``backend``'s
+    own code."""
+    if backend == "triton":
+        from ..kernels.kept_mask_kernel import kept_mask as triton_kept_mask
+
+        return triton_kept_mask(pairs, vocab_shard)
+    return torch_kept_mask(pairs, vocab_shard)

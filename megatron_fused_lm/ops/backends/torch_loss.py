@@ -12,6 +12,7 @@ import torch
 from .. import held_gradients
 from ..chunking import chunk_rows
 from ..contract import LossState, NeededGrads, ShardProblem, UpstreamGrads
+from ..kept_tokens import kept_block
 from ..products import add_product
 from ..softmax import SoftmaxSummary, block_logit_grad, block_statistics, chosen_logit_grad, zero_chosen
 
@@ -34,7 +35,9 @@ class TorchLoss(held_gradients.HeldSteps):
         logits = state.block[: rows.stop - rows.start]
         temperature = problem.temperature[rows, None]
         add_product(logits, problem.hidden[rows], problem.weight.t(), accumulate=False).div_(temperature)
-        return block_statistics(logits, problem.target_column[rows])
+        return block_statistics(
+            logits, problem.target_column[rows], kept_block(problem.kept_mask, rows, logits.shape[1])
+        )
 
     def chunk_gradients(
         self,
@@ -49,7 +52,8 @@ class TorchLoss(held_gradients.HeldSteps):
         by ``add_chosen``), the products in the weight's dtype accumulating in float32."""
         weight, target_column, temperature = problem.weight, problem.target_column[rows], problem.temperature[rows]
         logits = state.block[: rows.stop - rows.start]
-        grad = block_logit_grad(logits, target_column, summary.lse, summary.mean_logit, *upstream)
+        kept = kept_block(problem.kept_mask, rows, logits.shape[1])
+        grad = block_logit_grad(logits, target_column, summary.lse, summary.mean_logit, *upstream, kept)
         zero_chosen(grad, target_column)
         operand = grad.div_(temperature[:, None]).to(weight.dtype)
         del grad

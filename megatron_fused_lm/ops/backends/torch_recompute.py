@@ -31,7 +31,7 @@ class TorchRecompute:
     def local_statistics(self, problem: ShardProblem) -> torch.Tensor:
         """This shard's statistics ``[n, 4]`` (float32)."""
         rows = chunk_rows(self.token_chunk, problem.weight.shape[0])
-        return chunk_statistics(block_logits(problem), problem.target_column, rows)
+        return chunk_statistics(block_logits(problem), problem.target_column, problem.kept_mask, rows)
 
     def local_gradients(
         self, problem: ShardProblem, saved: SavedStatistics, upstream: UpstreamGrads, needed: NeededGrads
@@ -48,6 +48,7 @@ class TorchRecompute:
             saved,
             upstream,
             problem.temperature,
+            problem.kept_mask,
             chunk_rows(self.token_chunk, weight.shape[0]),
         )
         for rows, grad in logit_grads:

@@ -93,7 +93,7 @@ class TritonLoss(held_gradients.HeldSteps):
         num_rows = rows.stop - rows.start
         hidden, weight = addressable(problem.hidden[rows]), addressable(problem.weight)
         columns, block = problem.target_column[rows].contiguous(), state.block[:num_rows]
-        temperature = problem.temperature[rows]
+        temperature, kept_mask = problem.temperature[rows], problem.kept_mask[rows]
         tiles = self.tuning.forward_tiles_for(weight.dtype, block.dtype, weight.device)
         tiles_per_split = self.tuning.tiles_per_split_for(weight.shape[0], tiles, weight.device)
         offsets = stores_offsets(block.dtype)
@@ -102,13 +102,15 @@ class TritonLoss(held_gradients.HeldSteps):
         else:
             sample_rows = self.tuning.reference_rows or REFERENCE_ROWS
             reference = row_references(hidden, weight, columns, temperature, sample_rows)
-        parts = split_statistics(hidden, weight, columns, temperature, tiles, tiles_per_split, block, reference)
+        parts = split_statistics(
+            hidden, weight, columns, temperature, kept_mask, tiles, tiles_per_split, block, reference
+        )
         local = merge_parts(parts)
         if offsets:
             return local
         reference, refresh = stale_references(reference, local[:, MAX])
         state.reference[:num_rows] = reference
-        refresh_exponentials(hidden, weight, temperature, tiles, tiles_per_split, block, reference, refresh)
+        refresh_exponentials(hidden, weight, temperature, kept_mask, tiles, tiles_per_split, block, reference, refresh)
         return local
 
     def chunk_gradients(

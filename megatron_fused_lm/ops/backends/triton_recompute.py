@@ -43,7 +43,9 @@ class TritonRecompute:
             return hidden.new_empty(0, NUM_STATISTICS, dtype=torch.float32)
         tiles = self.tuning.forward_tiles_for(weight.dtype)
         tiles_per_split = self.tuning.tiles_per_split_for(weight.shape[0], tiles, weight.device)
-        parts = split_statistics(hidden, weight, problem.target_column, problem.temperature, tiles, tiles_per_split)
+        parts = split_statistics(
+            hidden, weight, problem.target_column, problem.temperature, problem.kept_mask, tiles, tiles_per_split
+        )
         return merge_parts(parts)
 
     def local_gradients(
@@ -73,7 +75,11 @@ class TritonRecompute:
         tiles = self.tuning.backward_tiles_for(weight.dtype)
         programs = self.tuning.programs_for(weight.device)
         hidden_operand, weight_operand = addressable(hidden), addressable(weight)
-        target_column, temperature = problem.target_column.contiguous(), problem.temperature
+        target_column, temperature, kept_mask = (
+            problem.target_column.contiguous(),
+            problem.temperature,
+            problem.kept_mask,
+        )
         saved = SavedStatistics(*(part.contiguous() for part in saved))
         upstream = UpstreamGrads(*(None if part is None else part.contiguous() for part in upstream))
 
@@ -90,6 +96,7 @@ class TritonRecompute:
                     token_saved,
                     upstream.rows(tokens),
                     temperature[tokens],
+                    kept_mask[tokens],
                     tiles,
                     programs,
                 )

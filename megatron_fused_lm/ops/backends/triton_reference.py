@@ -19,6 +19,10 @@ from ..products import float32_product
 
 REFERENCE_HEADROOM = 20.0
 MAX_ABOVE_REFERENCE = 32.0
+# Without kept sets a shard's maximum is at least the estimate, REFERENCE_HEADROOM below the
+# reference; this bound leaves that margin twice, and the row's largest exponentials far from
+# bfloat16's smallest normal (exp(-87)).
+MAX_BELOW_REFERENCE = 2 * REFERENCE_HEADROOM
 
 
 def stored_dtype(weight_dtype: torch.dtype, entropy_grad: bool) -> torch.dtype:
@@ -56,7 +60,10 @@ def row_references(
 
 def stale_references(reference: torch.Tensor, local_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(reference, refresh)``: the rows whose shard maximum ``local_max [n]`` lies more than
-    ``MAX_ABOVE_REFERENCE`` above their reference get the maximum as their reference and
-    ``refresh = 1`` (int8 ``[n]``); the others keep theirs."""
-    stale = local_max > reference + MAX_ABOVE_REFERENCE
+    ``MAX_ABOVE_REFERENCE`` above their reference, or more than ``MAX_BELOW_REFERENCE`` below it
+    (a kept set that leaves the sampled rows' largest logits out), get the maximum as their
+    reference and ``refresh = 1`` (int8 ``[n]``); the others keep theirs. A shard keeping none of
+    a row's columns (maximum -inf) stored zeros, which stay right."""
+    too_low = (local_max < reference - MAX_BELOW_REFERENCE) & (local_max > -torch.inf)
+    stale = (local_max > reference + MAX_ABOVE_REFERENCE) | too_low
     return torch.where(stale, local_max, reference), stale.to(torch.int8)

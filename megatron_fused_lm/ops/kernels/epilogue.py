@@ -1,5 +1,5 @@
 """Triton functions the kernels share: the walk over output tiles and hidden steps, the rows'
-temperatures, the per-row inputs of a gradient epilogue, and the logits' gradient itself (``softmax.logit_grad``, compiled
+temperatures and kept columns, the per-row inputs of a gradient epilogue, and the logits' gradient itself (``softmax.logit_grad``, compiled
 from the same source the torch code runs)."""
 
 import types
@@ -60,6 +60,25 @@ def inverse_temperature(temperature_ptr, rows, row_valid, UNIFORM_TEMPERATURE: t
     else:
         inverse = (1.0 / tl.load(temperature_ptr + rows, mask=row_valid, other=1.0))[:, None]
     return inverse
+
+
+def kept_arguments(kept_mask) -> tuple[tuple, dict]:
+    """The launch arguments ``kept_tile`` reads: the ``kept_mask`` (``kept_tokens`` gives the form),
+    its row stride and words per row, and whether it restricts the columns (``[0]``: it does not)."""
+    has_kept = kept_mask.dim() == 2
+    pointers = (kept_mask, kept_mask.stride(0) if has_kept else 0, kept_mask.shape[1] if has_kept else 0)
+    return pointers, dict(HAS_KEPT=has_kept)
+
+
+@triton.jit
+def kept_tile(kept_ptr, stride_kept_row, kept_words, rows, row_valid, first_col, BLOCK_N: tl.constexpr):
+    """``[BLOCK_M, BLOCK_N]`` bool: which of the columns ``first_col + [0, BLOCK_N)`` each of the
+    ``rows`` keeps (its bit in the row's mask words; the words past the shard read as none)."""
+    columns = first_col + tl.arange(0, BLOCK_N)
+    word = columns >> 5
+    where = kept_ptr + rows.to(tl.int64)[:, None] * stride_kept_row + word[None, :]
+    words = tl.load(where, mask=row_valid[:, None] & (word < kept_words)[None, :], other=0)
+    return ((words >> (columns & 31)[None, :]) & 1) != 0
 
 
 def row_upstream_arguments(target_column, saved, upstream) -> tuple[tuple, dict]:

@@ -17,6 +17,8 @@ from .epilogue import (
     add_targets,
     grouped_tile,
     inverse_temperature,
+    kept_arguments,
+    kept_tile,
     logit_grad_tile,
     next_k_step,
     product_step,
@@ -42,6 +44,10 @@ def logit_grad_kernel(
     hidden_size,
     first_column,
     temperature_ptr,
+    kept_ptr,
+    stride_kept_row,
+    kept_words,
+    HAS_KEPT: tl.constexpr,
     HAS_GRAD_LOGPROB: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
     NUM_TARGETS: tl.constexpr,
@@ -90,6 +96,11 @@ def logit_grad_kernel(
                 HAS_GRAD_LOGPROB,
                 HAS_GRAD_ENTROPY,
             )
+            if HAS_KEPT:  # a column left out: 0, whatever its (unmasked, perhaps overflowing) p gave
+                kept = kept_tile(
+                    kept_ptr, stride_kept_row, kept_words, rows, rows < num_tokens, first_column + col0, BLOCK_N
+                )
+                grad = tl.where(kept, grad, 0.0)
             if HAS_GRAD_LOGPROB and NUM_TARGETS == 1:
                 # Offsets within the tile against per-row scalars: no per-element column indices.
                 is_target = tl.arange(0, BLOCK_N)[None, :] == (target_column - first_column - col0)[:, None]
@@ -112,6 +123,7 @@ def logit_grad_block(
     saved: SavedStatistics,
     upstream: UpstreamGrads,
     temperature: torch.Tensor,
+    kept_mask: torch.Tensor,
     tiles: Tiles,
     num_programs: int,
 ) -> torch.Tensor:
@@ -121,7 +133,8 @@ def logit_grad_block(
     ``descriptors.addressable``).
 
     ``target_column [n]`` (int64, the shard's encoding); ``temperature [n]`` (float32; stride 0:
-    one for all rows) divides each row's logits; ``saved`` and ``upstream`` hold ``[n]``
+    one for all rows) divides each row's logits; ``kept_mask`` (``kept_tokens``' form, the rows'
+    over the whole shard, or ``[0]``) zeroes the columns left out; ``saved`` and ``upstream`` hold ``[n]``
     float32 contiguous tensors; a ``None`` upstream gradient contributes nothing. The grid has
     ``num_programs`` programs (fewer if there are fewer tiles).
     """
@@ -130,6 +143,7 @@ def logit_grad_block(
     num_tiles = triton.cdiv(num_tokens, tiles.block_m) * triton.cdiv(vocab, tiles.block_n)
     row_pointers, row_flags = row_upstream_arguments(target_column, saved, upstream)
     temperature, temperature_flag = temperature_arguments(temperature)
+    kept_pointers, kept_flag = kept_arguments(kept_mask)
     logit_grad_kernel[(min(num_tiles, num_programs),)](
         descriptor(hidden, [tiles.block_m, tiles.block_k]),
         descriptor(weight, [tiles.block_n, tiles.block_k]),
@@ -140,6 +154,8 @@ def logit_grad_block(
         hidden_size,
         first_column,
         temperature,
+        *kept_pointers,
+        **kept_flag,
         **row_flags,
         **temperature_flag,
         **tiles.launch_options(),

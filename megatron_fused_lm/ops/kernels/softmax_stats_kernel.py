@@ -20,7 +20,15 @@ import triton.language as tl
 
 from ..softmax import NUM_STATISTICS
 from .descriptors import addressable, descriptor
-from .epilogue import grouped_tile, inverse_temperature, next_k_step, product_step, temperature_arguments
+from .epilogue import (
+    grouped_tile,
+    inverse_temperature,
+    kept_arguments,
+    kept_tile,
+    next_k_step,
+    product_step,
+    temperature_arguments,
+)
 from .tiles import Tiles
 
 
@@ -52,6 +60,10 @@ def softmax_stats_kernel(
     reference_ptr,
     stride_reference_row,
     refresh_ptr,
+    kept_ptr,
+    stride_kept_row,
+    kept_words,
+    HAS_KEPT: tl.constexpr,
     STORE_BLOCK: tl.constexpr,
     STORE_OFFSETS: tl.constexpr,
     REFRESH: tl.constexpr,
@@ -96,6 +108,8 @@ def softmax_stats_kernel(
         if k_step == k_steps - 1:
             # Offsets within the tile against scalars: no per-element column indices (registers).
             col_valid = (tl.arange(0, BLOCK_N) < vocab - col0)[None, :]
+            if HAS_KEPT:
+                col_valid = col_valid & kept_tile(kept_ptr, stride_kept_row, kept_words, rows, row_valid, col0, BLOCK_N)
             logits = tl.where(col_valid, acc * inv_temperature, float("-inf"))
             tile_max = tl.max(logits, axis=1)
             new_max = tl.maximum(running_max, tile_max)
@@ -103,6 +117,8 @@ def softmax_stats_kernel(
             shift = tl.where(running_max == float("-inf"), 0.0, running_max - new_max)
             rescale = tl.exp(shift)
             shifted = logits - new_max[:, None]  # -inf on padding columns
+            if HAS_KEPT:  # a row that has kept nothing yet has new_max = -inf
+                shifted = tl.where(col_valid, shifted, float("-inf"))
             weights = tl.exp(shifted)  # 0 on padding columns
             sumexp_z = rescale * (sumexp_z + sumexp * shift) + tl.sum(
                 weights * tl.where(col_valid, shifted, 0.0), axis=1
@@ -113,6 +129,8 @@ def softmax_stats_kernel(
             target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)
             if STORE_BLOCK:
                 if STORE_OFFSETS:
+                    if HAS_KEPT:  # a row keeping none of the tile's columns: every offset LOWEST_OFFSET
+                        tile_max = tl.where(tile_max == float("-inf"), 0.0, tile_max)
                     # The tile's maximum is exact, so a row's largest logits come back exactly.
                     stored = tl.maximum(logits - tile_max[:, None], LOWEST_OFFSET).to(block_desc.dtype)
                     where = reference_ptr + rows.to(tl.int64) * stride_reference_row + col0 // BLOCK_N
@@ -143,6 +161,7 @@ def split_statistics(
     weight: torch.Tensor,
     target_column: torch.Tensor,
     temperature: torch.Tensor,
+    kept_mask: torch.Tensor,
     tiles: Tiles,
     tiles_per_split: int,
     block: Optional[torch.Tensor] = None,
@@ -152,8 +171,9 @@ def split_statistics(
 
     ``hidden [n >= 1, H]`` and ``weight [V, H]`` share a dtype (any strides); ``target_column
     [n]`` (int64, contiguous) is the target's row in ``weight``, or -1 where this shard does not
-    own it; ``temperature [n]`` (float32; stride 0: one for all rows) divides each row's logits. Columns are the
-    ``softmax`` order (MAX, SUMEXP, SUMEXP_Z, TARGET).
+    own it; ``temperature [n]`` (float32; stride 0: one for all rows) divides each row's logits;
+    ``kept_mask`` (``kept_tokens``' form: ``[n, words]`` int32 with unit last stride, or ``[0]``)
+    names the columns that enter. Columns are the ``softmax`` order (MAX, SUMEXP, SUMEXP_Z, TARGET).
 
     With a ``block [n, V]`` (unit last stride, 16-byte aligned rows) the kernel also stores every
     logit: a bfloat16 or float32 block as ``exp(z - reference[row])`` (``reference [n]`` float32,
@@ -163,7 +183,7 @@ def split_statistics(
     """
     num_splits = triton.cdiv(triton.cdiv(weight.shape[0], tiles.block_n), tiles_per_split)
     parts = torch.empty(num_splits, hidden.shape[0], NUM_STATISTICS, dtype=torch.float32, device=hidden.device)
-    _launch(hidden, weight, target_column, temperature, tiles, tiles_per_split, parts, block, reference)
+    _launch(hidden, weight, target_column, temperature, kept_mask, tiles, tiles_per_split, parts, block, reference)
     return parts
 
 
@@ -171,6 +191,7 @@ def refresh_exponentials(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     temperature: torch.Tensor,
+    kept_mask: torch.Tensor,
     tiles: Tiles,
     tiles_per_split: int,
     block: torch.Tensor,
@@ -183,17 +204,20 @@ def refresh_exponentials(
     no_targets = torch.full_like(reference, -1, dtype=torch.int64)
     unwritten_parts = reference.new_empty(1, 1, NUM_STATISTICS)  # refresh mode writes no statistics
     _launch(
-        hidden, weight, no_targets, temperature, tiles, tiles_per_split, unwritten_parts, block, reference,
-        refresh,
+        hidden, weight, no_targets, temperature, kept_mask, tiles, tiles_per_split, unwritten_parts, block,
+        reference, refresh,
     )  # fmt: skip
 
 
-def _launch(hidden, weight, target_column, temperature, tiles, tiles_per_split, parts, block, reference, refresh=None):
+def _launch(
+    hidden, weight, target_column, temperature, kept_mask, tiles, tiles_per_split, parts, block, reference, refresh=None
+):  # fmt: skip
     num_tokens, hidden_size = hidden.shape
     vocab = weight.shape[0]
     num_splits = triton.cdiv(triton.cdiv(vocab, tiles.block_n), tiles_per_split)
     grid = (triton.cdiv(num_tokens, tiles.block_m) * num_splits,)
     temperature, temperature_flag = temperature_arguments(temperature)
+    kept_pointers, kept_flag = kept_arguments(kept_mask)
     softmax_stats_kernel[grid](
         descriptor(addressable(hidden), [tiles.block_m, tiles.block_k]),
         descriptor(addressable(weight), [tiles.block_n, tiles.block_k]),
@@ -211,6 +235,8 @@ def _launch(hidden, weight, target_column, temperature, tiles, tiles_per_split, 
         reference,
         reference.stride(0) if reference is not None else 0,
         refresh,
+        *kept_pointers,
+        **kept_flag,
         STORE_BLOCK=block is not None,
         STORE_OFFSETS=block is not None and stores_offsets(block.dtype),
         REFRESH=refresh is not None,

@@ -64,9 +64,7 @@ def reference(
     over the whole vocabulary ``weight [V, H]`` (``kept [..., V]`` bool: each row's kept columns);
     given upstream gradients, the gradients of ``sum(logprob * grad_logprob + entropy *
     grad_entropy)`` with respect to hidden and weight."""
-    return _reference(
-        lambda h, w: h @ w.t(), (hidden, weight), targets, temperature, grad_logprob, grad_entropy, kept
-    )
+    return _reference(lambda h, w: h @ w.t(), (hidden, weight), targets, temperature, grad_logprob, grad_entropy, kept)
 
 
 def reference_from_logits(

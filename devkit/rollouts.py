@@ -83,6 +83,45 @@ def stock_rows(model, input_ids: torch.Tensor, mask: Optional[torch.Tensor] = No
     return megatron_gpt.oracle_logprob_entropy(run_model(model, input_ids, mask), targets, temperature)
 
 
+def slime_top_p_sets(targets: Sequence[torch.Tensor], vocab: int, seed: int) -> Tuple[List, List]:
+    """Rollout top-p sets as slime hands them over: per sample, int32 global ids and int32 offsets
+    ``[response_i + 1]`` over its response tokens (``targets[i]``, the tokens they score). Sets of 0
+    to 6 ids, some without their token (slime adds it back), some empty (a tool token's)."""
+    generator = torch.Generator().manual_seed(seed)
+    all_ids, all_offsets = [], []
+    for sample in targets:
+        ids, offsets = [], [0]
+        for token in sample.tolist():
+            count = int(torch.randint(0, 7, (1,), generator=generator))
+            chosen = torch.randperm(vocab, generator=generator)[:count].tolist()
+            if count > 2:
+                chosen[0] = token
+            ids += chosen
+            offsets.append(len(ids))
+        all_ids.append(torch.tensor(ids, dtype=torch.int32))
+        all_offsets.append(torch.tensor(offsets, dtype=torch.int32))
+    return all_ids, all_offsets
+
+
+def slime_top_p_rows(model, input_ids, mask, temperature, spans: Sequence[slice], top_p_ids, top_p_offsets):
+    """slime's ``get_log_probs_and_entropy`` under rollout top-p replay (``_build_topp_keep_mask`` and
+    ``_VocabParallelLogProbEntropy``, slime PR 2102), float64 on the stock model's gathered logits,
+    with a graph: every row keeps the whole vocabulary but the response rows ``spans[i]`` of sample
+    ``i``, which keep their set and their own token; log-probs over the kept logits, the entropy
+    over all. Returns ``(logprob, entropy)`` ``[b, s]``."""
+    logits = megatron_gpt.gather_vocabulary(run_model(model, input_ids, mask)).double() / temperature
+    targets = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    for span, ids, offsets in zip(spans, top_p_ids, top_p_offsets, strict=True):
+        for response, row in enumerate(range(span.start, span.stop)):
+            keep[0, row] = False
+            keep[0, row, ids[offsets[response] : offsets[response + 1]].long()] = True
+    keep.scatter_(-1, targets.unsqueeze(-1), True)
+    log_probs = torch.log_softmax(logits.masked_fill(~keep, -torch.inf), dim=-1)
+    whole = torch.log_softmax(logits, dim=-1)
+    return log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(whole.exp() * whole).sum(-1)
+
+
 def weighted(values: Sequence[torch.Tensor], seed: int) -> torch.Tensor:
     """A random weighted sum of the float tensors ``values``, the same on every rank."""
     return sum(

@@ -24,6 +24,7 @@ from megatron.core import parallel_state
 from megatron_fused_lm import (
     FusedLMConfig,
     FusedLMHead,
+    KeptTokens,
     context_parallel_gather,
     context_parallel_positions,
     losses,
@@ -114,14 +115,17 @@ class _SlimeRows:
         targets: int64 ``[1, rows]``, the token each row scores.
         scored: bool ``[1, rows]``, the rows that score a response token.
         counts: per sample, how many results slime expects from this rank.
-        row_index, piece_index: with ``--allgather-cp``, the index among all the response tokens of
-            each scored row and of each of slime's per-rank entries; else ``None``.
+        response_index: int64 ``[scored rows]``, the index among all the samples' response tokens
+            of each scored row, in row order.
+        row_index, piece_index: with ``--allgather-cp``, ``response_index`` and the index of each of
+            slime's per-rank entries among all the response tokens; else ``None``.
         responses: with ``--allgather-cp``, the number of response tokens of all the samples.
     """
 
     targets: Tensor
     scored: Tensor
     counts: List[int]
+    response_index: Tensor
     row_index: Optional[Tensor] = None
     piece_index: Optional[Tensor] = None
     responses: int = 0
@@ -149,6 +153,7 @@ class _SlimeRows:
                 torch.nn.functional.pad(targets, (0, padding)).unsqueeze(0),
                 torch.nn.functional.pad(scored, (0, padding)).unsqueeze(0),
                 counts,
+                piece_index[scored],
             )
         total = sum(total_lengths)
         if rows * cp_size < total:
@@ -157,8 +162,8 @@ class _SlimeRows:
         held = torch.arange(cp_rank * rows, (cp_rank + 1) * rows, device=device)
         targets, scored_rows, _, row_index = _samples_at(held, contiguous, *samples)
         return _SlimeRows(
-            targets.unsqueeze(0), scored_rows.unsqueeze(0), counts, row_index[scored_rows], piece_index[scored],
-            sum(response_lengths),
+            targets.unsqueeze(0), scored_rows.unsqueeze(0), counts, row_index[scored_rows], row_index[scored_rows],
+            piece_index[scored], sum(response_lengths),
         )  # fmt: skip
 
     def per_sample(self, per_row: Tensor) -> List[Tensor]:
@@ -181,6 +186,28 @@ class _SlimeRows:
             pieces = pieces[self.row_index]
         return pieces.new_zeros(self.scored.shape).masked_scatter(self.scored, pieces)
 
+    def kept_tokens(self, token_ids: List[Any], token_offsets: List[Any]) -> KeptTokens:
+        """slime's rollout top-p sets (per sample: global ids ``[nnz_i]`` and offsets ``[response_i +
+        1]`` over its response tokens, int32, as ``get_rollout_top_p_logprob_kwargs`` hands them) as
+        the ``kept_tokens`` of this rank's scored rows, each set with its row's target added: slime
+        keeps the sampled token's logit (an empty span, a tool token's, then scores 0, as in slime)."""
+        if token_offsets is None or len(token_ids) != len(token_offsets):
+            raise ValueError("rollout top-p replay needs top_p_token_ids and top_p_token_offsets for every sample")
+        device = self.targets.device
+        counts = torch.cat([torch.as_tensor(offsets, dtype=torch.long).diff() for offsets in token_offsets])
+        ids = torch.cat([torch.as_tensor(sample, dtype=torch.long) for sample in token_ids]).to(device)
+        counts = counts.to(device)
+        starts = counts.cumsum(0) - counts
+        count, start = counts[self.response_index], starts[self.response_index]
+        offsets = torch.cat([count.new_zeros(1), (count + 1).cumsum(0)])  # each set and its target
+        row = torch.repeat_interleave(torch.arange(count.shape[0], device=device), count + 1)
+        position = torch.arange(row.shape[0], device=device) - offsets[row]
+        from_span = position < count[row]
+        token_ids = torch.where(
+            from_span, ids[torch.where(from_span, start[row] + position, 0)], self.targets[self.scored][row]
+        )
+        return offsets, token_ids
+
 
 def log_probs_and_entropy(
     logits: Tensor,
@@ -201,20 +228,27 @@ def log_probs_and_entropy(
         unconcat_tokens: each sample's tokens, int ``[total_length_i]``.
         total_lengths, response_lengths: per sample.
         with_entropy: also return the entropy (with a gradient only if ``args.entropy_coef != 0``).
+        top_p_token_ids, top_p_token_offsets: slime's rollout top-p replay (``--rollout-top-p`` below
+            1): per sample, the ids the rollout's sampler kept for each response token. The log-probs
+            are then each token's over its set and itself (``kept_tokens``); the entropy stays the
+            whole vocabulary's, as slime's, from a second pass of the head without the sets.
 
     Returns:
         ``(empty tensor, {"log_probs": [...], "entropy": [...]})``: float32 per sample, the entropy
         only with ``with_entropy``: ``[response_length_i]``, or under CP this rank's pieces of the
         response in slime's order (its first chunk's, then its second's).
     """
-    if top_p_token_ids is not None:
-        raise NotImplementedError("rollout top-p replay masks the logits: turn --fused-linear-logprob off for it")
     rows = _SlimeRows.of(args, unconcat_tokens, total_lengths, response_lengths, logits.shape[1])
-    result = fused_head().logprobs(
-        logits, rows.targets, temperature=args.rollout_temperature, return_entropy=with_entropy,
-        entropy_grad=with_entropy and args.entropy_coef != 0, mask=rows.scored,
-    )  # fmt: skip
-    values = result if with_entropy else (result,)
+    options = dict(temperature=args.rollout_temperature, mask=rows.scored)
+    entropy_options = dict(return_entropy=with_entropy, entropy_grad=with_entropy and args.entropy_coef != 0)
+    if top_p_token_ids is None:
+        values = fused_head().logprobs(logits, rows.targets, **options, **entropy_options)
+    else:
+        kept_tokens = rows.kept_tokens(top_p_token_ids, top_p_token_offsets)
+        values = fused_head().logprobs(logits, rows.targets, **options, kept_tokens=kept_tokens)
+        if with_entropy:  # slime's entropy is the whole vocabulary's
+            values = (values, fused_head().logprobs(logits, rows.targets, **options, **entropy_options)[1])
+    values = values if with_entropy else (values,)
     per_sample = [rows.per_sample(value) for value in values]
     found = {"log_probs": per_sample[0]}
     if with_entropy:
@@ -248,7 +282,11 @@ def sft_loss(args, batch, logits, sum_of_sample_mean) -> Tuple[Tensor, Dict[str,
 def policy_loss(args, batch, logits, sum_of_sample_mean) -> Tuple[Tensor, Dict[str, Tensor]]:
     """slime's ``policy_loss_function`` for PPO / GRPO clipping (the default reducer, no TIS, OPSM,
     GSPO or CISPO) with the gradients finished in the forward: ``--loss-type custom_loss
-    --custom-loss-function-path <this module>.policy_loss``. Returns the loss and slime's metrics."""
+    --custom-loss-function-path <this module>.policy_loss``. Returns the loss and slime's metrics.
+    With rollout top-p replay the log-probs are over each token's kept set, as slime's; slime's
+    entropy stays the whole vocabulary's, which one pass cannot give beside them: the loss then
+    takes no entropy term, and the entropy metric comes from a second forward-only pass."""
+    top_p_replay = getattr(args, "rollout_top_p", 1.0) != 1.0
     unsupported = {
         "advantage_estimator in (gspo, cispo)": args.advantage_estimator in ("gspo", "cispo"),
         "--use-opsm": args.use_opsm,
@@ -256,6 +294,7 @@ def policy_loss(args, batch, logits, sum_of_sample_mean) -> Tuple[Tensor, Dict[s
         "--custom-pg-loss-reducer-function-path": args.custom_pg_loss_reducer_function_path is not None,
         "--use-unbiased-kl": args.use_kl_loss and args.use_unbiased_kl,
         "--kl-loss-type low_var_kl": args.use_kl_loss and args.kl_loss_type == "low_var_kl",
+        "--rollout-top-p with --entropy-coef": top_p_replay and args.entropy_coef != 0,
     }
     if any(unsupported.values()):
         raise NotImplementedError(f"{[name for name, on in unsupported.items() if on]}: use log_probs_and_entropy")
@@ -273,12 +312,20 @@ def policy_loss(args, batch, logits, sum_of_sample_mean) -> Tuple[Tensor, Dict[s
         clip_low=args.eps_clip, clip_high=args.eps_clip_high, dual_clip=args.eps_clip_c,
         entropy_coef=args.entropy_coef, kl_coef=kl_coef, kl_estimator=kl_estimator,
     )  # fmt: skip
+    kept_tokens = None
+    if top_p_replay:
+        kept_tokens = rows.kept_tokens(batch["rollout_top_p_token_ids"], batch["rollout_top_p_token_offsets"])
     result = fused_head().loss(
         logits, rows.targets, loss_fn, loss_inputs={**inputs, "weight": weights}, mask=scored,
-        temperature=args.rollout_temperature,
+        temperature=args.rollout_temperature, kept_tokens=kept_tokens,
     )  # fmt: skip
     # slime's metrics, from the detached per-token results.
     logprob, entropy = result.logprob[scored], result.entropy[scored]
+    if top_p_replay:  # the whole vocabulary's, as slime's
+        with torch.no_grad():
+            entropy = fused_head().logprobs(
+                logits, rows.targets, temperature=args.rollout_temperature, return_entropy=True, mask=scored
+            )[1][scored]
     weight, advantages, old_logprob = weights[scored], inputs["advantages"][scored], inputs["old_logprob"][scored]
     ratio = (logprob - old_logprob).exp()
     clipped = -ratio.clamp(1 - args.eps_clip, 1 + args.eps_clip_high) * advantages > -ratio * advantages

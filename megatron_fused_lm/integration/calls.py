@@ -13,6 +13,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from ..ops import (
+    KeptTokens,
     LossFn,
     fused_linear_cross_entropy,
     fused_linear_logprob,
@@ -88,7 +89,8 @@ class LogprobRequest:
     """Log-probs (and entropy): the arguments of ``FusedLMHead.logprobs``, also the
     ``output_processor_context`` asking for them. ``targets`` ``[b, s]`` integer global ids; ``None``
     takes the forward's ``labels`` (hook route); ``temperature`` a number or a float ``[b, s]``
-    tensor. The answer: ``logprob [b, s]`` float32, or ``(logprob, entropy)``."""
+    tensor; ``kept_tokens`` each row's kept set (``fused_linear_logprob``; ``head.logprobs`` only).
+    The answer: ``logprob [b, s]`` float32, or ``(logprob, entropy)``."""
 
     targets: Optional[torch.Tensor] = None
     temperature: Union[float, torch.Tensor] = 1.0
@@ -96,14 +98,16 @@ class LogprobRequest:
     entropy_grad: bool = True
     mask: Optional[torch.Tensor] = None
     max_rows: Optional[int] = None
+    kept_tokens: Optional[KeptTokens] = None
 
 
 @dataclass(frozen=True)
 class LossRequest:
     """A loss known in the forward: the arguments of ``FusedLMHead.loss`` (``loss_inputs`` a dict
     of ``[b, s]`` tensors, ``mask`` bool ``[b, s]``, ``main_grad_scale`` the upstream gradient the
-    loss will receive, to add the weight gradient into ``main_grad`` in the forward), also the
-    ``output_processor_context`` asking for it. The answer: ``FusedLoss(loss, logprob, entropy)``."""
+    loss will receive, to add the weight gradient into ``main_grad`` in the forward; ``kept_tokens``
+    as for ``LogprobRequest``), also the ``output_processor_context`` asking for it. The answer:
+    ``FusedLoss(loss, logprob, entropy)``."""
 
     targets: Optional[torch.Tensor]
     loss_fn: LossFn
@@ -111,6 +115,7 @@ class LossRequest:
     mask: Optional[torch.Tensor] = None
     temperature: Union[float, torch.Tensor] = 1.0
     main_grad_scale: Optional[float] = None
+    kept_tokens: Optional[KeptTokens] = None
 
 
 @dataclass(frozen=True)
@@ -144,7 +149,7 @@ def answer(call: HeadCall, config: FusedLMConfig, hidden: torch.Tensor, request:
         )  # fmt: skip
     arguments = dict(
         _op_arguments(call, config), temperature=request.temperature, mask=request.mask,
-        batch_invariant=config.batch_invariant,
+        batch_invariant=config.batch_invariant, kept_tokens=request.kept_tokens,
     )  # fmt: skip
     if isinstance(request, LogprobRequest):
         return fused_linear_logprob(
@@ -171,8 +176,9 @@ def answer_from_logits(
             logits, request.k, tp_group=tp_group, temperature=request.temperature, token_chunk=config.token_chunk
         )
     arguments = dict(
-        tp_group=tp_group, temperature=request.temperature, mask=request.mask, token_chunk=config.token_chunk
-    )
+        tp_group=tp_group, temperature=request.temperature, mask=request.mask, token_chunk=config.token_chunk,
+        kept_tokens=request.kept_tokens,
+    )  # fmt: skip
     if isinstance(request, LogprobRequest):
         return logits_logprob(
             logits, request.targets, return_entropy=request.return_entropy, entropy_grad=request.entropy_grad,

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 
 from .._logging import warn_once
-from ..ops import FusedLoss, LossFn
+from ..ops import FusedLoss, KeptTokens, LossFn
 from . import provenance
 from .calls import (
     HeadCall,
@@ -215,6 +215,7 @@ class FusedLMHead:
         entropy_grad: bool = True,
         mask: Optional[torch.Tensor] = None,
         max_rows: Optional[int] = None,
+        kept_tokens: Optional[KeptTokens] = None,
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         """Log-probs (and entropy) of ``targets`` under the model's next-token distribution.
 
@@ -235,6 +236,10 @@ class FusedLMHead:
                 head's cost follows the number of selected positions.
             max_rows: with ``mask``, an upper bound on the positions it selects, for a static
                 shape (no host synchronization; see ``fused_linear_logprob``).
+            kept_tokens: ``(offsets [rows + 1], token_ids [nnz])`` int64, each computed position's
+                kept set (the ids the rollout's top-k / top-p sampler kept), the positions in
+                ``[b, s]`` order (with ``mask``, the selected ones): log-prob and entropy over the
+                set, renormalized (``fused_linear_logprob``). Its target must be in it.
 
         Returns:
             ``logprob [b, s]`` (or ``[b, s, k]``) float32, or ``(logprob, entropy)``, the entropy
@@ -245,7 +250,7 @@ class FusedLMHead:
                 position (leave it out with ``mask``); on a GPU a device-side assertion.
             RuntimeError: ``output`` is not traceable to one forward of this model.
         """
-        request = LogprobRequest(targets, temperature, return_entropy, entropy_grad, mask, max_rows)
+        request = LogprobRequest(targets, temperature, return_entropy, entropy_grad, mask, max_rows, kept_tokens)
         return self._answer(output, request, "head.logprobs")
 
     def loss(
@@ -258,12 +263,14 @@ class FusedLMHead:
         mask: Optional[torch.Tensor] = None,
         temperature: Union[float, torch.Tensor] = 1.0,
         main_grad_scale: Optional[float] = None,
+        kept_tokens: Optional[KeptTokens] = None,
     ) -> FusedLoss:
         """``sum_t loss_fn(logprob_t, entropy_t, inputs_t)``, its gradients finished in the forward
         when fused (``fused_linear_loss``, three GEMMs), else by the backward (``logits_loss``).
 
         Args:
-            output, targets, mask, temperature: as for ``logprobs`` (``mask`` selects the summed rows).
+            output, targets, mask, temperature, kept_tokens: as for ``logprobs`` (``mask`` selects the
+                summed rows).
             loss_fn: a per-token loss ``loss_fn(logprob [rows], entropy [rows], **inputs) ->
                 [rows]``; it must not reduce across rows (``fused_linear_loss`` says why). Ready-made:
                 ``megatron_fused_lm.losses``.
@@ -281,7 +288,7 @@ class FusedLMHead:
             main_grad-route loss released without its backward is logged and listed by
             ``main_grad_outstanding``.
         """
-        request = LossRequest(targets, loss_fn, loss_inputs, mask, temperature, main_grad_scale)
+        request = LossRequest(targets, loss_fn, loss_inputs, mask, temperature, main_grad_scale, kept_tokens)
         return self._answer(output, request, "head.loss")
 
     def topk(

@@ -144,6 +144,12 @@ class FusedOutputProcessor:
                 "output_processor_context must be a LogprobRequest, a LossRequest, a TopkRequest or a LabelsRequest, "
                 f"got {type(context).__name__}"
             )
+        if getattr(context, "kept_tokens", None) is not None:
+            # The sets follow the [b, s] order of the rows; this route works in the hidden states' [s, b].
+            raise NotImplementedError(
+                "kept_tokens in an output_processor_context: pass them to head.logprobs / head.loss on the model's "
+                "output instead"
+            )
         labels_path = context is None or isinstance(context, LabelsRequest)
         if labels_path:
             if labels is None:

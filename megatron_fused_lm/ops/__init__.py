@@ -12,6 +12,7 @@ from .api import (
     logits_logprob,
     logits_loss,
 )
+from .kept_tokens import KeptTokens
 from .loss_in_forward import LossFn
 from .options import BACKENDS
 from .topk import fused_linear_topk, logits_topk
@@ -19,6 +20,7 @@ from .topk import fused_linear_topk, logits_topk
 __all__ = [
     "BACKENDS",
     "FusedLoss",
+    "KeptTokens",
     "LossFn",
     "fused_linear_cross_entropy",
     "fused_linear_logprob",

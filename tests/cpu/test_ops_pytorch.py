@@ -13,7 +13,7 @@ from megatron_fused_lm import (
     logits_logprob,
     losses,
 )
-from megatron_fused_lm.ops.kept_tokens import every_column
+from megatron_fused_lm.ops.kept_tokens import KeptPairs, every_column, torch_kept_mask
 
 HIDDEN, VOCAB, ROWS = 24, 97, 19
 
@@ -188,11 +188,15 @@ def opcheck_cases():
     ops = torch.ops.megatron_fused_lm
     hidden, weight = hidden.detach(), weight.detach()
     several = torch.stack([targets, targets.flip(0), targets], dim=-1)  # three ids per row, one repeated
-    problem = ShardProblem(hidden, weight, targets, temperature, every_column(hidden.device))
+    every = every_column(hidden.device)
+    # Each row keeps its target and a few ids more (kept_tokens), as the torch backend's bitmask.
+    kept_row = torch.cat([torch.arange(ROWS), torch.randint(0, ROWS, (3 * ROWS,))])
+    kept = torch_kept_mask(KeptPairs(kept_row, torch.cat([targets, torch.randint(0, VOCAB, (3 * ROWS,))]), ROWS), VOCAB)
+    problem = ShardProblem(hidden, weight, targets, temperature, every)
     state = TorchLoss(token_chunk=7).allocate(problem, NeededGrads(True, True))
     summary = list(summarize(TorchLoss(token_chunk=7).chunk_statistics(problem, state, slice(0, 7))))
     chunk = dict(start=0, stop=7, backend="torch", batch_invariant=False)
-    phases = (hidden, weight, targets, temperature, state.block, state.reference)
+    phases = (hidden, weight, targets, temperature, kept, state.block, state.reference)
     held_weight = [torch.randn(VOCAB // 2, HIDDEN), torch.randn(VOCAB - VOCAB // 2, HIDDEN)]
     held = [torch.randn(ROWS, HIDDEN), *held_weight]
     finish = dict(parts=2, dtype=torch.bfloat16, reduce_hidden_grad=True, **recompute)
@@ -203,7 +207,7 @@ def opcheck_cases():
             dict(need_hidden=True, need_weight=True, backend="torch", token_chunk=7, entropy_grad=True, batch_invariant=False),
         ),
         "loss_statistics": (
-            ops.loss_statistics, (hidden[:7], weight, targets[:7], temperature[:7], state.block, state.reference),
+            ops.loss_statistics, (hidden[:7], weight, targets[:7], temperature[:7], kept[:7], state.block, state.reference),
             dict(backend="torch"),
         ),
         "loss_gradients": (
@@ -214,39 +218,44 @@ def opcheck_cases():
         "held_backward": (ops.held_backward, (torch.tensor(0.37), held), finish),
         "held_backward_per_token": (
             ops.held_backward,
-            (upstream[0] * 0.0 + 0.5, [*held, hidden, weight, targets, temperature, torch.randn(ROWS, 4), torch.ones(ROWS)]),
+            (upstream[0] * 0.0 + 0.5, [*held, hidden, weight, targets, temperature, kept, torch.randn(ROWS, 4), torch.ones(ROWS)]),
             finish,
         ),
         "fused_forward": (
             ops.fused_forward,
-            (hidden.detach().requires_grad_(), weight.detach().requires_grad_(), targets, temperature),
+            (hidden.detach().requires_grad_(), weight.detach().requires_grad_(), targets, temperature, every),
+            dict(recompute, reduce_hidden_grad=True),
+        ),
+        "fused_forward_kept": (
+            ops.fused_forward,
+            (hidden.detach().requires_grad_(), weight.detach().requires_grad_(), targets, temperature, kept),
             dict(recompute, reduce_hidden_grad=True),
         ),
         "fused_backward": (
             ops.fused_backward,
-            (hidden.detach(), weight.detach(), targets, temperature, lse, mean_logit, upstream[0], upstream[1]),
+            (hidden.detach(), weight.detach(), targets, temperature, kept, lse, mean_logit, upstream[0], upstream[1]),
             dict(recompute, need_hidden=True, need_weight=True, reduce_hidden_grad=True),
         ),
         "fused_forward_several": (
             ops.fused_forward,
-            (hidden.detach().requires_grad_(), weight.detach().requires_grad_(), several, temperature),
+            (hidden.detach().requires_grad_(), weight.detach().requires_grad_(), several, temperature, every),
             dict(recompute, reduce_hidden_grad=True),
         ),
         "fused_backward_several": (
             ops.fused_backward,
-            (hidden.detach(), weight.detach(), several, temperature, lse, mean_logit, upstream[0][:, None].repeat(1, 3), upstream[1]),
+            (hidden.detach(), weight.detach(), several, temperature, every, lse, mean_logit, upstream[0][:, None].repeat(1, 3), upstream[1]),
             dict(recompute, need_hidden=True, need_weight=True, reduce_hidden_grad=True),
         ),
         "logits_forward_several": (
-            ops.logits_forward, (logits.clone().requires_grad_(), several, temperature),
+            ops.logits_forward, (logits.clone().requires_grad_(), several, temperature, every),
             dict(token_chunk=7, tp_group_name=None),
         ),
         "logits_forward": (
-            ops.logits_forward, (logits.clone().requires_grad_(), targets, temperature),
+            ops.logits_forward, (logits.clone().requires_grad_(), targets, temperature, kept),
             dict(token_chunk=7, tp_group_name=None),
         ),
         "logits_backward": (
-            ops.logits_backward, (logits, targets, temperature, lse, mean_logit, upstream[0], None),
+            ops.logits_backward, (logits, targets, temperature, kept, lse, mean_logit, upstream[0], None),
             dict(token_chunk=7),
         ),
     }  # fmt: skip
@@ -256,6 +265,7 @@ def opcheck_cases():
     "name",
     [
         "fused_forward",
+        "fused_forward_kept",
         "fused_backward",
         "fused_forward_several",
         "fused_backward_several",

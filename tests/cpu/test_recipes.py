@@ -41,6 +41,8 @@ from devkit.rollouts import (
     slime_args,
     slime_policy_oracle,
     slime_sample_mean,
+    slime_top_p_rows,
+    slime_top_p_sets,
     stock_rows,
     weighted,
 )
@@ -336,12 +338,58 @@ def check_slime(tied: bool) -> None:
         refused.__dict__.update(setting)
         with pytest.raises(NotImplementedError):
             slime.policy_loss(refused, batch, run_model(model, packed, mask), reduce)
-    with pytest.raises(NotImplementedError, match="top-p"):
-        slime.log_probs_and_entropy(
-            run_model(model, packed, mask), args=args, unconcat_tokens=tokens, total_lengths=lengths,
-            response_lengths=RESPONSES, top_p_token_ids=[[1]],
-        )  # fmt: skip
     assert slime.wrap_slime_model([model], slime_args(TEMPERATURE)).fused is False and slime.fused_head() is None
+    check_slime_top_p(model, packed, mask, tokens, lengths, offsets, batch, reduce, label)
+
+
+def check_slime_top_p(model, packed, mask, tokens, lengths, offsets, batch, reduce, label) -> None:
+    """Rollout top-p replay against slime's own dense-mask computation (``slime_top_p_rows``, on the
+    stock ``model``): the log-probs over each response token's set and itself, the entropy over the
+    whole vocabulary; the policy loss without an entropy term (the one slime setting it takes) and
+    its entropy metric."""
+    label = f"{label} top-p replay"
+    spans = [
+        slice(offset + prompt - 1, offset + length - 1)
+        for offset, prompt, length in zip(offsets, PROMPTS, lengths, strict=False)
+    ]
+    responses = [sample[prompt:] for sample, prompt in zip(tokens, PROMPTS, strict=True)]
+    ids, set_offsets = slime_top_p_sets(responses, harness.VOCAB_SHARD * harness.tp_size(), seed=31)
+    args = slime_args(TEMPERATURE, "--fused-linear-logprob", "--fused-linear-logprob-token-chunk", "5")
+    args.rollout_top_p, args.entropy_coef = 0.9, 0.0
+
+    def oracle():
+        logprob, entropy = slime_top_p_rows(model, packed, mask, TEMPERATURE, spans, ids, set_offsets)
+        return torch.cat([logprob[0, span] for span in spans]), torch.cat([entropy[0, span] for span in spans])
+
+    expected = oracle()
+    whole = torch.cat([row[0, span] for span in spans for row in stock_rows(model, packed, mask, TEMPERATURE)[:1]])
+    assert (expected[0] - whole).abs().max() > 0.1, label  # the sets matter
+    grads = stock_grads(model, weighted(expected[:1], seed=30))
+    inputs = policy_loss_inputs(expected[0].detach(), torch.ones(sum(RESPONSES)), torch.Generator().manual_seed(32))
+    policy_expected = slime_policy_oracle(*oracle(), inputs, args, reduce)
+    policy_grads = stock_grads(model, policy_expected)
+    assert slime.wrap_slime_model([model], args).fused
+    empty, found = slime.log_probs_and_entropy(
+        run_model(model, packed, mask), args=args, unconcat_tokens=tokens, total_lengths=lengths,
+        response_lengths=RESPONSES, with_entropy=True, top_p_token_ids=ids, top_p_token_offsets=set_offsets,
+    )  # fmt: skip
+    harness.assert_max_error(torch.cat(found["entropy"]), expected[1], VALUE_ATOL, label)
+    check_values_and_grads(model, expected[:1], (torch.cat(found["log_probs"]),), grads, label)
+
+    batch = dict(
+        batch, rollout_top_p_token_ids=ids, rollout_top_p_token_offsets=set_offsets,
+        **{key: list(inputs[name].split(RESPONSES)) for key, name in (
+            ("log_probs", "old_logprob"), ("ref_log_probs", "ref_logprob"), ("advantages", "advantages"))},
+    )  # fmt: skip
+    loss, metrics = slime.policy_loss(args, batch, run_model(model, packed, mask), reduce)
+    assert_loss_close(loss, policy_expected, label)
+    assert abs(metrics["entropy_loss"].item() - reduce(expected[1].detach()).item()) <= VALUE_ATOL, label
+    loss.backward()
+    harness.assert_grads_close(harness.finalized_parameter_grads(model), policy_grads, GRAD_RTOL, label)
+    args.entropy_coef = 0.01
+    with pytest.raises(NotImplementedError, match="rollout-top-p"):
+        slime.policy_loss(args, batch, run_model(model, packed, mask), reduce)
+    unwrap_model(model)
 
 
 # -------------------------------------------------------------------------------------- NeMo-RL

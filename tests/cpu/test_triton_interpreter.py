@@ -110,8 +110,7 @@ def several_targets_case(case: dict) -> dict:
     from megatron_fused_lm.ops.backends.triton_recompute import TritonRecompute
     from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
     from megatron_fused_lm.ops.contract import NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
-    from megatron_fused_lm.ops.kept_tokens import KeptPairs, every_column, torch_kept_mask
-    from megatron_fused_lm.ops.kernels.kept_mask_kernel import kept_mask
+    from megatron_fused_lm.ops.kept_tokens import every_column
     from megatron_fused_lm.ops.kernels.tiles import Tiles
     from megatron_fused_lm.ops.several_targets import gathered_logits, statistics_column
     from megatron_fused_lm.ops.softmax import summarize
@@ -224,7 +223,9 @@ def run_case_here(case: dict) -> dict:
         inside = (kept_row >= rows.start) & (kept_row < rows.stop)
         column = kept_id[inside] - first
         pairs = KeptPairs(
-            kept_row[inside] - rows.start, torch.where((column >= 0) & (column < count), column, -1), rows.stop - rows.start
+            kept_row[inside] - rows.start,
+            torch.where((column >= 0) & (column < count), column, -1),
+            rows.stop - rows.start,
         )
         mask = kept_mask(pairs, count)
         nonlocal builders_agree

@@ -20,7 +20,7 @@ from devkit.measure import environment
 from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, losses
 from megatron_fused_lm.ops.backends import kept_mask
 from megatron_fused_lm.ops.inputs import select_rows
-from megatron_fused_lm.ops.kept_tokens import kept_pairs
+from megatron_fused_lm.ops.kept_tokens import checked_sets
 from megatron_fused_lm.ops.several_targets import gathered_logits
 
 
@@ -62,7 +62,9 @@ def extra_steps(inputs, kept_tokens):
 
     def bitmask():
         selection = select_rows(targets, targets.shape, None, None, weight.shape[0], None)
-        return kept_mask("triton", kept_pairs(kept_tokens, selection, targets, weight.shape[0], None), weight.shape[0])
+        return kept_mask(
+            "triton", checked_sets(kept_tokens, selection, targets, weight.shape[0], None), weight.shape[0]
+        )
 
     def sparse_forward():
         with torch.no_grad():

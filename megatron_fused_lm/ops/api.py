@@ -21,7 +21,7 @@ from .inputs import (
     row_temperatures,
     select_rows,
 )
-from .kept_tokens import KeptTokens, every_column, kept_pairs
+from .kept_tokens import KeptTokens, checked_sets, every_column
 from .loss_in_forward import (
     LossFn,
     check_loss_inputs,
@@ -80,7 +80,7 @@ def _kept_mask(
         return every_column(targets.device)
     if several:
         raise ValueError("kept_tokens takes one target per row, not targets [..., k]")
-    return build_kept_mask(backend, kept_pairs(kept_tokens, selection, targets, vocab_shard, tp_group), vocab_shard)
+    return build_kept_mask(backend, checked_sets(kept_tokens, selection, targets, vocab_shard, tp_group), vocab_shard)
 
 
 def needed_grads(hidden: Tensor, weight: Tensor) -> NeededGrads:

@@ -35,27 +35,32 @@ def mask_words(vocab_shard: int) -> int:
     return -(-vocab_shard // WORD_BITS)
 
 
-class KeptPairs(NamedTuple):
-    """The kept sets of an op's ``num_rows`` rows as (row, this shard's column) pairs, a column -1
-    where another shard owns the id; ``max_rows`` padding rows keep their stand-in target."""
+class KeptSets(NamedTuple):
+    """``kept_tokens`` checked against an op's rows for type, shape and count (``checked_sets``);
+    their values are checked as the bitmask is built (``check_flags``)."""
 
-    row: Tensor  # [m] int64
-    column: Tensor  # [m] int64
-    num_rows: int
+    offsets: Tensor  # [num_sets + 1] int64
+    token_ids: Tensor  # [nnz] int64, global ids
+    targets: Tensor  # [num_rows] int64: each computed row's global target (max_rows padding: 0)
+    num_sets: int  # the rows with a set; the num_rows - num_sets after them are max_rows padding
+    first_id: int  # this shard's first global id
+    vocab: int  # the whole vocabulary
+
+    @property
+    def num_rows(self) -> int:
+        return self.targets.shape[0]
 
 
-def kept_pairs(
+def checked_sets(
     kept_tokens: Sequence[Tensor],
     selection: RowSelection,
     targets: Tensor,
     vocab_shard: int,
     tp_group: Optional[dist.ProcessGroup],
-) -> KeptPairs:
-    """Check ``kept_tokens`` against the selected rows and their global ``targets`` (the op's
-    ``targets``, ``[*selection.lead_shape]``) and give its pairs on this rank's shard. ``TypeError`` /
-    ``ValueError`` for a wrong type, shape or count of sets; the values (offsets that start at 0,
-    rise and end at ``nnz``; ids inside the vocabulary; each row's target inside its set) by
-    ``check_on_device``: at once on the CPU, a device-side assertion on a GPU."""
+) -> KeptSets:
+    """``kept_tokens`` against the selected rows and the op's global ``targets`` (``[*selection.
+    lead_shape]``): ``TypeError`` / ``ValueError`` for a wrong type, shape or count of sets (with
+    ``max_rows``, the count the mask selects is checked by ``check_on_device``)."""
     if not isinstance(kept_tokens, (tuple, list)) or len(kept_tokens) != 2:
         raise TypeError("kept_tokens must be a pair (offsets [rows + 1], token_ids [nnz]) of int64 tensors")
     offsets, token_ids = kept_tokens
@@ -73,45 +78,61 @@ def kept_pairs(
             f"kept_tokens' offsets hold {num_sets} sets for {num_rows} rows: one set per computed row (with mask=, "
             "the selected rows in order), offsets [rows + 1]"
         )
+    chosen = selection.take_rows(targets).long()
     if selection.padding is not None:
         if not 0 <= num_sets <= num_rows:
             raise ValueError(f"kept_tokens' offsets hold {num_sets} sets; mask= selects at most max_rows={num_rows}")
         check_on_device((~selection.padding).sum() == num_sets, "kept_tokens holds a set per row mask= selects")
-    offsets, token_ids = offsets.long(), token_ids.long()
+        chosen = torch.where(selection.padding, 0, chosen)  # the padding rows' stand-in target
+    first_id = group_rank(tp_group) * vocab_shard
+    return KeptSets(offsets.long(), token_ids.long(), chosen, num_sets, first_id, vocab_shard * group_size(tp_group))
+
+
+# What a builder finds wrong, as flags [3] int32 (nonzero: found): offsets that do not start at 0,
+# rise and end at nnz; an id outside the vocabulary; a row whose target is outside its set.
+MALFORMED_OFFSETS, OUTSIDE_VOCABULARY, TARGET_LEFT_OUT = range(3)
+
+
+def check_flags(flags: Tensor, sets: KeptSets) -> None:
+    """``check_on_device`` of a builder's ``flags`` (no host synchronization on a GPU)."""
+    messages = {
+        MALFORMED_OFFSETS: f"kept_tokens' offsets must start at 0, never decrease and end at len(token_ids) = "
+        f"{sets.token_ids.shape[0]}",
+        OUTSIDE_VOCABULARY: f"a kept token id is outside the vocabulary [0, {sets.vocab})",
+        TARGET_LEFT_OUT: "a row's target is outside its kept_tokens set",
+    }
+    for flag, message in messages.items():
+        check_on_device(flags[flag] == 0, message)
+
+
+def torch_kept_mask(sets: KeptSets, vocab_shard: int) -> Tensor:
+    """``kept_mask [num_rows, words]`` of ``sets`` in torch, its values checked (the torch backend's
+    builder and the reference of ``kernels.kept_mask_kernel``). A sum of distinct bits is their OR,
+    so repeated ids are dropped first, after a sort: no host synchronization."""
+    offsets, token_ids, num_sets = sets.offsets, sets.token_ids, sets.num_sets
     nnz = token_ids.shape[0]
-    vocab = vocab_shard * group_size(tp_group)
-    check_on_device(
-        (offsets[0] == 0) & (offsets[-1] == nnz) & (offsets.diff() >= 0).all(),
-        f"kept_tokens' offsets must start at 0, never decrease and end at len(token_ids) = {nnz}",
-    )
-    if nnz > 0:
-        check_on_device(
-            ((token_ids >= 0) & (token_ids < vocab)).all(), f"a kept token id is outside the vocabulary [0, {vocab})"
-        )
-    row = torch.repeat_interleave(
-        torch.arange(num_sets, device=offsets.device), offsets.diff().clamp(min=0), output_size=nnz
-    )
-    if num_sets > 0:
-        chosen = selection.take_rows(targets).long()[:num_sets]
-        hits = torch.zeros(num_sets, dtype=torch.int32, device=row.device).index_add_(
-            0, row, (token_ids == chosen[row]).int()
-        )
-        check_on_device((hits > 0).all(), "a row's target is outside its kept_tokens set")
-    if num_sets < num_rows:  # max_rows padding rows keep their stand-in target, id 0: a finite softmax
-        row = torch.cat([row, torch.arange(num_sets, num_rows, device=row.device)])
-        token_ids = torch.cat([token_ids, token_ids.new_zeros(num_rows - num_sets)])
-    column = token_ids - group_rank(tp_group) * vocab_shard
-    column = torch.where((column >= 0) & (column < vocab_shard), column, -1)
-    return KeptPairs(row, column, num_rows)
-
-
-def torch_kept_mask(pairs: KeptPairs, vocab_shard: int) -> Tensor:
-    """``kept_mask [num_rows, words]`` from ``pairs`` in torch (the torch backend's; the Triton
-    backend sets bits with atomics, ``kernels.kept_mask_kernel``). A sum of distinct bits is their
-    OR, so repeated pairs are dropped first, after a sort: no host synchronization."""
-    num_rows, words = pairs.num_rows, mask_words(vocab_shard)
+    counts = offsets.diff()
+    flags = torch.zeros(3, dtype=torch.int32, device=offsets.device)
+    malformed = (offsets[0] != 0) | (offsets[-1] != nnz) | (counts < 0).any()
+    flags[MALFORMED_OFFSETS] = malformed
+    flags[OUTSIDE_VOCABULARY] = ((token_ids < 0) | (token_ids >= sets.vocab)).any()
+    if num_sets > 0:  # malformed (and so reported), the last row takes every id: the sizes agree
+        counts = torch.where(malformed, 0, counts.clamp(min=0))
+        counts[-1] = torch.where(malformed, nnz, counts[-1])
+    else:  # no row reads an id (any is reported as malformed offsets)
+        token_ids = token_ids[:0]
+    row = torch.repeat_interleave(torch.arange(num_sets, device=offsets.device), counts, output_size=token_ids.shape[0])
+    hits = torch.zeros(num_sets, dtype=torch.int32, device=row.device)
+    hits.index_add_(0, row, (token_ids == sets.targets[row]).int())
+    flags[TARGET_LEFT_OUT] = (hits == 0).any()
+    check_flags(flags, sets)
+    # The max_rows padding rows keep their stand-in target: a finite softmax.
+    row = torch.cat([row, torch.arange(num_sets, sets.num_rows, device=row.device)])
+    column = torch.cat([token_ids, sets.targets[num_sets:]]) - sets.first_id
+    num_rows, words = sets.num_rows, mask_words(vocab_shard)
     past_end = num_rows * vocab_shard
-    key = torch.where(pairs.column >= 0, pairs.row * vocab_shard + pairs.column, past_end).sort().values
+    owned = (column >= 0) & (column < vocab_shard)
+    key = torch.where(owned, row * vocab_shard + column, past_end).sort().values
     first = torch.ones_like(key, dtype=torch.bool)
     first[1:] = key[1:] != key[:-1]
     keep = first & (key < past_end)

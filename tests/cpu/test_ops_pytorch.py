@@ -13,7 +13,7 @@ from megatron_fused_lm import (
     logits_logprob,
     losses,
 )
-from megatron_fused_lm.ops.kept_tokens import KeptPairs, every_column, torch_kept_mask
+from megatron_fused_lm.ops.kept_tokens import KeptSets, every_column, torch_kept_mask
 
 HIDDEN, VOCAB, ROWS = 24, 97, 19
 
@@ -191,7 +191,9 @@ def opcheck_cases():
     every = every_column(hidden.device)
     # Each row keeps its target and a few ids more (kept_tokens), as the torch backend's bitmask.
     kept_row = torch.cat([torch.arange(ROWS), torch.randint(0, ROWS, (3 * ROWS,))])
-    kept = torch_kept_mask(KeptPairs(kept_row, torch.cat([targets, torch.randint(0, VOCAB, (3 * ROWS,))]), ROWS), VOCAB)
+    kept_ids = torch.cat([targets, torch.randint(0, VOCAB, (3 * ROWS,))])[kept_row.argsort(stable=True)]
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.bincount(kept_row, minlength=ROWS).cumsum(0)])
+    kept = torch_kept_mask(KeptSets(offsets, kept_ids, targets, ROWS, 0, VOCAB), VOCAB)
     problem = ShardProblem(hidden, weight, targets, temperature, every)
     state = TorchLoss(token_chunk=7).allocate(problem, NeededGrads(True, True))
     summary = list(summarize(TorchLoss(token_chunk=7).chunk_statistics(problem, state, slice(0, 7))))

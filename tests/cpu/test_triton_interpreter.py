@@ -147,6 +147,43 @@ def several_targets_case(case: dict) -> dict:
     }
 
 
+def kept_mask_builder_case(case: dict) -> dict:
+    """The Triton ``kept_mask`` builder against the torch one (``kept_tokens.torch_kept_mask``) on
+    sets with repeats, empty sets, ids of another shard and ``max_rows`` padding rows; and what each
+    reports for malformed sets: ``{name: [triton's error, torch's error]}``, "" for none."""
+    import torch
+
+    from megatron_fused_lm.ops.kept_tokens import KeptSets, torch_kept_mask
+    from megatron_fused_lm.ops.kernels.kept_mask_kernel import kept_mask
+
+    torch.manual_seed(case["seed"])
+    rows, vocab_shard, first_id = 9, 70, 70  # the second of two shards
+    targets = torch.randint(0, 2 * vocab_shard, (rows,))
+    counts = torch.randint(1, 600, (rows,))  # several steps of the kernel's loop
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    ids = torch.randint(0, 2 * vocab_shard, (int(offsets[-1]),))
+    ids[offsets[:-1]] = targets
+    # The first rows - 2 rows' sets; the last two rows are max_rows padding.
+    valid = KeptSets(offsets[: rows - 1], ids[: int(offsets[rows - 2])], targets, rows - 2, first_id, 2 * vocab_shard)
+    results = {"agree": [str(torch.equal(kept_mask(valid, vocab_shard), torch_kept_mask(valid, vocab_shard))), ""]}
+    malformed = {
+        "decreasing": valid._replace(offsets=valid.offsets.flip(0)),
+        "short": valid._replace(token_ids=valid.token_ids[:-1]),
+        "outside": valid._replace(token_ids=torch.where(valid.token_ids == valid.token_ids[-1], 999, valid.token_ids)),
+        "left_out": valid._replace(targets=torch.where(torch.arange(rows) == 0, -5, valid.targets)),
+    }
+    for name, sets in malformed.items():
+        errors = []
+        for build in (kept_mask, torch_kept_mask):
+            try:
+                build(sets, vocab_shard)
+                errors.append("")
+            except ValueError as error:
+                errors.append(str(error))
+        results[name] = errors
+    return results
+
+
 def run_case_here(case: dict) -> dict:
     """Run one case in this process (the interpreter must already be on); returns its errors."""
     import torch
@@ -157,13 +194,15 @@ def run_case_here(case: dict) -> dict:
         return merge_kernel_case(case)
     if case.get("kind") == "several_targets":
         return several_targets_case(case)
+    if case.get("kind") == "kept_mask_builder":
+        return kept_mask_builder_case(case)
 
     from devkit.oracle import max_abs_error, reference, relative_error
     from megatron_fused_lm.ops.backends.triton_loss import TritonLoss
     from megatron_fused_lm.ops.backends.triton_recompute import TritonRecompute
     from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
     from megatron_fused_lm.ops.contract import NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
-    from megatron_fused_lm.ops.kept_tokens import KeptPairs, every_column, torch_kept_mask
+    from megatron_fused_lm.ops.kept_tokens import KeptSets, every_column, torch_kept_mask
     from megatron_fused_lm.ops.kernels.kept_mask_kernel import kept_mask
     from megatron_fused_lm.ops.kernels.tiles import Tiles
     from megatron_fused_lm.ops.softmax import summarize
@@ -221,15 +260,12 @@ def run_case_here(case: dict) -> dict:
         if kept is None:
             return every_column(hidden.device)
         inside = (kept_row >= rows.start) & (kept_row < rows.stop)
-        column = kept_id[inside] - first
-        pairs = KeptPairs(
-            kept_row[inside] - rows.start,
-            torch.where((column >= 0) & (column < count), column, -1),
-            rows.stop - rows.start,
-        )
-        mask = kept_mask(pairs, count)
+        row, order = kept_row[inside] - rows.start, (kept_row[inside] - rows.start).argsort(stable=True)
+        offsets = torch.cat([row.new_zeros(1), torch.bincount(row, minlength=rows.stop - rows.start).cumsum(0)])
+        sets = KeptSets(offsets, kept_id[inside][order], targets[rows], rows.stop - rows.start, first, vocab)
+        mask = kept_mask(sets, count)
         nonlocal builders_agree
-        builders_agree = builders_agree and torch.equal(mask, torch_kept_mask(pairs, count))
+        builders_agree = builders_agree and torch.equal(mask, torch_kept_mask(sets, count))
         return mask
 
     # The backend alone, as the ops call it.
@@ -398,6 +434,21 @@ def test_kept_tokens_far_below_reference(dtype):
     )  # fmt: skip
     assert result["rows_far_above_sample"] == 0  # the dominant row is sampled: the reference is high, not low
     check(result, dtype)
+
+
+def test_kept_mask_builder():
+    # The Triton builder sets the torch builder's bits (repeats, other shards' ids, padding rows)
+    # and reports the same malformed sets with the same messages.
+    results = run_case(kind="kept_mask_builder", seed=4)
+    assert results.pop("agree")[0] == "True"
+    expected = {
+        "decreasing": "never decrease",
+        "short": "never decrease",
+        "outside": "outside the vocabulary",
+        "left_out": "target is outside its kept_tokens set",
+    }
+    for name, (triton_error, torch_error) in results.items():
+        assert expected[name] in triton_error and triton_error == torch_error, (name, triton_error, torch_error)
 
 
 @pytest.mark.parametrize("three_gemm", [False, True], ids=["recompute", "three_gemm"])

@@ -17,7 +17,7 @@ import torch
 from devkit.oracle import logprob_entropy, max_abs_error
 from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, losses
 from megatron_fused_lm.ops.inputs import select_rows
-from megatron_fused_lm.ops.kept_tokens import kept_pairs, torch_kept_mask
+from megatron_fused_lm.ops.kept_tokens import checked_sets, torch_kept_mask
 
 pytestmark = [
     pytest.mark.gpu,
@@ -115,7 +115,7 @@ def test_triton_bitmask_equals_torch_bitmask():
     kept_tokens = offsets, torch.cat([ids[: offsets[1]], ids])  # the first row's ids repeated
     kept_tokens = torch.cat([offsets[:1], offsets[1:] + offsets[1]]), kept_tokens[1]
     selection = select_rows(targets, targets.shape, None, None, weight.shape[0], None)
-    pairs = kept_pairs(kept_tokens, selection, targets, weight.shape[0], None)
+    sets = checked_sets(kept_tokens, selection, targets, weight.shape[0], None)
     from megatron_fused_lm.ops.kernels.kept_mask_kernel import kept_mask
 
-    assert torch.equal(kept_mask(pairs, weight.shape[0]), torch_kept_mask(pairs, weight.shape[0]))
+    assert torch.equal(kept_mask(sets, weight.shape[0]), torch_kept_mask(sets, weight.shape[0]))

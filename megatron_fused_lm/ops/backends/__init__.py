@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from ..contract import LossBackend, RecomputeBackend
-from ..kept_tokens import KeptPairs, torch_kept_mask
+from ..kept_tokens import KeptSets, torch_kept_mask
 from .torch_loss import TorchLoss
 from .torch_recompute import TorchRecompute
 
@@ -39,11 +39,11 @@ def loss_backend(
     return TorchLoss(token_chunk, entropy_grad)
 
 
-def kept_mask(backend: str, pairs: KeptPairs, vocab_shard: int) -> torch.Tensor:
-    """The ``kept_mask`` of ``pairs`` (``kept_tokens``' form), built by the resolved ``backend``'s
-    own code."""
+def kept_mask(backend: str, sets: KeptSets, vocab_shard: int) -> torch.Tensor:
+    """The ``kept_mask`` of ``sets`` (``kept_tokens``' form), its values checked, built by the
+    resolved ``backend``'s own code."""
     if backend == "triton":
         from ..kernels.kept_mask_kernel import kept_mask as triton_kept_mask
 
-        return triton_kept_mask(pairs, vocab_shard)
-    return torch_kept_mask(pairs, vocab_shard)
+        return triton_kept_mask(sets, vocab_shard)
+    return torch_kept_mask(sets, vocab_shard)

@@ -72,13 +72,18 @@ def kept_arguments(kept_mask) -> tuple[tuple, dict]:
 
 @triton.jit
 def kept_tile(kept_ptr, stride_kept_row, kept_words, rows, row_valid, first_col, BLOCK_N: tl.constexpr):
-    """``[BLOCK_M, BLOCK_N]`` bool: which of the columns ``first_col + [0, BLOCK_N)`` each of the
-    ``rows`` keeps (its bit in the row's mask words; the words past the shard read as none)."""
-    columns = first_col + tl.arange(0, BLOCK_N)
-    word = columns >> 5
+    """``[BLOCK_M, BLOCK_N]`` bool: which of the columns ``first_col + [0, BLOCK_N)`` (``first_col``
+    a multiple of 32) each of the ``rows`` keeps (its bit in the row's mask words; the words past the
+    shard read as none). The tile's ``BLOCK_N / 32`` words per row are loaded as one small tile and
+    spread over the columns in registers (``tl.gather``): a load per element, or a reshape of the
+    words' bits, costs the forward kernel 20-100 % (docs/BENCHMARKS.md)."""
+    WORDS: tl.constexpr = BLOCK_N // 32
+    word = (first_col >> 5) + tl.arange(0, WORDS)
     where = kept_ptr + rows.to(tl.int64)[:, None] * stride_kept_row + word[None, :]
     words = tl.load(where, mask=row_valid[:, None] & (word < kept_words)[None, :], other=0)
-    return ((words >> (columns & 31)[None, :]) & 1) != 0
+    columns = tl.arange(0, BLOCK_N)
+    spread = tl.gather(words, tl.broadcast_to((columns >> 5)[None, :], [rows.shape[0], BLOCK_N]), axis=1)
+    return ((spread >> (columns & 31)[None, :]) & 1) != 0
 
 
 def row_upstream_arguments(target_column, saved, upstream) -> tuple[tuple, dict]:

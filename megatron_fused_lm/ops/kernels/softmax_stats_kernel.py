@@ -116,9 +116,10 @@ def softmax_stats_kernel(
             # First tile: nothing to rescale (and -inf - new_max must not meet sumexp = 0).
             shift = tl.where(running_max == float("-inf"), 0.0, running_max - new_max)
             rescale = tl.exp(shift)
-            shifted = logits - new_max[:, None]  # -inf on padding columns
-            if HAS_KEPT:  # a row that has kept nothing yet has new_max = -inf
-                shifted = tl.where(col_valid, shifted, float("-inf"))
+            if HAS_KEPT:  # a row that has kept nothing yet has new_max = -inf: its shifted logits stay -inf
+                shifted = logits - tl.where(new_max == float("-inf"), 0.0, new_max)[:, None]
+            else:
+                shifted = logits - new_max[:, None]  # -inf on padding columns
             weights = tl.exp(shifted)  # 0 on padding columns
             sumexp_z = rescale * (sumexp_z + sumexp * shift) + tl.sum(
                 weights * tl.where(col_valid, shifted, 0.0), axis=1
@@ -241,5 +242,5 @@ def _launch(
         STORE_OFFSETS=block is not None and stores_offsets(block.dtype),
         REFRESH=refresh is not None,
         **temperature_flag,
-        **tiles.launch_options(),
+        **tiles.with_kept_columns(kept_flag["HAS_KEPT"]).launch_options(),
     )

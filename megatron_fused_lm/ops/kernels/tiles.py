@@ -34,3 +34,9 @@ class Tiles(NamedTuple):
             num_warps=self.num_warps,
             num_stages=self.num_stages,
         )
+
+    def with_kept_columns(self, has_kept: bool) -> Tiles:
+        """These tiles, one pipeline stage fewer where a kept-columns mask is read
+        (``epilogue.kept_tile``): its ``[block_m, block_n]`` tile passes through shared memory,
+        which the deepest pipelines fill (Hopper: 1 KiB over the limit at bf16)."""
+        return self._replace(num_stages=self.num_stages - 1) if has_kept and self.num_stages > 2 else self

@@ -12,6 +12,10 @@ import triton.language as tl
 from ..kept_tokens import MALFORMED_OFFSETS, OUTSIDE_VOCABULARY, TARGET_LEFT_OUT, KeptSets, check_flags, mask_words
 
 IDS_PER_STEP = 256
+# The flags' positions, as constants the kernel can read.
+MALFORMED = tl.constexpr(MALFORMED_OFFSETS)
+OUTSIDE = tl.constexpr(OUTSIDE_VOCABULARY)
+LEFT_OUT = tl.constexpr(TARGET_LEFT_OUT)
 
 
 @triton.jit
@@ -44,9 +48,9 @@ def kept_mask_kernel(
             owned = valid & (column >= 0) & (column < vocab_shard)
             bit = tl.full([BLOCK], 1, tl.int32) << (column & 31).to(tl.int32)
             tl.atomic_or(out + (column >> 5), bit, mask=owned, sem="relaxed")
-        tl.atomic_max(flags_ptr + MALFORMED_OFFSETS, 1, mask=malformed)
-        tl.atomic_max(flags_ptr + OUTSIDE_VOCABULARY, 1, mask=outside > 0)
-        tl.atomic_max(flags_ptr + TARGET_LEFT_OUT, 1, mask=(found == 0) & ~malformed)
+        tl.atomic_max(flags_ptr + MALFORMED, 1, mask=malformed)
+        tl.atomic_max(flags_ptr + OUTSIDE, 1, mask=outside > 0)
+        tl.atomic_max(flags_ptr + LEFT_OUT, 1, mask=(found == 0) & ~malformed)
 
 
 def kept_mask(sets: KeptSets, vocab_shard: int) -> torch.Tensor:

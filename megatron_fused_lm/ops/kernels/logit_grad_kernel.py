@@ -158,6 +158,6 @@ def logit_grad_block(
         **kept_flag,
         **row_flags,
         **temperature_flag,
-        **tiles.with_kept_columns(kept_flag["HAS_KEPT"]).launch_options(),
+        **tiles.launch_options(),
     )
     return out

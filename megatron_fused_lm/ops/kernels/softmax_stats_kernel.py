@@ -242,5 +242,5 @@ def _launch(
         STORE_OFFSETS=block is not None and stores_offsets(block.dtype),
         REFRESH=refresh is not None,
         **temperature_flag,
-        **tiles.with_kept_columns(kept_flag["HAS_KEPT"]).launch_options(),
+        **tiles.with_kept_columns(kept_flag["HAS_KEPT"] and block is not None).launch_options(),
     )

@@ -186,17 +186,25 @@ class _SlimeRows:
             pieces = pieces[self.row_index]
         return pieces.new_zeros(self.scored.shape).masked_scatter(self.scored, pieces)
 
-    def kept_tokens(self, token_ids: List[Any], token_offsets: List[Any]) -> KeptTokens:
+    def kept_tokens(self, token_ids: List[Any], token_offsets: List[Any], response_lengths: List[int]) -> KeptTokens:
         """slime's rollout top-p sets (per sample: global ids ``[nnz_i]`` and offsets ``[response_i +
         1]`` over its response tokens, int32, as ``get_rollout_top_p_logprob_kwargs`` hands them) as
         the ``kept_tokens`` of this rank's scored rows, each set with its row's target added: slime
-        keeps the sampled token's logit (an empty span, a tool token's, then scores 0, as in slime)."""
-        if token_offsets is None or len(token_ids) != len(token_offsets):
+        keeps the sampled token's logit (an empty span, a tool token's, then scores 0, as in slime).
+        ``ValueError`` unless every sample has one span per response token and its ids."""
+        if token_offsets is None or not len(token_ids) == len(token_offsets) == len(response_lengths):
             raise ValueError("rollout top-p replay needs top_p_token_ids and top_p_token_offsets for every sample")
+        spans = [torch.as_tensor(offsets, dtype=torch.long).cpu() for offsets in token_offsets]
+        samples = [torch.as_tensor(sample, dtype=torch.long) for sample in token_ids]
+        for index, (offsets, sample, response) in enumerate(zip(spans, samples, response_lengths, strict=True)):
+            if offsets.numel() != response + 1 or offsets[0] != 0 or offsets[-1] != sample.numel():
+                raise ValueError(
+                    f"sample {index}'s top-p offsets must run from 0 to its {sample.numel()} ids in {response + 1} "
+                    f"entries (one span per response token), got {offsets.numel()} from {offsets[:1].tolist()}"
+                )
         device = self.targets.device
-        counts = torch.cat([torch.as_tensor(offsets, dtype=torch.long).diff() for offsets in token_offsets])
-        ids = torch.cat([torch.as_tensor(sample, dtype=torch.long) for sample in token_ids]).to(device)
-        counts = counts.to(device)
+        counts = torch.cat([offsets.diff() for offsets in spans]).to(device)
+        ids = torch.cat([*samples, torch.zeros(1, dtype=torch.long)]).to(device)  # one more: never empty
         starts = counts.cumsum(0) - counts
         count, start = counts[self.response_index], starts[self.response_index]
         offsets = torch.cat([count.new_zeros(1), (count + 1).cumsum(0)])  # each set and its target
@@ -244,7 +252,7 @@ def log_probs_and_entropy(
     if top_p_token_ids is None:
         values = fused_head().logprobs(logits, rows.targets, **options, **entropy_options)
     else:
-        kept_tokens = rows.kept_tokens(top_p_token_ids, top_p_token_offsets)
+        kept_tokens = rows.kept_tokens(top_p_token_ids, top_p_token_offsets, response_lengths)
         values = fused_head().logprobs(logits, rows.targets, **options, kept_tokens=kept_tokens)
         if with_entropy:  # slime's entropy is the whole vocabulary's
             values = (values, fused_head().logprobs(logits, rows.targets, **options, **entropy_options)[1])
@@ -314,7 +322,9 @@ def policy_loss(args, batch, logits, sum_of_sample_mean) -> Tuple[Tensor, Dict[s
     )  # fmt: skip
     kept_tokens = None
     if top_p_replay:
-        kept_tokens = rows.kept_tokens(batch["rollout_top_p_token_ids"], batch["rollout_top_p_token_offsets"])
+        kept_tokens = rows.kept_tokens(
+            batch["rollout_top_p_token_ids"], batch["rollout_top_p_token_offsets"], batch["response_lengths"]
+        )
     result = fused_head().loss(
         logits, rows.targets, loss_fn, loss_inputs={**inputs, "weight": weights}, mask=scored,
         temperature=args.rollout_temperature, kept_tokens=kept_tokens,

@@ -67,19 +67,25 @@ def _fused_rows(
     )
     rows = selection.take(hidden).to(weight.dtype)
     temperature = row_temperatures(temperature, selection, hidden.device)
-    kept_mask = _kept_mask(kept_tokens, selection, targets, weight.shape[0], tp_group, options.backend, several)
+    kept_mask = _kept_mask(
+        kept_tokens, selection, targets, weight.shape[0], tp_group, options.backend, several, out_of_vocab
+    )
     return options, selection, rows, temperature, kept_mask
 
 
 def _kept_mask(
     kept_tokens: Optional[KeptTokens], selection: RowSelection, targets: Tensor, vocab_shard: int, tp_group,
-    backend: str, several: bool,
+    backend: str, several: bool, out_of_vocab: str = "error",
 ) -> Tensor:  # fmt: skip
     """The selected rows' ``kept_mask`` on this shard (``kept_tokens``' form), built by ``backend``."""
     if kept_tokens is None:
         return every_column(targets.device)
     if several:
         raise ValueError("kept_tokens takes one target per row, not targets [..., k]")
+    if out_of_vocab != "error":
+        raise ValueError(
+            "kept_tokens takes targets inside the vocabulary, each in its row's set (out_of_vocab='error')"
+        )
     return build_kept_mask(backend, checked_sets(kept_tokens, selection, targets, vocab_shard, tp_group), vocab_shard)
 
 

@@ -85,7 +85,9 @@ def checked_sets(
         check_on_device((~selection.padding).sum() == num_sets, "kept_tokens holds a set per row mask= selects")
         chosen = torch.where(selection.padding, 0, chosen)  # the padding rows' stand-in target
     first_id = group_rank(tp_group) * vocab_shard
-    return KeptSets(offsets.long(), token_ids.long(), chosen, num_sets, first_id, vocab_shard * group_size(tp_group))
+    # Contiguous: the Triton builder reads them at unit stride.
+    offsets, token_ids, chosen = (tensor.long().contiguous() for tensor in (offsets, token_ids, chosen))
+    return KeptSets(offsets, token_ids, chosen, num_sets, first_id, vocab_shard * group_size(tp_group))
 
 
 # What a builder finds wrong, as flags [3] int32 (nonzero: found): offsets that do not start at 0,
@@ -143,11 +145,13 @@ def torch_kept_mask(sets: KeptSets, vocab_shard: int) -> Tensor:
     keep = first & (key < past_end)
     row, column = key // vocab_shard, key % vocab_shard
     word = torch.where(keep, row * words + column // WORD_BITS, num_rows * words)  # the last word: a sink
-    bit = torch.where(keep, torch.ones_like(column) << (column % WORD_BITS), 0)
-    summed = torch.zeros(num_rows * words + 1, dtype=torch.int64, device=key.device).scatter_add_(0, word, bit)
-    summed = summed[:-1]
-    # Bit 31 set: the int32 word is negative, two's complement.
-    return torch.where(summed >= 2**31, summed - 2**32, summed).to(torch.int32).view(num_rows, words)
+    # Bit 31 is int32's sign, -2**31: added to bits 0 to 30 it gives the two's complement word
+    # without overflow.
+    shift = column % WORD_BITS
+    bit = torch.where(shift == WORD_BITS - 1, -(2**31), torch.ones_like(column) << shift)
+    bit = torch.where(keep, bit, 0).to(torch.int32)
+    mask = torch.zeros(num_rows * words + 1, dtype=torch.int32, device=key.device).scatter_add_(0, word, bit)
+    return mask[:-1].view(num_rows, words)
 
 
 def kept_block(kept_mask: Tensor, rows: slice, num_columns: int) -> Optional[Tensor]:

@@ -28,6 +28,8 @@ from devkit.oracle import (
 )
 from devkit.spawn import run_ranks
 from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, logits_logprob, logits_loss, losses
+from megatron_fused_lm.ops.inputs import select_rows
+from megatron_fused_lm.ops.kept_tokens import checked_sets
 
 H, V = 24, 97
 LEAD = (3, 10)
@@ -231,9 +233,25 @@ def test_errors():
             fused_linear_logprob(hidden, weight, targets, kept_tokens=kept_tokens)
     with pytest.raises(ValueError, match="one target per row"):
         fused_linear_logprob(hidden, weight, targets.unsqueeze(-1), kept_tokens=(offsets, ids))
+    with pytest.raises(ValueError, match="inside the vocabulary"):
+        fused_linear_logprob(hidden, weight, targets, out_of_vocab="max_logit", kept_tokens=(offsets, ids))
     with pytest.raises(ValueError, match="more than max_rows|at most max_rows"):
         mask = torch.tensor([True, True, False, False, False])
         fused_linear_logprob(hidden, weight, targets, mask=mask, max_rows=1, kept_tokens=(offsets[:3], ids))
+
+
+def test_strided_sets_reach_the_builders_contiguous():
+    # The Triton builder reads its inputs at unit stride: strided views (and the targets of a
+    # masked selection) are copied first.
+    targets = torch.randint(0, V, (6, 2))[:, 0]
+    (offsets, ids), _ = kept_sets(targets, every_row((6,)), V, 4, seed=21)
+    strided = torch.stack([offsets, offsets], -1)[:, 0], torch.stack([ids, ids], -1)[:, 0]
+    selection = select_rows(targets, targets.shape, None, None, V, None)
+    sets = checked_sets(strided, selection, targets, V, None)
+    assert all(tensor.is_contiguous() for tensor in (sets.offsets, sets.token_ids, sets.targets))
+    assert (
+        torch.equal(sets.offsets, offsets) and torch.equal(sets.token_ids, ids) and torch.equal(sets.targets, targets)
+    )
 
 
 # Two ranks.

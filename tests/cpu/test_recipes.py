@@ -343,8 +343,8 @@ def check_slime(tied: bool) -> None:
 
 
 def check_slime_top_p(model, packed, mask, tokens, lengths, offsets, batch, reduce, label) -> None:
-    """Rollout top-p replay against slime's own dense-mask computation (``slime_top_p_rows``, on the
-    stock ``model``): the log-probs over each response token's set and itself, the entropy over the
+    """Rollout top-p replay against slime's dense-mask computation as ``slime_top_p_rows`` rewrites it
+    (on the stock ``model``): the log-probs over each response token's set and itself, the entropy over the
     whole vocabulary; the policy loss without an entropy term (the one slime setting it takes) and
     its entropy metric."""
     label = f"{label} top-p replay"
@@ -389,6 +389,22 @@ def check_slime_top_p(model, packed, mask, tokens, lengths, offsets, batch, redu
     args.entropy_coef = 0.01
     with pytest.raises(NotImplementedError, match="rollout-top-p"):
         slime.policy_loss(args, batch, run_model(model, packed, mask), reduce)
+    # Every span empty (tool tokens): each token alone is kept, log-prob 0; a sample with a span
+    # fewer than its response tokens would shift every later sample's sets: refused.
+    lengths_of = dict(unconcat_tokens=tokens, total_lengths=lengths, response_lengths=RESPONSES)
+    empty = (
+        [torch.zeros(0, dtype=torch.int32) for _ in RESPONSES],
+        [torch.zeros(r + 1, dtype=torch.int32) for r in RESPONSES],
+    )
+    _, found = slime.log_probs_and_entropy(
+        run_model(model, packed, mask), args=args, **lengths_of, top_p_token_ids=empty[0], top_p_token_offsets=empty[1]
+    )
+    assert all(bool((piece == 0).all()) for piece in found["log_probs"]), label
+    with pytest.raises(ValueError, match="one span per response token"):
+        slime.log_probs_and_entropy(
+            run_model(model, packed, mask), args=args, **lengths_of, top_p_token_ids=ids,
+            top_p_token_offsets=[offsets[:-1] for offsets in set_offsets],
+        )  # fmt: skip
     unwrap_model(model)
 
 

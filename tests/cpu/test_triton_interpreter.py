@@ -229,6 +229,13 @@ def run_case_here(case: dict) -> dict:
         direction = torch.nn.functional.normalize(torch.randn(hidden_size), dim=0)
         hidden[: tokens // 2] += 3.0 * direction
         weight[case["dominant_row"]] = 30.0 * direction
+    if case.get("far_shard_gap"):
+        # The vocabulary's second half (another rank's shard) lies that far above the first, whose
+        # ids alone the rows keep: that shard keeps none of them, and its sampled reference lies
+        # far above the rows' lse.
+        direction = torch.nn.functional.normalize(torch.randn(hidden_size), dim=0)
+        hidden += 10.0 * direction
+        weight[vocab // 2 :] += case["far_shard_gap"] / 10.0 * direction
     if case.get("strided"):
         hidden = torch.stack([hidden, torch.randn_like(hidden)], -1)[..., 0]
         weight = weight.t().contiguous().t()
@@ -245,6 +252,9 @@ def run_case_here(case: dict) -> dict:
     kept, builders_agree = None, None
     if case.get("kept"):
         kept = torch.rand(tokens, vocab) < case["kept"] / vocab
+        if case.get("far_shard_gap"):
+            targets %= vocab // 2
+            kept[:, vocab // 2 :] = False
         if case.get("kept_none_in_half"):  # rows keeping nothing in the second half: one shard empty
             targets[: tokens // 2] %= vocab // 2
             kept[: tokens // 2, vocab // 2 :] = False
@@ -411,7 +421,7 @@ def test_kept_tokens(dtype, three_gemm, shards):
     # with an entropy term (float16 offsets) and without (exponentials, refreshed where the kept
     # maximum lies far below the sampled rows' reference).
     if shards == 2 and not three_gemm:
-        pytest.skip("the recompute backend takes one shard here; TP=2 runs in test_ops_tensor_parallel")
+        pytest.skip("the recompute backend takes one shard here; two ranks run in test_ops_kept_tokens.py")
     for entropy_grad in (True, False):
         result = run_case(
             dtype=dtype, shape=[37, 45, 212], temperature="per_row", hidden_scale=4.0, three_gemm=three_gemm,
@@ -420,6 +430,18 @@ def test_kept_tokens(dtype, three_gemm, shards):
         check(result, dtype)
         assert result["kept_builders_agree"], result
         assert result["grad_weight_left_out"] == 0.0, result
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True], ids=["exponentials", "offsets"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_kept_tokens_on_a_shard_far_above(dtype, entropy_grad):
+    # Two shards: every row keeps ids of the first only, and the second's logits lie 150 above: its
+    # exponentials' reference must not meet the rows' lse (exp(150) overflows into NaN gradients).
+    result = run_case(
+        dtype=dtype, shape=[24, 40, 212], kept=12, far_shard_gap=150.0, three_gemm=True, shards=2,
+        entropy_grad=entropy_grad, token_chunk=16,
+    )  # fmt: skip
+    check(result, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

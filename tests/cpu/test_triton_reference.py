@@ -6,6 +6,7 @@ import torch
 
 from megatron_fused_lm.ops.backends.triton_loss import direct_factor
 from megatron_fused_lm.ops.backends.triton_reference import (
+    EMPTY_REFERENCE,
     MAX_ABOVE_REFERENCE,
     MAX_BELOW_REFERENCE,
     REFERENCE_HEADROOM,
@@ -36,7 +37,8 @@ def test_row_references_bracket_the_row_maximum():
 
 def test_stale_references_take_the_maximum():
     # Too far above or (a kept set without the sampled rows' largest logits) too far below the
-    # reference: refreshed; a shard keeping none of the row's columns (-inf): left alone.
+    # reference: refreshed; a shard keeping none of the row's columns (-inf): its zeros stay, with a
+    # reference far below any lse.
     reference = torch.tensor([0.0, 0.0, 10.0, 10.0, 10.0])
     local_max = torch.tensor(
         [
@@ -49,7 +51,7 @@ def test_stale_references_take_the_maximum():
     )
     refreshed, refresh = stale_references(reference, local_max)
     assert refresh.tolist() == [0, 1, 0, 1, 0] and refresh.dtype == torch.int8
-    assert refreshed.tolist() == [0.0, MAX_ABOVE_REFERENCE + 1, 10.0, 9 - MAX_BELOW_REFERENCE, 10.0]
+    assert refreshed.tolist() == [0.0, MAX_ABOVE_REFERENCE + 1, 10.0, 9 - MAX_BELOW_REFERENCE, EMPTY_REFERENCE]
 
 
 def test_factor_and_chosen_term_give_dz():

@@ -1,4 +1,5 @@
-"""``kept_tokens`` on CUDA (Triton backend, bf16 and fp16) against the float64 oracle over the same
+"""``kept_tokens`` on CUDA (Triton backend, bf16, fp16 and fp32, whose tiles spread the mask by
+another form) against the float64 oracle over the same
 sets: sets of 1 to 1024 ids, half the rows without their largest logit, the recompute path and the
 three-GEMM path with and without an entropy term (offsets and exponentials blocks); the Triton
 bitmask builder against the torch one.
@@ -87,7 +88,7 @@ def relative_l2(actual, expected):
 
 
 @pytest.mark.parametrize("loss_name", ["sft", "policy"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda shape: "x".join(map(str, shape)))
 def test_kept_tokens_against_float64(shape, dtype, loss_name):
     hidden, weight, targets, kept_tokens, kept = kept_case(*shape, dtype)

@@ -23,6 +23,9 @@ MAX_ABOVE_REFERENCE = 32.0
 # reference; this bound leaves that margin twice, and the row's largest exponentials far from
 # bfloat16's smallest normal (exp(-87)).
 MAX_BELOW_REFERENCE = 2 * REFERENCE_HEADROOM
+# The reference of a row this shard keeps no column of: exp(reference - lse) is 0 for any lse a
+# model's logits give, and mean - reference stays finite.
+EMPTY_REFERENCE = -1e4
 
 
 def stored_dtype(weight_dtype: torch.dtype, entropy_grad: bool) -> torch.dtype:
@@ -63,7 +66,11 @@ def stale_references(reference: torch.Tensor, local_max: torch.Tensor) -> tuple[
     ``MAX_ABOVE_REFERENCE`` above their reference, or more than ``MAX_BELOW_REFERENCE`` below it
     (a kept set that leaves the sampled rows' largest logits out), get the maximum as their
     reference and ``refresh = 1`` (int8 ``[n]``); the others keep theirs. A shard keeping none of
-    a row's columns (maximum -inf) stored zeros, which stay right."""
-    too_low = (local_max < reference - MAX_BELOW_REFERENCE) & (local_max > -torch.inf)
+    a row's columns (maximum -inf) stored zeros, which stay right, and gets ``EMPTY_REFERENCE``: the
+    sampled one may lie far above the row's ``lse``, where ``exp(reference - lse)`` would overflow
+    and meet the zeros as NaN."""
+    empty = local_max == -torch.inf
+    too_low = (local_max < reference - MAX_BELOW_REFERENCE) & ~empty
     stale = (local_max > reference + MAX_ABOVE_REFERENCE) | too_low
-    return torch.where(stale, local_max, reference), stale.to(torch.int8)
+    reference = torch.where(stale, local_max, reference)
+    return torch.where(empty, EMPTY_REFERENCE, reference), stale.to(torch.int8)

@@ -75,15 +75,23 @@ def kept_tile(kept_ptr, stride_kept_row, kept_words, rows, row_valid, first_col,
     """``[BLOCK_M, BLOCK_N]`` bool: which of the columns ``first_col + [0, BLOCK_N)`` (``first_col``
     a multiple of 32) each of the ``rows`` keeps (its bit in the row's mask words; the words past the
     shard read as none). The tile's ``BLOCK_N / 32`` words per row are loaded as one small tile and
-    spread over the columns in registers (``tl.gather``): a load per element, or a reshape of the
-    words' bits, costs the forward kernel 20-100 % (docs/BENCHMARKS.md)."""
+    spread over the columns in registers: a load per element cost the forward kernel twice the
+    time of this (docs/BENCHMARKS.md, section 19). The spread is a ``tl.gather`` on 16-bit tiles
+    (128 columns or more), a reshape of the words' bits on the 64-column float32 tiles, for which
+    Triton 3.6 cannot compile the gather (``TritonGPUOptimizeThreadLocality`` fails)."""
+    tl.static_assert(BLOCK_N % 32 == 0, "a tile's columns must be whole mask words")
     WORDS: tl.constexpr = BLOCK_N // 32
     word = (first_col >> 5) + tl.arange(0, WORDS)
     where = kept_ptr + rows.to(tl.int64)[:, None] * stride_kept_row + word[None, :]
     words = tl.load(where, mask=row_valid[:, None] & (word < kept_words)[None, :], other=0)
-    columns = tl.arange(0, BLOCK_N)
-    spread = tl.gather(words, tl.broadcast_to((columns >> 5)[None, :], [rows.shape[0], BLOCK_N]), axis=1)
-    return ((spread >> (columns & 31)[None, :]) & 1) != 0
+    if BLOCK_N >= 128:
+        columns = tl.arange(0, BLOCK_N)
+        spread = tl.gather(words, tl.broadcast_to((columns >> 5)[None, :], [rows.shape[0], BLOCK_N]), axis=1)
+        kept = ((spread >> (columns & 31)[None, :]) & 1) != 0
+    else:
+        bits = (words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
+        kept = tl.reshape(bits.to(tl.int8), [rows.shape[0], BLOCK_N]) != 0
+    return kept
 
 
 def row_upstream_arguments(target_column, saved, upstream) -> tuple[tuple, dict]:

@@ -64,7 +64,7 @@ def kept_mask(sets: KeptSets, vocab_shard: int) -> torch.Tensor:
             sets.offsets, sets.token_ids, sets.targets, mask, flags, sets.num_sets, sets.token_ids.shape[0],
             sets.vocab, sets.first_id, vocab_shard, mask.shape[1], BLOCK=IDS_PER_STEP,
         )  # fmt: skip
-    if sets.num_sets == 0 and sets.offsets.numel() > 0:  # no row checks the offsets: [0] is the only right one
+    if sets.num_sets == 0:  # no row checks the offsets: [0] is the only right one
         flags[MALFORMED_OFFSETS] = (sets.offsets[0] != 0) | (sets.token_ids.shape[0] != 0)
     check_flags(flags, sets)
     return mask

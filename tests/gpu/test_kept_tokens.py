@@ -6,7 +6,7 @@ bitmask builder against the torch one.
 
 Bounds, as in test_loss_parity.py: values within ``VALUE_BOUND`` times the largest |logit|;
 gradients (relative L2) within ``GRAD_RATIO`` of the torch backend's recompute path with the same
-sets (a float32 block, the same rounding of ``dz`` and results). A column leaking into a row's
+sets (plus ``FLOAT32_FLOOR`` for float32 operands) (a float32 block, the same rounding of ``dz`` and results). A column leaking into a row's
 softmax, or a gradient reaching one left out, is off by O(1).
 """
 
@@ -27,6 +27,7 @@ pytestmark = [
 
 VALUE_BOUND = 2e-5
 GRAD_RATIO = 1.2
+FLOAT32_FLOOR = 1e-6  # float32 operands: both errors are float32 sums' rounding (test_loss_parity.py)
 SHAPES = [(2048, 2048, 151936), (1000, 1000, 30011)]
 
 
@@ -105,7 +106,12 @@ def test_kept_tokens_against_float64(shape, dtype, loss_name):
             assert error <= VALUE_BOUND * largest_logit, (path, name, error)
         for name, index in (("grad_hidden", 2), ("grad_weight", 3)):
             error, allowed = relative_l2(ours[index], expected[index]), relative_l2(baseline[index], expected[index])
-            assert error <= GRAD_RATIO * allowed, (path, name, error, allowed)
+            assert error <= GRAD_RATIO * allowed + FLOAT32_FLOOR * (dtype == torch.float32), (
+                path,
+                name,
+                error,
+                allowed,
+            )
         left_out = ~kept.any(0)
         assert not ours[3][left_out].any(), path  # ids no row keeps take no gradient
 

@@ -297,7 +297,8 @@ def fused_linear_loss(
     (three GEMMs): the per-token loss must be known before the step.
 
     ``loss_fn(logprob, entropy, **inputs) -> losses`` is called on chunks of rows: ``logprob``
-    and ``entropy`` are float32 ``[rows]`` (requiring grad), ``inputs`` holds the same rows of each
+    and ``entropy`` are float32 ``[rows]`` (requiring grad; for several targets per row,
+    ``targets [..., k]``, ``logprob`` is ``[rows, k]``), ``inputs`` holds the same rows of each
     tensor in ``loss_inputs``. It must return one float loss per row, ``[rows]``, computed from
     that row alone: **the loss is the sum of what it returns over all chunks, so a function that
     reduces or normalizes across rows (a mean, a per-sequence max, a normalizer that depends on
@@ -305,15 +306,19 @@ def fused_linear_loss(
     callable's class) is used, its rows are checked against its first chunk's two halves
     (``ValueError``). Express normalizations as per-token weights among the inputs instead
     (``losses.token_mean_weights``). Ready-made functions: ``losses.cross_entropy``,
-    ``losses.ClippedPolicyLoss``.
+    ``losses.ClippedPolicyLoss``, ``losses.TopkDistillation`` (several targets: a teacher's top-k).
 
     Args:
         hidden, weight, targets, tp_group, temperature, backend, reduce_hidden_grad,
-            batch_invariant, kept_tokens: as for ``fused_linear_logprob``.
+            batch_invariant, kept_tokens: as for ``fused_linear_logprob`` (``targets [..., k]``:
+            several per row, their logits read beside each chunk's statistics, one all-reduce of
+            ``[rows, k]`` per chunk more under tensor parallelism; each target's term of the
+            logits' gradient is added in float32, as for one).
         token_chunk: rows per three-GEMM chunk; ``None`` picks one that bounds the working set.
         loss_fn: the per-token loss, as above.
-        loss_inputs: per-token inputs of ``loss_fn``: a dict of tensors shaped like ``targets``
-            (old log-probs, advantages, weights, ...), on hidden's device, needing no gradient;
+        loss_inputs: per-token inputs of ``loss_fn``: a dict of tensors shaped like the rows,
+            ``[...]``, or with trailing dimensions, ``[..., k]`` (old log-probs, advantages,
+            weights, a teacher's top-k log-probs, ...), on hidden's device, needing no gradient;
             under tensor parallelism the same on every rank.
         mask: optional bool ``[...]``: only rows where it is True are computed and summed; the
             others have log-prob and entropy 0. The number of selected rows is read on the host.
@@ -332,9 +337,11 @@ def fused_linear_loss(
         ``entropy`` detached float32 ``[...]`` metrics. Nothing flows into ``loss_inputs``.
     """
     inputs = check_loss_inputs(loss_fn, loss_inputs, hidden.shape[:-1], hidden.device)
+    several = _several_targets(targets, hidden.shape[:-1], "error", batch_invariant)
+    entropy_grad = has_entropy_term(loss_fn, inputs, tuple(targets.shape[-1:]) if several else ())
     options, selection, rows, temperature, kept_mask = _fused_rows(
-        hidden, weight, targets, mask, None, tp_group, temperature, kept_tokens, token_chunk=token_chunk,
-        backend=backend, entropy_grad=has_entropy_term(loss_fn, tuple(inputs)), reduce_hidden_grad=reduce_hidden_grad,
+        hidden, weight, targets, mask, None, tp_group, temperature, kept_tokens, "error", several,
+        token_chunk=token_chunk, backend=backend, entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
         batch_invariant=batch_invariant,
     )  # fmt: skip
     if selection.rows is not None:
@@ -426,17 +433,13 @@ def logits_loss(
 ) -> FusedLoss:
     """``fused_linear_loss`` on a materialized logits shard: the same loss, the same contract for
     ``loss_fn`` and ``loss_inputs``, the gradient (to ``logits``) by the usual backward."""
-    if isinstance(targets, Tensor) and targets.shape != logits.shape[:-1]:  # [..., k] is logits_logprob's alone
-        raise ValueError(
-            f"targets.shape {tuple(targets.shape)} must equal the leading shape {tuple(logits.shape[:-1])}: the losses "
-            "take one target per row"
-        )
     logprob, entropy = logits_logprob(
         logits, targets, tp_group=tp_group, temperature=temperature, return_entropy=True,
         token_chunk=token_chunk, mask=mask, kept_tokens=kept_tokens,
     )  # fmt: skip
     inputs = check_loss_inputs(loss_fn, loss_inputs, logits.shape[:-1], logits.device)
-    logprob_rows, entropy_rows = logprob.reshape(-1), entropy.reshape(-1)
+    logprob_rows = logprob.reshape(entropy.numel(), *logprob.shape[entropy.dim() :])  # [rows] or [rows, k]
+    entropy_rows = entropy.reshape(-1)
     if mask is not None:
         rows = mask.reshape(-1).nonzero().squeeze(-1)
         logprob_rows, entropy_rows = logprob_rows[rows], entropy_rows[rows]

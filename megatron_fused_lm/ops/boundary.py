@@ -9,7 +9,8 @@ uses are parameters of the names ``HeadOptions`` gives them.
   ``logits_forward`` / ``logits_backward`` on a materialized logits shard. Only O(n) statistics
   are saved; the backward recomputes.
 - Three-GEMM path (``held_pass``): its phases, ``loss_allocate``, ``loss_statistics``,
-  ``loss_gradients`` and the ``merge_statistics`` collective, which ``OperatorLossBackend`` hands
+  ``loss_gradients``, the ``merge_statistics`` collective and, for several targets per row,
+  ``target_logits``, which ``OperatorLossBackend`` hands
   to ``contract.run_loss_pass``, so that a compiled graph never traces into a backend.
 """
 
@@ -250,6 +251,24 @@ logits_forward.register_autograd(_logits_gradients, setup_context=_save_statisti
 
 
 # The three-GEMM path's phases.
+
+
+@torch.library.custom_op("megatron_fused_lm::target_logits", mutates_args=())
+def target_logits(
+    hidden: Tensor, weight: Tensor, target_column: Tensor, temperature: Tensor, *, tp_group_name: Optional[str]
+) -> Tensor:
+    """Several targets' logits ``[k, m]`` (float32, divided by each row's temperature) for a chunk's
+    ``k`` rows and their ``target_column [k, m]``, summed over the group (each rank holds its own
+    ids')."""
+    with autocast_off(hidden.device):
+        logits = gathered_logits(hidden, weight, target_column, temperature)
+        all_reduce_sum(logits, group_by_name(tp_group_name))
+    return logits
+
+
+@target_logits.register_fake
+def _(hidden, weight, target_column, temperature, **options) -> Tensor:
+    return hidden.new_empty(target_column.shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("megatron_fused_lm::merge_statistics", mutates_args=())

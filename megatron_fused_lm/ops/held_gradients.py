@@ -73,6 +73,25 @@ class HeldSteps:
         float32 and rounded once into ``out``'s dtype; ``out`` may be ``source``. Returns ``out``."""
         return out.copy_(source) if scale is None else torch.mul(source, scale, out=out)
 
+    def add_chosen_columns(
+        self,
+        state: LossState,
+        rows: slice,
+        target_column: torch.Tensor,
+        chosen: torch.Tensor,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        factor: Optional[torch.Tensor] = None,
+    ) -> None:
+        """``add_chosen`` for one target per row (``[k]``) or several (``target_column`` and
+        ``chosen`` ``[k, m]``: one call per target column, the factor applied by the first)."""
+        if target_column.dim() == 1:
+            self.add_chosen(state, rows, target_column, chosen, hidden, weight, factor)
+            return
+        for target in range(target_column.shape[1]):
+            column, term = target_column[:, target].contiguous(), chosen[:, target].contiguous()
+            self.add_chosen(state, rows, column, term, hidden, weight, factor if target == 0 else None)
+
     def add_chosen(
         self,
         state: LossState,

@@ -29,7 +29,7 @@ import torch
 from .._logging import warn_once
 from .accumulation import PendingWeightGrad
 from .backends import loss_backend
-from .boundary import OperatorLossBackend, autocast_off, merge_statistics
+from .boundary import OperatorLossBackend, autocast_off, merge_statistics, target_logits
 from .contract import Gradients, LossState, NeededGrads, ShardProblem, run_loss_pass
 from .distributed import all_reduce_sum
 from .loss_in_forward import PROPORTIONAL_TOLERANCE, ChunkLoss, LossFn, proportional_scale
@@ -58,7 +58,9 @@ class HeldPass:
     weight_grad_scale: float = 1.0
     pending: Optional[PendingWeightGrad] = None  # the added gradient's record, until the backward
     held: Optional[LossState] = None  # after run: the held gradients (the block is not kept)
-    merged: Optional[Tensor] = None  # after run: the merged statistics [n, 4], which a second pass reuses
+    merged: Optional[Tensor] = (
+        None  # after run: the merged statistics [n, 4] (and k targets' logits), which a second pass reuses
+    )
     dtype: Optional[torch.dtype] = None  # the gradients' (the weight's); set by run
 
     @property
@@ -88,8 +90,17 @@ class HeldPass:
         ``upstream_scale`` (a float or a 0-dim tensor), on the merged statistics ``merged`` of an
         earlier pass where given (no communication), else merging its own."""
         if merged is None:
-            group = self.options.tp_group_name
-            merge = lambda rows, local: merge_statistics(local, tp_group_name=group)  # noqa: E731
+            group, problem = self.options.tp_group_name, self.problem
+
+            def merge(rows: slice, local: Tensor) -> Tensor:
+                stats = merge_statistics(local, tp_group_name=group)
+                if problem.target_column.dim() == 1:
+                    return stats
+                # Several targets per row: their logits beside the statistics, [rows, 4 + k].
+                columns, temperature = problem.target_column[rows], problem.temperature[rows]
+                logits = target_logits(problem.hidden[rows], problem.weight, columns, temperature, tp_group_name=group)
+                return torch.cat([stats, logits], dim=1)
+
         else:
             merge = lambda rows, local: merged[rows]  # noqa: E731
         scale = None if isinstance(upstream_scale, float) and upstream_scale == 1.0 else upstream_scale

@@ -140,7 +140,7 @@ def select_rows(
     if (targets.shape[:-1] if several else targets.shape) != lead_shape:
         raise ValueError(
             f"targets.shape {tuple(targets.shape)} must equal the leading shape {tuple(lead_shape)} (several "
-            "targets per row, [..., k]: fused_linear_logprob and logits_logprob take them)"
+            "targets per row, [..., k]: every op but fused_linear_cross_entropy takes them)"
         )
     flat = targets.reshape(lead_shape.numel(), targets.shape[-1]) if several else targets.reshape(-1)
 

@@ -12,6 +12,7 @@ import torch
 
 from .contract import UpstreamGrads
 from .inputs import may_synchronize
+from .several_targets import statistics_column
 from .softmax import NUM_STATISTICS, SoftmaxSummary, summarize
 
 Tensor = torch.Tensor
@@ -21,8 +22,9 @@ LossFn = Callable[..., Tensor]
 def check_loss_inputs(
     loss_fn: LossFn, loss_inputs: Optional[Dict[str, Tensor]], lead_shape: torch.Size, device: torch.device
 ) -> Dict[str, Tensor]:
-    """The per-token inputs flattened to ``[rows]``, after checking ``loss_fn`` is callable and each
-    input is a tensor of ``lead_shape`` on ``device`` that needs no gradient."""
+    """The per-token inputs flattened to ``[rows, ...]``, after checking ``loss_fn`` is callable and
+    each input is a tensor of ``lead_shape`` (then any trailing dimensions) on ``device`` that needs
+    no gradient."""
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if loss_inputs is None:
@@ -30,37 +32,41 @@ def check_loss_inputs(
     if not isinstance(loss_inputs, dict):
         raise TypeError(f"loss_inputs must be a dict of tensors, got {type(loss_inputs).__name__}")
     return {
-        name: check_per_token(f"loss_inputs[{name!r}]", value, lead_shape, device)
+        name: check_per_token(f"loss_inputs[{name!r}]", value, lead_shape, device, trailing=True)
         for name, value in loss_inputs.items()
     }
 
 
-def check_per_token(name: str, value: Tensor, lead_shape: torch.Size, device: torch.device) -> Tensor:
-    """``value`` flattened to ``[rows]``, after checking it is a tensor of ``lead_shape`` on ``device``
-    that needs no gradient (errors name it ``name``)."""
+def check_per_token(
+    name: str, value: Tensor, lead_shape: torch.Size, device: torch.device, trailing: bool = False
+) -> Tensor:
+    """``value`` flattened to ``[rows]`` (``trailing``: ``[*lead_shape, ...]`` to ``[rows, ...]``, a
+    teacher's ``k`` log-probs per row, say), after checking it is a tensor of that shape on
+    ``device`` that needs no gradient (errors name it ``name``)."""
     if not isinstance(value, Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
-    if value.shape != lead_shape:
-        raise ValueError(f"{name} has shape {tuple(value.shape)}; expected {tuple(lead_shape)}")
+    if (value.shape[: len(lead_shape)] if trailing else value.shape) != lead_shape:
+        expected = f"{tuple(lead_shape)}{' (then any trailing dimensions)' if trailing else ''}"
+        raise ValueError(f"{name} has shape {tuple(value.shape)}; expected {expected}")
     if value.device != device:
         raise ValueError(f"{name} is on {value.device}; expected {device}")
     if value.requires_grad:
         raise ValueError(f"{name} requires grad, but no gradient flows into loss inputs; detach it")
-    return value.reshape(-1)
+    return value.reshape(lead_shape.numel(), *value.shape[len(lead_shape) :])
 
 
 def per_token_losses(loss_fn: LossFn, logprob: Tensor, entropy: Tensor, inputs: Dict[str, Tensor]) -> Tensor:
-    """``loss_fn(logprob [rows], entropy [rows], **inputs)`` as float32 ``[rows]``, or a clear error
-    when it is not one loss per row."""
-    return _one_loss_per_row(loss_fn(logprob, entropy, **inputs), logprob)
+    """``loss_fn(logprob [rows] (or [rows, k]), entropy [rows], **inputs)`` as float32 ``[rows]``, or
+    a clear error when it is not one loss per row."""
+    return _one_loss_per_row(loss_fn(logprob, entropy, **inputs), entropy)
 
 
-def _one_loss_per_row(losses, logprob: Tensor) -> Tensor:
+def _one_loss_per_row(losses, entropy: Tensor) -> Tensor:
     if not isinstance(losses, Tensor) or not losses.dtype.is_floating_point:
         raise TypeError(f"loss_fn must return a float tensor of per-token losses, got {losses!r:.80}")
-    if losses.shape != logprob.shape:
+    if losses.shape != entropy.shape:
         raise ValueError(
-            f"loss_fn must return one loss per token, shape {tuple(logprob.shape)}, got {tuple(losses.shape)}: "
+            f"loss_fn must return one loss per token, shape {tuple(entropy.shape)}, got {tuple(losses.shape)}: "
             "it is called on chunks of rows and its results are summed, so it must not reduce across rows"
         )
     return losses.float()
@@ -122,39 +128,50 @@ def check_rows_independent(loss_fn: LossFn, logprob: Tensor, entropy: Tensor, in
     _rows_checked.add(definition)
 
 
-def has_entropy_term(loss_fn: LossFn, input_names: Tuple[str, ...]) -> bool:
+def has_entropy_term(loss_fn: LossFn, inputs: Dict[str, Tensor], logprob_shape: Tuple[int, ...] = ()) -> bool:
     """Whether ``loss_fn``'s value depends on the entropy: its ``entropy_grad`` attribute where it
-    declares one (the ready-made losses do), else ``probe_entropy_term``."""
+    declares one (the ready-made losses do), else ``probe_entropy_term`` on one row shaped as the
+    per-row ``inputs`` (``[rows, ...]``) and log-probs (``logprob_shape``: ``(k,)`` for several
+    targets per row) are."""
     declared = getattr(loss_fn, "entropy_grad", None)
-    return probe_entropy_term(loss_fn, input_names) if declared is None else bool(declared)
+    if declared is not None:
+        return bool(declared)
+    return probe_entropy_term(
+        loss_fn, tuple((name, tuple(value.shape[1:])) for name, value in inputs.items()), logprob_shape
+    )
 
 
 @torch.compiler.assume_constant_result
-def probe_entropy_term(loss_fn: LossFn, input_names: Tuple[str, ...]) -> bool:
-    """Whether ``loss_fn`` depends on the entropy, by a probe on one row of zeros on the CPU;
-    ``torch.compile`` evaluates it once, at trace time. A function the probe cannot run raises
-    ``TypeError`` naming the attribute that replaces the probe: its failure says nothing about the
-    entropy, and guessing would pick a path silently."""
-    logprob, entropy = (torch.zeros(1, requires_grad=True) for _ in range(2))
+def probe_entropy_term(
+    loss_fn: LossFn, input_shapes: Tuple[Tuple[str, Tuple[int, ...]], ...], logprob_shape: Tuple[int, ...]
+) -> bool:
+    """Whether ``loss_fn`` depends on the entropy, by a probe on one row of zeros on the CPU (each
+    input ``[1, *shape]``, the log-probs ``[1, *logprob_shape]``); ``torch.compile`` evaluates it
+    once, at trace time. A function the probe cannot run raises ``TypeError`` naming the attribute
+    that replaces the probe: its failure says nothing about the entropy, and guessing would pick a
+    path silently."""
+    logprob = torch.zeros(1, *logprob_shape, requires_grad=True)
+    entropy = torch.zeros(1, requires_grad=True)
     # The probe is no part of the caller's graph: identity hooks keep activation checkpointing's
     # saved-tensor hooks (and their early stop of a recomputation) out of it.
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda tensor: tensor, lambda tensor: tensor):
         try:
-            losses = loss_fn(logprob, entropy, **{name: torch.zeros(1) for name in input_names})
+            losses = loss_fn(logprob, entropy, **{name: torch.zeros(1, *shape) for name, shape in input_shapes})
         except Exception as error:
             raise TypeError(
                 f"loss_fn failed on the probe that asks whether its loss uses the entropy (one row of zeros on the "
-                f"CPU, inputs {list(input_names)}): {type(error).__name__}: {error}. Give it an attribute "
-                "entropy_grad (True if its loss depends on the entropy, else False) to skip the probe"
+                f"CPU, inputs {[name for name, _ in input_shapes]}): {type(error).__name__}: {error}. Give it an "
+                "attribute entropy_grad (True if its loss depends on the entropy, else False) to skip the probe"
             ) from error
-        total = _one_loss_per_row(losses, logprob).sum()
+        total = _one_loss_per_row(losses, entropy).sum()
         return total.requires_grad and torch.autograd.grad(total, entropy, allow_unused=True)[0] is not None
 
 
 class ChunkLoss:
     """The chunk step both backends' passes are driven with: ``merge(rows, local_statistics)`` (the
     statistics all-gather, or the merged statistics of an earlier pass over the same rows) on a
-    chunk's shard statistics, the merged statistics (``merged [n, 4]``), log-probs and entropy
+    chunk's shard statistics, the merged statistics (``merged [n, 4]``; ``[n, 4 + k]`` with several
+    targets' logits for ``target_column [n, k]``, whose log-probs are ``[n, k]``), log-probs and entropy
     recorded with the running loss, and,
     when ``upstream``, the loss's per-token gradients (the entropy's only when ``entropy_grad``),
     times ``upstream_scale`` (a float or a 0-dim float32 tensor; ``None``: as they are)."""
@@ -172,13 +189,21 @@ class ChunkLoss:
         self.loss_fn, self.inputs, self.target_column, self.merge = loss_fn, inputs, target_column, merge
         self.entropy_grad, self.upstream, self.upstream_scale = entropy_grad, upstream, upstream_scale
         num_rows, device = target_column.shape[0], target_column.device
-        self.logprob, self.entropy = (torch.empty(num_rows, dtype=torch.float32, device=device) for _ in range(2))
-        self.merged = torch.empty(num_rows, NUM_STATISTICS, dtype=torch.float32, device=device)
+        self.logprob = torch.empty(target_column.shape, dtype=torch.float32, device=device)
+        self.entropy = torch.empty(num_rows, dtype=torch.float32, device=device)
+        # Several targets per row ([n, k]): their logits follow the statistics.
+        width = NUM_STATISTICS + (target_column.shape[1] if target_column.dim() == 2 else 0)
+        self.merged = torch.empty(num_rows, width, dtype=torch.float32, device=device)
         self.total = torch.zeros((), dtype=torch.float32, device=device)
 
     def __call__(self, rows: slice, local_statistics: Tensor) -> tuple[SoftmaxSummary, UpstreamGrads]:
         self.merged[rows] = self.merge(rows, local_statistics)
-        summary = summarize(self.merged[rows], self.target_column[rows])
+        merged, target_column = self.merged[rows], self.target_column[rows]
+        if target_column.dim() == 1:
+            summary = summarize(merged, target_column)
+        else:
+            stats, target_logits = merged[:, :NUM_STATISTICS], merged[:, NUM_STATISTICS:]
+            summary = summarize(stats, statistics_column(target_column), target_logits)
         self.logprob[rows], self.entropy[rows] = summary.logprob, summary.entropy
         inputs = {name: value[rows] for name, value in self.inputs.items()}
         check_rows_independent(self.loss_fn, summary.logprob, summary.entropy, inputs)

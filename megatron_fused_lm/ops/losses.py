@@ -34,8 +34,11 @@ def cross_entropy(logprob: Tensor, entropy: Tensor, *, weight: Tensor) -> Tensor
     """SFT token cross-entropy: ``loss_t = -w_t * logprob_t``.
 
     ``weight [rows]``: per-token weights, e.g. ``token_mean_weights(loss_mask)`` for the mean
-    cross-entropy over the masked tokens, or the loss mask itself for their sum.
+    cross-entropy over the masked tokens, or the loss mask itself for their sum. One target per
+    row (``ValueError`` for several: their losses are the caller's to combine).
     """
+    if logprob.dim() != 1:
+        raise ValueError(f"cross_entropy takes one target per row, got log-probs {tuple(logprob.shape)}")
     return -weight * logprob
 
 
@@ -120,3 +123,63 @@ class ClippedPolicyLoss:
                 raise ValueError("ClippedPolicyLoss with kl_coef != 0 needs ref_logprob among the loss inputs")
             loss = loss + self.kl_coef * kl_penalty(logprob, ref_logprob, self.kl_estimator)
         return weight * loss
+
+
+DIVERGENCES = ("forward", "reverse")
+REMAINDERS = ("renormalize", "tail")
+# A probability below this counts as 0 inside a logarithm (the rest of the mass when the k ids hold
+# it all), so that 0 * log 0 adds 0.
+SMALLEST_MASS = 1e-30
+
+
+@dataclass(frozen=True)
+class TopkDistillation:
+    """Top-k distillation: the student's log-probs at a teacher's top-k ids against the teacher's.
+
+    Call ``fused_linear_loss(hidden, weight, teacher_ids, TopkDistillation(...), loss_inputs=
+    {"teacher_logprob": ..., "weight": ...})`` with ``teacher_ids [..., k]`` (distinct ids per row,
+    as ``head.topk`` / ``fused_linear_topk`` give them) and ``teacher_logprob [..., k]`` their
+    log-probs under the teacher, normalized over its whole vocabulary. Per token, with the
+    student's ``p_j = exp(logprob_j)`` and the teacher's ``q_j`` on the ``k`` ids and the rest of
+    each distribution ``P = 1 - sum_j p_j``, ``Q = 1 - sum_j q_j``::
+
+        remainder="renormalize" (both distributions renormalized over the k ids):
+            p^_j = p_j / sum_i p_i,   q^_j = q_j / sum_i q_i
+            forward: KL_t = sum_j q^_j (log q^_j - log p^_j)       reverse: sum_j p^_j (log p^_j - log q^_j)
+        remainder="tail" (the rest of each distribution as one outcome more):
+            forward: KL_t = sum_j q_j (log q_j - log p_j) + Q (log Q - log P)
+            reverse: KL_t = sum_j p_j (log p_j - log q_j) + P (log P - log Q)
+        loss_t = w_t * KL_t
+
+    ``"renormalize"`` matches the student to the teacher's shape on its top-k alone; ``"tail"``
+    also matches the mass each puts outside them (``log P`` as ``log(-expm1(logsumexp logprob))``,
+    accurate when the ids hold nearly all of it). The student's entropy is not used.
+    """
+
+    divergence: str = "forward"
+    remainder: str = "renormalize"
+    entropy_grad = False  # a class attribute: fused_linear_loss needs no probe
+
+    def __post_init__(self):
+        if self.divergence not in DIVERGENCES:
+            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
+        if self.remainder not in REMAINDERS:
+            raise ValueError(f"remainder must be one of {REMAINDERS}, got {self.remainder!r}")
+
+    def __call__(self, logprob: Tensor, entropy: Tensor, *, teacher_logprob: Tensor, weight: Tensor) -> Tensor:
+        if logprob.dim() != 2 or teacher_logprob.shape != logprob.shape:
+            raise ValueError(
+                f"TopkDistillation takes the student's log-probs [rows, k] at the teacher's ids (targets [..., k]) and "
+                f"teacher_logprob of that shape; got {tuple(logprob.shape)} and {tuple(teacher_logprob.shape)}"
+            )
+        student, teacher = logprob, teacher_logprob.to(logprob.dtype)
+        if self.remainder == "renormalize":
+            student = student - student.logsumexp(-1, keepdim=True)
+            teacher = teacher - teacher.logsumexp(-1, keepdim=True)
+        if self.divergence == "reverse":
+            student, teacher = teacher, student  # KL(p || q): the same sum with the roles swapped
+        kl = (teacher.exp() * (teacher - student)).sum(-1)
+        if self.remainder == "tail":
+            rest = [(-torch.expm1(values.logsumexp(-1))).clamp(min=SMALLEST_MASS) for values in (teacher, student)]
+            kl = kl + rest[0] * (rest[0].log() - rest[1].log())
+        return weight * kl

@@ -168,17 +168,39 @@ def chosen_logit_grad(
     """``dz_y [n]``, the chosen token's whole gradient term, from the merged statistics:
     ``g_lp * (1 - p_y) + g_H * p_y * (mean - z_y)`` where this shard owns the target, else 0.
     ``-expm1(logprob)`` keeps ``1 - p_y`` as accurate as the log-prob where ``p_y`` is near 1, and
-    ``mean - z_y`` comes from the statistics measured from the maximum, not from a rounded block."""
-    grad = torch.zeros_like(summary.logprob)
+    ``mean - z_y`` comes from the statistics measured from the maximum, not from a rounded block.
+
+    Several targets per row (``target_column``, ``summary.logprob`` and ``grad_logprob`` ``[n, k]``):
+    ``[n, k]``, each distinct column's whole term ``G_y (1 - p_y) - (G - G_y) p_y + g_H p_y (mean
+    - z_y)`` on its first entry and 0 on its repeats, with ``G_y`` the upstream gradients of the
+    entries naming it and ``G`` their row sum; ``mean - z_y = -H - logprob_y``."""
+    if target_column.dim() == 1:
+        grad = torch.zeros_like(summary.logprob)
+        if grad_logprob is not None:
+            grad = grad - grad_logprob * torch.expm1(summary.logprob)
+        if grad_entropy is not None:
+            grad = grad + grad_entropy * summary.logprob.exp() * summary.mean_minus_target
+        return torch.where(target_column >= 0, grad, 0.0)
+    logprob, prob = summary.logprob, summary.logprob.exp()
+    same = target_column.unsqueeze(2) == target_column.unsqueeze(1)  # [n, k, k]: entries naming one column
+    order = torch.arange(target_column.shape[1], device=target_column.device)
+    first = ~(same & (order[None, None, :] < order[None, :, None])).any(2)
+    grad = torch.zeros_like(logprob)
     if grad_logprob is not None:
-        grad = grad - grad_logprob * torch.expm1(summary.logprob)
+        column_total = (same * grad_logprob.unsqueeze(1)).sum(2)
+        grad = grad - column_total * torch.expm1(logprob) - (grad_logprob.sum(1, keepdim=True) - column_total) * prob
     if grad_entropy is not None:
-        grad = grad + grad_entropy * summary.logprob.exp() * summary.mean_minus_target
-    return torch.where(target_column >= 0, grad, 0.0)
+        grad = grad - grad_entropy.unsqueeze(1) * prob * (summary.entropy.unsqueeze(1) + logprob)
+    return torch.where(first & (target_column >= 0), grad, 0.0)
 
 
 def zero_chosen(block: torch.Tensor, target_column: torch.Tensor) -> None:
-    """Zero the chosen token's element of each row of ``block [n, v]`` that holds its target: the
-    loss-in-forward path adds that term in float32 instead (``chosen_logit_grad``)."""
-    column = target_column.clamp(min=0).unsqueeze(1)
-    block.scatter_(1, column, torch.where(target_column.unsqueeze(1) >= 0, 0, block.gather(1, column)))
+    """Zero the chosen token's element of each row of ``block [n, v]`` that holds its target (every
+    target's, for ``target_column [n, k]``): the loss-in-forward path adds that term in float32
+    instead (``chosen_logit_grad``)."""
+    columns = target_column.unsqueeze(1) if target_column.dim() == 1 else target_column
+    owns = (columns >= 0).any(1, keepdim=True)
+    # An entry of another shard (-1) names its row's largest column, one of the zeroed targets, or
+    # where the row has none here column 0, written back as it is: no two writes of one element differ.
+    columns = torch.where(columns >= 0, columns, columns.amax(1, keepdim=True)).clamp(min=0)
+    block.scatter_(1, columns, torch.where(owns, 0, block.gather(1, columns)))

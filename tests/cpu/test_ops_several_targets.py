@@ -15,7 +15,11 @@ import torch.distributed as dist
 
 from devkit.oracle import make_case, relative_error
 from devkit.spawn import run_ranks
-from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, logits_logprob, logits_loss, losses
+from megatron_fused_lm import (
+    fused_linear_cross_entropy,
+    fused_linear_logprob,
+    logits_logprob,
+)
 
 H, V, LEAD, K = 24, 97, (3, 10), 5
 FLOAT32_TOL = 2e-5
@@ -142,10 +146,8 @@ def test_refusals():
         fused_linear_logprob(hidden, weight, ids, out_of_vocab="max_logit")
     with pytest.raises(ValueError, match="outside the vocabulary"):
         fused_linear_logprob(hidden, weight, ids.index_fill(-1, torch.tensor([2]), V))
-    with pytest.raises(ValueError, match="several targets per row"):
-        fused_linear_loss(hidden, weight, ids, losses.cross_entropy)
-    with pytest.raises(ValueError, match="one target per row"):
-        logits_loss(hidden @ weight.t(), ids, lambda logprob, entropy: -logprob)
+    with pytest.raises(ValueError, match="must equal the leading shape"):  # its declared weights are per row
+        fused_linear_cross_entropy(hidden, weight, ids, torch.ones(LEAD))
 
 
 def tensor_parallel_case(rank, world_size):

@@ -107,9 +107,10 @@ def several_targets_case(case: dict) -> dict:
     import torch
 
     from devkit.oracle import relative_error
+    from megatron_fused_lm.ops.backends.triton_loss import TritonLoss
     from megatron_fused_lm.ops.backends.triton_recompute import TritonRecompute
     from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
-    from megatron_fused_lm.ops.contract import NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
+    from megatron_fused_lm.ops.contract import NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads, run_loss_pass
     from megatron_fused_lm.ops.kept_tokens import every_column
     from megatron_fused_lm.ops.kernels.tiles import Tiles
     from megatron_fused_lm.ops.several_targets import gathered_logits, statistics_column
@@ -128,18 +129,35 @@ def several_targets_case(case: dict) -> dict:
     ids[:, 1] = ids[:, 0]
     temperature = torch.rand(tokens) * 1.5 + 0.5
     grad_logprob, grad_entropy = torch.randn(tokens, k), torch.randn(tokens)
+    if case.get("zero_entropy_grad"):
+        grad_entropy = None
     problem = ShardProblem(hidden, weight, ids, temperature, every_column(hidden.device))
-    stats = backend.local_statistics(problem._replace(target_column=statistics_column(ids)))
-    summary = summarize(stats)
-    logprob = summarize(stats, None, gathered_logits(hidden, weight, ids, temperature)).logprob
-    grads = backend.local_gradients(
-        problem, SavedStatistics(summary.lse, summary.mean_logit), UpstreamGrads(grad_logprob, grad_entropy),
-        NeededGrads(hidden=True, weight=True),
-    )  # fmt: skip
+    if case.get("three_gemm"):  # the loss-in-forward pass, its chunk step reading the k logits
+        logprob = torch.empty(tokens, k)
+        backend = TritonLoss(entropy_grad=grad_entropy is not None, token_chunk=16, tuning=tuning)
+
+        def chunk_step(rows, local):
+            target_logits = gathered_logits(hidden[rows], weight, ids[rows], temperature[rows])
+            summary = summarize(local, statistics_column(ids[rows]), target_logits)
+            logprob[rows] = summary.logprob
+            upstream = UpstreamGrads(grad_logprob[rows], None if grad_entropy is None else grad_entropy[rows])
+            return summary, upstream
+
+        state = run_loss_pass(backend, problem, chunk_step, NeededGrads(hidden=True, weight=True))
+        grads = backend.finish(state.held_hidden, state.held_weight, torch.ones(()), (dtype, dtype), True)
+    else:
+        stats = backend.local_statistics(problem._replace(target_column=statistics_column(ids)))
+        summary = summarize(stats)
+        logprob = summarize(stats, None, gathered_logits(hidden, weight, ids, temperature)).logprob
+        grads = backend.local_gradients(
+            problem, SavedStatistics(summary.lse, summary.mean_logit), UpstreamGrads(grad_logprob, grad_entropy),
+            NeededGrads(hidden=True, weight=True),
+        )  # fmt: skip
     leaves = [tensor.double().requires_grad_() for tensor in (hidden, weight)]
     log_probs = torch.log_softmax(leaves[0] @ leaves[1].t() / temperature.double()[:, None], dim=-1)
     exact, entropy = log_probs.gather(-1, ids), -(log_probs.exp() * log_probs).sum(-1)
-    ((exact * grad_logprob.double()).sum() + (entropy * grad_entropy.double()).sum()).backward()
+    entropy_term = 0.0 if grad_entropy is None else (entropy * grad_entropy.double()).sum()
+    ((exact * grad_logprob.double()).sum() + entropy_term).backward()
     return {
         "logprob": relative_error(logprob, exact.detach()),
         "grad_hidden": relative_error(grads.hidden, leaves[0].grad),
@@ -636,6 +654,21 @@ def test_zero_tokens(three_gemm):
 
 if __name__ == "__main__":
     print(json.dumps(run_case_here(json.loads(sys.argv[1]))))
+
+
+@pytest.mark.parametrize("entropy", [True, False], ids=["offsets", "exponentials"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_several_targets_per_row_three_gemm(dtype, entropy):
+    # The loss-in-forward pass with k = 3 ids per row (one repeated): the stored block's dz with the
+    # shared term over their sum and every target's element zeroed, each distinct column's whole
+    # term added in float32 (softmax.chosen_logit_grad), over two token chunks.
+    result = run_case(
+        kind="several_targets", dtype=dtype, shape=[24, 40, 131, 3], seed=13, three_gemm=True,
+        zero_entropy_grad=not entropy,
+    )  # fmt: skip
+    value_tol, grad_tol = TOLERANCE[dtype]
+    assert result["logprob"] <= value_tol, result
+    assert result["grad_hidden"] <= grad_tol and result["grad_weight"] <= grad_tol, result
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

@@ -366,3 +366,39 @@ def test_out_of_vocab_targets_score_as_megatron_scores_them(op, backend):
     names = ("logprob", "grad_hidden", "grad_weight")
     for name, error, baseline in zip(names, padded_errors, baseline_errors, strict=True):
         assert error <= GRAD_RATIO * baseline + 1e-7, (name, error, baseline)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("loss_name", ["distillation", "with-entropy"])
+def test_several_targets_three_gemm(loss_name, dtype):
+    # k = 8 ids per row (a teacher's top-k; one repeated for the general loss) on the three-GEMM
+    # path: bf16 without an entropy term reads the stored exponentials directly (every target's
+    # element zeroed, each distinct column's term added in float32), the others run the dz kernel.
+    hidden, weight, targets, gen = make_case(1024, 2048, 30011, seed=5)
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    ids = torch.stack([targets, *(torch.randint(0, 30011, (7, 1024), device="cuda", generator=gen))], -1)
+    rows = torch.full((1024,), 1.0 / 1024, device="cuda")
+    if loss_name == "distillation":
+        ids[:, 1:] = (ids[:, :1] + torch.arange(1, 8, device="cuda")) % 30011  # distinct
+        teacher = torch.log_softmax(torch.randn(1024, 8, device="cuda", generator=gen), -1) - 0.3
+        loss_fn, inputs = losses.TopkDistillation("forward", "tail"), dict(teacher_logprob=teacher, weight=rows)
+    else:
+        ids[:, 3] = ids[:, 1]
+        goal = -torch.rand(1024, 8, device="cuda", generator=gen) * 10
+
+        def loss_fn(logprob, entropy, *, goal, weight):
+            return weight * (((logprob - goal) ** 2).sum(-1) - 0.01 * entropy)
+
+        inputs = dict(goal=goal, weight=rows)
+    leaves = [tensor.detach().double().requires_grad_() for tensor in (hidden, weight)]
+    log_probs = torch.log_softmax(leaves[0] @ leaves[1].t(), -1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    exact = loss_fn(log_probs.gather(-1, ids), entropy, **{name: value.double() for name, value in inputs.items()})
+    expected = torch.autograd.grad(exact.sum(), leaves)
+    errors = {}
+    for backend in ("torch", "triton"):
+        run = [tensor.detach().requires_grad_() for tensor in (hidden, weight)]
+        fused_linear_loss(*run, ids, loss_fn, loss_inputs=inputs, backend=backend).loss.backward()
+        errors[backend] = [relative_l2(leaf.grad, grad) for leaf, grad in zip(run, expected, strict=True)]
+    for ours, torch_backend in zip(errors["triton"], errors["torch"], strict=True):
+        assert ours <= GRAD_RATIO * torch_backend, errors

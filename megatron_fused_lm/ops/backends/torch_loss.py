@@ -14,6 +14,7 @@ from ..chunking import chunk_rows
 from ..contract import LossState, NeededGrads, ShardProblem, UpstreamGrads
 from ..kept_tokens import kept_block
 from ..products import add_product
+from ..several_targets import statistics_column
 from ..softmax import SoftmaxSummary, block_logit_grad, block_statistics, chosen_logit_grad, zero_chosen
 
 
@@ -35,9 +36,9 @@ class TorchLoss(held_gradients.HeldSteps):
         logits = state.block[: rows.stop - rows.start]
         temperature = problem.temperature[rows, None]
         add_product(logits, problem.hidden[rows], problem.weight.t(), accumulate=False).div_(temperature)
-        return block_statistics(
-            logits, problem.target_column[rows], kept_block(problem.kept_mask, rows, logits.shape[1])
-        )
+        # Several targets per row: the statistics run with none, their logits are read apart.
+        target_column = statistics_column(problem.target_column[rows])
+        return block_statistics(logits, target_column, kept_block(problem.kept_mask, rows, logits.shape[1]))
 
     def chunk_gradients(
         self,
@@ -60,5 +61,6 @@ class TorchLoss(held_gradients.HeldSteps):
         if state.held_hidden.dim() == 2:
             add_product(state.held_hidden[rows], operand, weight, accumulate=False)
         held_gradients.add_weight_product(state.held_weight, operand, problem.hidden[rows], accumulate)
-        chosen = chosen_logit_grad(target_column, summary, *upstream) / temperature
-        self.add_chosen(state, rows, target_column, chosen, problem.hidden[rows], weight)
+        per_row = temperature.view(-1, *[1] * (target_column.dim() - 1))  # beside one or several targets' terms
+        chosen = chosen_logit_grad(target_column, summary, *upstream) / per_row
+        self.add_chosen_columns(state, rows, target_column, chosen, problem.hidden[rows], weight)

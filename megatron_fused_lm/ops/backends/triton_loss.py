@@ -30,6 +30,7 @@ from ..kernels.scale_kernel import scale_into
 from ..kernels.softmax_stats_kernel import refresh_exponentials, split_statistics, stores_offsets
 from ..kernels.stored_grad_kernel import stored_logit_grads
 from ..products import add_product
+from ..several_targets import statistics_column
 from ..softmax import MAX, SoftmaxSummary, chosen_logit_grad, logit_grad, zero_chosen
 from .triton_reference import row_references, stale_references, stored_dtype
 from .triton_tuning import REFERENCE_ROWS, TritonTuning, loss_token_chunk
@@ -92,7 +93,8 @@ class TritonLoss(held_gradients.HeldSteps):
         the block is stored against (``state.reference``)."""
         num_rows = rows.stop - rows.start
         hidden, weight = addressable(problem.hidden[rows]), addressable(problem.weight)
-        columns, block = problem.target_column[rows].contiguous(), state.block[:num_rows]
+        # Several targets per row: the statistics run with none, their logits are read apart.
+        columns, block = statistics_column(problem.target_column[rows]).contiguous(), state.block[:num_rows]
         temperature, kept_mask = problem.temperature[rows], problem.kept_mask[rows]
         tiles = self.tuning.forward_tiles_for(weight.dtype, block.dtype, weight.device)
         tiles_per_split = self.tuning.tiles_per_split_for(weight.shape[0], tiles, weight.device)
@@ -130,9 +132,10 @@ class TritonLoss(held_gradients.HeldSteps):
             operand, factor = self.dz_operand(problem, state, rows, summary, upstream), None
         self.products(problem, state, rows, operand, factor, accumulate)
         columns = problem.target_column[rows].contiguous()
-        chosen = chosen_logit_grad(columns, summary, *upstream).div_(problem.temperature[rows])
+        temperature = problem.temperature[rows].view(-1, *[1] * (columns.dim() - 1))  # beside one or several targets
+        chosen = chosen_logit_grad(columns, summary, *upstream).div_(temperature)
         hidden, weight = addressable(problem.hidden[rows]), addressable(problem.weight)
-        self.add_chosen(state, rows, columns, chosen, hidden, weight, factor)
+        self.add_chosen_columns(state, rows, columns, chosen, hidden, weight, factor)
 
     def direct_operand(
         self, problem: ShardProblem, state: LossState, rows: slice, summary: SoftmaxSummary, upstream: UpstreamGrads
@@ -141,7 +144,10 @@ class TritonLoss(held_gradients.HeldSteps):
         num_rows = rows.stop - rows.start
         block = state.block[:num_rows]
         zero_chosen(block, problem.target_column[rows])
-        factor = direct_factor(state.reference[:num_rows], summary.lse, upstream.logprob, problem.temperature[rows])
+        grad_logprob = upstream.logprob
+        if grad_logprob is not None and grad_logprob.dim() == 2:  # several targets: the shared term takes their sum
+            grad_logprob = grad_logprob.sum(1)
+        factor = direct_factor(state.reference[:num_rows], summary.lse, grad_logprob, problem.temperature[rows])
         return block, factor
 
     def dz_operand(

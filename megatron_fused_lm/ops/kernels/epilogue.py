@@ -165,3 +165,14 @@ def add_targets(
         is_target = tl.arange(0, BLOCK_N)[None, :] == (column - first_col)[:, None]
         grad = tl.where(is_target, grad + upstream[:, None], grad)
     return grad
+
+
+@triton.jit
+def zero_targets(grad, rows, row_valid, first_col, target_column_ptr, NUM_TARGETS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``grad [BLOCK_M, BLOCK_N]`` (the tile whose first column is ``first_col``) with each of the
+    rows' ``NUM_TARGETS`` targets' elements 0: the loss-in-forward path adds their whole terms in
+    float32 (``softmax.chosen_logit_grad``)."""
+    for target in tl.static_range(NUM_TARGETS):
+        column = tl.load(target_column_ptr + rows.to(tl.int64) * NUM_TARGETS + target, mask=row_valid, other=-1)
+        grad = tl.where(tl.arange(0, BLOCK_N)[None, :] == (column - first_col)[:, None], 0.0, grad)
+    return grad

@@ -3,8 +3,8 @@
 An exponentials block holds ``e = exp(z - r)`` per element, ``r`` the row's reference; with the
 chunk's merged statistics each element gives ``p = e * exp(r - lse)`` and ``mean - z = (mean - r) -
 log(e)``. An offsets block holds ``s = z - m``, ``m`` its column tile's maximum: ``z = m + s``. Then
-``dz`` (``softmax.logit_grad``). The chosen token's element is written as 0: its term is added in
-float32 from the statistics (``held_gradients``). An element whose exponential underflowed
+``dz`` (``softmax.logit_grad``). The chosen token's element (each target's, for several) is
+written as 0: its term is added in float32 from the statistics (``held_gradients``). An element whose exponential underflowed
 (``e = 0``) has ``p = 0`` and contributes nothing.
 """
 
@@ -21,6 +21,7 @@ from .epilogue import (
     row_upstream,
     row_upstream_arguments,
     temperature_arguments,
+    zero_targets,
 )
 
 # Launch shape of this memory-bound pass (docs/BENCHMARKS.md has the sweep).
@@ -47,7 +48,7 @@ def stored_grad_kernel(
     temperature_ptr,
     HAS_GRAD_LOGPROB: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
-    NUM_TARGETS: tl.constexpr,  # 1: the three-GEMM path takes one target per row
+    NUM_TARGETS: tl.constexpr,
     UNIFORM_TEMPERATURE: tl.constexpr,
     OFFSETS_TILE_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -84,7 +85,10 @@ def stored_grad_kernel(
         HAS_GRAD_LOGPROB,
         HAS_GRAD_ENTROPY,
     )
-    grad = tl.where(cols[None, :] == target_column[:, None], 0.0, grad)
+    if NUM_TARGETS == 1:
+        grad = tl.where(cols[None, :] == target_column[:, None], 0.0, grad)
+    else:
+        grad = zero_targets(grad, rows, row_valid, tl.program_id(0) * BLOCK_N, target_column_ptr, NUM_TARGETS, BLOCK_N)
     grad_out = grad_ptr + wide_rows * stride_grad_row + cols[None, :]
     inv_temperature = inverse_temperature(temperature_ptr, rows, row_valid, UNIFORM_TEMPERATURE)
     tl.store(grad_out, (grad * inv_temperature).to(grad_ptr.dtype.element_ty), mask=valid)
@@ -107,7 +111,8 @@ def stored_logit_grads(
     ``block [n, V]`` (unit last stride) holds ``exp(z - reference[row])`` with ``reference [n]``
     float32, or with ``offsets_tile_n`` (a power of two) the float16 offsets ``z - m`` from the
     maxima ``reference [n, ceil(V / offsets_tile_n)]`` (float32, unit last stride) of column tiles
-    of that width; ``target_column [n]`` (int64, -1: another shard's); ``temperature [n]`` (float32;
+    of that width; ``target_column [n]`` (int64, -1: another shard's; ``[n, k]`` contiguous for
+    several targets, whose upstream ``saved`` log-prob gradients are then ``[n, k]``); ``temperature [n]`` (float32;
     stride 0: one for all rows) divides each row's logits; ``saved`` and ``upstream``
     hold ``[n]`` float32 contiguous tensors (``None``: no term). Each program reads its elements
     before it writes them, and no two programs share an element, so ``out`` may alias ``block``.

@@ -1,0 +1,182 @@
+"""Several targets per row on the three-GEMM path, and the top-k distillation loss on it: against a
+float64 oracle written here from the formulas (``losses.TopkDistillation``'s docstring) on the
+student's full ``log_softmax``; the three-GEMM loss beside the recompute path's own error on the
+same inputs; ``logits_loss`` (the unfused path) and two gloo ranks; the errors. The Triton pass is
+in test_triton_interpreter.py (``test_several_targets_per_row_three_gemm``).
+
+Teachers put 60 to 99 % of their mass on their top 5 of 97 ids and the students are peaked (logits
+of about 25): a renormalization or a rest-of-mass term that is off, or a target's term counted
+twice, moves the loss by O(0.1).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from devkit.oracle import make_case, relative_error
+from devkit.spawn import run_ranks
+from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, logits_loss, losses
+
+H, V, K = 24, 97, 5
+LEAD = (3, 10)
+FLOAT32_TOL = 2e-5
+
+
+def teacher_case(lead, vocab, seed):
+    """``(teacher_ids [*lead, K] distinct, teacher_logprob [*lead, K] float32)``: a teacher's top-K
+    ids and log-probs over its whole vocabulary, holding 60 to 99 % of its mass."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.Size(lead).numel()
+    ids = torch.stack([torch.randperm(vocab, generator=generator)[:K] for _ in range(rows)])
+    shares = torch.softmax(torch.randn(rows, K, generator=generator) * 2, -1)
+    mass = 0.6 + 0.39 * torch.rand(rows, 1, generator=generator)
+    return ids.view(*lead, K), (shares * mass).log().float().view(*lead, K)
+
+
+def oracle_kl(student_logprob, teacher_logprob, divergence, remainder):
+    """Float64 ``KL_t [rows]`` from probabilities, as the docstring writes it."""
+    p, q = student_logprob.double().exp(), teacher_logprob.double().exp()
+    if remainder == "renormalize":
+        p, q = p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
+        first, second = (q, p) if divergence == "forward" else (p, q)
+        return (first * (first / second).log()).sum(-1)
+    rest_p, rest_q = 1 - p.sum(-1), 1 - q.sum(-1)
+    first, second, rest_first, rest_second = (
+        (q, p, rest_q, rest_p) if divergence == "forward" else (p, q, rest_p, rest_q)
+    )
+    return (first * (first / second).log()).sum(-1) + rest_first * (rest_first / rest_second).log()
+
+
+def oracle(hidden, weight, ids, teacher_logprob, weights, divergence, remainder, mask=None):
+    """Float64 loss and gradients of the distillation loss of the selected rows."""
+    leaves = [tensor.detach().double().requires_grad_() for tensor in (hidden, weight)]
+    student = torch.log_softmax(leaves[0] @ leaves[1].t(), -1).gather(-1, ids)
+    kl = oracle_kl(student, teacher_logprob, divergence, remainder) * weights.double()
+    loss = kl.sum() if mask is None else kl[mask].sum()
+    return (loss.detach(), *torch.autograd.grad(loss, leaves))
+
+
+def leaves(*tensors):
+    return [tensor.detach().clone().requires_grad_() for tensor in tensors]
+
+
+@pytest.mark.parametrize("remainder", losses.REMAINDERS)
+@pytest.mark.parametrize("divergence", losses.DIVERGENCES)
+@pytest.mark.parametrize("token_chunk", [None, 7])
+def test_distillation_against_float64(divergence, remainder, token_chunk):
+    hidden, weight, _ = make_case(LEAD, H, V, torch.float32, peaky=True, seed=1)
+    ids, teacher = teacher_case(LEAD, V, seed=2)
+    weights = torch.rand(LEAD, generator=torch.Generator().manual_seed(3))
+    loss_fn = losses.TopkDistillation(divergence, remainder)
+    inputs = {"teacher_logprob": teacher, "weight": weights}
+    leaf_hidden, leaf_weight = leaves(hidden, weight)
+    result = fused_linear_loss(leaf_hidden, leaf_weight, ids, loss_fn, loss_inputs=inputs, token_chunk=token_chunk)
+    result.loss.backward()
+    expected = oracle(hidden, weight, ids, teacher, weights, divergence, remainder)
+    # The same loss on the recompute path's log-probs: the bound is 1.2 times its own error, or float32's.
+    recompute_hidden, recompute_weight = leaves(hidden, weight)
+    logprob = fused_linear_logprob(recompute_hidden, recompute_weight, ids)
+    recompute_loss = loss_fn(
+        logprob.view(-1, K), None, teacher_logprob=teacher.view(-1, K), weight=weights.view(-1)
+    ).sum()
+    recompute_loss.backward()
+    assert result.logprob.shape == (*LEAD, K) and result.entropy.shape == LEAD
+    for actual, recompute, exact in (
+        (result.loss, recompute_loss, expected[0]),
+        (leaf_hidden.grad, recompute_hidden.grad, expected[1]),
+        (leaf_weight.grad, recompute_weight.grad, expected[2]),
+    ):
+        assert relative_error(actual, exact) <= max(1.2 * relative_error(recompute, exact), FLOAT32_TOL)
+
+
+def test_the_remainder_and_direction_matter():
+    # The four choices give different losses on these inputs: each formula is its own.
+    hidden, weight, _ = make_case(LEAD, H, V, torch.float32, peaky=True, seed=1)
+    ids, teacher = teacher_case(LEAD, V, seed=2)
+    inputs = {"teacher_logprob": teacher, "weight": torch.ones(LEAD)}
+    values = [
+        fused_linear_loss(hidden, weight, ids, losses.TopkDistillation(divergence, remainder), loss_inputs=inputs).loss
+        for divergence in losses.DIVERGENCES
+        for remainder in losses.REMAINDERS
+    ]
+    assert min(abs(a - b) for i, a in enumerate(values) for b in values[i + 1 :]) > 0.1
+
+
+def test_masked_rows_and_a_general_loss():
+    # Any per-row loss of [rows, k] log-probs (here with the entropy too, and a repeated id), over
+    # the rows a mask selects; the unfused logits_loss gives the same.
+    hidden, weight, targets = make_case(LEAD, H, V, torch.float32, peaky=False, seed=4)
+    ids = torch.stack([targets, (targets + 3) % V, targets], -1)
+    mask = torch.rand(LEAD, generator=torch.Generator().manual_seed(5)) < 0.6
+    goal = torch.randn(*LEAD, 3, generator=torch.Generator().manual_seed(6))
+
+    def loss_fn(logprob, entropy, *, goal):
+        return ((logprob - goal) ** 2).sum(-1) - 0.1 * entropy
+
+    leaf_hidden, leaf_weight = leaves(hidden, weight)
+    result = fused_linear_loss(leaf_hidden, leaf_weight, ids, loss_fn, loss_inputs={"goal": goal}, mask=mask)
+    result.loss.backward()
+    double = [tensor.double().requires_grad_() for tensor in (hidden, weight)]
+    log_probs = torch.log_softmax(double[0] @ double[1].t(), -1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    expected = loss_fn(log_probs.gather(-1, ids), entropy, goal=goal.double())[mask].sum()
+    grads = torch.autograd.grad(expected, double)
+    assert relative_error(result.loss, expected) <= FLOAT32_TOL
+    assert relative_error(leaf_hidden.grad, grads[0]) <= FLOAT32_TOL
+    assert relative_error(leaf_weight.grad, grads[1]) <= FLOAT32_TOL
+    assert torch.count_nonzero(result.logprob[~mask]) == 0
+    (logits,) = leaves(hidden @ weight.t())
+    unfused = logits_loss(logits, ids, loss_fn, loss_inputs={"goal": goal}, mask=mask)
+    assert relative_error(unfused.loss, expected) <= FLOAT32_TOL
+
+
+def test_errors():
+    hidden, weight, _ = make_case(LEAD, H, V, torch.float32, peaky=False, seed=7)
+    ids, teacher = teacher_case(LEAD, V, seed=8)
+    with pytest.raises(ValueError, match="divergence"):
+        losses.TopkDistillation("sideways")
+    with pytest.raises(ValueError, match="remainder"):
+        losses.TopkDistillation(remainder="drop")
+    with pytest.raises(ValueError, match="teacher_logprob of that shape"):
+        fused_linear_loss(
+            hidden,
+            weight,
+            ids,
+            losses.TopkDistillation(),
+            loss_inputs={"teacher_logprob": teacher[..., :2], "weight": torch.ones(LEAD)},
+        )
+    with pytest.raises(ValueError, match="one target per row"):
+        fused_linear_loss(hidden, weight, ids, losses.cross_entropy, loss_inputs={"weight": torch.ones(LEAD)})
+    with pytest.raises(ValueError, match="one loss per token"):  # a loss per id, not per row
+        fused_linear_loss(hidden, weight, ids, lambda logprob, entropy: -logprob)
+
+
+# Two ranks.
+
+TOKENS, V_LOCAL = 31, 53
+
+
+def check_two_ranks(rank, group):
+    hidden, weight, _ = make_case((TOKENS,), H, 2 * V_LOCAL, torch.float32, peaky=True, seed=9)
+    ids, teacher = teacher_case((TOKENS,), 2 * V_LOCAL, seed=10)  # each row's ids on both shards
+    weights = torch.rand(TOKENS, generator=torch.Generator().manual_seed(11))
+    loss_fn = losses.TopkDistillation("reverse", "tail")
+    shard = weight[rank * V_LOCAL : (rank + 1) * V_LOCAL].clone().requires_grad_()
+    hidden_leaf = hidden.clone().requires_grad_()
+    result = fused_linear_loss(
+        hidden_leaf, shard, ids, loss_fn, loss_inputs={"teacher_logprob": teacher, "weight": weights}, tp_group=group,
+        token_chunk=8,
+    )  # fmt: skip
+    result.loss.backward()
+    expected = oracle(hidden, weight, ids, teacher, weights, "reverse", "tail")
+    assert relative_error(result.loss, expected[0]) <= FLOAT32_TOL
+    assert relative_error(hidden_leaf.grad, expected[1]) <= 1e-4
+    assert relative_error(shard.grad, expected[2][rank * V_LOCAL : (rank + 1) * V_LOCAL]) <= 1e-4
+
+
+def two_rank_cases(rank, world_size):
+    check_two_ranks(rank, dist.new_group(list(range(world_size))))
+
+
+def test_two_ranks():
+    run_ranks(two_rank_cases, 2)

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from devkit import megatron_gpt as harness
+from megatron_fused_lm import losses
 from megatron_fused_lm.integration import FusedLMConfig, unwrap_model, wrap_model
 
 TEMPERATURE = 0.7
@@ -53,6 +54,20 @@ def check_case(sequence_parallel: bool, tied: bool, token_chunk, label: str) -> 
     masked_logprob, masked_entropy = harness.oracle_logprob_entropy(stock_logits, targets, PER_ROW_TEMPERATURE)
     harness.head_loss(masked_logprob * response, masked_entropy * response).backward()
     stock_masked_grads = harness.parameter_grads(model)
+    # Top-k distillation's student side ([b, s, k] ids, a teacher's log-probs there) on the stock logits.
+    several = torch.stack([targets, torch.roll(targets, 1, dims=1), (targets + 5) % harness.VOCAB_SHARD], dim=-1)
+    teacher = torch.log_softmax(torch.randn(*several.shape, generator=torch.Generator().manual_seed(3)), -1) - 0.5
+    distillation = losses.TopkDistillation("forward", "tail")
+    distillation_inputs = {"teacher_logprob": teacher, "weight": torch.full(targets.shape, 1.0 / targets.numel())}
+    stock_log_probs = torch.log_softmax(
+        harness.gather_vocabulary(harness.forward(model, batch)).double() / TEMPERATURE, -1
+    )
+    stock_distillation = distillation(
+        stock_log_probs.gather(-1, several).reshape(-1, 3), None,
+        **{name: value.double().reshape(targets.numel(), *value.shape[2:]) for name, value in distillation_inputs.items()},
+    ).sum()  # fmt: skip
+    stock_distillation.backward()
+    stock_distillation_grads = harness.parameter_grads(model)
     stock_loss = harness.forward(model, batch, labels=targets)
     harness.labels_loss(stock_loss).backward()
     stock_loss_grads = harness.parameter_grads(model)
@@ -91,12 +106,20 @@ def check_case(sequence_parallel: bool, tied: bool, token_chunk, label: str) -> 
     harness.head_loss(logprob, entropy).backward()
     harness.assert_grads_close(harness.parameter_grads(model), stock_masked_grads, GRAD_RTOL, f"{label} fused masked")
 
-    # Several ids per position ([b, s, k]: a teacher's top-k, say) against the gathered stock logits.
-    several = torch.stack([targets, torch.roll(targets, 1, dims=1), (targets + 5) % harness.VOCAB_SHARD], dim=-1)
-    stock_log_probs = torch.log_softmax(harness.gather_vocabulary(stock_logits).detach().double() / TEMPERATURE, -1)
+    # Several ids per position ([b, s, k]: a teacher's top-k, say) against the gathered stock logits;
+    # and the distillation loss on them by the three-GEMM path.
+    stock_log_probs = stock_log_probs.detach()
     logprob = head.logprobs(harness.forward(model, batch), several, temperature=TEMPERATURE)
     assert logprob.shape == several.shape, label
     harness.assert_max_error(logprob, stock_log_probs.gather(-1, several), VALUE_ATOL, f"{label} several targets")
+    result = head.loss(
+        harness.forward(model, batch), several, distillation, loss_inputs=distillation_inputs, temperature=TEMPERATURE
+    )
+    assert abs(result.loss.item() - stock_distillation.item()) <= VALUE_ATOL * max(1.0, abs(stock_distillation.item()))
+    result.loss.backward()
+    harness.assert_grads_close(
+        harness.parameter_grads(model), stock_distillation_grads, GRAD_RTOL, f"{label} fused distillation"
+    )
     with pytest.raises(ValueError, match="one id per position"):  # the labels path takes one
         harness.forward(model, batch, labels=several)
 

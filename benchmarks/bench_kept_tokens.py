@@ -14,10 +14,9 @@ from __future__ import annotations
 import json
 
 import torch
-from harness import make_inputs, parse_shapes, result_row, shape_name, timing_parser, try_measure
+from harness import make_inputs, op_steps, parse_shapes, result_row, shape_name, timing_parser, try_measure
 
 from devkit.measure import environment
-from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, losses
 from megatron_fused_lm.ops.backends import kept_mask
 from megatron_fused_lm.ops.inputs import select_rows
 from megatron_fused_lm.ops.kept_tokens import checked_sets
@@ -30,28 +29,6 @@ def kept_sets(targets, vocab, size, generator):
     ids[:, 0] = targets
     offsets = torch.arange(targets.shape[0] + 1, device=targets.device) * size
     return offsets, ids.reshape(-1)
-
-
-def steps(inputs, kept_tokens):
-    hidden, weight, targets = inputs.hidden, inputs.weight, inputs.targets
-    options = dict(backend="triton", kept_tokens=kept_tokens)
-
-    def forward():
-        with torch.no_grad():
-            return fused_linear_logprob(hidden, weight, targets, return_entropy=True, **options)
-
-    def recompute():
-        logprob, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, **options)
-        torch.autograd.backward([logprob, entropy], [inputs.grad_logprob, inputs.grad_entropy])
-
-    weights = torch.full_like(inputs.grad_logprob, 1.0 / targets.numel())
-
-    def sft():
-        fused_linear_loss(
-            hidden, weight, targets, losses.cross_entropy, loss_inputs={"weight": weights}, **options
-        ).loss.backward()
-
-    return {"forward": forward, "recompute": recompute, "sft": sft}
 
 
 def extra_steps(inputs, kept_tokens):
@@ -86,7 +63,7 @@ def main():
             (size, kept_sets(inputs.targets, shape[2], int(size), generator)) for size in args.sizes.split(",")
         ]
         for label, kept_tokens in cases:
-            named = steps(inputs, kept_tokens)
+            named = op_steps(inputs, kept_tokens=kept_tokens)
             if kept_tokens is not None:
                 named.update(extra_steps(inputs, kept_tokens))
             for use, step in named.items():

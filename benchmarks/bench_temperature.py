@@ -12,32 +12,9 @@ from __future__ import annotations
 import json
 
 import torch
-from harness import make_inputs, parse_shapes, result_row, shape_name, timing_parser, try_measure
+from harness import make_inputs, op_steps, parse_shapes, result_row, shape_name, timing_parser, try_measure
 
 from devkit.measure import environment
-from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, losses
-
-
-def steps(inputs, temperature):
-    hidden, weight, targets = inputs.hidden, inputs.weight, inputs.targets
-    options = dict(temperature=temperature, backend="triton")
-
-    def forward():
-        with torch.no_grad():
-            return fused_linear_logprob(hidden, weight, targets, return_entropy=True, **options)
-
-    def recompute():
-        logprob, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, **options)
-        torch.autograd.backward([logprob, entropy], [inputs.grad_logprob, inputs.grad_entropy])
-
-    weights = torch.full_like(inputs.grad_logprob, 1.0 / targets.numel())
-
-    def sft():
-        fused_linear_loss(
-            hidden, weight, targets, losses.cross_entropy, loss_inputs={"weight": weights}, **options
-        ).loss.backward()
-
-    return {"forward": forward, "recompute": recompute, "sft": sft}
 
 
 def main():
@@ -50,7 +27,7 @@ def main():
         gen = torch.Generator(device=device).manual_seed(3)
         per_token = torch.rand(shape[0], device=device, generator=gen) * 1.5 + 0.5
         for label, temperature in (("one", 0.7), ("per_token", per_token)):
-            for use, step in steps(inputs, temperature).items():
+            for use, step in op_steps(inputs, temperature=temperature).items():
                 measurement, failure = try_measure(lambda step=step: step, inputs, args.warmup, args.repeats)
                 row = result_row(measurement, failure, shape=shape_name(shape), use=use, temperature=label)
                 rows.append(row)

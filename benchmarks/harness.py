@@ -151,3 +151,30 @@ def kernel_timeline(run: Callable[[], object]) -> list:
         for event in profile.events()
         if event.device_type == torch.autograd.DeviceType.CUDA
     )
+
+
+def op_steps(inputs: BenchInputs, **options) -> dict:
+    """``{use: step}`` of the fused ops on ``inputs`` with ``options`` (Triton backend): the forward
+    (``no_grad``, log-prob and entropy), the recompute op's forward + backward (the inputs' random
+    upstream gradients) and the three-GEMM SFT loss (a token mean)."""
+    from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, losses
+
+    hidden, weight, targets = inputs.hidden, inputs.weight, inputs.targets
+    options = dict(options, backend="triton")
+
+    def forward():
+        with torch.no_grad():
+            return fused_linear_logprob(hidden, weight, targets, return_entropy=True, **options)
+
+    def recompute():
+        logprob, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, **options)
+        torch.autograd.backward([logprob, entropy], [inputs.grad_logprob, inputs.grad_entropy])
+
+    weights = torch.full_like(inputs.grad_logprob, 1.0 / targets.numel())
+
+    def sft():
+        fused_linear_loss(
+            hidden, weight, targets, losses.cross_entropy, loss_inputs={"weight": weights}, **options
+        ).loss.backward()
+
+    return {"forward": forward, "recompute": recompute, "sft": sft}

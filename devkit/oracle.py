@@ -147,6 +147,12 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 LEAD_SHAPES = [((29,), 97), ((3, 11), 251), ((2, 3, 5), 97)]
 
 
+def within_recompute(actual: torch.Tensor, recompute: torch.Tensor, exact: torch.Tensor, floor: float) -> bool:
+    """Whether ``actual`` (a three-GEMM result) is as close to ``exact`` (float64) as 1.2 times the
+    recompute path's own result ``recompute`` on the same inputs is, or within ``floor``."""
+    return relative_error(actual, exact) <= max(floor, 1.2 * relative_error(recompute, exact))
+
+
 def make_case(lead_shape, hidden_size: int, vocab: int, dtype: torch.dtype, peaky: bool, seed: int = 0, device=None):
     """Random ``hidden [*lead_shape, H]``, ``weight [vocab, H]``, ``targets [*lead_shape]``.
 

@@ -104,7 +104,7 @@ class LogprobRequest:
 @dataclass(frozen=True)
 class LossRequest:
     """A loss known in the forward: the arguments of ``FusedLMHead.loss`` (``loss_inputs`` a dict
-    of ``[b, s]`` tensors, ``mask`` bool ``[b, s]``, ``main_grad_scale`` the upstream gradient the
+    of ``[b, s]`` or ``[b, s, ...]`` tensors, ``mask`` bool ``[b, s]``, ``main_grad_scale`` the upstream gradient the
     loss will receive, to add the weight gradient into ``main_grad`` in the forward; ``kept_tokens``
     as for ``LogprobRequest``), also the ``output_processor_context`` asking for it. The answer:
     ``FusedLoss(loss, logprob, entropy)``."""

@@ -272,9 +272,10 @@ class FusedLMHead:
             output, targets, mask, temperature, kept_tokens: as for ``logprobs`` (``mask`` selects the
                 summed rows).
             loss_fn: a per-token loss ``loss_fn(logprob [rows], entropy [rows], **inputs) ->
-                [rows]``; it must not reduce across rows (``fused_linear_loss`` says why). Ready-made:
-                ``megatron_fused_lm.losses``.
-            loss_inputs: per-token inputs of ``loss_fn``, a dict of ``[b, s]`` tensors.
+                [rows]`` (``logprob [rows, k]`` for ``targets [b, s, k]``); it must not reduce across
+                rows (``fused_linear_loss`` says why). Ready-made: ``megatron_fused_lm.losses``.
+            loss_inputs: per-token inputs of ``loss_fn``, a dict of ``[b, s]`` tensors (or with
+                trailing dimensions, ``[b, s, k]``).
             main_grad_scale: inside Megatron's DistributedDataParallel, the upstream gradient this
                 loss will receive (``1 / num_microbatches``, times any loss scale): the fused head
                 then adds that multiple of the output weight's gradient straight into its float32
@@ -284,7 +285,8 @@ class FusedLMHead:
 
         Returns:
             ``FusedLoss(loss, logprob, entropy)``: ``loss`` a float32 scalar to call ``backward``
-            on (once); ``logprob`` and ``entropy`` detached ``[b, s]`` float32 metrics. A
+            on (once); ``logprob`` (``[b, s]``, or ``[b, s, k]``) and ``entropy`` (``[b, s]``)
+            detached float32 metrics. A
             main_grad-route loss released without its backward is logged and listed by
             ``main_grad_outstanding``.
         """

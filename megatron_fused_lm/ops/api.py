@@ -40,7 +40,7 @@ class FusedLoss(NamedTuple):
     """What ``fused_linear_loss`` and ``logits_loss`` return."""
 
     loss: Tensor  # [] float32: the sum of the per-token losses; differentiable w.r.t. hidden and weight
-    logprob: Tensor  # [...] float32, detached: a metric
+    logprob: Tensor  # [...] (or [..., k] for several targets) float32, detached: a metric
     entropy: Tensor  # [...] float32, detached: a metric
 
 
@@ -333,8 +333,9 @@ def fused_linear_loss(
     Returns:
         ``FusedLoss(loss, logprob, entropy)``: ``loss`` a float32 scalar, differentiable w.r.t.
         ``hidden`` and ``weight`` (gradients in their dtypes, held in float32 until the backward
-        scales them and rounds each once; a second backward is an error); ``logprob`` and
-        ``entropy`` detached float32 ``[...]`` metrics. Nothing flows into ``loss_inputs``.
+        scales them and rounds each once; a second backward is an error); ``logprob`` (``[...]``,
+        or ``[..., k]``) and ``entropy`` (``[...]``) detached float32 metrics. Nothing flows into
+        ``loss_inputs``.
     """
     inputs = check_loss_inputs(loss_fn, loss_inputs, hidden.shape[:-1], hidden.device)
     several = _several_targets(targets, hidden.shape[:-1], "error", batch_invariant)

@@ -42,7 +42,7 @@ Tensor = torch.Tensor
 @dataclasses.dataclass(eq=False)
 class HeldPass:
     """One three-GEMM pass and what its backward needs. ``problem``: the rows ``[n, H]`` and the
-    weight shard, detached, in the weight's dtype; ``inputs``: ``loss_fn``'s inputs ``[n]``;
+    weight shard, detached, in the weight's dtype; ``inputs``: ``loss_fn``'s inputs ``[n, ...]``;
     ``per_token``: ``losses.cross_entropy`` per token, its upstream declared up to a scalar as
     ``inputs["weight"]``, else the scalar sum of ``loss_fn``'s losses; ``weight_grad_into``: the
     caller's float32 ``[vocab_shard, H]`` sink, or ``None`` for parts of the pass's own;
@@ -58,9 +58,9 @@ class HeldPass:
     weight_grad_scale: float = 1.0
     pending: Optional[PendingWeightGrad] = None  # the added gradient's record, until the backward
     held: Optional[LossState] = None  # after run: the held gradients (the block is not kept)
-    merged: Optional[Tensor] = (
-        None  # after run: the merged statistics [n, 4] (and k targets' logits), which a second pass reuses
-    )
+    # After run: the merged statistics [n, 4] (and several targets' logits, [n, 4 + k]), which a
+    # second pass reuses.
+    merged: Optional[Tensor] = None
     dtype: Optional[torch.dtype] = None  # the gradients' (the weight's); set by run
 
     @property

@@ -136,9 +136,15 @@ def has_entropy_term(loss_fn: LossFn, inputs: Dict[str, Tensor], logprob_shape: 
     declared = getattr(loss_fn, "entropy_grad", None)
     if declared is not None:
         return bool(declared)
-    return probe_entropy_term(
-        loss_fn, tuple((name, tuple(value.shape[1:])) for name, value in inputs.items()), logprob_shape
-    )
+    shapes = tuple((name, _probe_sizes(value.shape[1:])) for name, value in inputs.items())
+    return probe_entropy_term(loss_fn, shapes, _probe_sizes(logprob_shape))
+
+
+def _probe_sizes(sizes) -> Tuple[int, ...]:
+    """``sizes`` for the probe's one row; in a compiled graph each 1, which broadcasts: a size there
+    may be symbolic (a ``k`` that varied between calls), which cannot cross
+    ``assume_constant_result``, and the probe asks only whether the entropy is used."""
+    return tuple(1 if torch.compiler.is_compiling() else int(size) for size in sizes)
 
 
 @torch.compiler.assume_constant_result

@@ -2,9 +2,14 @@
 
 ``logprob_j = z_{y_j} - lse``: the statistics run with no target (the target statistic 0), and
 each row's ``k`` logits are read here, this shard's ids only (0 at another shard's; one all-reduce
-sums them), for ``softmax.summarize`` to turn into log-probs. The backward needs nothing from here: the backends' ``dz`` blocks take the ``k``
-columns' ``+g_j`` and their row sum's shared term (``softmax.block_logit_grad``, the Triton
-``logit_grad_kernel``) in float32 before anything is rounded.
+sums them), for ``softmax.summarize`` to turn into log-probs (the recompute op's forward; on the
+three-GEMM path each chunk's step, the ``target_logits`` operator). The backward needs nothing
+from here: the backends' ``dz`` blocks take the ``k`` columns' ``+g_j`` and their row sum's shared
+term (``softmax.block_logit_grad``, the Triton ``logit_grad_kernel``) in float32 before anything
+is rounded, or on the three-GEMM path zero the ``k`` columns, whose terms
+``softmax.chosen_logit_grad`` gives. These logits come from another product than the
+statistics' maximum and sum: where a target holds nearly all of a row's mass, its ``1 - p``
+carries their rounding (``docs/DESIGN.md``, "Contracts").
 """
 
 from __future__ import annotations

@@ -39,12 +39,12 @@ def oracle_kl(student_logprob, teacher_logprob, divergence, remainder):
     if remainder == "renormalize":
         p, q = p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
         first, second = (q, p) if divergence == "forward" else (p, q)
-        return (first * (first / second).log()).sum(-1)
+        return torch.xlogy(first, first / second).sum(-1)
     rest_p, rest_q = 1 - p.sum(-1), 1 - q.sum(-1)
     first, second, rest_first, rest_second = (
         (q, p, rest_q, rest_p) if divergence == "forward" else (p, q, rest_p, rest_q)
     )
-    return (first * (first / second).log()).sum(-1) + rest_first * (rest_first / rest_second).log()
+    return torch.xlogy(first, first / second).sum(-1) + torch.xlogy(rest_first, rest_first / rest_second)
 
 
 def oracle(hidden, weight, ids, teacher_logprob, weights, divergence, remainder, mask=None):
@@ -86,7 +86,29 @@ def test_distillation_against_float64(divergence, remainder, token_chunk):
         (leaf_hidden.grad, recompute_hidden.grad, expected[1]),
         (leaf_weight.grad, recompute_weight.grad, expected[2]),
     ):
-        assert within_recompute(actual, recompute, exact, FLOAT32_TOL)
+        # Beside the recompute bound (which a wrong formula would loosen with its own error): the
+        # float32 accuracy of the log-probs themselves.
+        assert within_recompute(actual, recompute, exact, FLOAT32_TOL) and relative_error(actual, exact) <= 1e-4
+
+
+@pytest.mark.parametrize("remainder", losses.REMAINDERS)
+@pytest.mark.parametrize("divergence", losses.DIVERGENCES)
+def test_the_formulas(divergence, remainder):
+    # The loss itself on float64 log-probs against the oracle's probabilities: rows holding 60 to
+    # 99 % of each mass, a row whose student holds all but 1e-9 (its rest computed without
+    # cancellation) and a teacher id of probability 0 (0 log 0 = 0).
+    _, teacher = teacher_case(LEAD, V, seed=12)
+    generator = torch.Generator().manual_seed(13)
+    student = torch.log_softmax(torch.randn(LEAD[0] * LEAD[1], K, generator=generator, dtype=torch.float64), -1) - 0.4
+    teacher = teacher.view(-1, K).double()
+    student[0] = torch.tensor([1 - 1e-9 - 4e-12, 1e-12, 1e-12, 1e-12, 1e-12], dtype=torch.float64).log()
+    teacher[1, 2] = -torch.inf
+    weights = torch.rand(student.shape[0], dtype=torch.float64, generator=generator)
+    loss = losses.TopkDistillation(divergence, remainder)(student, None, teacher_logprob=teacher, weight=weights)
+    exact = oracle_kl(student, teacher, divergence, remainder) * weights
+    finite = exact.isfinite()  # reverse: a student id the teacher gives 0 costs infinity, as it should
+    assert bool(finite[0]) and torch.equal(loss.isfinite(), finite)
+    assert relative_error(loss[finite], exact[finite]) <= 1e-6
 
 
 def test_the_remainder_and_direction_matter():
@@ -180,3 +202,21 @@ def two_rank_cases(rank, world_size):
 
 def test_two_ranks():
     run_ranks(two_rank_cases, 2)
+
+
+def test_compiled_as_k_changes():
+    # torch.compile(fullgraph=True) of a loss that lets the entropy probe run, called with k = 4
+    # then 5 (the second call traces k as a symbolic size): each equals the eager loss.
+    hidden, weight, targets = make_case((12,), H, V, torch.float32, peaky=False, seed=15)
+
+    def loss_fn(logprob, entropy, *, goal):
+        return ((logprob - goal) ** 2).sum(-1) - 0.3 * entropy
+
+    def loss(hidden, weight, ids, goal):
+        return fused_linear_loss(hidden, weight, ids, loss_fn, loss_inputs={"goal": goal}, token_chunk=5).loss
+
+    compiled = torch.compile(loss, fullgraph=True)
+    for k in (4, 5):
+        ids = torch.randint(0, V, (12, k), generator=torch.Generator().manual_seed(k))
+        goal = -torch.rand(12, k, generator=torch.Generator().manual_seed(k))
+        assert relative_error(compiled(hidden, weight, ids, goal), loss(hidden, weight, ids, goal)) <= 1e-6

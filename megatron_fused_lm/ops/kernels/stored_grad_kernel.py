@@ -112,7 +112,7 @@ def stored_logit_grads(
     float32, or with ``offsets_tile_n`` (a power of two) the float16 offsets ``z - m`` from the
     maxima ``reference [n, ceil(V / offsets_tile_n)]`` (float32, unit last stride) of column tiles
     of that width; ``target_column [n]`` (int64, -1: another shard's; ``[n, k]`` contiguous for
-    several targets, whose upstream ``saved`` log-prob gradients are then ``[n, k]``); ``temperature [n]`` (float32;
+    several targets, whose ``upstream`` log-prob gradients are then ``[n, k]``); ``temperature [n]`` (float32;
     stride 0: one for all rows) divides each row's logits; ``saved`` and ``upstream``
     hold ``[n]`` float32 contiguous tensors (``None``: no term). Each program reads its elements
     before it writes them, and no two programs share an element, so ``out`` may alias ``block``.

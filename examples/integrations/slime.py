@@ -117,8 +117,8 @@ class _SlimeRows:
         counts: per sample, how many results slime expects from this rank.
         response_index: int64 ``[scored rows]``, the index among all the samples' response tokens
             of each scored row, in row order.
-        row_index, piece_index: with ``--allgather-cp``, ``response_index`` and the index of each of
-            slime's per-rank entries among all the response tokens; else ``None``.
+        piece_index: with ``--allgather-cp``, the index of each of slime's per-rank entries among all
+            the response tokens; else ``None``.
         responses: with ``--allgather-cp``, the number of response tokens of all the samples.
     """
 
@@ -126,7 +126,6 @@ class _SlimeRows:
     scored: Tensor
     counts: List[int]
     response_index: Tensor
-    row_index: Optional[Tensor] = None
     piece_index: Optional[Tensor] = None
     responses: int = 0
 
@@ -162,8 +161,8 @@ class _SlimeRows:
         held = torch.arange(cp_rank * rows, (cp_rank + 1) * rows, device=device)
         targets, scored_rows, _, row_index = _samples_at(held, contiguous, *samples)
         return _SlimeRows(
-            targets.unsqueeze(0), scored_rows.unsqueeze(0), counts, row_index[scored_rows], row_index[scored_rows],
-            piece_index[scored], sum(response_lengths),
+            targets.unsqueeze(0), scored_rows.unsqueeze(0), counts, row_index[scored_rows], piece_index[scored],
+            sum(response_lengths),
         )  # fmt: skip
 
     def per_sample(self, per_row: Tensor) -> List[Tensor]:
@@ -171,19 +170,19 @@ class _SlimeRows:
         ``--allgather-cp`` a rank's pieces come from other ranks' rows, so the backward sums every
         rank's upstream gradients (each rank's loss is over its own pieces)."""
         scored = per_row[self.scored]
-        if self.row_index is not None:
+        if self.piece_index is not None:
             group = parallel_state.get_context_parallel_group()
-            whole = context_parallel_gather(scored, self.row_index, self.responses, group, gradient="summed")
+            whole = context_parallel_gather(scored, self.response_index, self.responses, group, gradient="summed")
             scored = whole[self.piece_index]
         return list(scored.split(self.counts))
 
     def to_rows(self, pieces: Tensor) -> Tensor:
         """slime's per-token values of this rank (its pieces concatenated, no gradient) -> ``[1, rows]``,
         0 on rows that score no response token."""
-        if self.row_index is not None:
+        if self.piece_index is not None:
             group = parallel_state.get_context_parallel_group()
             pieces = context_parallel_gather(pieces, self.piece_index, self.responses, group, gradient="local")
-            pieces = pieces[self.row_index]
+            pieces = pieces[self.response_index]
         return pieces.new_zeros(self.scored.shape).masked_scatter(self.scored, pieces)
 
     def kept_tokens(self, token_ids: List[Any], token_offsets: List[Any], response_lengths: List[int]) -> KeptTokens:

@@ -67,11 +67,17 @@ def may_synchronize(tensor: torch.Tensor) -> bool:
     return not (tensor.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
+def checked_at_once(tensor: torch.Tensor) -> bool:
+    """Whether a check of ``tensor``'s values can raise at once, reading them on the host without a
+    synchronization: on the CPU, outside compiled graphs."""
+    return tensor.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def check_on_device(condition: torch.Tensor, message: str) -> None:
-    """``ValueError(message)`` unless the bool scalar ``condition`` holds, without a host sync: on
-    the CPU (outside compiled graphs) at once; on a GPU or in a compiled graph as an asynchronous
-    device-side assertion, which stops the program at its next synchronization."""
-    if condition.device.type == "cpu" and not torch.compiler.is_compiling():
+    """``ValueError(message)`` unless the bool scalar ``condition`` holds, without a host sync: at
+    once where ``checked_at_once``; on a GPU or in a compiled graph as an asynchronous device-side
+    assertion, which stops the program at its next synchronization."""
+    if checked_at_once(condition):
         if not bool(condition):
             raise ValueError(message)
     else:

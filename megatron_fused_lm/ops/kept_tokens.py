@@ -7,7 +7,8 @@ allowed), the rows those an op computes, in order. The backends read one form, `
 words]`` int32 for this shard: bit ``c % 32`` of word ``c // 32`` set where column ``c`` is kept
 (``words = ceil(vocab_shard / 32)``); a ``[0]`` tensor keeps every column. A column outside the set
 counts as ``z = -inf``: probability and gradient 0, and a shard keeping none of a row's ids gives
-``softmax.merge_statistics``' empty block. ``docs/DESIGN.md`` ("Kept tokens") says why a bitmask.
+``softmax.merge_statistics``' empty block. ``docs/DESIGN.md`` ("Contracts", kept tokens) says why a
+bitmask.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import group_rank, group_size
-from .inputs import RowSelection, check_on_device
+from .inputs import RowSelection, check_on_device, checked_at_once
 
 Tensor = torch.Tensor
 KeptTokens = Tuple[Tensor, Tensor]  # (offsets [rows + 1], token_ids [nnz]), int64
@@ -96,15 +97,15 @@ MALFORMED_OFFSETS, OUTSIDE_VOCABULARY, TARGET_LEFT_OUT = range(3)
 
 
 def check_flags(flags: Tensor, sets: KeptSets) -> None:
-    """``ValueError`` for the first of a builder's ``flags`` raised, at once where ``check_on_device``
-    raises at once (the CPU); elsewhere one device-side assertion that names all three (no host
+    """``ValueError`` for the first of a builder's ``flags`` raised, at once where that is possible
+    (``inputs.checked_at_once``); elsewhere one device-side assertion that names all three (no host
     synchronization, one launch)."""
     messages = [
         f"kept_tokens' offsets must start at 0, never decrease and end at len(token_ids) = {sets.token_ids.shape[0]}",
         f"a kept token id is outside the vocabulary [0, {sets.vocab})",
         "a row's target is outside its kept_tokens set",
     ]
-    if flags.device.type == "cpu" and not torch.compiler.is_compiling():
+    if checked_at_once(flags):
         for raised, message in zip(flags.tolist(), messages, strict=True):
             if raised:
                 raise ValueError(message)

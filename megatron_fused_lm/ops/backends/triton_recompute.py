@@ -75,11 +75,7 @@ class TritonRecompute:
         tiles = self.tuning.backward_tiles_for(weight.dtype)
         programs = self.tuning.programs_for(weight.device)
         hidden_operand, weight_operand = addressable(hidden), addressable(weight)
-        target_column, temperature, kept_mask = (
-            problem.target_column.contiguous(),
-            problem.temperature,
-            problem.kept_mask,
-        )
+        target_column, temperature = problem.target_column.contiguous(), problem.temperature
         saved = SavedStatistics(*(part.contiguous() for part in saved))
         upstream = UpstreamGrads(*(None if part is None else part.contiguous() for part in upstream))
 
@@ -96,7 +92,7 @@ class TritonRecompute:
                     token_saved,
                     upstream.rows(tokens),
                     temperature[tokens],
-                    kept_mask[tokens],
+                    problem.kept_mask[tokens],
                     tiles,
                     programs,
                 )

@@ -8,8 +8,9 @@ from here: the backends' ``dz`` blocks take the ``k`` columns' ``+g_j`` and thei
 term (``softmax.block_logit_grad``, the Triton ``logit_grad_kernel``) in float32 before anything
 is rounded, or on the three-GEMM path zero the ``k`` columns, whose terms
 ``softmax.chosen_logit_grad`` gives. These logits come from another product than the
-statistics' maximum and sum: where a target holds nearly all of a row's mass, its ``1 - p``
-carries their rounding (``docs/DESIGN.md``, "Contracts").
+statistics' maximum and sum; ``softmax.summarize`` takes a target holding over half a row's mass
+as the maximum itself, so that its ``1 - p`` carries no rounding of theirs (``docs/DESIGN.md``,
+"Contracts").
 """
 
 from __future__ import annotations

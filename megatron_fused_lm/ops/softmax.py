@@ -12,6 +12,7 @@ float32 unless stated.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -89,7 +90,11 @@ def summarize(
     if target_logits is None:
         logprob = (target - stats[:, MAX]) - log_sumexp
     else:
-        logprob = (target_logits - stats[:, MAX, None]).clamp(max=0.0) - log_sumexp[:, None]
+        offset = (target_logits - stats[:, MAX, None]).clamp(max=0.0)
+        # A target holding over half the mass is the largest logit: the maximum is its value from
+        # the statistics' own product, so that its 1 - p is as exact as one target's.
+        offset = torch.where(offset - log_sumexp[:, None] > -math.log(2.0), 0.0, offset)
+        logprob = offset - log_sumexp[:, None]
     return SoftmaxSummary(
         logprob=logprob,
         entropy=log_sumexp - spread,

@@ -20,6 +20,7 @@ from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, logits_lo
 H, V, K = 24, 97, 5
 LEAD = (3, 10)
 FLOAT32_TOL = 2e-5
+FLOAT32_GRAD_FLOOR = 1e-6  # float32 gradients of these sizes, whatever the path
 
 
 def teacher_case(lead, vocab, seed):
@@ -150,6 +151,40 @@ def test_masked_rows_and_a_general_loss():
     (logits,) = leaves(hidden @ weight.t())
     unfused = logits_loss(logits, ids, loss_fn, loss_inputs={"goal": goal}, mask=mask)
     assert relative_error(unfused.loss, expected) <= FLOAT32_TOL
+
+
+@pytest.mark.parametrize("prob", [0.5, 0.99, 1 - 1e-6])
+def test_a_dominant_target_among_several(prob):
+    # The first of k ids holds probability prob: near 1 its gradient's 1 - p needs its logit to be
+    # the very value the statistics' maximum came from. Read from a second product, the three-GEMM
+    # gradients here were 2.6 times the recompute path's error at p = 1 - 1e-6.
+    generator = torch.Generator().manual_seed(8)
+    rows, vocab, hidden_size = 64, 301, 64
+    weight = torch.randn(vocab, hidden_size, generator=generator, dtype=torch.float64) / hidden_size**0.5
+    hidden = torch.randn(rows, hidden_size, generator=generator, dtype=torch.float64)
+    ids = torch.stack([torch.randperm(vocab, generator=generator)[:K] for _ in range(rows)])
+    top, every_row = ids[:, 0], torch.arange(rows)
+    for _ in range(4):  # moving the row along the top id's weight moves the other logits too: settle
+        logits = hidden @ weight.t()
+        rest = torch.logsumexp(logits.index_put((every_row, top), torch.tensor(-torch.inf, dtype=torch.float64)), 1)
+        gap = rest + torch.log(torch.tensor(prob / (1 - prob), dtype=torch.float64)) - logits[every_row, top]
+        hidden = hidden + gap[:, None] * weight[top] / (weight[top] ** 2).sum(1, keepdim=True)
+    hidden, weight = hidden.float(), weight.float()
+    coef = torch.rand(rows, K, generator=generator)
+
+    def loss_fn(logprob, entropy, *, coef):
+        return -(coef * logprob).sum(-1)
+
+    double = [tensor.double().requires_grad_() for tensor in (hidden, weight)]
+    exact_logprob = torch.log_softmax(double[0] @ double[1].t(), -1).gather(-1, ids)
+    expected = torch.autograd.grad(loss_fn(exact_logprob, None, coef=coef.double()).sum(), double)
+    three_gemm, recompute = leaves(hidden, weight), leaves(hidden, weight)
+    result = fused_linear_loss(*three_gemm, ids, loss_fn, loss_inputs={"coef": coef})
+    result.loss.backward()
+    loss_fn(fused_linear_logprob(*recompute, ids), None, coef=coef).sum().backward()
+    assert relative_error(result.logprob, exact_logprob) <= FLOAT32_TOL
+    for actual, reference, exact in zip(three_gemm, recompute, expected, strict=True):
+        assert within_recompute(actual.grad, reference.grad, exact, FLOAT32_GRAD_FLOOR)
 
 
 def test_errors():

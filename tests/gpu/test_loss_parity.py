@@ -402,3 +402,28 @@ def test_several_targets_three_gemm(loss_name, dtype):
         errors[backend] = [relative_l2(leaf.grad, grad) for leaf, grad in zip(run, expected, strict=True)]
     for ours, torch_backend in zip(errors["triton"], errors["torch"], strict=True):
         assert ours <= GRAD_RATIO * torch_backend, errors
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("prob", [0.99, 1 - 1e-5])
+def test_a_dominant_target_among_several(prob, dtype):
+    # The first of k = 8 ids holds probability prob: its 1 - p needs its logit to be the value the
+    # statistics' maximum came from (softmax.summarize), not a second product's.
+    hidden, weight, targets, gen = peaked_case(("chosen", prob), (dtype, dtype))
+    others = torch.randint(0, weight.shape[0], (targets.shape[0], 7), device="cuda", generator=gen)
+    ids = torch.cat([targets[:, None], others], -1)
+    coef = torch.rand(ids.shape, device="cuda", generator=gen)
+
+    def loss_fn(logprob, entropy, *, coef):
+        return -(coef * logprob).sum(-1)
+
+    leaves = [tensor.detach().double().requires_grad_() for tensor in (hidden, weight)]
+    exact = loss_fn(torch.log_softmax(leaves[0] @ leaves[1].t(), -1).gather(-1, ids), None, coef=coef.double())
+    expected = torch.autograd.grad(exact.sum(), leaves)
+    three_gemm = [tensor.detach().requires_grad_() for tensor in (hidden, weight)]
+    recompute = [tensor.detach().requires_grad_() for tensor in (hidden, weight)]
+    fused_linear_loss(*three_gemm, ids, loss_fn, loss_inputs=dict(coef=coef), backend="triton").loss.backward()
+    loss_fn(fused_linear_logprob(*recompute, ids, backend="triton"), None, coef=coef).sum().backward()
+    for ours, theirs, want in zip(three_gemm, recompute, expected, strict=True):
+        errors = relative_l2(ours.grad, want), relative_l2(theirs.grad, want)
+        assert errors[0] <= GRAD_RATIO * errors[1], errors

@@ -202,6 +202,52 @@ def kept_mask_builder_case(case: dict) -> dict:
     return results
 
 
+def topk_case(case: dict) -> dict:
+    """The Triton top-k's keys (``backends.triton_topk``: tile maxima, thresholds, candidates in
+    split slots) as log-probs and ids against a float64 oracle, for each ``k`` of ``case["ks"]``,
+    two chunks of rows. Row 0 holds 40 equal largest logits, 32 of them in one column tile (more
+    than a tile's picks: the torch form takes the row, lower ids first); row 1 ties its largest
+    logit across three tiles; the rest are random; ``k = 12`` exceeds a quarter of the 38 column
+    tiles (the torch form for every row). ``{k: [ids equal, max log-prob error over the largest
+    |logit|]}``."""
+    import torch
+
+    from megatron_fused_lm.ops.backends.triton_topk import top_keys
+    from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
+    from megatron_fused_lm.ops.kernels.tiles import Tiles
+    from megatron_fused_lm.ops.softmax import summarize
+    from megatron_fused_lm.ops.top_keys import keyed_logits
+
+    small = Tiles(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1, dot_precision="ieee")
+    tuning = TritonTuning(forward_tiles=small, tiles_per_split=2, programs=2)
+    torch.manual_seed(case["seed"])
+    dtype = getattr(torch, case["dtype"])
+    tokens, hidden_size, vocab = case["shape"]
+    hidden = torch.randn(tokens, hidden_size) * 3
+    weight = torch.randn(vocab, hidden_size) / hidden_size**0.5
+    weight[64:104] = hidden[0] / hidden[0].norm() * 4  # 32 in the tile [64, 96), 8 in the next
+    weight[[5, 200, 1100]] = hidden[1] / hidden[1].norm() * 4
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    temperature = torch.full((1,), 0.7).expand(tokens)
+    exact_logits = hidden.double() @ weight.double().t() / 0.7
+    exact, scale = torch.log_softmax(exact_logits, -1), float(exact_logits.abs().max())
+    order = torch.sort(exact, dim=1, descending=True, stable=True).indices  # equal: the lower id first
+
+    def block_logits(index):
+        return (hidden[index].float() @ weight.float().t()) / temperature[index, None]
+
+    results = {}
+    for k in case["ks"]:
+        stats, keys = top_keys(hidden, weight, temperature, k, 0, block_logits, token_chunk=17, tuning=tuning)
+        logits, ids = keyed_logits(keys)
+        logprob = logits - summarize(stats).lse[:, None]
+        results[k] = [
+            bool((ids == order[:, :k]).all()),
+            float((logprob.double() - exact.gather(1, order[:, :k])).abs().max()) / scale,
+        ]
+    return results
+
+
 def run_case_here(case: dict) -> dict:
     """Run one case in this process (the interpreter must already be on); returns its errors."""
     import torch
@@ -214,6 +260,8 @@ def run_case_here(case: dict) -> dict:
         return several_targets_case(case)
     if case.get("kind") == "kept_mask_builder":
         return kept_mask_builder_case(case)
+    if case.get("kind") == "topk":
+        return topk_case(case)
 
     from devkit.oracle import max_abs_error, reference, relative_error
     from megatron_fused_lm.ops.backends.triton_loss import TritonLoss
@@ -474,6 +522,17 @@ def test_kept_tokens_far_below_reference(dtype):
     )  # fmt: skip
     assert result["rows_far_above_sample"] == 0  # the dominant row is sampled: the reference is high, not low
     check(result, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_topk(dtype):
+    # The Triton top-k: thresholds from the first launch's tile maxima, candidates from the second
+    # in split slots, a crowded row past a tile's picks, ties across tiles (lower ids first), k past
+    # a quarter of the column tiles, two chunks of rows.
+    results = run_case(kind="topk", dtype=dtype, shape=[40, 24, 1201], ks=[1, 2, 5, 9, 12], seed=6)
+    for k, (ids_equal, logprob_error) in results.items():
+        # float32 logits of up to 84 here (the crowded row's), each rounded by a few 1e-7 of it.
+        assert ids_equal and logprob_error <= 1e-6, (k, ids_equal, logprob_error)
 
 
 def test_kept_mask_builder():

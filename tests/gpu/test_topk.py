@@ -1,6 +1,6 @@
 """``fused_linear_topk`` on CUDA against the float64 oracle of the whole vocabulary: a realistic
-vocabulary in bf16, flat and confident rows, more than one chunk of rows, on both backend names
-(both run cuBLAS products and a torch selection)."""
+vocabulary in bf16, flat, confident, crowded and tied rows, more than one chunk of rows, on both
+backend names (both run cuBLAS products and a torch selection)."""
 
 from __future__ import annotations
 
@@ -39,3 +39,30 @@ def test_negative_logits_ties_and_the_fallback_on_cuda():
     logits[2, 100:140] = 5.0
     ids = logits_topk(logits, 3)[1].tolist()
     assert ids == [[0, 1, 2], [10, 500, 900], [100, 101, 102]]
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_crowded_and_tied_rows(backend):
+    # Row 0's 300 largest logits crowded into three column tiles (more than a tile's picks on the
+    # Triton backend: the torch form's keys), row 1 tied across tiles (lower ids first); each
+    # row's ids distinct, scored as the float64 oracle scores them, descending, and none missing
+    # that the oracle ranks clearly above our last.
+    hidden, weight, _ = make_case((700,), 1024, 151936, torch.bfloat16, peaky=False, seed=4, device="cuda")
+    direction = hidden[0].float() / hidden[0].float().norm()
+    weight[1000:1300] = (direction * 2 + torch.randn(300, 1024, device="cuda") * 0.01).bfloat16()
+    weight[[7, 90000, 150000]] = (hidden[1].float() / hidden[1].float().norm() * 3).bfloat16()
+    k = 64
+    logprobs, ids = fused_linear_topk(hidden, weight, k, backend=backend)
+    logits = hidden.double() @ weight.double().t()
+    expected = torch.log_softmax(logits, dim=-1)
+    # The float32 products of 1024 bf16 terms round by a few 1e-6 of the largest logit (64 in row 0).
+    tolerance = 4e-6 * float(logits.abs().max()) + 1e-5
+    assert (logprobs.double() - expected.gather(1, ids)).abs().max() <= tolerance
+    assert ids[1, :3].tolist() == [7, 90000, 150000] and bool((ids[0] >= 1000).all() & (ids[0] < 1300).all())
+    assert all(len(set(row.tolist())) == k for row in ids)
+    assert bool((logprobs[:, :-1] >= logprobs[:, 1:]).all())
+    assert bool((logprobs[:, -1].double() >= expected.topk(k, dim=1).values[:, -1] - tolerance).all())
+    if backend == "triton":  # a row the kernels settle: the same bits whatever rows share the call
+        for rows in (slice(2, 3), slice(2, 18), slice(690, 700)):
+            alone = fused_linear_topk(hidden[rows], weight, k, backend=backend)
+            assert torch.equal(alone[0], logprobs[rows]) and torch.equal(alone[1], ids[rows])

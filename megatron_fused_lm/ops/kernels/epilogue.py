@@ -94,6 +94,33 @@ def kept_tile(kept_ptr, stride_kept_row, kept_words, rows, row_valid, first_col,
     return kept
 
 
+@triton.jit
+def pick_candidates(
+    logits, threshold, count, row_slots, row_valid, first_col, candidates_ptr, candidate_columns_ptr, slots,
+    PICKS: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """``count [BLOCK_M]`` (int32) after keeping each row's logits of a ``[BLOCK_M, BLOCK_N]`` tile
+    (first column ``first_col``) at or above its ``threshold``, largest first (of equal ones the
+    lower column), in the row's slots from ``row_slots + count`` (below ``slots``): up to ``PICKS``
+    a tile, each found by a row maximum, so that no atomics, scans or block-wide reductions stall
+    the loop. A row with a logit left without a slot gets ``slots + 1``, for good."""
+    columns = tl.arange(0, BLOCK_N)[None, :]
+    above = logits >= threshold[:, None]
+    hits = tl.sum(above.to(tl.int32), axis=1)
+    remaining = tl.where(above, logits, float("-inf"))
+    taken = tl.zeros_like(hits)
+    for _ in tl.static_range(PICKS):
+        value = tl.max(remaining, axis=1)
+        column = tl.min(tl.where(remaining == value[:, None], columns, BLOCK_N), axis=1)
+        take = (taken < hits) & (count < slots)
+        tl.store(candidates_ptr + row_slots + count, value, mask=take & row_valid)
+        tl.store(candidate_columns_ptr + row_slots + count, first_col + column, mask=take & row_valid)
+        count += take.to(tl.int32)
+        taken += take.to(tl.int32)
+        remaining = tl.where(columns == column[:, None], float("-inf"), remaining)
+    return tl.where(taken < hits, slots + 1, count)
+
+
 def row_upstream_arguments(target_column, saved, upstream) -> tuple[tuple, dict]:
     """The launch arguments ``row_upstream`` reads: its five pointers (the ``[n]`` tensors, or
     ``[n, k]`` contiguous target columns and log-prob gradients for several targets per row; an

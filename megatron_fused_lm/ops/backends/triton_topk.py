@@ -1,0 +1,106 @@
+"""The Triton backend's top-k: two launches of the forward kernel over the shard, no logits stored.
+
+1. The statistics, and each row's maximum of each column tile (``TILE_MAXIMA``).
+2. Each row's threshold: the ``k``-th largest of its tile maxima. ``k`` tiles hold a logit at or
+   above it, so the row's ``k`` largest logits all are.
+3. The kernel again (``COLLECT``): each row's logits at or above its threshold and their columns,
+   up to ``picks`` a column tile, into the row's slots of each vocabulary split. Its products are
+   the first launch's, bit for bit.
+4. The ``k`` largest keys of each row's candidates (``top_keys.logit_keys``).
+5. A row with a logit that found no slot (its largest logits crowded into a few tiles, or many
+   equal to the threshold) takes the torch form's keys (``top_keys.chunk_top_keys`` on its float32
+   logits): one read on the host per chunk of rows finds them.
+Where ``k`` exceeds a quarter of the shard's column tiles, every row takes the torch form: the
+threshold then falls so low among the rows' logits that their candidates outgrow the slots (at
+``k = 1024`` of 1187 tiles, 94 % of the rows' did on one H100). ``docs/BENCHMARKS.md`` (section 16) has what each costs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+import triton
+
+from ..contract import token_chunks
+from ..kernels.merge_kernel import merge_parts
+from ..kernels.softmax_stats_kernel import collect_candidates, split_statistics
+from ..softmax import NUM_STATISTICS
+from ..top_keys import NO_KEY, chunk_top_keys, logit_keys, shard_top_keys
+from .triton_tuning import TritonTuning
+
+Tensor = torch.Tensor
+WORKING_SET_BYTES = 256 * 2**20  # a chunk's tile maxima and candidate slots
+# Random logits put about 1.1 k of a row's logits at or above its threshold, a few a tile at most:
+# a split's slots hold twice its share of them and SLOT_MARGIN more.
+SLOT_MARGIN = 8
+
+
+def picks_for(k: int) -> int:
+    """Candidates a row keeps from one column tile: one where ``k = 1`` (its maximum), else
+    enough that a tile holding more of a row's largest logits is rare for random logits."""
+    return 1 if k == 1 else 4 if k <= 256 else 8
+
+
+def top_keys(
+    hidden: Tensor,
+    weight: Tensor,
+    temperature: Tensor,
+    k: int,
+    first_id: int,
+    block_logits: Callable[[Tensor], Tensor],
+    token_chunk: Optional[int] = None,
+    tuning: Optional[TritonTuning] = None,
+) -> Tuple[Tensor, Tensor]:
+    """``(stats [n, 4] float32, keys [n, k] int64)``: the shard's softmax statistics and each row's
+    ``k`` largest keys (``top_keys.logit_keys``, ids from ``first_id``), steps 1 to 5 above.
+
+    ``hidden [n, H]`` and ``weight [vocab_shard, H]`` share a 16-bit or float32 dtype;
+    ``temperature [n]`` float32 (stride 0: one for all rows); ``block_logits(rows)``: the float32
+    logits ``[len(rows), vocab_shard]`` of rows (a slice or indices), divided by their temperature,
+    for step 5. ``token_chunk``: rows per chunk, else as many as keep a chunk's tile maxima and
+    slots within ``WORKING_SET_BYTES``; ``tuning``: fixed launch choices (the interpreter tests'
+    small tiles)."""
+    tuning = tuning or TritonTuning()
+    num_rows, vocab_shard, device = hidden.shape[0], weight.shape[0], hidden.device
+    tiles = tuning.forward_tiles_for(weight.dtype)
+    tiles_per_split = tuning.tiles_per_split_for(vocab_shard, tiles, weight.device)
+    column_tiles = triton.cdiv(vocab_shard, tiles.block_n)
+    num_splits = triton.cdiv(column_tiles, tiles_per_split)
+    whole_rows = max(1, WORKING_SET_BYTES // (4 * vocab_shard))
+    if 4 * k > column_tiles or num_rows == 0:
+        return shard_top_keys(block_logits, num_rows, k, first_id, token_chunk or whole_rows, device)
+    picks = picks_for(k)
+    slots = min(tiles_per_split * picks, triton.cdiv(23 * k, 10 * num_splits) + SLOT_MARGIN)
+    rows_per_chunk = token_chunk or max(1, WORKING_SET_BYTES // (4 * column_tiles + 8 * num_splits * slots))
+    stats = torch.empty(num_rows, NUM_STATISTICS, dtype=torch.float32, device=device)
+    keys = torch.empty(num_rows, k, dtype=torch.int64, device=device)
+    no_targets = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
+    every_column = torch.empty(0, dtype=torch.int32, device=device)
+    for rows in token_chunks(num_rows, rows_per_chunk):
+        chunk_hidden, chunk_temperature, size = hidden[rows], temperature[rows], rows.stop - rows.start
+        # 1. The statistics and the tile maxima.
+        tile_maxima = torch.empty(size, column_tiles, dtype=torch.float32, device=device)
+        parts = split_statistics(
+            chunk_hidden, weight, no_targets[rows], chunk_temperature, every_column, tiles, tiles_per_split,
+            tile_maxima=tile_maxima,
+        )  # fmt: skip
+        stats[rows] = merge_parts(parts)
+        # 2. k tiles hold a logit at or above the k-th largest maximum.
+        threshold = tile_maxima.topk(k, dim=1).values[:, -1].contiguous()
+        del tile_maxima
+        # 3, 4. The candidates from the same products, and their k largest keys.
+        candidates = torch.empty(size, num_splits, slots, dtype=torch.float32, device=device)
+        columns = torch.empty(size, num_splits, slots, dtype=torch.int32, device=device)
+        slot_count = collect_candidates(
+            chunk_hidden, weight, chunk_temperature, tiles, tiles_per_split, threshold, candidates, columns, picks
+        )
+        filled = torch.arange(slots, device=device) < slot_count[:, :, None]
+        chunk_keys = torch.where(filled, logit_keys(candidates, columns.long() + first_id), NO_KEY)
+        keys[rows] = chunk_keys.view(size, -1).topk(k, dim=1).values
+        # 5. Rows with a logit left out: their whole shard.
+        left_out = (slot_count > slots).any(dim=1).nonzero().squeeze(1) + rows.start
+        for start in range(0, left_out.numel(), whole_rows):
+            index = left_out[start : start + whole_rows]
+            keys[index] = chunk_top_keys(block_logits(index), first_id, k)
+    return stats, keys

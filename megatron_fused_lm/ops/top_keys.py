@@ -3,7 +3,7 @@ and, among equal logits, by the lower id; the keys of every rank merge by one mo
 
 from __future__ import annotations
 
-from typing import Callable, Tuple
+from typing import Callable, Tuple, Union
 
 import torch
 
@@ -55,16 +55,17 @@ def shard_ids(first_id: int, logits: Tensor) -> Tensor:
 
 
 def shard_top_keys(
-    block_logits: Callable[[slice], Tensor], num_rows: int, k: int, first_id: int, rows_per_chunk: int, device
+    block_logits: Callable, rows: Union[int, Tensor], k: int, first_id: int, rows_per_chunk: int, device
 ) -> Tuple[Tensor, Tensor]:
-    """``(stats [n, 4] float32, keys [n, k] int64)``: the shard's softmax statistics and the ``k``
-    largest keys of each row, one chunk of rows' float32 logits ``block_logits(rows)`` at a time
-    (the torch form of every backend's top-k)."""
-    keys = torch.empty(num_rows, k, dtype=torch.int64, device=device)
-    stats = torch.empty(num_rows, NUM_STATISTICS, dtype=torch.float32, device=device)
-    no_target = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
-    for chunk in token_chunks(num_rows, rows_per_chunk):
-        logits = block_logits(chunk)
+    """``(stats [n, 4] float32, keys [n, k] int64)``: the softmax statistics and the ``k`` largest
+    keys of ``rows`` (the first ``rows``, or those indices), one chunk of them at a time from their
+    float32 logits ``block_logits(chunk)`` (a slice or indices): every backend's torch form."""
+    index = torch.arange(rows, device=device) if isinstance(rows, int) else rows
+    keys = torch.empty(index.shape[0], k, dtype=torch.int64, device=device)
+    stats = torch.empty(index.shape[0], NUM_STATISTICS, dtype=torch.float32, device=device)
+    no_target = torch.full((index.shape[0],), -1, dtype=torch.int64, device=device)
+    for chunk in token_chunks(index.shape[0], rows_per_chunk):
+        logits = block_logits(chunk if isinstance(rows, int) else index[chunk])
         stats[chunk] = block_statistics(logits, no_target[chunk])
         keys[chunk] = chunk_top_keys(logits, first_id, k)
     return stats, keys

@@ -56,7 +56,8 @@ def fused_linear_topk(
         backend: as for ``fused_linear_logprob``. Triton: two launches of its forward kernel,
             no logits stored (``backends.triton_topk``; a row whose largest logits crowd into a
             few column tiles, and every row where ``k`` exceeds a quarter of the shard's column
-            tiles, 296 of a 151936-id shard's, takes the torch form). torch: one chunk of rows' float32 logits at a time (cuBLAS products)
+            tiles, 296 of a 151936-id shard's in 16-bit weights and 593 in float32, takes the
+            torch form). torch: one chunk of rows' float32 logits at a time (cuBLAS products)
             and a torch selection over them.
         token_chunk: rows per chunk; ``None`` keeps a chunk within 256 MiB: the torch form's
             float32 logits (``chunking.chunk_rows``; the selection's temporaries take about three
@@ -69,7 +70,8 @@ def fused_linear_topk(
         ``(logprobs [..., k] float32, ids [..., k] int64)``, each row in descending order of
         logit, equal float32 logits in ascending order of id (two logits that differ can round to
         the same log-prob: the larger comes first), the same on every rank. Two all-gathers under
-        tensor parallelism; one read on the host per chunk of rows.
+        tensor parallelism; one read on the host per chunk of rows (two more where a chunk has
+        rows for the torch form).
     """
     check_linear_inputs(hidden, weight)
     options = HeadOptions.checked(token_chunk=token_chunk, tp_group=tp_group, device=hidden.device, backend=backend)

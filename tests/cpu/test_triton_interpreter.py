@@ -205,11 +205,14 @@ def kept_mask_builder_case(case: dict) -> dict:
 def topk_case(case: dict) -> dict:
     """The Triton top-k's keys (``backends.triton_topk``: tile maxima, thresholds, candidates in
     split slots) as log-probs and ids against a float64 oracle, for each ``k`` of ``case["ks"]``,
-    two chunks of rows. Row 0 holds 40 equal largest logits, 32 of them in one column tile (more
-    than a tile's picks: the torch form takes the row, lower ids first); row 1 ties its largest
-    logit across three tiles; the rest are random; ``k = 12`` exceeds a quarter of the 38 column
-    tiles (the torch form for every row). ``{k: [ids equal, max log-prob error over the largest
-    |logit|]}``."""
+    two chunks of rows, 40 column tiles in 10 splits of 4. Row 0 holds 40 equal largest logits, 32
+    of them in one column tile (more than a tile's picks); row 2 holds 12 equal ones, 3 in each
+    tile of the last split (more than the split's slots: a write past them would land in row 3's
+    first slot, where row 3 keeps its largest); both take the torch form, lower ids first. Row 1
+    ties its largest logit across three tiles, the rest are random; ``k = 12`` exceeds a quarter of
+    the column tiles (the torch form for every row). Float32 gives each row its own temperature.
+    ``{k: [ids equal, max log-prob error over the largest |logit|]}``, and ``"nan"``: whether a
+    row of NaN hidden states gets ids in the vocabulary (not the keys' empty slots)."""
     import torch
 
     from megatron_fused_lm.ops.backends.triton_topk import top_keys
@@ -219,7 +222,7 @@ def topk_case(case: dict) -> dict:
     from megatron_fused_lm.ops.top_keys import keyed_logits
 
     small = Tiles(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1, dot_precision="ieee")
-    tuning = TritonTuning(forward_tiles=small, tiles_per_split=2, programs=2)
+    tuning = TritonTuning(forward_tiles=small, tiles_per_split=4, programs=2)
     torch.manual_seed(case["seed"])
     dtype = getattr(torch, case["dtype"])
     tokens, hidden_size, vocab = case["shape"]
@@ -227,9 +230,15 @@ def topk_case(case: dict) -> dict:
     weight = torch.randn(vocab, hidden_size) / hidden_size**0.5
     weight[64:104] = hidden[0] / hidden[0].norm() * 4  # 32 in the tile [64, 96), 8 in the next
     weight[[5, 200, 1100]] = hidden[1] / hidden[1].norm() * 4
+    last_split = [first + offset for first in (1160, 1190, 1220, 1250) for offset in range(3)]
+    weight[last_split] = hidden[2] / hidden[2].norm() * 4
+    weight[[10, 11]] = hidden[3] / hidden[3].norm() * 4
     hidden, weight = hidden.to(dtype), weight.to(dtype)
-    temperature = torch.full((1,), 0.7).expand(tokens)
-    exact_logits = hidden.double() @ weight.double().t() / 0.7
+    if dtype == torch.float32:
+        temperature = torch.rand(tokens) * 1.5 + 0.5
+    else:
+        temperature = torch.full((1,), 0.7).expand(tokens)
+    exact_logits = hidden.double() @ weight.double().t() / temperature.double()[:, None]
     exact, scale = torch.log_softmax(exact_logits, -1), float(exact_logits.abs().max())
     order = torch.sort(exact, dim=1, descending=True, stable=True).indices  # equal: the lower id first
 
@@ -245,6 +254,9 @@ def topk_case(case: dict) -> dict:
             bool((ids == order[:, :k]).all()),
             float((logprob.double() - exact.gather(1, order[:, :k])).abs().max()) / scale,
         ]
+    hidden[5] = float("nan")
+    _, keys = top_keys(hidden, weight, temperature, 2, 0, block_logits, token_chunk=17, tuning=tuning)
+    results["nan"] = bool(((keyed_logits(keys)[1] >= 0) & (keyed_logits(keys)[1] < vocab)).all())
     return results
 
 
@@ -527,9 +539,11 @@ def test_kept_tokens_far_below_reference(dtype):
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_topk(dtype):
     # The Triton top-k: thresholds from the first launch's tile maxima, candidates from the second
-    # in split slots, a crowded row past a tile's picks, ties across tiles (lower ids first), k past
-    # a quarter of the column tiles, two chunks of rows.
-    results = run_case(kind="topk", dtype=dtype, shape=[40, 24, 1201], ks=[1, 2, 5, 9, 12], seed=6)
+    # in split slots, a crowded row past a tile's picks and one past its split's slots, ties across
+    # tiles (lower ids first), k past a quarter of the column tiles, per-row temperatures, a NaN
+    # row, two chunks of rows.
+    results = run_case(kind="topk", dtype=dtype, shape=[34, 24, 1280], ks=[1, 2, 9, 12], seed=6)
+    assert results.pop("nan")
     for k, (ids_equal, logprob_error) in results.items():
         # float32 logits of up to 84 here (the crowded row's), each rounded by a few 1e-7 of it.
         assert ids_equal and logprob_error <= 1e-6, (k, ids_equal, logprob_error)

@@ -1,6 +1,7 @@
 """``fused_linear_topk`` on CUDA against the float64 oracle of the whole vocabulary: a realistic
 vocabulary in bf16, flat, confident, crowded and tied rows, more than one chunk of rows, on both
-backend names (both run cuBLAS products and a torch selection)."""
+backends (the Triton one's two launches of its forward kernel, the torch one's cuBLAS products and
+torch selection); the Triton one's settled rows the same bits whatever rows share the call."""
 
 from __future__ import annotations
 

@@ -8,8 +8,9 @@
    the first launch's, bit for bit.
 4. The ``k`` largest keys of each row's candidates (``top_keys.logit_keys``).
 5. A row with a logit that found no slot (its largest logits crowded into a few tiles, or many
-   equal to the threshold) takes the torch form's keys (``top_keys.chunk_top_keys`` on its float32
-   logits): one read on the host per chunk of rows finds them.
+   equal to the threshold), or with fewer than ``k`` candidates (a NaN threshold, or launches
+   whose products differed), takes the torch form's statistics and keys
+   (``top_keys.shard_top_keys``): one read on the host per chunk of rows finds them.
 Where ``k`` exceeds a quarter of the shard's column tiles, every row takes the torch form: the
 threshold then falls so low among the rows' logits that their candidates outgrow the slots (at
 ``k = 1024`` of 1187 tiles, 94 % of the rows' did on one H100). ``docs/BENCHMARKS.md`` (section 16) has what each costs.
@@ -22,17 +23,17 @@ from typing import Callable, Optional, Tuple
 import torch
 import triton
 
+from ..chunking import BLOCK_BYTES, chunk_rows
 from ..contract import token_chunks
 from ..kernels.merge_kernel import merge_parts
 from ..kernels.softmax_stats_kernel import collect_candidates, split_statistics
 from ..softmax import NUM_STATISTICS
-from ..top_keys import NO_KEY, chunk_top_keys, logit_keys, shard_top_keys
+from ..top_keys import NO_KEY, logit_keys, shard_top_keys
 from .triton_tuning import TritonTuning
 
 Tensor = torch.Tensor
-WORKING_SET_BYTES = 256 * 2**20  # a chunk's tile maxima and candidate slots
-# Random logits put about 1.1 k of a row's logits at or above its threshold, a few a tile at most:
-# a split's slots hold twice its share of them and SLOT_MARGIN more.
+# Random logits put about 1.15 k of a row's logits at or above its threshold, a few a tile at
+# most: a split's slots hold twice its share of them (2.3 k / num_splits) and SLOT_MARGIN more.
 SLOT_MARGIN = 8
 
 
@@ -59,20 +60,20 @@ def top_keys(
     ``temperature [n]`` float32 (stride 0: one for all rows); ``block_logits(rows)``: the float32
     logits ``[len(rows), vocab_shard]`` of rows (a slice or indices), divided by their temperature,
     for step 5. ``token_chunk``: rows per chunk, else as many as keep a chunk's tile maxima and
-    slots within ``WORKING_SET_BYTES``; ``tuning``: fixed launch choices (the interpreter tests'
-    small tiles)."""
+    slots within ``chunking.BLOCK_BYTES`` (the torch form's chunks as ``chunking.chunk_rows``);
+    ``tuning``: fixed launch choices (the interpreter tests' small tiles)."""
     tuning = tuning or TritonTuning()
     num_rows, vocab_shard, device = hidden.shape[0], weight.shape[0], hidden.device
     tiles = tuning.forward_tiles_for(weight.dtype)
     tiles_per_split = tuning.tiles_per_split_for(vocab_shard, tiles, weight.device)
     column_tiles = triton.cdiv(vocab_shard, tiles.block_n)
     num_splits = triton.cdiv(column_tiles, tiles_per_split)
-    whole_rows = max(1, WORKING_SET_BYTES // (4 * vocab_shard))
+    whole_rows = chunk_rows(token_chunk, vocab_shard)
     if 4 * k > column_tiles or num_rows == 0:
-        return shard_top_keys(block_logits, num_rows, k, first_id, token_chunk or whole_rows, device)
+        return shard_top_keys(block_logits, num_rows, k, first_id, whole_rows, device)
     picks = picks_for(k)
     slots = min(tiles_per_split * picks, triton.cdiv(23 * k, 10 * num_splits) + SLOT_MARGIN)
-    rows_per_chunk = token_chunk or max(1, WORKING_SET_BYTES // (4 * column_tiles + 8 * num_splits * slots))
+    rows_per_chunk = token_chunk or max(1, BLOCK_BYTES // (4 * column_tiles + 8 * num_splits * slots))
     stats = torch.empty(num_rows, NUM_STATISTICS, dtype=torch.float32, device=device)
     keys = torch.empty(num_rows, k, dtype=torch.int64, device=device)
     no_targets = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
@@ -98,9 +99,9 @@ def top_keys(
         filled = torch.arange(slots, device=device) < slot_count[:, :, None]
         chunk_keys = torch.where(filled, logit_keys(candidates, columns.long() + first_id), NO_KEY)
         keys[rows] = chunk_keys.view(size, -1).topk(k, dim=1).values
-        # 5. Rows with a logit left out: their whole shard.
-        left_out = (slot_count > slots).any(dim=1).nonzero().squeeze(1) + rows.start
-        for start in range(0, left_out.numel(), whole_rows):
-            index = left_out[start : start + whole_rows]
-            keys[index] = chunk_top_keys(block_logits(index), first_id, k)
+        # 5. Rows with a logit left out, or too few candidates: the torch form, statistics and all.
+        settled = (slot_count <= slots).all(dim=1) & (slot_count.clamp(max=slots).sum(dim=1) >= k)
+        left_out = (~settled).nonzero().squeeze(1) + rows.start
+        if left_out.numel():
+            stats[left_out], keys[left_out] = shard_top_keys(block_logits, left_out, k, first_id, whole_rows, device)
     return stats, keys

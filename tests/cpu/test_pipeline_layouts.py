@@ -18,7 +18,9 @@ and stock curves within the noise of the perturbed reference run):
   both overlaps;
 - both loss paths: ``head.logprobs`` with the policy loss by hand, and the three-GEMM path
   (``declare_loss_weights`` before the labels-path forward, ``head.loss`` with
-  ``ClippedPolicyLoss``).
+  ``ClippedPolicyLoss``); on the two-rank layouts also the main-grad path (the same with the
+  schedule's scale declared: the head's weight gradient added into ``main_grad`` in the forward,
+  before the bucket reduction and the embedding group's sum of the tied copies).
 
 Only the GPU run covers: NCCL, and the overlapped collectives running concurrently with CUDA
 compute; the Triton backend (the CPU runs the torch backend); Megatron's gradient clipping (it
@@ -49,8 +51,14 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("loss_path", ["logprobs", "three-gemm"])
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+# Every layout on both loss paths; the main-grad path (the three-GEMM one with the schedule's scale
+# declared, the head's weight gradient added into main_grad in the forward) on the two-rank ones.
+CASES = [(layout, path) for layout in sorted(LAYOUTS) for path in ("logprobs", "three-gemm")] + [
+    (layout, "main-grad") for layout in sorted(LAYOUTS) if LAYOUTS[layout][0] == 2
+]
+
+
+@pytest.mark.parametrize(("layout", "loss_path"), CASES)
 def test_layout_trains_fused_like_stock(layout, loss_path, tmp_path):
     json_path = tmp_path / "pipeline_training.json"
     env = dict(

@@ -40,7 +40,12 @@ Megatron's scheduler sets it:
    finishes its gradients in the forward;
 2. RL: ``--rl-steps`` steps (default RL_STEPS) of a clipped policy loss on the response tokens'
    log-probs with an entropy bonus: by hand from ``head.logprobs`` (``--loss-path logprobs``), or
-   ``head.loss`` with ``losses.ClippedPolicyLoss``, the same loss (``three-gemm``). Every
+   ``head.loss`` with ``losses.ClippedPolicyLoss``, the same loss (``three-gemm``). With
+   ``--loss-path main-grad`` both phases run as ``three-gemm`` with the schedule's scale declared
+   (``main_grad_scale``: the SFT declaration ``1 / (micro-batches x tokens)``, the RL loss
+   ``1 / micro-batches``), so that the fused head adds the output weight's gradient straight into
+   its ``main_grad`` in the forward, before Megatron's DDP reduces the buckets and the embedding
+   group sums the tied copies. Every
    UPDATES_PER_ROLLOUT steps a rollout (a forward-only pass of the same schedule, collecting the
    head's log-probs) fixes the old log-probs and the advantages, so the ratio moves away from 1
    and the clip acts.
@@ -65,8 +70,9 @@ the verdict):
   the embedding group. Each head weight's gradient differs from the stock run's by at most
   GRAD_NOISE_FACTOR x the reference run's difference + GRAD_NOISE_FLOOR (relative Frobenius
   norms: a gradient reduced twice, or missing a reduction, is off by order 1);
-- with ``three-gemm``, no backward of the fused run had to recompute the logits (every upstream
-  gradient was the declared one);
+- with ``three-gemm`` and ``main-grad``, no backward of the fused run had to recompute the logits
+  or correct ``main_grad`` (every upstream gradient was the declared one), and at every optimizer
+  step no main_grad-route loss was without its backward (``head.main_grad_outstanding``);
 - SFT step 0 (identical weights): fused and stock differ only by the stock layer's bf16 rounding
   of the logits, unbiased per token and averaged over every token of the step: STEP0_ATOL;
 - every curve (SFT loss, RL policy loss, RL entropy) agrees within bf16 noise: at every step,
@@ -132,7 +138,7 @@ GRAD_NOISE_FACTOR, GRAD_NOISE_FLOOR = 3.0, 0.01
 COMPARE_BLOCK = 1 << 22  # elements per all-gather of the bitwise checks
 # Each run: (name, fused head, initial weights moved by one bf16 rounding).
 RUNS = (("stock", False, False), ("fused", True, False), ("reference", False, True))
-LOSS_PATHS = ("logprobs", "three-gemm")
+LOSS_PATHS = ("logprobs", "three-gemm", "main-grad")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +227,8 @@ def step_microbatches(shape: GPTShape, tokens: torch.Tensor, device: torch.devic
         )
         batch = {key: value.to(device) for key, value in batch.items()}
         batch["index"] = index
+        # The loss mask's token count, known on the host (the main-grad path declares its scale).
+        batch["tokens"] = float(shape.micro_batch * shape.seq)
         batches.append(batch)
     return batches
 
@@ -279,6 +287,7 @@ class Run:
         self.old_logprobs: List[torch.Tensor] = []
         self.advantages: List[torch.Tensor] = []
         self.first_grads: List[torch.Tensor] = []
+        self.outstanding = 0  # main_grad-route losses without their backward at an optimizer step
 
     def head_weights(self) -> List[torch.nn.Parameter]:
         """This rank's parameters that the head's gradient must reach: the copies of the tied
@@ -312,6 +321,7 @@ class Run:
                 chunk.enable_forward_pre_hook()
 
     def schedule(self, forward_step, batches, forward_only=False, collect_non_loss_data=False):
+        self.num_microbatches = len(batches)  # the schedule divides each micro-batch's loss by it
         return self.forward_backward(
             forward_step_func=forward_step,
             data_iterator=[iter(batches) for _ in self.chunks],  # each chunk reads every micro-batch
@@ -333,6 +343,8 @@ class Run:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         reported = self.schedule(forward_step, batches)
+        # Before the optimizer step, every main_grad-route loss must have had its backward.
+        self.outstanding += len(self.head.main_grad_outstanding())
         if after_backward is not None:
             after_backward()
         updated, _, _ = self.optimizer.step()
@@ -345,11 +357,18 @@ class Run:
         means /= parallel_state.get_data_parallel_world_size()
         return dict(zip(names, means.tolist(), strict=True))
 
+    def main_grad_scale(self, scale: float) -> Optional[float]:
+        """``scale``, what the loss will be multiplied by, on the main-grad path (the fused head adds
+        the output weight's gradient into ``main_grad`` in the forward); ``None`` on the others."""
+        return scale if self.loss_path == "main-grad" else None
+
     # Forward-step functions for the schedule: (batch iterator, model chunk) -> (output, loss function).
     def sft_forward_step(self, iterator, model):
         batch = next(iterator)
-        if self.loss_path == "three-gemm":
-            self.head.declare_loss_weights(batch["loss_mask"])
+        if self.loss_path in ("three-gemm", "main-grad"):
+            # sft_loss's sum over the token count, which the schedule divides by the micro-batches.
+            scale = 1.0 / (self.num_microbatches * batch["tokens"])
+            self.head.declare_loss_weights(batch["loss_mask"], main_grad_scale=self.main_grad_scale(scale))
         inputs = (batch["input_ids"], batch["position_ids"], batch["attention_mask"])
         per_token_loss = model(*inputs, labels=batch["labels"])
         return per_token_loss, functools.partial(sft_loss, batch["loss_mask"])
@@ -362,7 +381,7 @@ class Run:
     def rl_forward_step(self, iterator, model):
         batch = next(iterator)
         output = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"])
-        loss = self.head_policy_loss if self.loss_path == "three-gemm" else self.policy_loss
+        loss = self.policy_loss if self.loss_path == "logprobs" else self.head_policy_loss
         return output, functools.partial(loss, batch)
 
     def rollout_logprobs(self, batch, output, non_loss_data=False):
@@ -394,8 +413,9 @@ class Run:
             "weight": losses.token_mean_weights(response),
         }
         result = self.head.loss(
-            output, batch["labels"], POLICY_LOSS, loss_inputs=inputs, mask=response, temperature=TEMPERATURE
-        )
+            output, batch["labels"], POLICY_LOSS, loss_inputs=inputs, mask=response, temperature=TEMPERATURE,
+            main_grad_scale=self.main_grad_scale(1.0 / self.num_microbatches),
+        )  # fmt: skip
         ratio = torch.exp(result.logprob - old_logprob)
         return result.loss, policy_metrics(result.loss, ratio, result.entropy, response)
 
@@ -502,6 +522,7 @@ class Run:
                 "peak_extra_bytes": None if peak is None else peak - allocated_before,
             }
             self.check_parameters(record, phase)
+        record["main_grad_outstanding"] = self.outstanding
         return record
 
     def sft_step(self, step: int, batches, after_backward=None) -> Dict[str, float]:
@@ -562,7 +583,9 @@ def compare_runs(ranks: List[dict]) -> tuple:
     failures = []
     for record in ranks:
         if record["recomputed"]:
-            failures.append(f"rank {record['rank']}: a backward of the fused run recomputed the logits")
+            failures.append(
+                f"rank {record['rank']}: a backward of the fused run recomputed the logits or corrected main_grad"
+            )
         for grads in record["gradient_differences"]:
             tolerance = GRAD_NOISE_FACTOR * grads["reference"] + GRAD_NOISE_FLOOR
             if not grads["fused"] <= tolerance:
@@ -572,6 +595,8 @@ def compare_runs(ranks: List[dict]) -> tuple:
                 )
         for run in record["runs"]:
             where = f"rank {record['rank']} run {run['name']}"
+            if run["main_grad_outstanding"]:
+                failures.append(f"{where}: {run['main_grad_outstanding']} main_grad-route losses lacked their backward")
             for check, sentence in (("tied_equal", "tied copies differ"), ("replicas_equal", "DP replicas differ")):
                 failures += [f"{where}: {sentence} at {moment}" for moment, equal in run[check].items() if not equal]
             gradient = run["head_gradient"]

@@ -14,6 +14,7 @@ import contextlib
 import copy
 import functools
 import threading
+import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -136,7 +137,7 @@ class _Patch:
         if self.head._stock_logits_on():
             return self.stock(self.layer, "forward")(input_, weight=weight, runtime_gather_output=runtime_gather_output)
         hidden, call = project_input(self.layer, self.tp_group, input_, weight, self.head.name)
-        origin = provenance.Origin(self.head, call, hidden.shape[-1], hidden.device)
+        origin = provenance.Origin(weakref.ref(self.head), self.head.name, call, hidden.shape[-1], hidden.device)
         self.head._thread.origin = origin
         return provenance.traced(hidden, call.weight, origin), None
 
@@ -387,14 +388,14 @@ class FusedLMHead:
 
     def _own(self, origin: provenance.Origin, caller: str) -> provenance.Origin:
         """``origin`` if this head's forward made it, else an error naming both models."""
-        if origin.head is not self and origin.head.name == self.name:
+        if origin.head is not self and origin.head_name == self.name:
             raise RuntimeError(
                 f"{caller}: this tensor was made by a forward of {self.name} under an earlier wrap_model of it, "
                 "whose head no longer computes: run the forward again"
             )
         if origin.head is not self:
             raise RuntimeError(
-                f"{caller}: this tensor was made by a forward of {origin.head.name}, another wrapped model, not of "
+                f"{caller}: this tensor was made by a forward of {origin.head_name}, another wrapped model, not of "
                 f"{self.name}, whose head this is: give it to the head of the model that made it"
             )
         return origin
@@ -430,7 +431,7 @@ class FusedLMHead:
         )
         if not candidates:
             raise RuntimeError(f"{unlinked}, and no forward's output is alive; pass what the wrapped model returned")
-        names = sorted({origin.head.name for origin in candidates})
+        names = sorted({origin.head_name for origin in candidates})
         raise RuntimeError(
             f"{unlinked}, and forwards of {', '.join(names)} whose outputs are alive could have made it; pass the "
             "output itself or a view of it, or copy it with gradients on"

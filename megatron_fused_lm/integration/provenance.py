@@ -11,13 +11,17 @@ calls. Each fused forward's ``Origin`` is attached two ways:
   ``.detach()``) that shares it is recognized too.
 
 A forward's ``Origin`` lives as long as its output's storage or its graph node does (the registry
-forgets it at its next use once neither is alive). ``FusedLMHead._call_for`` says what the head
-does when nothing establishes the origin.
+forgets it at its next use, or the garbage collector's next pass, once neither is alive). It holds
+its head weakly: hidden states kept past their model, or a registry entry not yet forgotten, do
+not keep the model alive. ``FusedLMHead._call_for`` says what the head does when nothing
+establishes the origin.
 """
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, List, Optional, Set
 
@@ -27,13 +31,20 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 @dataclass(frozen=True, eq=False)
 class Origin:
-    """One fused forward of one head: ``call`` is what its output-layer call used (the head's
-    ``HeadCall``), ``hidden_size`` and ``device`` those of the hidden states it returned."""
+    """One fused forward of one head: ``head_ref`` a weak reference to the ``FusedLMHead`` whose
+    patch ran it and ``head_name`` that head's name, ``call`` what its output-layer call used (the
+    head's ``HeadCall``), ``hidden_size`` and ``device`` those of the hidden states it returned."""
 
-    head: Any  # the FusedLMHead whose patch ran the forward
+    head_ref: weakref.ref
+    head_name: str
     call: Any
     hidden_size: int
     device: torch.device
+
+    @property
+    def head(self) -> Any:
+        """The head, or ``None`` once it is gone (a head that is gone computes nothing)."""
+        return self.head_ref()
 
 
 class _Traced(torch.autograd.Function):
@@ -72,6 +83,19 @@ def _live_entries() -> List[_Entry]:
     """The entries whose output is still alive; the others are forgotten. Caller holds the lock."""
     _entries[:] = [entry for entry in _entries if not entry.storage.expired()]
     return _entries
+
+
+def _forget_expired(phase: str, info: dict) -> None:
+    """After each garbage collection, the entries of outputs no longer alive (their calls hold the
+    output weights), unless the lock is held: the collection then ran inside a registry call."""
+    if phase == "stop" and _lock.acquire(blocking=False):
+        try:
+            _live_entries()
+        finally:
+            _lock.release()
+
+
+gc.callbacks.append(_forget_expired)
 
 
 # A compiled model runs these eagerly, between its graphs: they touch a lock and weak references.
@@ -132,4 +156,8 @@ def live_origins(hidden_size: int, device: torch.device) -> List[Origin]:
     establishes."""
     with _lock:
         origins = [entry.origin for entry in _live_entries()]
-    return [origin for origin in origins if (origin.hidden_size, origin.device) == (hidden_size, device)]
+    return [
+        origin
+        for origin in origins
+        if (origin.hidden_size, origin.device) == (hidden_size, device) and origin.head is not None
+    ]

@@ -22,7 +22,8 @@ gradient must agree:
 Then what the head refuses, each with an error that says why: another wrapped model's output
 (with and without gradients), a copy whose origin nothing establishes while two models' outputs
 are alive, and a tensor no live forward could have made; the stock logits handed to the fused
-head are named as logits. Once outputs are freed the head keeps nothing of their forwards.
+head are named as logits. Once outputs are freed the head keeps nothing of their forwards, and a
+model dropped with its head is freed at the next collection, an output of it kept or not.
 
 Tolerances as in test_integration_parity (float32 on both sides, measured errors about 2e-6): 2e-5
 absolute on per-token values and 5e-5 of the largest entry of each stock gradient. A forward
@@ -223,14 +224,18 @@ def check_refusals(model, batches, label):
         logits = harness.forward(model, b)
     expect_error(ValueError, ("looks like logits", "logits_logprob"), policy_head.logprobs, logits, targets)
 
-    # Freed outputs leave nothing behind: once the next forward has run, a model dropped with its
-    # head and output is gone, and nothing could have made a tensor.
+    # Freed outputs leave nothing behind: a model dropped with its head is gone at the next
+    # collection, with no other forward run since, even while an output of its no_grad forward is
+    # kept (which then belongs to no live head); once that is freed too, nothing could have made a
+    # tensor.
     reference_alive = weakref.ref(reference)
+    kept = reference_output
     del policy_output, reference_output, copied, logits, reference, reference_head
-    with torch.no_grad():
-        harness.forward(model, a)
     gc.collect()
-    assert reference_alive() is None, f"{label}: a freed forward kept its model alive"
+    assert reference_alive() is None, f"{label}: a dropped model stayed alive behind its head's forwards"
+    expect_error(RuntimeError, ("another wrapped model", names[1]), policy_head.logprobs, kept, targets)
+    del kept
+    gc.collect()
     stray = torch.randn(harness.BATCH, harness.SEQ, harness.HIDDEN)
     expect_error(RuntimeError, ("nothing links", "no forward's output is alive"), policy_head.logprobs, stray, targets)
     unwrap_model(model)

@@ -1,0 +1,120 @@
+"""What the fused head saves on one training step of a model of users' size, on one GPU: a bf16
+Megatron-Core GPTModel with hidden 4096 and a 151936-row head (``--layers`` transformer layers: the
+head's cost does not grow with depth, so its share of a deeper model's step follows from the
+figures), in Float16Module, DDP and Megatron's Adam, stepped through ``get_forward_backward_func``
+exactly as ``real_training.py`` steps it, one micro-batch of ``--tokens`` tokens a step (rows of
+``--seq`` tokens: Megatron's local layer spec, the one that runs here, materializes each layer's
+attention scores, so longer rows would take the memory the comparison is about).
+
+- SFT: the labels path, the mean token loss; stock, and fused with the loss mask declared (three
+  GEMMs).
+- RL: ``head.loss`` with ``losses.ClippedPolicyLoss`` (entropy bonus, k3 KL) on the second half of
+  each sequence; stock computes it on the logits, fused by three GEMMs.
+
+Per run: the median step time after ``--warmup`` steps, the step's peak allocation beyond what was
+allocated before it, and the head alone (``real_training.head_ms``: the same ops on one micro-batch
+of the step's shape, forward and backward) with its share of the step.
+
+    python benchmarks/bench_model_step.py --json OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+from typing import Optional
+
+import torch
+from real_training import SIZES, Training, free_port, head_ms, micro_batches
+
+from devkit import distributed, measure
+from devkit.megatron_gpt import GPTShape
+
+RUNS = (("stock", False, "stock"), ("fused", True, "three-gemm"))
+
+
+def step_size(tokens: int, seq: int, layers: int, hidden: int):
+    """``real_training``'s GPU size reshaped to one micro-batch of ``tokens`` in rows of ``seq``:
+    RL rows of the same length, the second half of each the response."""
+    rows = max(1, tokens // seq)
+    shape = GPTShape(hidden=hidden, heads=max(1, hidden // 128), layers=layers, vocab=151936, seq=seq, micro_batch=rows)
+    return dataclasses.replace(
+        SIZES["gpu"], shape=shape, micro_batches=1, prompts=rows, samples=1, prompt_tokens=seq // 2,
+        completion_tokens=seq - seq // 2 + 1,
+    )  # fmt: skip
+
+
+def measure_run(size, device, fused: bool, loss_path: str, warmup: int, repeats: int) -> dict:
+    training = Training(size, device, fused, loss_path)
+    generator = torch.Generator().manual_seed(0)
+    rows = size.shape.micro_batch
+    windows = torch.randint(0, size.shape.vocab, (rows, size.shape.seq + 1), generator=generator)
+    response = torch.zeros(rows, size.shape.seq)
+    response[:, size.prompt_tokens - 1 :] = 1.0
+    sft_batches = [micro_batches(windows, device)]
+    rl_batch = micro_batches(windows, device, response)
+    rl_batch["old_logprob"] = training.logprobs(training.head, training.model, rl_batch)
+    rl_batch["ref_logprob"] = rl_batch["old_logprob"] - 0.01
+    rl_batch["advantages"] = torch.randn(rows, size.shape.seq, generator=generator).to(device)
+    record = {}
+    for phase, forward_step, batches in (
+        ("sft", training.sft_forward_step, sft_batches),
+        ("rl", training.rl_forward_step, [rl_batch]),
+    ):
+        steps = [training.step(forward_step, batches) for _ in range(warmup + repeats)][warmup:]
+        step_ms = statistics.median(values["step_ms"] for values in steps)
+        head = head_ms(training, loss_path, size, device, phase)
+        record[phase] = dict(
+            step_ms=step_ms,
+            step_extra_bytes=largest(values["step_extra_bytes"] for values in steps),
+            peak_bytes=largest(values["peak_bytes"] for values in steps),
+            head_ms=head,
+            head_share=head / step_ms,
+        )
+    del training
+    measure.release_memory()
+    return record
+
+
+def largest(values) -> Optional[int]:
+    """The largest of the steps' byte counts; ``None`` where the device counts none (the CPU)."""
+    return max((value for value in values if value is not None), default=None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="8192,16384", help="tokens per micro-batch, comma-separated")
+    parser.add_argument("--seq", type=int, default=2048, help="tokens per row")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=4096, help="a smaller one for a CPU dry run")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    for name, value in dict(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    ).items():
+        os.environ.setdefault(name, value)
+    device = distributed.init_distributed(1)
+    rows = []
+    try:
+        for tokens in (int(value) for value in args.tokens.split(",")):
+            size = step_size(tokens, args.seq, args.layers, args.hidden)
+            for name, fused, loss_path in RUNS:
+                record = measure_run(size, device, fused, loss_path, args.warmup, args.repeats)
+                rows.append(
+                    dict(tokens=tokens, seq=args.seq, layers=args.layers, hidden=args.hidden, run=name, **record)
+                )
+                distributed.log(json.dumps(rows[-1]))
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump({"meta": measure.environment(device, torch.bfloat16), "rows": rows}, handle, indent=1)
+    finally:
+        distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -13,7 +13,9 @@ attention scores, so longer rows would take the memory the comparison is about).
 
 Per run: the median step time after ``--warmup`` steps, the step's peak allocation beyond what was
 allocated before it, and the head alone (``real_training.head_ms``: the same ops on one micro-batch
-of the step's shape, forward and backward) with its share of the step.
+of the step's shape, forward and backward) with its share of the step. Each run is a process of
+its own, so that no run's memory (the caching allocator's, Megatron's global buffers) reaches the
+next.
 
     python benchmarks/bench_model_step.py --json OUT.json
 """
@@ -25,6 +27,8 @@ import dataclasses
 import json
 import os
 import statistics
+import subprocess
+import sys
 from typing import Optional
 
 import torch
@@ -93,25 +97,40 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--case", default=None, help="TOKENS:RUN, one run in this process (what main starts)")
     args = parser.parse_args()
-    for name, value in dict(
+    if args.case is not None:
+        tokens, name = args.case.split(":")
+        print(json.dumps(run_case(int(tokens), name, args)))
+        return
+    rows = []
+    for tokens in args.tokens.split(","):
+        for name, *_ in RUNS:
+            command = [sys.executable, __file__, *sys.argv[1:], "--case", f"{tokens}:{name}"]
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                rows.append(dict(tokens=int(tokens), run=name, failed=done.stderr[-2000:]))
+            else:
+                rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(json.dumps(rows[-1])[:600], flush=True)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"meta": measure.environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+                                                   torch.bfloat16), "rows": rows}, handle, indent=1)  # fmt: skip
+
+
+def run_case(tokens: int, name: str, args) -> dict:
+    """One run's record, in this process (Megatron's groups set up and torn down here)."""
+    for key, value in dict(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
     ).items():
-        os.environ.setdefault(name, value)
+        os.environ.setdefault(key, value)
     device = distributed.init_distributed(1)
-    rows = []
     try:
-        for tokens in (int(value) for value in args.tokens.split(",")):
-            size = step_size(tokens, args.seq, args.layers, args.hidden)
-            for name, fused, loss_path in RUNS:
-                record = measure_run(size, device, fused, loss_path, args.warmup, args.repeats)
-                rows.append(
-                    dict(tokens=tokens, seq=args.seq, layers=args.layers, hidden=args.hidden, run=name, **record)
-                )
-                distributed.log(json.dumps(rows[-1]))
-        if args.json:
-            with open(args.json, "w") as handle:
-                json.dump({"meta": measure.environment(device, torch.bfloat16), "rows": rows}, handle, indent=1)
+        fused, loss_path = {run: (fused, path) for run, fused, path in RUNS}[name]
+        size = step_size(tokens, args.seq, args.layers, args.hidden)
+        record = measure_run(size, device, fused, loss_path, args.warmup, args.repeats)
+        return dict(tokens=tokens, seq=args.seq, layers=args.layers, hidden=args.hidden, run=name, **record)
     finally:
         distributed.shutdown()
 

@@ -17,7 +17,7 @@ of the step's shape, forward and backward) with its share of the step. Each run 
 its own, so that no run's memory (the caching allocator's, Megatron's global buffers) reaches the
 next.
 
-    python benchmarks/bench_model_step.py --json OUT.json
+    PYTHONPATH=.:benchmarks python benchmarks/bench_model_step.py --json OUT.json
 """
 
 from __future__ import annotations
@@ -108,15 +108,18 @@ def main() -> None:
         for name, *_ in RUNS:
             command = [sys.executable, __file__, *sys.argv[1:], "--case", f"{tokens}:{name}"]
             done = subprocess.run(command, capture_output=True, text=True)
-            if done.returncode != 0:
+            lines = done.stdout.strip().splitlines()
+            if done.returncode != 0 or not lines:
                 rows.append(dict(tokens=int(tokens), run=name, failed=done.stderr[-2000:]))
             else:
-                rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+                rows.append(json.loads(lines[-1]))
             print(json.dumps(rows[-1])[:600], flush=True)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"meta": measure.environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"),
                                                    torch.bfloat16), "rows": rows}, handle, indent=1)  # fmt: skip
+    if any("failed" in row for row in rows):
+        sys.exit(1)
 
 
 def run_case(tokens: int, name: str, args) -> dict:

@@ -388,6 +388,11 @@ class FusedLMHead:
 
     def _own(self, origin: provenance.Origin, caller: str) -> provenance.Origin:
         """``origin`` if this head's forward made it, else an error naming both models."""
+        if origin.head is None:
+            raise RuntimeError(
+                f"{caller}: this tensor was made by a forward of {origin.head_name}, whose head is gone (the model "
+                "was dropped): no other head computes it"
+            )
         if origin.head is not self and origin.head_name == self.name:
             raise RuntimeError(
                 f"{caller}: this tensor was made by a forward of {self.name} under an earlier wrap_model of it, "
@@ -422,7 +427,8 @@ class FusedLMHead:
         """A live forward that could have made ``output``, whose origin nothing establishes, where
         every such forward computes alike without a graph (one model, one output weight)."""
         candidates = provenance.live_origins(output.shape[-1], output.device)
-        if len({(id(origin.head), *origin.call.key()) for origin in candidates}) == 1:
+        # The weak reference, not the head: one whose head is gone could still have made the tensor.
+        if len({(id(origin.head_ref), *origin.call.key()) for origin in candidates}) == 1:
             return candidates[-1]
         unlinked = (
             f"{caller}: nothing links this tensor (shape {tuple(output.shape)}) to the forward that made it: no graph "

@@ -85,9 +85,11 @@ def _live_entries() -> List[_Entry]:
     return _entries
 
 
+@torch.compiler.disable
 def _forget_expired(phase: str, info: dict) -> None:
     """After each garbage collection, the entries of outputs no longer alive (their calls hold the
-    output weights), unless the lock is held: the collection then ran inside a registry call."""
+    output weights), unless the lock is held (the collection ran inside a registry call, or another
+    thread is in one: the next use forgets them)."""
     if phase == "stop" and _lock.acquire(blocking=False):
         try:
             _live_entries()
@@ -151,13 +153,9 @@ def storage_origin(tensor: torch.Tensor) -> Optional[Origin]:
 
 
 def live_origins(hidden_size: int, device: torch.device) -> List[Origin]:
-    """The origins of every forward (of any head) whose output is still alive, with hidden states of
-    this size on this device: the forwards that could have made a tensor whose origin nothing
-    establishes."""
+    """The origins of every forward (of any head, alive or not) whose output is still alive, with
+    hidden states of this size on this device: the forwards that could have made a tensor whose
+    origin nothing establishes."""
     with _lock:
         origins = [entry.origin for entry in _live_entries()]
-    return [
-        origin
-        for origin in origins
-        if (origin.hidden_size, origin.device) == (hidden_size, device) and origin.head is not None
-    ]
+    return [origin for origin in origins if (origin.hidden_size, origin.device) == (hidden_size, device)]

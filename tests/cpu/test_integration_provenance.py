@@ -38,7 +38,7 @@ import torch
 
 from devkit import megatron_gpt as harness
 from megatron_fused_lm import losses
-from megatron_fused_lm.integration import FusedLMConfig, unwrap_model, wrap_model
+from megatron_fused_lm.integration import FusedLMConfig, provenance, unwrap_model, wrap_model
 
 VALUE_ATOL = 2e-5
 GRAD_RTOL = 5e-5
@@ -233,9 +233,17 @@ def check_refusals(model, batches, label):
     del policy_output, reference_output, copied, logits, reference, reference_head
     gc.collect()
     assert reference_alive() is None, f"{label}: a dropped model stayed alive behind its head's forwards"
-    expect_error(RuntimeError, ("another wrapped model", names[1]), policy_head.logprobs, kept, targets)
-    del kept
+    expect_error(RuntimeError, ("whose head is gone", names[1]), policy_head.logprobs, kept, targets)
+    # A copy of that output while a policy output is alive too: nothing links it, and the dropped
+    # model's forward could have made it as well as the policy's (not computed with the policy's
+    # weights).
+    with torch.no_grad():
+        copied, policy_alive = kept.clone(), harness.forward(model, a)
+    expect_error(RuntimeError, ("nothing links", "could have made it"), policy_head.logprobs, copied, targets)
+    del kept, copied, policy_alive
     gc.collect()
+    # The collection itself forgets the expired entries (their calls hold the output weights).
+    assert not any(entry.storage.expired() for entry in provenance._entries), label
     stray = torch.randn(harness.BATCH, harness.SEQ, harness.HIDDEN)
     expect_error(RuntimeError, ("nothing links", "no forward's output is alive"), policy_head.logprobs, stray, targets)
     unwrap_model(model)

@@ -60,12 +60,12 @@ def shard_top_keys(
     """``(stats [n, 4] float32, keys [n, k] int64)``: the softmax statistics and the ``k`` largest
     keys of ``rows`` (the first ``rows``, or those indices), one chunk of them at a time from their
     float32 logits ``block_logits(chunk)`` (a slice or indices): every backend's torch form."""
-    index = torch.arange(rows, device=device) if isinstance(rows, int) else rows
-    keys = torch.empty(index.shape[0], k, dtype=torch.int64, device=device)
-    stats = torch.empty(index.shape[0], NUM_STATISTICS, dtype=torch.float32, device=device)
-    no_target = torch.full((index.shape[0],), -1, dtype=torch.int64, device=device)
-    for chunk in token_chunks(index.shape[0], rows_per_chunk):
-        logits = block_logits(chunk if isinstance(rows, int) else index[chunk])
+    count = rows if isinstance(rows, int) else rows.shape[0]
+    keys = torch.empty(count, k, dtype=torch.int64, device=device)
+    stats = torch.empty(count, NUM_STATISTICS, dtype=torch.float32, device=device)
+    no_target = torch.full((count,), -1, dtype=torch.int64, device=device)
+    for chunk in token_chunks(count, rows_per_chunk):
+        logits = block_logits(chunk if isinstance(rows, int) else rows[chunk])
         stats[chunk] = block_statistics(logits, no_target[chunk])
         keys[chunk] = chunk_top_keys(logits, first_id, k)
     return stats, keys

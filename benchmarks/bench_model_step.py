@@ -26,13 +26,14 @@ import argparse
 import dataclasses
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
 from typing import Optional
 
 import torch
-from real_training import SIZES, Training, free_port, head_ms, micro_batches
+from real_training import SIZES, Training, head_ms, micro_batches
 
 from devkit import distributed, measure
 from devkit.megatron_gpt import GPTShape
@@ -49,6 +50,12 @@ def step_size(tokens: int, seq: int, layers: int, hidden: int):
         SIZES["gpu"], shape=shape, micro_batches=1, prompts=rows, samples=1, prompt_tokens=seq // 2,
         completion_tokens=seq - seq // 2 + 1,
     )  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def measure_run(size, device, fused: bool, loss_path: str, warmup: int, repeats: int) -> dict:

@@ -1,40 +1,41 @@
-"""Fused equals stock on a real training run: a Megatron-Core GPTModel trained on real text with a
-byte-level BPE tokenizer of production size, SFT then GRPO-style RL, the LM head stock and fused.
+"""Fused trains like stock on a real run: Megatron-Core GPTModels trained on real code with a
+byte-level BPE of production size, SFT then GRPO-style RL, the LM head stock and fused, with the
+noise between stock runs of different seeds as the band the fused runs must stay inside.
 
-    python benchmarks/real_training.py --json docs/real_training/real_training_h100.json    # one GPU
-    python benchmarks/real_training.py --size cpu --json out.json                             # a CPU dry run
-    python benchmarks/report_training.py docs/real_training/real_training_h100.json            # the plots
+    python benchmarks/real_training.py --out runs/ --runs stock_seed0,stock_seed1,stock_seed2,three_gemm
+    python benchmarks/real_training.py --out runs2/ --runs recompute,main_grad        # another call
+    python benchmarks/real_training.py --compare runs/ runs2/ --json docs/real_training/real_training_h100.json
+    python benchmarks/report_training.py docs/real_training/real_training_h100.json   # the plots
+    python benchmarks/real_training.py --size cpu --out /tmp/runs --compare /tmp/runs --json out.json  # CPU
 
-1. Data: the Python files of the running interpreter's standard library (nobody here wrote them, and
-   every machine has them), split by file: a file whose path hashes to 0 mod 20 is held out.
-2. Tokenizer: a byte-level BPE vocabulary trained with ``tokenizers`` on the training files, every
-   merge the files allow up to the size's target (151936 on a GPU; merges stop at word bounds, so
-   the files give fewer); the model's head has the target's rows (a multiple of 128, as Megatron
-   pads), a production model's size, the rows beyond the trained vocabulary taking part in the
-   softmax as Megatron's padding rows do.
-3. SFT: a bf16 GPTModel (Megatron's local spec) in Float16Module and Megatron-Core's DDP with
-   Megatron's Adam, trained through ``get_forward_backward_func`` on the labels path, every run
-   from the same seed and the same data order: ``stock``; ``fused`` (the three-GEMM labels path,
-   ``declare_loss_weights``); ``recompute`` (the fused head without a declaration: four GEMMs);
-   ``reference`` (stock with every initial weight moved by about one bf16 rounding: how far two
-   equally valid runs drift apart). Every EVAL_EVERY steps: the held-out loss, and the fraction of
-   held-out tokens whose probability exceeds 0.9 and 0.999.
-4. RL: from the stock run's SFT weights, GRPO-style on one fixed set of prompts (held-out code cut
-   mid-line, drawn once, so that the reward curve measures learning rather than which prompts a
-   rollout drew): several completions per prompt sampled from the policy's stock logits
-   (``head.stock_logits()``), the reward the share of the line's true rest that a completion
-   reproduces (its longest common prefix), advantages normalized per prompt; ``losses.ClippedPolicyLoss`` (clip 0.2 / 0.28, entropy bonus,
-   k3 KL against the SFT weights, whose log-probs come from a forward-only head of the run's kind),
-   token mean. ``stock`` and ``reference`` take ``head.loss`` on the logits, ``fused`` ``head.loss``
-   (three GEMMs), ``recompute`` ``head.logprobs`` and the same loss by hand (four GEMMs).
-5. Recorded per step: the loss (RL: reward, entropy, KL, clipped fraction, and the share of sampled
-   tokens whose probability exceeds 0.9 and 0.999 too), gradient norm, step time and the bytes the
-   step allocated beyond what it started with; per run and phase, the peak memory and the head's
-   share of the step (the head alone, timed at the step's shapes). The fused curves must stay within NOISE_FACTOR x the reference
-   run's largest distance from stock (plus NOISE_FLOOR); the JSON says where they do and do not.
+1. Data: the Python files of the interpreter's installed packages (site-packages: code nobody here
+   wrote; the CPU size takes the standard library), split by file: a file whose path hashes to 0
+   mod 20 is held out.
+2. Tokenizer: a byte-level BPE trained with ``tokenizers`` on a share of the training files chosen
+   by path hash, every merge up to the size's target (151936 on a GPU); the head has the target's
+   rows (a multiple of 128, as Megatron pads).
+3. Runs, each in its own process on its own GPUs (``--out`` starts them side by side, the corpus
+   built once): ``stock_seed<k>``, stock heads from initial seed k, the band; ``three_gemm``,
+   ``recompute``, ``main_grad``: fused heads from seed 0 (the labels path with
+   ``declare_loss_weights``; the fused head without a declaration, four GEMMs; three GEMMs with the
+   weight gradient added into ``main_grad`` at the schedule's declared scale); ``tp2_*``: the same
+   at TP=2 with sequence parallelism. Every run sees the same data in the same order.
+4. SFT: a bf16 GPTModel (Megatron's local spec) in Float16Module and Megatron-Core's DDP with
+   Megatron's Adam, through ``get_forward_backward_func`` on the labels path. Every EVAL_EVERY
+   steps: the held-out loss and the share of held-out tokens above probability 0.9 and 0.999.
+5. RL, from the run's own SFT weights: GRPO-style on one fixed set of prompts (held-out code cut
+   mid-line), several completions per prompt sampled from the policy's stock logits
+   (``head.stock_logits()``), the reward the share of the line's true rest a completion reproduces,
+   advantages normalized per prompt; ``losses.ClippedPolicyLoss`` with an entropy bonus and a k3
+   KL against the run's SFT weights, token mean: ``head.loss`` (three GEMMs when fused; the main_grad
+   run declares the schedule's scale), or ``head.logprobs`` and the loss by hand (recompute).
+6. Criterion (``--compare``), per curve: a fused run's largest distance from the stock run of its
+   seed and TP is no larger than the smallest such distance between two stock seeds; the final
+   held-out loss and the final reward (mean of the last FINAL_ROLLOUTS rollouts) lie inside the
+   stock seeds' range; no three-GEMM backward recomputed the logits or corrected main_grad; every
+   run saw the same tokens. Runs named twice (a replay in another call) are reported bitwise.
 
-The CPU size is a dry run of the same logic (a tiny model, a 512-token vocabulary, a few steps, the
-torch backend): ``tests/cpu/test_real_training.py`` runs it in CI.
+The CPU size runs the same logic at a tiny size (``tests/cpu/test_real_training.py``, in CI).
 """
 
 from __future__ import annotations
@@ -42,9 +43,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hashlib
+import itertools
+import json
 import os
-import socket
+import site
 import statistics
+import subprocess
+import sys
 import sysconfig
 import time
 import zlib
@@ -54,14 +60,8 @@ from typing import Dict, List, Optional
 import torch
 
 from devkit import distributed, measure
-from devkit.megatron_gpt import GPTShape, build_bf16_gpt, padded_vocab_size
-from devkit.megatron_training import (
-    RecomputeCounter,
-    megatron_training,
-    move_by_one_rounding,
-    set_learning_rate,
-    sft_loss,
-)
+from devkit.megatron_gpt import GPTShape, build_bf16_gpt, gather_vocabulary, padded_vocab_size
+from devkit.megatron_training import RecomputeCounter, megatron_training, set_learning_rate, sft_loss
 from megatron_fused_lm import (
     fused_linear_cross_entropy,
     fused_linear_logprob,
@@ -73,28 +73,47 @@ from megatron_fused_lm.integration import FusedLMConfig, wrap_model
 
 EOS = "<|endoftext|>"
 HELD_OUT_MODULUS = 20
-# Each run: (name, fused head, loss path, initial weights moved by one bf16 rounding).
-RUNS = (
-    ("stock", False, "stock", False),
-    ("fused", True, "three-gemm", False),
-    ("main_grad", True, "main-grad", False),
-    ("recompute", True, "recompute", False),
-    ("reference", False, "stock", True),
-)
-# The runs every comparison needs: RL starts from stock's SFT weights; the reference is the noise.
-REQUIRED_RUNS = ("stock", "reference")
+INITIAL_SEED = 1234  # seed k initializes the weights from INITIAL_SEED + k
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One training run: its initial seed, its head and loss path, its tensor parallelism."""
+
+    name: str
+    seed: int
+    fused: bool
+    loss_path: str  # stock | three-gemm | main-grad | recompute
+    tensor_parallel: int = 1
+
+
+RUNS = {
+    run.name: run
+    for run in (
+        *(Run(f"stock_seed{seed}", seed, False, "stock") for seed in range(5)),
+        Run("three_gemm", 0, True, "three-gemm"),
+        Run("recompute", 0, True, "recompute"),
+        Run("main_grad", 0, True, "main-grad"),
+        *(Run(f"tp2_stock_seed{seed}", seed, False, "stock", 2) for seed in range(3)),
+        Run("tp2_three_gemm", 0, True, "three-gemm", 2),
+        Run("tp2_main_grad", 0, True, "main-grad", 2),
+    )
+}
 # A small entropy bonus: at 0.01 it outweighs the reward's gradient here and the entropy climbs.
 CLIP_LOW, CLIP_HIGH, ENTROPY_COEF, KL_COEF = 0.2, 0.28, 0.001, 0.05
 POLICY_LOSS = losses.ClippedPolicyLoss(
     clip_low=CLIP_LOW, clip_high=CLIP_HIGH, entropy_coef=ENTROPY_COEF, kl_coef=KL_COEF, kl_estimator="k3"
 )
-NOISE_FACTOR, NOISE_FLOOR = 3.0, 0.02
 WARMUP_STEPS = 3
+FINAL_ROLLOUTS = 4  # the final reward: the mean of the last rollouts' (one rollout's is 128 samples)
+CONFIDENT_SHARE = 0.30  # the GPU size's target: held-out tokens above probability 0.9 before RL
+# The curves the criterion covers, per phase.
+CURVES = {"sft": ("loss", "held_out_loss", "p_over_0.9"), "rl": ("reward", "entropy", "kl", "loss")}
 
 
 @dataclasses.dataclass(frozen=True)
 class Size:
-    """A run's sizes: the model, the steps and the RL rollouts."""
+    """A run's sizes: the corpus, the model, the steps and the RL rollouts."""
 
     shape: GPTShape  # its vocab is the tokenizer's target
     micro_batches: int
@@ -108,26 +127,30 @@ class Size:
     prompts: int
     samples: int
     prompt_tokens: int
-    completion_tokens: int
+    completion_tokens: int  # prompt + completion - 1 positions, a multiple of the TP size
+    corpus: str  # site-packages | stdlib
     max_files: Optional[int]  # training files read (None: all)
+    tokenizer_share: int  # the tokenizer trains on the training files whose path hash is 1 mod this
 
 
 SIZES = {
     "gpu": Size(
-        GPTShape(hidden=1024, heads=16, layers=8, vocab=151936, seq=2048, micro_batch=4),
-        micro_batches=2,
-        sft_steps=300,
-        sft_learning_rate=6e-4,
-        eval_every=25,
-        eval_sequences=4,
-        rl_steps=60,
+        GPTShape(hidden=1024, heads=16, layers=6, vocab=151936, seq=1024, micro_batch=8),
+        micro_batches=4,
+        sft_steps=700,
+        sft_learning_rate=1e-3,
+        eval_every=50,
+        eval_sequences=64,
+        rl_steps=40,
         rl_learning_rate=5e-5,
         updates_per_rollout=2,
         prompts=16,
         samples=8,
         prompt_tokens=96,
-        completion_tokens=16,
+        completion_tokens=17,
+        corpus="site-packages",
         max_files=None,
+        tokenizer_share=4,
     ),
     "cpu": Size(
         GPTShape(hidden=64, heads=4, layers=2, vocab=512, seq=64, micro_batch=2),
@@ -142,8 +165,10 @@ SIZES = {
         prompts=4,
         samples=4,
         prompt_tokens=24,
-        completion_tokens=6,
+        completion_tokens=7,
+        corpus="stdlib",
         max_files=60,
+        tokenizer_share=1,
     ),
 }
 
@@ -158,23 +183,45 @@ class Corpus:
     stats: dict
 
 
-def stdlib_files(max_files: Optional[int]) -> tuple[list, list]:
-    """The standard library's Python files (site-packages aside), training and held-out."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    paths = sorted(path for path in root.rglob("*.py") if "site-packages" not in path.parts)
-    held_out = [path for path in paths if zlib.crc32(str(path.relative_to(root)).encode()) % HELD_OUT_MODULUS == 0]
-    train = [path for path in paths if path not in set(held_out)]
-    if max_files is not None:
-        train, held_out = train[:max_files], held_out[: max(4, max_files // 10)]
+def corpus_roots(kind: str) -> List[Path]:
+    """Where the corpus's files lie: the interpreter's package directories, or its standard library."""
+    if kind == "stdlib":
+        return [Path(sysconfig.get_paths()["stdlib"])]
+    found = [*site.getsitepackages(), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    roots = sorted({Path(path).resolve() for path in found if Path(path).is_dir()})
+    # A directory inside another would give its files twice.
+    return [root for root in roots if not any(other != root and other in root.parents for other in roots)]
+
+
+def corpus_files(size: Size) -> tuple[list, list]:
+    """``(train, held_out)``: ``(relative path, path)`` pairs of the corpus's Python files, split by
+    the relative path's hash (site-packages' within the standard library are left out of it)."""
+    files = []
+    for root in corpus_roots(size.corpus):
+        for path in root.rglob("*.py"):
+            if size.corpus == "stdlib" and "site-packages" in path.parts:
+                continue
+            if path.is_file():
+                files.append((str(path.relative_to(root)), path))
+    files.sort()
+    held_out = [entry for entry in files if zlib.crc32(entry[0].encode()) % HELD_OUT_MODULUS == 0]
+    train = [entry for entry in files if zlib.crc32(entry[0].encode()) % HELD_OUT_MODULUS != 0]
+    if size.max_files is not None:
+        train, held_out = train[: size.max_files], held_out[: max(4, size.max_files // 10)]
     return train, held_out
 
 
 def build_corpus(size: Size) -> Corpus:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    train_paths, held_out_paths = stdlib_files(size.max_files)
-    read = lambda paths: [path.read_text(encoding="utf-8", errors="replace") for path in paths]  # noqa: E731
-    train_texts, held_out_texts = read(train_paths), read(held_out_paths)
+    train_files, held_out_files = corpus_files(size)
+    read = lambda files: [path.read_text(encoding="utf-8", errors="replace") for _, path in files]  # noqa: E731
+    train_texts, held_out_texts = read(train_files), read(held_out_files)
+    tokenizer_texts = [
+        text
+        for (name, _), text in zip(train_files, train_texts, strict=True)
+        if zlib.crc32(name.encode()) % size.tokenizer_share == 1 % size.tokenizer_share
+    ]
     start = time.perf_counter()
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -186,29 +233,53 @@ def build_corpus(size: Size) -> Corpus:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(train_texts, trainer=trainer)
+    tokenizer.train_from_iterator(tokenizer_texts, trainer=trainer)
     trained_s = time.perf_counter() - start
     eos = tokenizer.token_to_id(EOS)
 
     def stream(texts):
-        ids = []
-        for encoding in tokenizer.encode_batch(texts):
-            ids.extend(encoding.ids)
-            ids.append(eos)
-        return torch.tensor(ids, dtype=torch.long)
+        ids = [torch.tensor(encoding.ids + [eos], dtype=torch.int32) for encoding in tokenizer.encode_batch(texts)]
+        return torch.cat(ids).long()
 
+    start = time.perf_counter()
     train, held_out = stream(train_texts), stream(held_out_texts)
+    digest = hashlib.sha256(train.int().numpy().tobytes())
+    digest.update(held_out.int().numpy().tobytes())
     stats = dict(
-        train_files=len(train_paths),
-        held_out_files=len(held_out_paths),
+        roots=[str(root) for root in corpus_roots(size.corpus)],
+        train_files=len(train_files),
+        held_out_files=len(held_out_files),
         train_bytes=sum(len(text.encode()) for text in train_texts),
+        held_out_bytes=sum(len(text.encode()) for text in held_out_texts),
+        tokenizer_bytes=sum(len(text.encode()) for text in tokenizer_texts),
         train_tokens=train.numel(),
         held_out_tokens=held_out.numel(),
         tokenizer_vocab=tokenizer.get_vocab_size(),
         model_vocab=padded_vocab_size(size.shape.vocab, 1),
         tokenizer_seconds=trained_s,
+        encode_seconds=time.perf_counter() - start,
+        tokens_sha256=digest.hexdigest(),
     )
     return Corpus(tokenizer, train, held_out, stats)
+
+
+def save_corpus(corpus: Corpus, path: Path) -> None:
+    torch.save(
+        {
+            "tokenizer": corpus.tokenizer.to_str(),
+            "train": corpus.train,
+            "held_out": corpus.held_out,
+            "stats": corpus.stats,
+        },
+        path,
+    )
+
+
+def load_corpus(path: Path) -> Corpus:
+    from tokenizers import Tokenizer
+
+    saved = torch.load(path)
+    return Corpus(Tokenizer.from_str(saved["tokenizer"]), saved["train"], saved["held_out"], saved["stats"])
 
 
 def sequences(stream: torch.Tensor, seq: int, seed: Optional[int]) -> torch.Tensor:
@@ -233,19 +304,27 @@ def micro_batches(windows: torch.Tensor, device: torch.device, loss_mask: Option
     )
 
 
+def build_model(size: Size, device: torch.device, seed: int):
+    """The run's bf16 GPTModel from initial seed ``seed``, sequence parallel under tensor parallelism."""
+    from megatron.core import parallel_state
+
+    sequence_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
+    return build_bf16_gpt(size.shape, device, tied=False, sequence_parallel=sequence_parallel, seed=INITIAL_SEED + seed)
+
+
 class Training:
     """One run: the model, its DDP and optimizer, the head, the schedule."""
 
-    def __init__(self, size: Size, device: torch.device, fused: bool, loss_path: str, state=None, perturbed=False):
+    def __init__(self, size: Size, device: torch.device, fused: bool, loss_path: str, state=None, seed: int = 0):
+        from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.size, self.device, self.loss_path = size, device, loss_path
         self.num_microbatches = 1
-        self.gpt = build_bf16_gpt(size.shape, device, tied=False, sequence_parallel=False, seed=1234)
+        self.tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
+        self.gpt = build_model(size, device, seed)
         if state is not None:
             self.gpt.load_state_dict(state)
-        if perturbed:
-            move_by_one_rounding(self.gpt)
         self.chunks, self.optimizer = megatron_training([self.gpt], device, size.sft_learning_rate)
         self.model = self.chunks[0]
         self.head = wrap_model(self.chunks, FusedLMConfig(enabled=fused, backend="auto"))
@@ -300,10 +379,16 @@ class Training:
         return per_token, functools.partial(sft_loss, batch["loss_mask"])
 
     @torch.no_grad()
-    def evaluate(self, batch: Dict) -> Dict[str, float]:
-        """The held-out mean token loss and the fraction of tokens above probability 0.9 and 0.999."""
-        output = self.model(batch["input_ids"], batch["position_ids"], batch["attention_mask"])
-        logprob = self.head.logprobs(output, batch["labels"])
+    def evaluate(self, batches: List[Dict]) -> Dict[str, float]:
+        """The held-out mean token loss and the share of tokens above probability 0.9 and 0.999."""
+        logprob = torch.cat(
+            [
+                self.head.logprobs(
+                    self.model(batch["input_ids"], batch["position_ids"], batch["attention_mask"]), batch["labels"]
+                ).flatten()
+                for batch in batches
+            ]
+        )
         probability = logprob.exp()
         return {
             "held_out_loss": -logprob.mean().item(),
@@ -358,9 +443,12 @@ class Training:
         with self.head.stock_logits():
             for _ in range(self.size.completion_tokens):
                 length = tokens.shape[1]
-                batch = micro_batches(torch.cat([tokens, tokens[:, -1:]], dim=1), self.device)
-                logits = self.model(batch["input_ids"], batch["position_ids"], batch["attention_mask"])[:, -1]
-                probabilities = torch.softmax(logits[:, :vocab].float(), dim=-1)
+                # Inputs padded on the right to a multiple of the TP size (sequence parallelism
+                # splits them); causal attention keeps the padding out of the last real position.
+                padding = -length % self.tensor_parallel + 1
+                batch = micro_batches(torch.cat([tokens] + [tokens[:, -1:]] * padding, dim=1), self.device)
+                shard = self.model(batch["input_ids"], batch["position_ids"], batch["attention_mask"])[:, length - 1]
+                probabilities = torch.softmax(gather_vocabulary(shard)[:, :vocab].float(), dim=-1)
                 next_token = torch.multinomial(probabilities, 1, generator=generator)
                 tokens = torch.cat([tokens, next_token], dim=1)
                 assert tokens.shape[1] == length + 1
@@ -414,12 +502,19 @@ def rewards(corpus: Corpus, completions: torch.Tensor, truths: List[str], size: 
     return torch.tensor(values)
 
 
-def run_sft(name, fused, loss_path, perturbed, size, corpus, device) -> tuple[dict, dict]:
-    """One SFT run: its record, and its final weights (on the CPU)."""
-    training = Training(size, device, fused, loss_path, perturbed=perturbed)
+def held_out_batches(corpus: Corpus, size: Size, device: torch.device) -> List[Dict]:
+    """``eval_sequences`` windows spread evenly over the held-out stream, in micro-batches."""
+    windows = sequences(corpus.held_out, size.shape.seq, None)
+    chosen = torch.linspace(0, windows.shape[0] - 1, min(size.eval_sequences, windows.shape[0])).long()
+    return [micro_batches(part, device) for part in windows[chosen].split(size.shape.micro_batch)]
+
+
+def run_sft(run: Run, size: Size, corpus: Corpus, device: torch.device) -> tuple[dict, dict]:
+    """One SFT run: its record, and its final weights (this rank's shard, on the CPU)."""
+    training = Training(size, device, run.fused, run.loss_path, seed=run.seed)
     windows = sequences(corpus.train, size.shape.seq, seed=0)
     per_step = size.micro_batches * size.shape.micro_batch
-    held_out = micro_batches(sequences(corpus.held_out, size.shape.seq, None)[: size.eval_sequences], device)
+    held_out = held_out_batches(corpus, size, device)
     curves: Dict[str, list] = {}
     evaluations: Dict[str, list] = {"step": []}
     for step in range(size.sft_steps):
@@ -433,29 +528,36 @@ def run_sft(name, fused, loss_path, perturbed, size, corpus, device) -> tuple[di
             evaluations["step"].append(step)
             for key, value in training.evaluate(held_out).items():
                 evaluations.setdefault(key, []).append(value)
+            distributed.log(
+                f"sft {run.name} step {step}: loss {curves['loss'][-1]:.3f}, held-out "
+                f"{evaluations['held_out_loss'][-1]:.3f}, p>0.9 {evaluations['p_over_0.9'][-1]:.3f}, "
+                f"{curves['step_ms'][-1]:.0f} ms"
+            )
     record = phase_record(curves)
     record["eval"] = evaluations
-    record["head_ms"] = head_ms(training, loss_path, size, device, "sft")
-    record["head_share"] = record["head_ms"] * size.micro_batches / record["median_step_ms"]
+    record["head_ms"] = head_ms(training, run.loss_path, size, device, "sft")
+    record["head_share"] = (
+        None if record["head_ms"] is None else record["head_ms"] * size.micro_batches / record["median_step_ms"]
+    )
     state = {  # Megatron's extra-state entries are not tensors
         key: value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
         for key, value in training.gpt.state_dict().items()
     }
     distributed.log(
-        f"sft {name}: loss {curves['loss'][0]:.3f} -> {curves['loss'][-1]:.3f}, held-out "
-        f"{evaluations['held_out_loss'][-1]:.3f}, p>0.9 {evaluations['p_over_0.9'][-1]:.2f}, "
-        f"{record['median_step_ms']:.1f} ms/step, head {record['head_share']:.0%}"
+        f"sft {run.name}: loss {curves['loss'][0]:.3f} -> {curves['loss'][-1]:.3f}, held-out "
+        f"{evaluations['held_out_loss'][-1]:.3f}, p>0.9 {evaluations['p_over_0.9'][-1]:.3f}, "
+        f"{record['median_step_ms']:.1f} ms/step"
     )
     return record, state
 
 
-def run_rl(name, fused, loss_path, perturbed, size, corpus, device, state) -> dict:
-    """One RL run from the SFT weights ``state``."""
-    training = Training(size, device, fused, loss_path, state=state, perturbed=perturbed)
+def run_rl(run: Run, size: Size, corpus: Corpus, device: torch.device, state: dict) -> dict:
+    """One RL run from the SFT weights ``state``, the KL term against them."""
+    training = Training(size, device, run.fused, run.loss_path, state=state, seed=run.seed)
     set_learning_rate(training.optimizer, size.rl_learning_rate)
-    reference_gpt = build_bf16_gpt(size.shape, device, tied=False, sequence_parallel=False, seed=1234)
+    reference_gpt = build_model(size, device, run.seed)
     reference_gpt.load_state_dict(state)
-    reference_head = wrap_model(reference_gpt, FusedLMConfig(enabled=fused, backend="auto"))
+    reference_head = wrap_model(reference_gpt, FusedLMConfig(enabled=run.fused, backend="auto"))
     vocab = corpus.stats["tokenizer_vocab"]
     curves: Dict[str, list] = {}
     batches: List[Dict] = []
@@ -485,10 +587,12 @@ def run_rl(name, fused, loss_path, perturbed, size, corpus, device, state) -> di
         for key, value in values.items():
             curves.setdefault(key, []).append(value)
     record = phase_record(curves)
-    record["head_ms"] = head_ms(training, loss_path, size, device, "rl")
-    record["head_share"] = record["head_ms"] * len(batches) / record["median_step_ms"]
+    record["head_ms"] = head_ms(training, run.loss_path, size, device, "rl")
+    record["head_share"] = (
+        None if record["head_ms"] is None else record["head_ms"] * len(batches) / record["median_step_ms"]
+    )
     distributed.log(
-        f"rl {name}: reward {curves['reward'][0]:.3f} -> {curves['reward'][-1]:.3f}, entropy "
+        f"rl {run.name}: reward {curves['reward'][0]:.3f} -> {curves['reward'][-1]:.3f}, entropy "
         f"{curves['entropy'][0]:.3f} -> {curves['entropy'][-1]:.3f}, {record['median_step_ms']:.1f} ms/update"
     )
     return record
@@ -527,13 +631,17 @@ def phase_record(curves: Dict[str, list]) -> dict:
     }
 
 
-def head_ms(training: Training, loss_path: str, size: Size, device: torch.device, phase: str) -> float:
+def head_ms(training: Training, loss_path: str, size: Size, device: torch.device, phase: str) -> Optional[float]:
     """Forward + backward of the head alone on one micro-batch of the phase's shape, by the ops the
     run's step takes: stock, the output layer's product and Megatron's cross-entropy (SFT) or
     ``logits_loss`` on the response rows (RL); fused, ``fused_linear_cross_entropy`` or
     ``fused_linear_loss`` (three GEMMs), or ``fused_linear_logprob`` and the loss (recompute), on
-    the same rows (the main_grad run's ops are the three-GEMM ones)."""
+    the same rows (the main_grad run's ops are the three-GEMM ones). ``None`` under tensor
+    parallelism (the ops would need the TP group; the step times say what the head costs there)."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    if training.tensor_parallel > 1:
+        return None
 
     loss_path = "three-gemm" if loss_path == "main-grad" else loss_path
 
@@ -599,99 +707,238 @@ def series(record: dict, name: str) -> torch.Tensor:
     return torch.tensor(record["curves"][name] if name in record["curves"] else record["eval"][name])
 
 
-def compare(records: Dict[str, dict], phase: str, names: List[str]) -> tuple[dict, List[str]]:
-    """Per curve: each fused run's largest distance from stock against the noise reference's."""
-    summary, failures = {}, []
-    for name in names:
-        stock = series(records["stock"], name)
-        noise = (series(records["reference"], name) - stock).abs().max().item()
-        tolerance = NOISE_FACTOR * noise + NOISE_FLOOR
-        entry = {"reference_max_difference": noise, "tolerance": tolerance}
-        for run in (run for run in records if run not in REQUIRED_RUNS):
-            difference = (series(records[run], name) - stock).abs().max().item()
-            entry[f"{run}_max_difference"] = difference
-            if not difference <= tolerance:
-                failures.append(f"{phase} {name}: {run} differs from stock by {difference:.3g} > {tolerance:.3g}")
-        summary[name] = entry
+def final_values(record: dict, size: dict) -> Dict[str, float]:
+    """A run's final held-out loss (its last evaluation) and final reward (the mean over its last
+    FINAL_ROLLOUTS rollouts)."""
+    rewards = record["rl"]["curves"]["reward"][-FINAL_ROLLOUTS * size["updates_per_rollout"] :]
+    return {"held_out_loss": record["sft"]["eval"]["held_out_loss"][-1], "reward": sum(rewards) / len(rewards)}
+
+
+def criterion(records: Dict[str, dict]) -> tuple[dict, List[str]]:
+    """The comparison of ``records`` (run name: the run's JSON), per tensor-parallel size: per curve
+    the band (the smallest largest-distance between two stock seeds) and each fused run's largest
+    distance from the stock run of its seed; the final values against the stock seeds' range; the
+    share of confident held-out tokens before RL. Returns the summary and the failures."""
+    failures = []
+    if len({record["corpus"]["tokens_sha256"] for record in records.values()}) > 1:
+        failures.append("the runs did not all see the same tokens")
+    for name, record in records.items():
+        if record["recomputed"] and record["run"]["loss_path"] in ("three-gemm", "main-grad"):
+            failures.append(f"{name}: a backward recomputed the logits or corrected main_grad")
+    summary = {}
+    for tensor_parallel in sorted({record["run"]["tensor_parallel"] for record in records.values()}):
+        group = {
+            name: record for name, record in records.items() if record["run"]["tensor_parallel"] == tensor_parallel
+        }
+        label = f"tp{tensor_parallel}"
+        stock = {record["run"]["seed"]: name for name, record in group.items() if record["run"]["loss_path"] == "stock"}
+        fused = [name for name, record in group.items() if record["run"]["loss_path"] != "stock"]
+        sizes = {json.dumps(record["size"], sort_keys=True) for record in group.values()}
+        if len(sizes) > 1:
+            failures.append(f"{label}: the runs' sizes differ")
+            continue
+        if len(stock) < 2:
+            failures.append(f"{label}: a band needs two stock seeds, got {sorted(stock)}")
+            continue
+        size = next(iter(group.values()))["size"]
+        entry: dict = {"stock_seeds": sorted(stock), "fused": fused, "curves": {}, "final": {}}
+        for phase, names in CURVES.items():
+            for curve in names:
+                values = {name: series(group[name][phase], curve) for name in group}
+                pairs = {
+                    f"{first}-{second}": (values[first] - values[second]).abs().max().item()
+                    for first, second in itertools.combinations(stock.values(), 2)
+                }
+                band = min(pairs.values())
+                row = {"band": band, "stock_pairs": pairs}
+                for name in fused:
+                    same_seed = stock.get(group[name]["run"]["seed"])
+                    if same_seed is None:
+                        failures.append(f"{label} {name}: no stock run of its seed")
+                        continue
+                    distance = (values[name] - values[same_seed]).abs().max().item()
+                    row[name] = distance
+                    if not distance <= band:
+                        failures.append(
+                            f"{label} {phase} {curve}: {name} is {distance:.4g} from stock, band {band:.4g}"
+                        )
+                entry["curves"][f"{phase}/{curve}"] = row
+        finals = {name: final_values(record, size) for name, record in group.items()}
+        for quantity in ("held_out_loss", "reward"):
+            low = min(finals[name][quantity] for name in stock.values())
+            high = max(finals[name][quantity] for name in stock.values())
+            row = {"stock_range": [low, high], **{name: finals[name][quantity] for name in group}}
+            for name in fused:
+                if not low <= finals[name][quantity] <= high:
+                    failures.append(
+                        f"{label} final {quantity}: {name} {finals[name][quantity]:.4g} outside [{low:.4g}, {high:.4g}]"
+                    )
+            entry["final"][quantity] = row
+        entry["p_over_0.9_before_rl"] = {
+            name: record["sft"]["eval"]["p_over_0.9"][-1] for name, record in group.items()
+        }
+        summary[label] = entry
     return summary, failures
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def merge(directories: List[str]) -> tuple[Dict[str, dict], dict]:
+    """The run records of ``directories`` (``<run>.json``), and for a run found twice (a replay in a
+    later call) whether the replay's curves equal the first's bit for bit and their largest distance."""
+    records: Dict[str, dict] = {}
+    replays = {}
+    for directory in directories:
+        for path in sorted(Path(directory).glob("*.json")):
+            if path.stem not in RUNS:
+                continue
+            record = json.loads(path.read_text())
+            if path.stem not in records:
+                records[path.stem] = record
+                continue
+            first = records[path.stem]
+            distances = {
+                f"{phase}/{curve}": (series(record[phase], curve) - series(first[phase], curve)).abs().max().item()
+                for phase, names in CURVES.items()
+                for curve in names
+            }
+            replays[path.stem] = {
+                "identical": all(value == 0 for value in distances.values()),
+                "max_difference": distances,
+                "devices": [first["environment"].get("device"), record["environment"].get("device")],
+            }
+    return records, replays
+
+
+def print_summary(summary: dict) -> None:
+    for label, entry in summary.items():
+        print(f"{label}: stock seeds {entry['stock_seeds']}; fused {', '.join(entry['fused'])}")
+        for curve, row in entry["curves"].items():
+            distances = ", ".join(f"{name} {row[name]:.4g}" for name in entry["fused"] if name in row)
+            print(f"  {curve:<18} band {row['band']:.4g}: {distances}")
+        for quantity, row in entry["final"].items():
+            values = ", ".join(f"{name} {value:.4g}" for name, value in row.items() if name != "stock_range")
+            low, high = row["stock_range"]
+            print(f"  final {quantity:<12} stock [{low:.4g}, {high:.4g}]: {values}")
+        confident = ", ".join(f"{name} {value:.3f}" for name, value in entry["p_over_0.9_before_rl"].items())
+        print(f"  p>0.9 before RL: {confident}")
+
+
+def worker(run: Run, size_name: str, size: Size, out: Path) -> None:
+    """One run (a torchrun job of ``run.tensor_parallel`` processes): SFT, then RL from its weights;
+    writes ``out/<run>.json``."""
+    device = distributed.init_distributed(run.tensor_parallel)
+    recompute = RecomputeCounter()
+    try:
+        corpus = load_corpus(out / "corpus.pt")
+        sft, state = run_sft(run, size, corpus, device)
+        measure.release_memory()
+        rl = run_rl(run, size, corpus, device, state)
+        record = {
+            "run": dataclasses.asdict(run),
+            "size": dict(dataclasses.asdict(size), name=size_name),
+            "corpus": corpus.stats,
+            "sft": sft,
+            "rl": rl,
+            "recomputed": recompute.count,
+            "environment": distributed.environment(device),
+        }
+        distributed.write_json(str(out / f"{run.name}.json"), record)
+    finally:
+        distributed.shutdown()
+
+
+def launch(runs: List[Run], size_name: str, size: Size, out: Path, overrides: List[str]) -> List[str]:
+    """Build the corpus once into ``out``, then the runs side by side, each on GPUs of its own (on
+    the CPU one after another), each logging to ``out/<run>.log``; returns the failures."""
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    corpus = build_corpus(size)
+    save_corpus(corpus, out / "corpus.pt")
+    print(f"corpus in {time.perf_counter() - start:.0f} s: {corpus.stats}", flush=True)
+    gpus = torch.cuda.device_count()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))).split(",")
+    free = visible[:gpus] if gpus else ["cpu"]
+    pending, running, failures = list(runs), {}, []
+    for run in runs:
+        if gpus and run.tensor_parallel > gpus:
+            failures.append(f"{run.name}: needs {run.tensor_parallel} GPUs, {gpus} visible")
+            pending.remove(run)
+    while pending or running:
+        for run in list(pending):
+            needed = run.tensor_parallel if gpus else len(free) or 1
+            if len(free) < needed:
+                continue
+            devices, free = free[:needed], free[needed:]
+            env = dict(os.environ, PYTHONUNBUFFERED="1", **distributed.MULTICAST_OFF)
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+            command = [
+                sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={run.tensor_parallel}", __file__,
+                "--worker", run.name, "--size", size_name, "--out", str(out), *overrides,
+            ]  # fmt: skip
+            log = open(out / f"{run.name}.log", "w")  # noqa: SIM115 (closed when the run ends)
+            running[run.name] = (subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), devices, log)
+            print(f"started {run.name} on {','.join(devices)}", flush=True)
+            pending.remove(run)
+        for name, (process, devices, log) in list(running.items()):
+            if process.poll() is None:
+                continue
+            log.close()
+            free += devices
+            del running[name]
+            elapsed = time.perf_counter() - start
+            print(f"{name} exited {process.returncode} at {elapsed:.0f} s", flush=True)
+            if process.returncode != 0:
+                failures.append(f"{name} exited {process.returncode}; see {out / (name + '.log')}")
+        time.sleep(0.5)
+    return failures
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=SIZES, default="gpu" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--json", default="real_training.json")
+    parser.add_argument("--out", help="start the runs, writing <run>.json and <run>.log here")
+    parser.add_argument("--runs", help=f"comma-separated, of: {', '.join(RUNS)}")
+    parser.add_argument("--compare", nargs="+", metavar="DIR", help="apply the criterion to the runs in DIRs")
+    parser.add_argument("--json", help="where --compare writes the runs and the comparison")
     parser.add_argument("--sft-steps", type=int, help="override the size's")
     parser.add_argument("--rl-steps", type=int, help="override the size's")
-    parser.add_argument(
-        "--runs",
-        default=",".join(name for name, *_ in RUNS),
-        help=f"a comma-separated subset of the runs; {' and '.join(REQUIRED_RUNS)} always run",
-    )
+    parser.add_argument("--worker", choices=RUNS, help=argparse.SUPPRESS)  # one run, started by --out
     args = parser.parse_args()
-    chosen = set(args.runs.split(",")) | set(REQUIRED_RUNS)
-    unknown = chosen - {name for name, *_ in RUNS}
-    if unknown:
-        parser.error(f"--runs: unknown {', '.join(sorted(unknown))}")
-    runs = [run for run in RUNS if run[0] in chosen]
-    size = SIZES[args.size]
     overrides = {key: value for key, value in (("sft_steps", args.sft_steps), ("rl_steps", args.rl_steps)) if value}
-    size = dataclasses.replace(size, **overrides)
-    for name, value in dict(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
-    ).items():
-        os.environ.setdefault(name, value)
-    device = distributed.init_distributed(1)
-    recompute = RecomputeCounter()
-    try:
-        corpus = build_corpus(size)
-        distributed.log(f"corpus: {corpus.stats}")
-        sft, states = {}, {}
-        for name, fused, loss_path, perturbed in runs:
-            sft[name], states[name] = run_sft(name, fused, loss_path, perturbed, size, corpus, device)
-            measure.release_memory()
-        # What SFT measured, kept should the RL phase not finish.
-        distributed.write_json(
-            args.json, {"size": dict(dataclasses.asdict(size), name=args.size), "corpus": corpus.stats, "sft": sft}
-        )
-        rl = {}
-        for name, fused, loss_path, perturbed in runs:
-            rl[name] = run_rl(name, fused, loss_path, perturbed, size, corpus, device, states["stock"])
-            measure.release_memory()
-        sft_summary, sft_failures = compare(sft, "sft", ["loss", "held_out_loss"])
-        rl_summary, rl_failures = compare(rl, "rl", ["reward", "entropy", "kl", "loss"])
-        failures = sft_failures + rl_failures
-        if recompute.count:
-            failures.append("a backward of a three-GEMM run recomputed the logits or corrected main_grad")
-        distributed.write_json(
-            args.json,
-            {
-                "size": dict(dataclasses.asdict(size), name=args.size),
-                "corpus": corpus.stats,
-                "sft": sft,
-                "rl": rl,
-                "comparison": {
-                    "sft": sft_summary,
-                    "rl": rl_summary,
-                    "noise_factor": NOISE_FACTOR,
-                    "noise_floor": NOISE_FLOOR,
-                },
-                "failures": failures,
-                "environment": distributed.environment(device),
-            },
-        )
-        for line in failures:
-            distributed.log(f"not within noise: {line}")
-        distributed.log("real_training: " + ("PASS" if not failures else "FAIL"))
-        if failures:
-            raise SystemExit(1)
-    finally:
-        distributed.shutdown()
+    size = dataclasses.replace(SIZES[args.size], **overrides)
+    if args.worker:
+        worker(RUNS[args.worker], args.size, size, Path(args.out))
+        return
+    if not (args.out or args.compare):
+        parser.error("give --out (start runs), --compare (compare runs) or both")
+    failures = []
+    if args.out:
+        if not args.runs:
+            parser.error("--out needs --runs")
+        unknown = set(args.runs.split(",")) - set(RUNS)
+        if unknown:
+            parser.error(f"--runs: unknown {', '.join(sorted(unknown))}")
+        forwarded = [item for key, value in overrides.items() for item in (f"--{key.replace('_', '-')}", str(value))]
+        runs = [RUNS[name] for name in args.runs.split(",")]
+        failures += launch(runs, args.size, size, Path(args.out), forwarded)
+    if args.compare:
+        records, replays = merge(args.compare)
+        summary, compared = criterion(records)
+        failures += compared
+        print_summary(summary)
+        for name, replay in replays.items():
+            print(f"replay of {name}: {'identical' if replay['identical'] else replay['max_difference']}")
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as handle:
+                payload = {"runs": records, "comparison": summary, "replays": replays, "failures": failures}
+                json.dump(payload, handle, indent=1)
+    for line in failures:
+        print(f"FAILED: {line}")
+    print("real_training: " + ("PASS" if not failures else "FAIL"), flush=True)
+    if failures:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

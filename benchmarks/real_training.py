@@ -137,9 +137,9 @@ SIZES = {
     "gpu": Size(
         GPTShape(hidden=1024, heads=16, layers=6, vocab=151936, seq=1024, micro_batch=8),
         micro_batches=4,
-        sft_steps=700,
+        sft_steps=1200,
         sft_learning_rate=1e-3,
-        eval_every=50,
+        eval_every=100,
         eval_sequences=64,
         rl_steps=40,
         rl_learning_rate=5e-5,
@@ -171,6 +171,8 @@ SIZES = {
         tokenizer_share=1,
     ),
 }
+# The GPU size shortened: the tensor-parallel runs, and a check that finishes in one 10-minute call.
+SIZES["gpu-short"] = dataclasses.replace(SIZES["gpu"], sft_steps=150, eval_every=50, rl_steps=10)
 
 
 @dataclasses.dataclass
@@ -781,16 +783,20 @@ def criterion(records: Dict[str, dict]) -> tuple[dict, List[str]]:
     return summary, failures
 
 
-def merge(directories: List[str]) -> tuple[Dict[str, dict], dict]:
-    """The run records of ``directories`` (``<run>.json``), and for a run found twice (a replay in a
-    later call) whether the replay's curves equal the first's bit for bit and their largest distance."""
+def merge(directories: List[str]) -> tuple[Dict[str, dict], dict, List[str]]:
+    """The run records of ``directories`` (``<run>.json``); for a run found twice (a replay in a
+    later call) whether the replay's curves equal the first's bit for bit and their largest
+    distance; and the records of runs that stopped before the end."""
     records: Dict[str, dict] = {}
-    replays = {}
+    replays, incomplete = {}, []
     for directory in directories:
         for path in sorted(Path(directory).glob("*.json")):
             if path.stem not in RUNS:
                 continue
             record = json.loads(path.read_text())
+            if record["rl"] is None:
+                incomplete.append(f"{path}: the run stopped before its RL phase ended")
+                continue
             if path.stem not in records:
                 records[path.stem] = record
                 continue
@@ -805,7 +811,7 @@ def merge(directories: List[str]) -> tuple[Dict[str, dict], dict]:
                 "max_difference": distances,
                 "devices": [first["environment"].get("device"), record["environment"].get("device")],
             }
-    return records, replays
+    return records, replays, incomplete
 
 
 def print_summary(summary: dict) -> None:
@@ -830,17 +836,19 @@ def worker(run: Run, size_name: str, size: Size, out: Path) -> None:
     try:
         corpus = load_corpus(out / "corpus.pt")
         sft, state = run_sft(run, size, corpus, device)
-        measure.release_memory()
-        rl = run_rl(run, size, corpus, device, state)
         record = {
             "run": dataclasses.asdict(run),
             "size": dict(dataclasses.asdict(size), name=size_name),
             "corpus": corpus.stats,
             "sft": sft,
-            "rl": rl,
+            "rl": None,  # what SFT measured is kept should RL not finish
             "recomputed": recompute.count,
             "environment": distributed.environment(device),
         }
+        distributed.write_json(str(out / f"{run.name}.json"), record)
+        measure.release_memory()
+        record["rl"] = run_rl(run, size, corpus, device, state)
+        record["recomputed"] = recompute.count
         distributed.write_json(str(out / f"{run.name}.json"), record)
     finally:
         distributed.shutdown()
@@ -923,9 +931,9 @@ def main() -> None:
         runs = [RUNS[name] for name in args.runs.split(",")]
         failures += launch(runs, args.size, size, Path(args.out), forwarded)
     if args.compare:
-        records, replays = merge(args.compare)
+        records, replays, incomplete = merge(args.compare)
         summary, compared = criterion(records)
-        failures += compared
+        failures += incomplete + compared
         print_summary(summary)
         for name, replay in replays.items():
             print(f"replay of {name}: {'identical' if replay['identical'] else replay['max_difference']}")

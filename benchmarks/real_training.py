@@ -61,7 +61,13 @@ import torch
 
 from devkit import distributed, measure
 from devkit.megatron_gpt import GPTShape, build_bf16_gpt, gather_vocabulary, padded_vocab_size
-from devkit.megatron_training import RecomputeCounter, megatron_training, set_learning_rate, sft_loss
+from devkit.megatron_training import (
+    RecomputeCounter,
+    megatron_training,
+    move_by_one_rounding,
+    set_learning_rate,
+    sft_loss,
+)
 from megatron_fused_lm import (
     fused_linear_cross_entropy,
     fused_linear_logprob,
@@ -78,13 +84,15 @@ INITIAL_SEED = 1234  # seed k initializes the weights from INITIAL_SEED + k
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """One training run: its initial seed, its head and loss path, its tensor parallelism."""
+    """One training run: its initial seed, its head and loss path, its tensor parallelism; a
+    ``moved`` run is the control: stock with every initial weight moved by about one bf16 rounding."""
 
     name: str
     seed: int
     fused: bool
     loss_path: str  # stock | three-gemm | main-grad | recompute
     tensor_parallel: int = 1
+    moved: bool = False
 
 
 RUNS = {
@@ -94,9 +102,11 @@ RUNS = {
         Run("three_gemm", 0, True, "three-gemm"),
         Run("recompute", 0, True, "recompute"),
         Run("main_grad", 0, True, "main-grad"),
+        Run("stock_seed0_moved", 0, False, "stock", moved=True),
         *(Run(f"tp2_stock_seed{seed}", seed, False, "stock", 2) for seed in range(3)),
         Run("tp2_three_gemm", 0, True, "three-gemm", 2),
         Run("tp2_main_grad", 0, True, "main-grad", 2),
+        Run("tp2_stock_seed0_moved", 0, False, "stock", 2, moved=True),
     )
 }
 # A small entropy bonus: at 0.01 it outweighs the reward's gradient here and the entropy climbs.
@@ -266,6 +276,8 @@ def build_corpus(size: Size) -> Corpus:
 
 
 def save_corpus(corpus: Corpus, path: Path) -> None:
+    """Written under another name, then renamed: a launcher waiting for ``path`` never reads half a file."""
+    partial = path.with_name(path.name + ".partial")
     torch.save(
         {
             "tokenizer": corpus.tokenizer.to_str(),
@@ -273,8 +285,9 @@ def save_corpus(corpus: Corpus, path: Path) -> None:
             "held_out": corpus.held_out,
             "stats": corpus.stats,
         },
-        path,
+        partial,
     )
+    partial.rename(path)
 
 
 def load_corpus(path: Path) -> Corpus:
@@ -317,7 +330,9 @@ def build_model(size: Size, device: torch.device, seed: int):
 class Training:
     """One run: the model, its DDP and optimizer, the head, the schedule."""
 
-    def __init__(self, size: Size, device: torch.device, fused: bool, loss_path: str, state=None, seed: int = 0):
+    def __init__(
+        self, size: Size, device: torch.device, fused: bool, loss_path: str, state=None, seed: int = 0, moved=False
+    ):
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -327,6 +342,8 @@ class Training:
         self.gpt = build_model(size, device, seed)
         if state is not None:
             self.gpt.load_state_dict(state)
+        if moved:
+            move_by_one_rounding(self.gpt)
         self.chunks, self.optimizer = megatron_training([self.gpt], device, size.sft_learning_rate)
         self.model = self.chunks[0]
         self.head = wrap_model(self.chunks, FusedLMConfig(enabled=fused, backend="auto"))
@@ -513,7 +530,7 @@ def held_out_batches(corpus: Corpus, size: Size, device: torch.device) -> List[D
 
 def run_sft(run: Run, size: Size, corpus: Corpus, device: torch.device) -> tuple[dict, dict]:
     """One SFT run: its record, and its final weights (this rank's shard, on the CPU)."""
-    training = Training(size, device, run.fused, run.loss_path, seed=run.seed)
+    training = Training(size, device, run.fused, run.loss_path, seed=run.seed, moved=run.moved)
     windows = sequences(corpus.train, size.shape.seq, seed=0)
     per_step = size.micro_batches * size.shape.micro_batch
     held_out = held_out_batches(corpus, size, device)
@@ -733,8 +750,13 @@ def criterion(records: Dict[str, dict]) -> tuple[dict, List[str]]:
             name: record for name, record in records.items() if record["run"]["tensor_parallel"] == tensor_parallel
         }
         label = f"tp{tensor_parallel}"
-        stock = {record["run"]["seed"]: name for name, record in group.items() if record["run"]["loss_path"] == "stock"}
+        stock = {
+            record["run"]["seed"]: name
+            for name, record in group.items()
+            if record["run"]["loss_path"] == "stock" and not record["run"]["moved"]
+        }
         fused = [name for name, record in group.items() if record["run"]["loss_path"] != "stock"]
+        controls = [name for name, record in group.items() if record["run"]["moved"]]
         sizes = {json.dumps(record["size"], sort_keys=True) for record in group.values()}
         if len(sizes) > 1:
             failures.append(f"{label}: the runs' sizes differ")
@@ -743,7 +765,7 @@ def criterion(records: Dict[str, dict]) -> tuple[dict, List[str]]:
             failures.append(f"{label}: a band needs two stock seeds, got {sorted(stock)}")
             continue
         size = next(iter(group.values()))["size"]
-        entry: dict = {"stock_seeds": sorted(stock), "fused": fused, "curves": {}, "final": {}}
+        entry: dict = {"stock_seeds": sorted(stock), "fused": fused, "controls": controls, "curves": {}, "final": {}}
         for phase, names in CURVES.items():
             for curve in names:
                 values = {name: series(group[name][phase], curve) for name in group}
@@ -753,14 +775,14 @@ def criterion(records: Dict[str, dict]) -> tuple[dict, List[str]]:
                 }
                 band = min(pairs.values())
                 row = {"band": band, "stock_pairs": pairs}
-                for name in fused:
+                for name in fused + controls:
                     same_seed = stock.get(group[name]["run"]["seed"])
                     if same_seed is None:
                         failures.append(f"{label} {name}: no stock run of its seed")
                         continue
                     distance = (values[name] - values[same_seed]).abs().max().item()
                     row[name] = distance
-                    if not distance <= band:
+                    if name in fused and not distance <= band:
                         failures.append(
                             f"{label} {phase} {curve}: {name} is {distance:.4g} from stock, band {band:.4g}"
                         )
@@ -818,7 +840,9 @@ def print_summary(summary: dict) -> None:
     for label, entry in summary.items():
         print(f"{label}: stock seeds {entry['stock_seeds']}; fused {', '.join(entry['fused'])}")
         for curve, row in entry["curves"].items():
-            distances = ", ".join(f"{name} {row[name]:.4g}" for name in entry["fused"] if name in row)
+            distances = ", ".join(
+                f"{name} {row[name]:.4g}" for name in entry["fused"] + entry["controls"] if name in row
+            )
             print(f"  {curve:<18} band {row['band']:.4g}: {distances}")
         for quantity, row in entry["final"].items():
             values = ", ".join(f"{name} {value:.4g}" for name, value in row.items() if name != "stock_range")
@@ -854,14 +878,23 @@ def worker(run: Run, size_name: str, size: Size, out: Path) -> None:
         distributed.shutdown()
 
 
-def launch(runs: List[Run], size_name: str, size: Size, out: Path, overrides: List[str]) -> List[str]:
-    """Build the corpus once into ``out``, then the runs side by side, each on GPUs of its own (on
-    the CPU one after another), each logging to ``out/<run>.log``; returns the failures."""
+def launch(
+    runs: List[Run], size_name: str, size: Size, out: Path, overrides: List[str], corpus_path: Optional[Path]
+) -> List[str]:
+    """Build the corpus into ``out`` (or link the one at ``corpus_path``, which another launcher of
+    the same corpus may still be writing), then start the runs side by side, each on GPUs of its own
+    (on the CPU one after another), each logging to ``out/<run>.log``; returns the failures."""
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    corpus = build_corpus(size)
-    save_corpus(corpus, out / "corpus.pt")
-    print(f"corpus in {time.perf_counter() - start:.0f} s: {corpus.stats}", flush=True)
+    if corpus_path is None:
+        corpus = build_corpus(size)
+        save_corpus(corpus, out / "corpus.pt")
+        print(f"corpus in {time.perf_counter() - start:.0f} s: {corpus.stats}", flush=True)
+    else:
+        while not corpus_path.exists():
+            time.sleep(1)
+        (out / "corpus.pt").unlink(missing_ok=True)
+        (out / "corpus.pt").symlink_to(corpus_path.resolve())
     gpus = torch.cuda.device_count()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))).split(",")
     free = visible[:gpus] if gpus else ["cpu"]
@@ -909,6 +942,7 @@ def main() -> None:
     parser.add_argument("--runs", help=f"comma-separated, of: {', '.join(RUNS)}")
     parser.add_argument("--compare", nargs="+", metavar="DIR", help="apply the criterion to the runs in DIRs")
     parser.add_argument("--json", help="where --compare writes the runs and the comparison")
+    parser.add_argument("--corpus", type=Path, help="a corpus.pt that another launcher of this corpus writes")
     parser.add_argument("--sft-steps", type=int, help="override the size's")
     parser.add_argument("--rl-steps", type=int, help="override the size's")
     parser.add_argument("--worker", choices=RUNS, help=argparse.SUPPRESS)  # one run, started by --out
@@ -929,7 +963,7 @@ def main() -> None:
             parser.error(f"--runs: unknown {', '.join(sorted(unknown))}")
         forwarded = [item for key, value in overrides.items() for item in (f"--{key.replace('_', '-')}", str(value))]
         runs = [RUNS[name] for name in args.runs.split(",")]
-        failures += launch(runs, args.size, size, Path(args.out), forwarded)
+        failures += launch(runs, args.size, size, Path(args.out), forwarded, args.corpus)
     if args.compare:
         records, replays, incomplete = merge(args.compare)
         summary, compared = criterion(records)

@@ -131,7 +131,7 @@ def weighted(values: Sequence[torch.Tensor], seed: int) -> torch.Tensor:
 
 def skyrl_algorithm(**overrides):
     """SkyRL's ``trainer.algorithm`` fields the policy-loss recipe reads (dual clip, KL and entropy on)."""
-    from examples.integrations import skyrl
+    from megatron_fused_lm.recipes import skyrl
 
     correction = SimpleNamespace(**dict.fromkeys(skyrl.OFF_POLICY_CORRECTION_OPTIONS))
     values = dict(
@@ -164,7 +164,7 @@ def skyrl_policy_oracle(logprob, entropy, inputs, loss_mask, algorithm, correcti
 def slime_args(temperature: float, *flags: str) -> argparse.Namespace:
     """slime's ``args``: the recipe's flags parsed as slime parses them, and the slime settings the
     recipes read (GRPO with dual clip, KL (k3) and entropy terms)."""
-    from examples.integrations import slime
+    from megatron_fused_lm.recipes import slime
 
     args = slime.add_fused_lm_arguments(argparse.ArgumentParser()).parse_args(list(flags))
     args.__dict__.update(

@@ -1,7 +1,7 @@
 """docs/INTEGRATIONS.md shows the recipes as they are, and its configuration examples switch the fused
 head on where they say they do:
 
-1. every ``python`` block is verbatim in one of ``examples/integrations/*.py`` (which
+1. every ``python`` block is verbatim in one of ``megatron_fused_lm/recipes/*.py`` (which
    test_recipes.py and test_skyrl_parity.py run), and every recipe module is shown;
 2. every ``yaml`` block starts with the ``from_trainer_config`` call its trainer makes, naming the
    ``section=`` it reads; read there, the block enables the fused head with the backend it sets;
@@ -16,12 +16,12 @@ from pathlib import Path
 
 import yaml
 
-from examples.integrations import slime
+from megatron_fused_lm.recipes import slime
 from megatron_fused_lm import FusedLMConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENT = (ROOT / "docs" / "INTEGRATIONS.md").read_text()
-RECIPES = {path.stem: path.read_text() for path in (ROOT / "examples" / "integrations").glob("*.py")}
+RECIPES = {path.stem: path.read_text() for path in (ROOT / "megatron_fused_lm" / "recipes").glob("*.py")}
 SECTION_COMMENT = re.compile(r'# FusedLMConfig\.from_trainer_config\(config, section="([^"]+)"\)')
 
 
@@ -34,7 +34,7 @@ def test_python_blocks_are_the_recipes_code():
     shown = set()
     for block in blocks("python"):
         modules = [name for name, source in RECIPES.items() if block in source]
-        assert modules, f"a block is not in examples/integrations verbatim:\n{block[:400]}"
+        assert modules, f"a block is not in megatron_fused_lm/recipes verbatim:\n{block[:400]}"
         shown.update(modules)
     assert shown == set(RECIPES) - {"__init__"}, f"recipe modules the document does not show: {set(RECIPES) - shown}"
 

@@ -1,4 +1,4 @@
-"""The trainer recipes of docs/INTEGRATIONS.md (``examples/integrations``) on a real Megatron-Core
+"""The trainer recipes of docs/INTEGRATIONS.md (``megatron_fused_lm.recipes``) on a real Megatron-Core
 GPTModel, TP=2 with sequence parallelism (the layout SkyRL and verl default to), each fed a
 micro-batch laid out as its trainer lays it out: SkyRL's padded rows and packed rows with their
 action window, verl's packed rows with shifted labels and per-row temperatures, slime's samples end to
@@ -46,7 +46,7 @@ from devkit.rollouts import (
     stock_rows,
     weighted,
 )
-from examples.integrations import nemo_rl, skyrl, slime, verl
+from megatron_fused_lm.recipes import nemo_rl, skyrl, slime, verl
 from megatron_fused_lm import FusedLMConfig, unwrap_model
 
 VALUE_ATOL = 2e-5

@@ -34,7 +34,7 @@ from megatron.core import parallel_state
 from devkit import megatron_gpt as harness
 from devkit.oracle import logprob_entropy, policy_loss_inputs
 from devkit.rollouts import OpsHead, slime_args, slime_policy_oracle, slime_sample_mean
-from examples.integrations import nemo_rl, slime
+from megatron_fused_lm.recipes import nemo_rl, slime
 from megatron_fused_lm import context_parallel_positions
 
 CP = 2

@@ -1,4 +1,4 @@
-"""The fused head's SkyRL recipe (``examples/integrations/skyrl.py``) against SkyRL 0.3.0's own
+"""The fused head's SkyRL recipe (``megatron_fused_lm/recipes/skyrl.py``) against SkyRL 0.3.0's own
 functions, on identical inputs shaped by SkyRL's own code, on a real GPTModel with TP=2 and sequence
 parallelism (SkyRL turns it on whenever TP > 1), temperature 0.8:
 
@@ -57,7 +57,7 @@ from devkit.rollouts import (
     skyrl_policy_oracle,
     weighted,
 )
-from examples.integrations import skyrl
+from megatron_fused_lm.recipes import skyrl
 from megatron_fused_lm import FusedLMConfig, unwrap_model
 
 SKYRL_VERSION = "0.3.0"

@@ -1,11 +1,11 @@
-"""Fused trains like stock on a real run: Megatron-Core GPTModels trained on real code with a
+"""Fused against stock on a real run: Megatron-Core GPTModels trained on real code with a
 byte-level BPE of production size, SFT then GRPO-style RL, the LM head stock and fused, with the
-noise between stock runs of different seeds as the band the fused runs must stay inside.
+spread between stock runs of different initial seeds as the noise band.
 
     python benchmarks/real_training.py --out runs/ --runs stock_seed0,stock_seed1,stock_seed2,three_gemm
     python benchmarks/real_training.py --out runs2/ --runs recompute,main_grad        # another call
-    python benchmarks/real_training.py --compare runs/ runs2/ --json docs/real_training/real_training_h100.json
-    python benchmarks/report_training.py docs/real_training/real_training_h100.json   # the plots
+    python benchmarks/real_training.py --compare runs/ runs2/ --json benchmarks/results/real_training_h100.json
+    python benchmarks/report_training.py benchmarks/results/real_training_h100.json --out docs/real_training
     python benchmarks/real_training.py --size cpu --out /tmp/runs --compare /tmp/runs --json out.json  # CPU
 
 1. Data: the Python files of the interpreter's installed packages (site-packages: code nobody here
@@ -29,11 +29,15 @@ noise between stock runs of different seeds as the band the fused runs must stay
    advantages normalized per prompt; ``losses.ClippedPolicyLoss`` with an entropy bonus and a k3
    KL against the run's SFT weights, token mean: ``head.loss`` (three GEMMs when fused; the main_grad
    run declares the schedule's scale), or ``head.logprobs`` and the loss by hand (recompute).
-6. Criterion (``--compare``), per curve: a fused run's largest distance from the stock run of its
-   seed and TP is no larger than the smallest such distance between two stock seeds; the final
-   held-out loss and the final reward (mean of the last FINAL_ROLLOUTS rollouts) lie inside the
-   stock seeds' range; no three-GEMM backward recomputed the logits or corrected main_grad; every
-   run saw the same tokens. Runs named twice (a replay in another call) are reported bitwise.
+6. Comparison (``--compare``; ``criterion`` has the details). Reported per curve: the band (the
+   smallest largest-distance between two stock seeds), each fused and control run's largest
+   distance from the stock run of its seed and TP, and whether it lies within the band; the final
+   held-out loss and reward (mean of the last FINAL_ROLLOUTS rollouts) against the seeds' range.
+   Gates (exit status): every run saw the same tokens; a fused run's head logged no warning (no
+   fallback, no correcting pass); over the SFT warm-up a fused run's loss lies within the seeds'
+   band of that window; its final values lie inside the seeds' 95 % prediction interval. The gates
+   catch gross errors only (docs/BENCHMARKS.md, section 8, says why the band criterion is not
+   one). Runs named twice (a replay in another call) are reported bitwise.
 
 The CPU size runs the same logic at a tiny size (``tests/cpu/test_real_training.py``, in CI).
 """
@@ -115,7 +119,9 @@ POLICY_LOSS = losses.ClippedPolicyLoss(
     clip_low=CLIP_LOW, clip_high=CLIP_HIGH, entropy_coef=ENTROPY_COEF, kl_coef=KL_COEF, kl_estimator="k3"
 )
 WARMUP_STEPS = 3
+CORPUS_WAIT_S = 600  # --corpus: how long to wait for the other launcher's corpus
 FINAL_ROLLOUTS = 4  # the final reward: the mean of the last rollouts' (one rollout's is 128 samples)
+CONTROL_FACTOR = 10.0  # the warm-up gate with a control: an order of magnitude past one rounding's effect
 CONFIDENT_SHARE = 0.30  # the GPU size's target: held-out tokens above probability 0.9 before RL
 # The curves the criterion covers, per phase.
 CURVES = {"sft": ("loss", "held_out_loss", "p_over_0.9"), "rl": ("reward", "entropy", "kl", "loss")}
@@ -346,7 +352,9 @@ class Training:
             move_by_one_rounding(self.gpt)
         self.chunks, self.optimizer = megatron_training([self.gpt], device, size.sft_learning_rate)
         self.model = self.chunks[0]
-        self.head = wrap_model(self.chunks, FusedLMConfig(enabled=fused, backend="auto"))
+        # Triton where it runs; on the CPU the torch backend by name (auto would warn of its fallback).
+        self.backend = "auto" if device.type == "cuda" else "torch"
+        self.head = wrap_model(self.chunks, FusedLMConfig(enabled=fused, backend=self.backend))
         self.forward_backward = get_forward_backward_func()
 
     def schedule(self, forward_step, batches: List[Dict], forward_only: bool = False):
@@ -428,7 +436,9 @@ class Training:
         if self.tensor_parallel > 1:
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
             group = parallel_state.get_tensor_model_parallel_group()
-        return fused_linear_logprob(hidden.transpose(0, 1), layer.weight, batch["labels"], tp_group=group)
+        return fused_linear_logprob(
+            hidden.transpose(0, 1), layer.weight, batch["labels"], tp_group=group, backend=self.backend
+        )
 
     # RL
     def rl_forward_step(self, iterator, model):
@@ -591,7 +601,7 @@ def run_rl(run: Run, size: Size, corpus: Corpus, device: torch.device, state: di
     set_learning_rate(training.optimizer, size.rl_learning_rate)
     reference_gpt = build_model(size, device, run.seed)
     reference_gpt.load_state_dict(state)
-    reference_head = wrap_model(reference_gpt, FusedLMConfig(enabled=run.fused, backend="auto"))
+    reference_head = wrap_model(reference_gpt, FusedLMConfig(enabled=run.fused, backend=training.backend))
     vocab = corpus.stats["tokenizer_vocab"]
     curves: Dict[str, list] = {}
     batches: List[Dict] = []
@@ -705,19 +715,19 @@ def head_ms(training: Training, loss_path: str, size: Size, device: torch.device
             loss = vocab_parallel_cross_entropy(hidden @ weight.t(), targets).sum()  # upcasts inside
         elif phase == "sft" and loss_path == "three-gemm":
             loss = fused_linear_cross_entropy(
-                hidden, weight, targets, torch.ones(rows, length, device=device), backend="auto"
+                hidden, weight, targets, torch.ones(rows, length, device=device), backend=training.backend
             ).sum()
         elif phase == "sft":
-            loss = -fused_linear_logprob(hidden, weight, targets, backend="auto").sum()
+            loss = -fused_linear_logprob(hidden, weight, targets, backend=training.backend).sum()
         elif loss_path == "stock":
             loss = logits_loss(hidden @ weight.t(), targets, POLICY_LOSS, loss_inputs=inputs, mask=response).loss
         elif loss_path == "three-gemm":
             loss = fused_linear_loss(
-                hidden, weight, targets, POLICY_LOSS, loss_inputs=inputs, mask=response, backend="auto"
+                hidden, weight, targets, POLICY_LOSS, loss_inputs=inputs, mask=response, backend=training.backend
             ).loss
         else:
             logprob, entropy = fused_linear_logprob(
-                hidden, weight, targets, return_entropy=True, mask=response, backend="auto"
+                hidden, weight, targets, return_entropy=True, mask=response, backend=training.backend
             )
             loss = response_policy_loss(logprob, entropy, inputs, response)
         loss.backward()
@@ -760,6 +770,13 @@ def final_values(record: dict, size: dict) -> Dict[str, float]:
     return {"held_out_loss": record["sft"]["eval"]["held_out_loss"][-1], "reward": sum(rewards) / len(rewards)}
 
 
+def reward_gain(record: dict, size: dict) -> float:
+    """The mean reward of a run's last FINAL_ROLLOUTS rollouts less that of its first."""
+    rewards = record["rl"]["curves"]["reward"]
+    window = FINAL_ROLLOUTS * size["updates_per_rollout"]
+    return sum(rewards[-window:]) / len(rewards[-window:]) - sum(rewards[:window]) / len(rewards[:window])
+
+
 def criterion(records: Dict[str, dict]) -> tuple[dict, List[str]]:
     """The comparison of ``records`` (run name: the run's JSON), per tensor-parallel size.
 
@@ -767,15 +784,20 @@ def criterion(records: Dict[str, dict]) -> tuple[dict, List[str]]:
     control run's largest distance from the stock run of its seed, and whether it lies within the
     band (reported: once the runs decorrelate, a run that differs from stock in one rounding lies
     past it as often as not; docs/BENCHMARKS.md). Gates: over the SFT warm-up (the first tenth of
-    the steps) each fused run's SFT loss lies within that window's band; each fused run's final
-    held-out loss and reward lie inside the 95 % prediction interval of the stock seeds' (their
-    range is reported too). Returns the summary and the failures."""
+    the steps) each fused run's SFT loss lies within that window's band, and within CONTROL_FACTOR
+    times the control's distance where a control ran; each fused run's final held-out loss and
+    reward lie inside the 95 % prediction interval of the stock seeds' (their range is reported
+    too); its RL reward gained at least half the least a stock seed gained. Returns the summary and
+    the failures."""
     failures = []
     if len({record["corpus"]["tokens_sha256"] for record in records.values()}) > 1:
         failures.append("the runs did not all see the same tokens")
     for name, record in records.items():
-        if record["recomputed"] and record["run"]["loss_path"] in ("three-gemm", "main-grad"):
-            failures.append(f"{name}: a backward recomputed the logits or corrected main_grad")
+        # A fused run's head must stay fused: no fallback to stock or torch, no correcting pass.
+        if record["run"]["fused"] and record["package_warnings"]:
+            failures.append(f"{name}: the package warned: {'; '.join(record['package_warnings'])}")
+    if not any(record["run"]["fused"] for record in records.values()):
+        failures.append("no fused run to compare")
     summary = {}
     for tensor_parallel in sorted({record["run"]["tensor_parallel"] for record in records.values()}):
         group = {
@@ -834,16 +856,26 @@ def criterion(records: Dict[str, dict]) -> tuple[dict, List[str]]:
             (losses[first] - losses[second]).abs().max().item()
             for first, second in itertools.combinations(stock.values(), 2)
         )
-        entry["early_sft_loss"] = {"steps": early.stop, "band": early_band, "distance": {}}
+        early_distance = {}
         for name in fused + controls:
             same_seed = stock.get(group[name]["run"]["seed"])
-            if same_seed is None:
-                continue
-            distance = (losses[name] - losses[same_seed]).abs().max().item()
-            entry["early_sft_loss"]["distance"][name] = distance
-            if name in fused and not distance <= early_band:
+            if same_seed is not None:
+                early_distance[name] = (losses[name] - losses[same_seed]).abs().max().item()
+        # The seeds' early band is mostly their different starting losses; a control, stock moved
+        # by one rounding, measures what a rounding-sized change does before decorrelation.
+        control_scale = max((early_distance[name] for name in controls if name in early_distance), default=None)
+        early_limit = early_band if control_scale is None else min(early_band, CONTROL_FACTOR * control_scale)
+        entry["early_sft_loss"] = {
+            "steps": early.stop,
+            "band": early_band,
+            "limit": early_limit,
+            "distance": early_distance,
+        }
+        for name in fused:
+            if name in early_distance and not early_distance[name] <= early_limit:
                 failures.append(
-                    f"{label} SFT loss over the first {early.stop} steps: {name} {distance:.4g} from stock > {early_band:.4g}"
+                    f"{label} SFT loss over the first {early.stop} steps: {name} "
+                    f"{early_distance[name]:.4g} from stock > {early_limit:.4g}"
                 )
         finals = {name: final_values(record, size) for name, record in group.items()}
         for quantity in ("held_out_loss", "reward"):
@@ -861,6 +893,14 @@ def criterion(records: Dict[str, dict]) -> tuple[dict, List[str]]:
                         f"{label} final {quantity}: {name} {finals[name][quantity]:.4g} outside [{low:.4g}, {high:.4g}]"
                     )
             entry["final"][quantity] = row
+        # Three seeds make the interval wide: RL must also have gained what the stock runs gained,
+        # at least half the smallest of their gains (a policy that never improved fails here).
+        gains = {name: reward_gain(record, size) for name, record in group.items()}
+        least = min(gains[name] for name in stock.values())
+        entry["reward_gain"] = {"values": gains, "least_stock_gain": least}
+        for name in fused:
+            if least > 0 and not gains[name] >= least / 2:
+                failures.append(f"{label} RL reward gain: {name} {gains[name]:.4g} < half of stock's least {least:.4g}")
         entry["p_over_0.9_before_rl"] = {
             name: record["sft"]["eval"]["p_over_0.9"][-1] for name, record in group.items()
         }
@@ -886,6 +926,9 @@ def merge(directories: List[str]) -> tuple[Dict[str, dict], dict, List[str]]:
                 records[path.stem] = record
                 continue
             first = records[path.stem]
+            if json.dumps(first["size"], sort_keys=True) != json.dumps(record["size"], sort_keys=True):
+                replays[path.stem] = {"identical": False, "sizes_differ": True}
+                continue
             distances = {
                 f"{phase}/{curve}": (series(record[phase], curve) - series(first[phase], curve)).abs().max().item()
                 for phase, names in CURVES.items()
@@ -916,11 +959,29 @@ def print_summary(summary: dict) -> None:
             print(
                 f"  final {quantity:<12} stock range {row['stock_range']}, 95 % interval [{low:.4g}, {high:.4g}]: {values}"
             )
+        gain = entry["reward_gain"]
+        values = ", ".join(f"{name} {value:.4g}" for name, value in gain["values"].items())
+        print(f"  RL reward gain, least stock {gain['least_stock_gain']:.4g}: {values}")
         early = entry["early_sft_loss"]
         distances = ", ".join(f"{name} {value:.4g}" for name, value in early["distance"].items())
-        print(f"  SFT loss, first {early['steps']} steps: band {early['band']:.4g}: {distances}")
+        print(
+            f"  SFT loss, first {early['steps']} steps: band {early['band']:.4g}, limit {early['limit']:.4g}: {distances}"
+        )
         confident = ", ".join(f"{name} {value:.3f}" for name, value in entry["p_over_0.9_before_rl"].items())
         print(f"  p>0.9 before RL: {confident}")
+
+
+def code_revision() -> Optional[str]:
+    """The checkout's commit, with ``+`` when its tracked files differ from it; ``None`` outside git."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        )
+        changed = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD"], capture_output=True).returncode
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit.stdout.strip() + ("+" if changed else "")
 
 
 def worker(run: Run, size_name: str, size: Size, out: Path) -> None:
@@ -928,6 +989,9 @@ def worker(run: Run, size_name: str, size: Size, out: Path) -> None:
     writes ``out/<run>.json``."""
     device = distributed.init_distributed(run.tensor_parallel)
     recompute = RecomputeCounter()
+    path = out / f"{run.name}.json"
+    if torch.distributed.get_rank() == 0:
+        path.unlink(missing_ok=True)  # a record of an earlier run here must not pass for this one's
     try:
         corpus = load_corpus(out / "corpus.pt")
         sft, state = run_sft(run, size, corpus, device)
@@ -937,14 +1001,17 @@ def worker(run: Run, size_name: str, size: Size, out: Path) -> None:
             "corpus": corpus.stats,
             "sft": sft,
             "rl": None,  # what SFT measured is kept should RL not finish
-            "recomputed": recompute.count,
-            "environment": distributed.environment(device),
+            "package_warnings": recompute.messages,
+            "environment": dict(distributed.environment(device), code_revision=code_revision()),
         }
-        distributed.write_json(str(out / f"{run.name}.json"), record)
+        distributed.write_json(str(path), record)
         measure.release_memory()
         record["rl"] = run_rl(run, size, corpus, device, state)
-        record["recomputed"] = recompute.count
-        distributed.write_json(str(out / f"{run.name}.json"), record)
+        # Every rank's: a warning on one rank alone (a fallback, a correction) counts too.
+        record["package_warnings"] = sorted(
+            {m for ms in distributed.gather_to_rank0(recompute.messages) or [] for m in ms}
+        )
+        distributed.write_json(str(path), record)
     finally:
         distributed.shutdown()
 
@@ -962,7 +1029,11 @@ def launch(
         save_corpus(corpus, out / "corpus.pt")
         print(f"corpus in {time.perf_counter() - start:.0f} s: {corpus.stats}", flush=True)
     else:
-        while not corpus_path.exists():
+        if corpus_path.resolve() == (out / "corpus.pt").resolve():
+            return [f"--corpus {corpus_path} is this launcher's own corpus.pt"]
+        while not corpus_path.exists():  # the other launcher renames it into place when written
+            if time.perf_counter() - start > CORPUS_WAIT_S:
+                return [f"--corpus {corpus_path} did not appear within {CORPUS_WAIT_S} s"]
             time.sleep(1)
         (out / "corpus.pt").unlink(missing_ok=True)
         (out / "corpus.pt").symlink_to(corpus_path.resolve())
@@ -1041,7 +1112,8 @@ def main() -> None:
         failures += incomplete + compared
         print_summary(summary)
         for name, replay in replays.items():
-            print(f"replay of {name}: {'identical' if replay['identical'] else replay['max_difference']}")
+            outcome = "identical" if replay["identical"] else replay.get("max_difference", "another size")
+            print(f"replay of {name}: {outcome}")
         if args.json:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as handle:

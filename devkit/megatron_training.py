@@ -105,8 +105,10 @@ class RecomputeCounter(logging.Handler):
     def __init__(self):
         super().__init__(logging.WARNING)
         self.count = 0
+        self.messages = []  # every warning of the package, whatever it says
         logging.getLogger("megatron_fused_lm").addHandler(self)
 
     def emit(self, record):
         message = record.getMessage()
+        self.messages.append(message)
         self.count += "recomputed" in message or "second pass" in message

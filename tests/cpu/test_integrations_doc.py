@@ -16,8 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from megatron_fused_lm.recipes import slime
 from megatron_fused_lm import FusedLMConfig
+from megatron_fused_lm.recipes import slime
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENT = (ROOT / "docs" / "INTEGRATIONS.md").read_text()

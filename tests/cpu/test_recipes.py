@@ -46,8 +46,8 @@ from devkit.rollouts import (
     stock_rows,
     weighted,
 )
-from megatron_fused_lm.recipes import nemo_rl, skyrl, slime, verl
 from megatron_fused_lm import FusedLMConfig, unwrap_model
+from megatron_fused_lm.recipes import nemo_rl, skyrl, slime, verl
 
 VALUE_ATOL = 2e-5
 GRAD_RTOL = 5e-5

@@ -34,8 +34,8 @@ from megatron.core import parallel_state
 from devkit import megatron_gpt as harness
 from devkit.oracle import logprob_entropy, policy_loss_inputs
 from devkit.rollouts import OpsHead, slime_args, slime_policy_oracle, slime_sample_mean
-from megatron_fused_lm.recipes import nemo_rl, slime
 from megatron_fused_lm import context_parallel_positions
+from megatron_fused_lm.recipes import nemo_rl, slime
 
 CP = 2
 HIDDEN, VOCAB = 8, 37

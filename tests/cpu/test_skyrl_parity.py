@@ -57,8 +57,8 @@ from devkit.rollouts import (
     skyrl_policy_oracle,
     weighted,
 )
-from megatron_fused_lm.recipes import skyrl
 from megatron_fused_lm import FusedLMConfig, unwrap_model
+from megatron_fused_lm.recipes import skyrl
 
 SKYRL_VERSION = "0.3.0"
 TEMPERATURE = 0.8

@@ -20,9 +20,9 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 import torch
 import torch.distributed as dist
 
-from devkit import megatron_gpt
 from devkit.measure import environment as measurement_environment
 from devkit.megatron_gpt import GPTShape
+from megatron_fused_lm.integration.cpu import allow_torch_norm_under_sequence_parallel, patch_megatron_for_cpu
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -38,11 +38,10 @@ def init_distributed(
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
-        megatron_gpt.allow_torch_norm_under_sequence_parallel()
+        allow_torch_norm_under_sequence_parallel()
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)
-        megatron_gpt.patch_megatron_for_cpu()
         run_cuda_placements_on_cpu()
         dist.init_process_group("gloo")
     from megatron.core import parallel_state
@@ -57,14 +56,7 @@ def run_cuda_placements_on_cpu() -> None:
     """For the CPU dry run: Megatron's pipeline schedule, setup and optimizers place a few tensors
     on the GPU by name (``.cuda()``, ``device="cuda"``); keep them on the CPU."""
 
-    def on_cpu(factory):
-        def make(*args, device=None, **kwargs):
-            return factory(*args, device="cpu" if device == "cuda" else device, **kwargs)
-
-        return make
-
-    for name in ("tensor", "zeros", "ones", "empty", "full"):
-        setattr(torch, name, on_cpu(getattr(torch, name)))
+    patch_megatron_for_cpu()  # the factories' device="cuda", among others
     torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
     torch.cuda.current_stream = lambda *args, **kwargs: _HostStream()
 

@@ -8,8 +8,6 @@ groups between cases (TP=1 cases run on every rank of a two-rank world, each ran
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import inspect
 import itertools
 import logging
@@ -21,6 +19,7 @@ import torch
 
 from devkit.oracle import logprob_entropy, max_abs_error
 from devkit.spawn import run_ranks
+from megatron_fused_lm.integration.cpu import patch_megatron_for_cpu
 
 VOCAB_SHARD = 53  # a prime, so shards are not tile multiples
 SEQ, BATCH = 12, 2  # SEQ divisible by 2 for sequence parallelism
@@ -67,36 +66,6 @@ def _megatron_rank(rank: int, world_size: int, worker: Callable, args: tuple) ->
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
-
-
-def patch_megatron_for_cpu() -> None:
-    """Undo the two GPU-only assumptions of a GPTModel forward, and let torch norms run under
-    sequence parallelism."""
-    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
-
-    torch.cuda.current_device = lambda: "cpu"  # the attention scratch buffer's device
-    CudaRNGStatesTracker.fork = lambda self, *args, **kwargs: contextlib.nullcontext()  # dropout is 0
-    allow_torch_norm_under_sequence_parallel()
-
-
-def allow_torch_norm_under_sequence_parallel() -> None:
-    """Let Megatron's torch norms (the local spec's norms without Apex or TransformerEngine) run
-    under sequence parallelism. They are per-token, so exact there; like Megatron's own norms,
-    their parameters are marked ``sequence_parallel`` so that ``finalize_model_grads`` sums their
-    gradients over the tensor-parallel group (each rank saw only its part of the sequence)."""
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    build_norm = WrappedTorchNorm.__new__
-
-    def build_norm_ignoring_sequence_parallel(cls, config, *args, **kwargs):
-        local_config = copy.copy(config)
-        local_config.sequence_parallel = False
-        norm = build_norm(cls, local_config, *args, **kwargs)
-        for parameter in norm.parameters():
-            parameter.sequence_parallel = config.sequence_parallel
-        return norm
-
-    WrappedTorchNorm.__new__ = build_norm_ignoring_sequence_parallel
 
 
 def tensor_parallel(size: int) -> None:

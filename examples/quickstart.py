@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_fused_lm.integration import FusedLMConfig, wrap_model
+from megatron_fused_lm.integration.cpu import megatron_on_cpu
 
 VOCAB, HIDDEN, LAYERS, HEADS = 32000, 64, 2, 4
 BATCH, SEQ = 4, 128
@@ -59,67 +60,49 @@ def main() -> None:
 
 
 def run(rank: int, world_size: int, port: int, use_cuda: bool) -> None:
-    from megatron.core import parallel_state, tensor_parallel
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if use_cuda:
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(1)
-        run_megatron_on_cpu()
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
-    parallel_state.initialize_model_parallel(world_size, 1)
-    if use_cuda:
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
-    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    # What torchrun would set; megatron_on_cpu and megatron_on_gpus read it.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     # What a trainer config would hold (see examples/trainer_config.yaml).
     trainer_config = {"fused_linear_logprob": True, "fused_linear_logprob_backend": "auto" if use_cuda else "torch"}
     fused_config = FusedLMConfig.from_trainer_config(trainer_config)
-    try:
+    if not use_cuda:
+        torch.set_num_threads(1)  # the ranks share the machine's cores
+    with megatron_on_gpus(world_size) if use_cuda else megatron_on_cpu(tensor_parallel_size=world_size) as device:
         compare_one_batch(fused_config, device)
         compare_training(fused_config, device)
         say("\nSpeed and memory at real sizes: docs/BENCHMARKS.md (this model is too small to time).")
+
+
+@contextlib.contextmanager
+def megatron_on_gpus(tensor_parallel_size: int):
+    """This rank's GPU (``RANK``) over NCCL and Megatron's process groups; yields the device."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl")
+    parallel_state.initialize_model_parallel(tensor_parallel_size, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    try:
+        yield torch.device("cuda", rank)
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
-
-
-def run_megatron_on_cpu() -> None:
-    """Megatron's GPTModel forward assumes a GPU in two places that matter nowhere else, and its
-    schedule (``get_forward_backward_func``) in one more."""
-    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
-
-    torch.cuda.current_device = lambda: "cpu"  # the attention scratch buffer's device
-    CudaRNGStatesTracker.fork = lambda self, *args, **kwargs: contextlib.nullcontext()  # no dropout here
-    cuda_zeros = torch.zeros  # the schedule counts tokens in torch.zeros(..., device="cuda")
-    torch.zeros = lambda *args, device=None, **kwargs: cuda_zeros(
-        *args, device="cpu" if device == "cuda" else device, **kwargs
-    )
 
 
 @contextlib.contextmanager
 def single_process_megatron():
     """One process of Megatron-Core (TP=1) on the first GPU, or on the CPU over gloo; yields
     ``(device, backend)``, the backend being ``"auto"`` on a GPU (Triton when available)."""
-    from megatron.core import parallel_state, tensor_parallel
-
-    use_cuda = torch.cuda.is_available()
+    if not torch.cuda.is_available():
+        with megatron_on_cpu() as device:
+            yield device, "torch"
+        return
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
-    if use_cuda:
-        torch.cuda.set_device(0)
-    else:
-        run_megatron_on_cpu()
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    if use_cuda:
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
-    try:
-        yield torch.device("cuda" if use_cuda else "cpu"), "auto" if use_cuda else "torch"
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]), RANK="0", WORLD_SIZE="1")
+    with megatron_on_gpus(1) as device:
+        yield device, "auto"
 
 
 def build_model(device: torch.device, seed: int = 0):

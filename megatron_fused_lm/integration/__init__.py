@@ -10,19 +10,30 @@ Use::
 or through the model's own hook, nothing patched (megatron-core >= 0.18; ``output_processor``).
 """
 
-try:
-    import megatron.core  # noqa: F401
-except ImportError as error:
-    raise ImportError(
-        "megatron_fused_lm's Megatron-Core integration needs megatron-core (0.13 to 0.19): "
-        'pip install "megatron-fused-lm[megatron]" (or megatron-core itself); '
-        "the ops (fused_linear_logprob, logits_logprob) work without it"
-    ) from error
+import warnings
 
-from .calls import LogprobRequest, LossRequest, TopkRequest  # noqa: E402
-from .config import FusedLMConfig  # noqa: E402
-from .head import FusedLMHead, unwrap_model, wrap_model  # noqa: E402
-from .output_processor import FusedOutputProcessor, LabelsRequest, accepts_output_processor  # noqa: E402
+# Megatron-Core announces, as each of the modules imported here loads, that TransformerEngine and
+# Apex are absent and it uses torch's implementations instead: expected wherever they are not
+# installed (every CPU machine), and no other message is filtered.
+with warnings.catch_warnings():
+    warnings.filterwarnings(
+        "ignore",
+        message=r"(Transformer Engine and Apex are|Apex is) not installed\. Falling back",
+        category=UserWarning,
+    )
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as error:
+        raise ImportError(
+            "megatron_fused_lm's Megatron-Core integration needs megatron-core (0.13 to 0.19): "
+            'pip install "megatron-fused-lm[megatron]" (or megatron-core itself); '
+            "the ops (fused_linear_logprob, logits_logprob) work without it"
+        ) from error
+
+    from .calls import LogprobRequest, LossRequest, TopkRequest
+    from .config import FusedLMConfig
+    from .head import FusedLMHead, unwrap_model, wrap_model
+    from .output_processor import FusedOutputProcessor, LabelsRequest, accepts_output_processor
 
 __all__ = [
     "FusedLMConfig",

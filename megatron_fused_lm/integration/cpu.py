@@ -1,0 +1,114 @@
+"""Megatron-Core on the CPU, for trying the fused head without a GPU.
+
+    from megatron_fused_lm.integration.cpu import megatron_on_cpu
+
+    with megatron_on_cpu() as device:          # gloo, Megatron's process groups, TP=1
+        model = GPTModel(...).to(device)       # the local layer spec, dropout 0
+        head = wrap_model(model, FusedLMConfig(enabled=True, backend="torch"))
+
+Under ``torchrun --nproc-per-node N`` the same context joins the N ranks, and
+``megatron_on_cpu(tensor_parallel_size=N)`` splits the vocabulary over them.
+
+Megatron-Core assumes a GPU in a few places a GPTModel's forward, backward and pipeline schedule
+reach; ``patch_megatron_for_cpu`` redirects them, process-wide and for good. It is for trying the
+head and for tests: a training run belongs on GPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import socket
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+_patched = False
+
+
+def patch_megatron_for_cpu() -> None:
+    """Let a GPTModel of Megatron's local layer spec run on the CPU: the attention scratch buffer's
+    device (``torch.cuda.current_device``) becomes the CPU, the CUDA RNG tracker's fork does nothing
+    (so dropout must be 0), tensors that Megatron creates with ``device="cuda"`` (the schedule's
+    token count, among others) are created on the CPU, and torch norms run under sequence
+    parallelism (``allow_torch_norm_under_sequence_parallel``). Idempotent; never undone."""
+    global _patched
+    if _patched:
+        return
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    torch.cuda.current_device = lambda: "cpu"
+    CudaRNGStatesTracker.fork = lambda self, *args, **kwargs: contextlib.nullcontext()
+
+    def on_cpu(factory):
+        def make(*args, device=None, **kwargs):
+            return factory(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+        return make
+
+    for name in ("tensor", "zeros", "ones", "empty", "full"):
+        setattr(torch, name, on_cpu(getattr(torch, name)))
+    allow_torch_norm_under_sequence_parallel()
+    _patched = True
+
+
+def allow_torch_norm_under_sequence_parallel() -> None:
+    """Let Megatron's torch norms (the local spec's norms, without Apex or TransformerEngine, on any
+    device) run under sequence parallelism, which they refuse. They are per-token, so exact there;
+    as Megatron's own norms are, their parameters are marked ``sequence_parallel``, so that
+    ``finalize_model_grads`` sums their gradients over the tensor-parallel group."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if getattr(WrappedTorchNorm.__new__, "_allows_sequence_parallel", False):
+        return
+    build_norm = WrappedTorchNorm.__new__
+
+    def build_norm_ignoring_sequence_parallel(cls, config, *args, **kwargs):
+        local_config = copy.copy(config)
+        local_config.sequence_parallel = False
+        norm = build_norm(cls, local_config, *args, **kwargs)
+        for parameter in norm.parameters():
+            parameter.sequence_parallel = config.sequence_parallel
+        return norm
+
+    build_norm_ignoring_sequence_parallel._allows_sequence_parallel = True
+    WrappedTorchNorm.__new__ = build_norm_ignoring_sequence_parallel
+
+
+@contextlib.contextmanager
+def megatron_on_cpu(tensor_parallel_size: int = 1) -> Iterator[torch.device]:
+    """Megatron-Core's process groups over gloo on the CPU; yields ``torch.device("cpu")`` and takes
+    them down on exit. One process (a free local port) unless ``torchrun`` started this one (its
+    ``RANK`` and ``WORLD_SIZE``); ``tensor_parallel_size`` must divide the number of processes.
+    Patches Megatron for the CPU first (``patch_megatron_for_cpu``)."""
+    from megatron.core import parallel_state
+
+    patch_megatron_for_cpu()
+    rendezvous = {}
+    if "RANK" not in os.environ:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            rendezvous = dict(
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(probe.getsockname()[1]), RANK="0", WORLD_SIZE="1"
+            )
+        os.environ.update(rendezvous)
+    try:
+        dist.init_process_group("gloo")
+    finally:
+        for name in rendezvous:  # read by now; a later call finds the environment as it was
+            del os.environ[name]
+    try:
+        if dist.get_world_size() % tensor_parallel_size:
+            raise ValueError(
+                f"megatron_on_cpu: tensor_parallel_size {tensor_parallel_size} does not divide "
+                f"the {dist.get_world_size()} processes"
+            )
+        parallel_state.initialize_model_parallel(tensor_parallel_size, 1)
+        try:
+            yield torch.device("cpu")
+        finally:
+            parallel_state.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()

@@ -11,9 +11,38 @@
 #   Python >= 3.12) on top of one Python 3.12 environment under .venvs/. The integration tests run
 #   on each, after a check that the release imported is the one installed.
 # - Every environment pins torch, triton and pytest; pip keeps no cache.
+#
+#   tests/run_cpu.sh            everything above
+#   tests/run_cpu.sh --quick    the pinned environment, ruff and the CPU suite only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+quick=false
+case "${1:-}" in
+  --quick) quick=true ;;
+  "") ;;
+  *) echo "usage: tests/run_cpu.sh [--quick]" >&2; exit 2 ;;
+esac
+started=$SECONDS
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+summary=()
+
+# $1: what ran, then the pytest command: run it, its output shown and kept, and its last line
+# (pytest's count of passed, failed and skipped tests) added to the summary.
+pytest_run() {
+  local label=$1 log
+  shift
+  log="$logs/$(( ${#summary[@]} )).log"
+  "$@" 2>&1 | tee "$log"
+  summary+=("$label: $(tail -n 1 "$log" | tr -d '=' | sed 's/^ *//; s/ *$//')")
+}
+
+print_summary() {
+  echo
+  echo "tests/run_cpu.sh: passed in $(( (SECONDS - started) / 60 )) min $(( (SECONDS - started) % 60 )) s"
+  printf '  %s\n' "${summary[@]}"
+}
 
 # Found before the long suite runs, so that a machine without it fails at once. pyenv's python3.12
 # shim is on PATH even where it only fails, hence each candidate is run.
@@ -47,8 +76,10 @@ print(importlib.metadata.version("megatron-core") if inside else f"a copy outsid
     echo "tests/run_cpu.sh: $2 should give megatron-core $3, gave ${imported:-an import error}" >&2
     exit 1
   fi
-  echo "integration tests on megatron-core $3 ($("$1" -c 'import platform; print("Python", platform.python_version())'))"
-  PYTHONPATH="$path" "$1" -m pytest tests/cpu/test_integration_*.py -q
+  local where
+  where="megatron-core $3, $("$1" -c 'import platform; print("Python", platform.python_version())')"
+  echo "integration tests on $where"
+  PYTHONPATH="$path" pytest_run "integration tests ($where)" "$1" -m pytest tests/cpu/test_integration_*.py -q
 }
 
 # $1: a Python interpreter, $2: an overlay folder, $3: a constraints file, then what to install.
@@ -66,7 +97,15 @@ python -m pip install -q -c constraints.txt -e ".[test]"
 # Tracked files only: a scratch file of the user's in the clone is not the project's.
 git ls-files -z '*.py' | xargs -0 ruff check --force-exclude
 git ls-files -z '*.py' | xargs -0 ruff format --check --force-exclude
-python -m pytest tests/cpu -q
+summary+=("ruff check and format: clean")
+pinned="megatron-core $(python -c 'import importlib.metadata as m; print(m.version("megatron-core"))')"
+pinned+=", torch $(python -c 'import torch; print(torch.__version__)')"
+pinned+=", $(python -c 'import platform; print("Python", platform.python_version())')"
+pytest_run "CPU suite ($pinned)" python -m pytest tests/cpu -q
+if $quick; then
+  print_summary
+  exit 0
+fi
 
 # 0.13 to 0.15 need numpy < 2: one overlay for the three.
 numpy1=.venvs/python3.11/numpy-1
@@ -93,10 +132,18 @@ for line in importlib.metadata.requires("torch"):
     requirement = Requirement(line)
     if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
         print(requirement)' | while read -r requirement; do
-  "$python_env312" -m pip install -q -c constraints-python3.12.txt "$requirement"
+  # Until the last one is in, pip reports torch's others as missing, an ERROR block each time:
+  # kept out of the log, and the finished environment checked below instead.
+  "$python_env312" -m pip install -q -c constraints-python3.12.txt "$requirement" 2>>"$logs/torch-requirements.log" ||
+    { cat "$logs/torch-requirements.log" >&2; exit 1; }
 done
+if ! "$python_env312" -m pip check >"$logs/pip-check.log" 2>&1; then
+  cat "$logs/torch-requirements.log" "$logs/pip-check.log" >&2
+  exit 1
+fi
 for release in 0.17.1 0.18.2 0.19.2; do
   folder=".venvs/python3.12/megatron-core-$release"
   overlay "$python_env312" "$folder" constraints-python3.12.txt "megatron-core==$release"
   integration_tests "$python_env312" "$folder" "$release"
 done
+print_summary

@@ -35,7 +35,7 @@ pytest_run() {
   shift
   log="$logs/$(( ${#summary[@]} )).log"
   "$@" 2>&1 | tee "$log"
-  summary+=("$label: $(tail -n 1 "$log" | tr -d '=' | sed 's/^ *//; s/ *$//')")
+  summary+=("$label: $(tail -n 1 "$log" | tr -d '=' | sed 's/^ *//; s/ *$//'), done $(( (SECONDS - started) / 60 )) min into the run")
 }
 
 print_summary() {

@@ -52,3 +52,20 @@ def test_loss_in_forward_example_trains_like_stock_without_recompute():
     assert all(abs(stock - fused) <= 1e-4 * max(1.0, abs(stock)) for stock, fused in curves), output
     assert curves[5][0] < 0.8 * curves[0][0], output  # SFT learns
     assert "recomputed the logits: 0" in output
+
+
+def test_the_readme_first_use_runs_and_its_log_probs_match_the_stock_logits():
+    """The README's Python block, as a newcomer pastes it, then a check of what it computed: the
+    log-probs against float64 ones from the same model's stock logits."""
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    check = """
+    with head.stock_logits():
+        logits = model(tokens, positions, mask)
+    expected = torch.log_softmax(logits.double(), -1).gather(-1, targets[..., None]).squeeze(-1)
+    assert (logprob.double() - expected).abs().max() < 1e-5, (logprob.double() - expected).abs().max()
+    assert sft_loss.shape == (2, 128) and model.output_layer.weight.grad is not None
+    print("readme first use: ok")
+"""
+    done = subprocess.run([sys.executable, "-c", block + check], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "readme first use: ok" in done.stdout, done.stderr[-3000:]

@@ -908,37 +908,47 @@ def criterion(records: Dict[str, dict]) -> tuple[dict, List[str]]:
     return summary, failures
 
 
+def run_records(sources: List[str]):
+    """``(name, record, where)`` of each run in ``sources``: folders of ``<run>.json`` files, or an
+    earlier ``--compare`` JSON (its ``runs``), in the order given."""
+    for source in sources:
+        path = Path(source)
+        if path.is_file():
+            for name, record in json.loads(path.read_text())["runs"].items():
+                yield name, record, f"{path}:{name}"
+            continue
+        for file in sorted(path.glob("*.json")):
+            if file.stem in RUNS:
+                yield file.stem, json.loads(file.read_text()), str(file)
+
+
 def merge(directories: List[str]) -> tuple[Dict[str, dict], dict, List[str]]:
-    """The run records of ``directories`` (``<run>.json``); for a run found twice (a replay in a
+    """The run records of ``directories`` (see ``run_records``); for a run found twice (a replay in a
     later call) whether the replay's curves equal the first's bit for bit and their largest
     distance; and the records of runs that stopped before the end."""
     records: Dict[str, dict] = {}
     replays, incomplete = {}, []
-    for directory in directories:
-        for path in sorted(Path(directory).glob("*.json")):
-            if path.stem not in RUNS:
-                continue
-            record = json.loads(path.read_text())
-            if record["rl"] is None:
-                incomplete.append(f"{path}: the run stopped before its RL phase ended")
-                continue
-            if path.stem not in records:
-                records[path.stem] = record
-                continue
-            first = records[path.stem]
-            if json.dumps(first["size"], sort_keys=True) != json.dumps(record["size"], sort_keys=True):
-                replays[path.stem] = {"identical": False, "sizes_differ": True}
-                continue
-            distances = {
-                f"{phase}/{curve}": (series(record[phase], curve) - series(first[phase], curve)).abs().max().item()
-                for phase, names in CURVES.items()
-                for curve in names
-            }
-            replays[path.stem] = {
-                "identical": all(value == 0 for value in distances.values()),
-                "max_difference": distances,
-                "devices": [first["environment"].get("device"), record["environment"].get("device")],
-            }
+    for name, record, source in run_records(directories):
+        if record["rl"] is None:
+            incomplete.append(f"{source}: the run stopped before its RL phase ended")
+            continue
+        if name not in records:
+            records[name] = record
+            continue
+        first = records[name]
+        if json.dumps(first["size"], sort_keys=True) != json.dumps(record["size"], sort_keys=True):
+            replays[name] = {"identical": False, "sizes_differ": True}
+            continue
+        distances = {
+            f"{phase}/{curve}": (series(record[phase], curve) - series(first[phase], curve)).abs().max().item()
+            for phase, names in CURVES.items()
+            for curve in names
+        }
+        replays[name] = {
+            "identical": all(value == 0 for value in distances.values()),
+            "max_difference": distances,
+            "devices": [first["environment"].get("device"), record["environment"].get("device")],
+        }
     return records, replays, incomplete
 
 
@@ -1082,7 +1092,9 @@ def main() -> None:
     parser.add_argument("--size", choices=SIZES, default="gpu" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", help="start the runs, writing <run>.json and <run>.log here")
     parser.add_argument("--runs", help=f"comma-separated, of: {', '.join(RUNS)}")
-    parser.add_argument("--compare", nargs="+", metavar="DIR", help="apply the criterion to the runs in DIRs")
+    parser.add_argument(
+        "--compare", nargs="+", metavar="DIR", help="compare the runs in DIRs (folders, or earlier --compare JSONs)"
+    )
     parser.add_argument("--json", help="where --compare writes the runs and the comparison")
     parser.add_argument("--corpus", type=Path, help="a corpus.pt that another launcher of this corpus writes")
     parser.add_argument("--sft-steps", type=int, help="override the size's")

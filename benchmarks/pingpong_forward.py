@@ -1,7 +1,7 @@
 """A candidate Hopper form of the package's forward kernel (``softmax_stats_kernel``), in Triton's
 Gluon dialect (Triton 3.6): the same statistics and stored block, with each tile's epilogue beside
 the next tile's products. Not used by the package: measured slower than the Triton kernel
-(``docs/BENCHMARKS.md``, section 14); kept so that the measurement can be repeated.
+(``docs/benchmarks/constants.md``, the ping-pong candidate); kept so that the measurement can be repeated.
 
 A program owns one tile of ``BLOCK_M`` tokens and one vocabulary split, as the Triton kernel does,
 and runs three partitions:

@@ -36,7 +36,7 @@ spread between stock runs of different initial seeds as the noise band.
    Gates (exit status): every run saw the same tokens; a fused run's head logged no warning (no
    fallback, no correcting pass); over the SFT warm-up a fused run's loss lies within the seeds'
    band of that window; its final values lie inside the seeds' 95 % prediction interval. The gates
-   catch gross errors only (docs/BENCHMARKS.md, section 8, says why the band criterion is not
+   catch gross errors only (docs/benchmarks/real_training.md says why the band criterion is not
    one). Runs named twice (a replay in another call) are reported bitwise.
 
 The CPU size runs the same logic at a tiny size (``tests/cpu/test_real_training.py``, in CI).

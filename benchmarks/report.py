@@ -1,7 +1,7 @@
 """Plots and Markdown tables from the JSON that bench_logprob.py writes, so that the figures in
 docs/ and the numbers in README.md and docs/BENCHMARKS.md come from one file.
 
-    python benchmarks/report.py docs/bench_results.json --plots docs/ --markdown
+    python benchmarks/report.py benchmarks/results/bench_results.json --plots docs/ --markdown
 
 The torch backend's rows are left out of every table and figure: on a GPU it is only the fallback
 for a machine without Triton, and the committed rows predate a change to its backward.

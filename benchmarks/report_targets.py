@@ -1,6 +1,6 @@
 """The benchmark targets against repeated bench_logprob.py runs: Markdown tables and one PNG.
 
-Reads the JSON files that bench_logprob.py wrote (default ``docs/targets_h100/run*_*.json``; a file
+Reads the JSON files that bench_logprob.py wrote (default ``benchmarks/results/targets_h100/run*_*.json``; a file
 named ``runN_PART.json`` belongs to run ``runN``, any other file is a run of its own name). Each
 row is one (section, shape, method) of one run; the RL-loss rows of a file whose meta has
 ``entropy_coef`` 0 are the RL loss without an entropy term (``rl_loss_noent``), and only the RL
@@ -29,7 +29,7 @@ import statistics
 
 from report import GIB, HEADLINE_SHAPE, pretty, provenance, save, style
 
-DEFAULT_GLOB = "docs/targets_h100/run*_*.json"
+DEFAULT_GLOB = "benchmarks/results/targets_h100/run*_*.json"
 # use -> (section of the rows, floor method, our method, the liger peers computing the same thing)
 USES = {
     "sft": ("sft", "floor", "ours", ("liger", "liger_native")),

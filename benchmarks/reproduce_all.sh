@@ -3,7 +3,7 @@
 #
 #   benchmarks/reproduce_all.sh [OUTPUT_DIR]
 #
-# 1. the side-by-side comparison (summary and sections 1-4): JSON, plots and Markdown tables;
+# 1. the side-by-side comparison (docs/benchmarks/scaling.md): JSON, plots and Markdown tables;
 # 2. a longer RL-only run (temperature 1, more repeats) against the four-GEMM floor;
 # 3. with 2 or more GPUs, the multi-GPU section (tests/gpu/run_multi_gpu.sh: TP=2 parity and
 #    benchmark; with 4, the TP=2 x PP=2 training run too).

@@ -36,7 +36,7 @@ class FusedLMConfig:
         backend: ``"torch"``, ``"triton"`` or ``"auto"``, passed to ``fused_linear_logprob``.
         token_chunk: tokens per chunk of the softmax work, a positive int, or ``None`` (the
             default) for the ops' own choice, which on the Triton backend is tuned per shape: a
-            smaller chunk trades time for memory (``docs/BENCHMARKS.md``, section 11).
+            smaller chunk trades time for memory (``docs/benchmarks/features.md``, chunk size).
         batch_invariant: ``True`` makes each row's hidden gradient, as its log-prob and entropy
             already are, bitwise independent of the other rows of a call (the ops'
             ``batch_invariant``; the Triton backend only, so ``backend="torch"`` is refused).

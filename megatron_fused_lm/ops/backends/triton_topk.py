@@ -13,7 +13,7 @@
    (``top_keys.shard_top_keys``): one read on the host per chunk of rows finds them.
 Where ``k`` exceeds a quarter of the shard's column tiles, every row takes the torch form: the
 threshold then falls so low among the rows' logits that their candidates outgrow the slots (at
-``k = 1024`` of 1187 tiles, 94 % of the rows' did on one H100). ``docs/BENCHMARKS.md`` (section 16) has what each costs.
+``k = 1024`` of 1187 tiles, 94 % of the rows' did on one H100). ``docs/benchmarks/features.md`` (top-k) has what each costs.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def kept_tile(kept_ptr, stride_kept_row, kept_words, rows, row_valid, first_col,
     a multiple of 32) each of the ``rows`` keeps (its bit in the row's mask words; the words past the
     shard read as none). The tile's ``BLOCK_N / 32`` words per row are loaded as one small tile and
     spread over the columns in registers: a load per element made the forward kernel 1.4 to 1.6
-    times slower than this (docs/BENCHMARKS.md, section 19). The spread is a ``tl.gather`` on 16-bit tiles
+    times slower than this (docs/benchmarks/constants.md, kept-token masks). The spread is a ``tl.gather`` on 16-bit tiles
     (128 columns or more), a reshape of the words' bits on the 64-column float32 tiles, for which
     Triton 3.6 cannot compile the gather (``TritonGPUOptimizeThreadLocality`` fails)."""
     tl.static_assert(BLOCK_N % 32 == 0, "a tile's columns must be whole mask words")

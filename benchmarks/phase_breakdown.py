@@ -2,7 +2,7 @@
 against its own floor (issue: at the GEMM floor on Hopper).
 
     PYTHONPATH=. python benchmarks/phase_breakdown.py [--shapes 8192x4096x151936] [--json phases.json]
-    python benchmarks/phase_breakdown.py --markdown phases.json    # the table of docs/BENCHMARKS.md
+    python benchmarks/phase_breakdown.py --markdown phases.json    # the table of docs/benchmarks/phases.md
 
 Paths, on the inputs of ``bench_logprob.py`` (random bf16, logits of standard deviation about 4):
 ``sft`` (the three-GEMM mean cross-entropy), ``rl_loss`` (the three-GEMM clipped policy loss with

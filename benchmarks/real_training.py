@@ -783,7 +783,7 @@ def criterion(records: Dict[str, dict]) -> tuple[dict, List[str]]:
     Per curve: the band (the smallest largest-distance between two stock seeds), each fused or
     control run's largest distance from the stock run of its seed, and whether it lies within the
     band (reported: once the runs decorrelate, a run that differs from stock in one rounding lies
-    past it as often as not; docs/BENCHMARKS.md). Gates: over the SFT warm-up (the first tenth of
+    past it as often as not; docs/benchmarks/real_training.md). Gates: over the SFT warm-up (the first tenth of
     the steps) each fused run's SFT loss lies within that window's band, and within CONTROL_FACTOR
     times the control's distance where a control ran; each fused run's final held-out loss and
     reward lie inside the 95 % prediction interval of the stock seeds' (their range is reported

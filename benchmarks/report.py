@@ -521,7 +521,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json")
     parser.add_argument("--plots", default=None, help="folder to draw the PNGs into")
-    parser.add_argument("--markdown", action="store_true", help="print the tables of docs/BENCHMARKS.md")
+    parser.add_argument("--markdown", action="store_true", help="print the tables of docs/benchmarks/scaling.md")
     parser.add_argument("--compare", default=None, help="an earlier run's JSON: print the RL rows before -> after")
     args = parser.parse_args()
     with open(args.json) as handle:

@@ -5,7 +5,7 @@ and the whole vocabulary next to the cuBLAS product of the same size (8 column t
 the rule's choice), and the backward kernel (``logit_grad_block``: recomputed product + ``dz``
 epilogue; one program per tile or persistent) on one backward block next to the bare bf16 cuBLAS
 product of that block. Prints achieved TFLOP/s; the chosen rule lives in
-``ops/backends/triton_tuning.py`` and is explained in ``docs/BENCHMARKS.md``.
+``ops/backends/triton_tuning.py`` and is explained in ``docs/benchmarks/constants.md``.
 
     python benchmarks/sweep_tiles.py [--shapes 8192x4096x151936,4096x2048x151936]
 """

@@ -53,7 +53,7 @@ for candidate in python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/pyt
     break
   fi
 done
-if [ -z "$python312" ]; then
+if [ -z "$python312" ] && ! $quick; then
   echo "tests/run_cpu.sh: megatron-core 0.17 to 0.19 are tested on Python 3.12, which is neither python3.12" \
     "on PATH nor under ${PYENV_ROOT:-$HOME/.pyenv}/versions/ here (pyenv install 3.12 provides it)" >&2
   exit 1
@@ -132,15 +132,11 @@ for line in importlib.metadata.requires("torch"):
     requirement = Requirement(line)
     if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
         print(requirement)' | while read -r requirement; do
-  # Until the last one is in, pip reports torch's others as missing, an ERROR block each time:
-  # kept out of the log, and the finished environment checked below instead.
-  "$python_env312" -m pip install -q -c constraints-python3.12.txt "$requirement" 2>>"$logs/torch-requirements.log" ||
-    { cat "$logs/torch-requirements.log" >&2; exit 1; }
+  # Until the last one is in, pip's check of the installed set would report torch's others as
+  # missing after each step: skipped here, and the finished environment checked below instead.
+  "$python_env312" -m pip install -q --no-warn-conflicts -c constraints-python3.12.txt "$requirement"
 done
-if ! "$python_env312" -m pip check >"$logs/pip-check.log" 2>&1; then
-  cat "$logs/torch-requirements.log" "$logs/pip-check.log" >&2
-  exit 1
-fi
+"$python_env312" -m pip check
 for release in 0.17.1 0.18.2 0.19.2; do
   folder=".venvs/python3.12/megatron-core-$release"
   overlay "$python_env312" "$folder" constraints-python3.12.txt "megatron-core==$release"

@@ -10,6 +10,8 @@ Use::
 or through the model's own hook, nothing patched (megatron-core >= 0.18; ``output_processor``).
 """
 
+import contextlib
+import importlib
 import warnings
 
 # Megatron-Core announces, as each of the modules imported here loads, that TransformerEngine and
@@ -29,6 +31,12 @@ with warnings.catch_warnings():
             'pip install "megatron-fused-lm[megatron]" (or megatron-core itself); '
             "the ops (fused_linear_logprob, logits_logprob) work without it"
         ) from error
+
+    # The modules a GPTModel of the local layer spec needs announce the same at import; loaded
+    # here, so that a user's later imports of them are quiet too.
+    for module in ("megatron.core.models.backends", "megatron.core.models.gpt.gpt_layer_specs"):
+        with contextlib.suppress(ImportError):  # not in every release
+            importlib.import_module(module)
 
     from .calls import LogprobRequest, LossRequest, TopkRequest
     from .config import FusedLMConfig

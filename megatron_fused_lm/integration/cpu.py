@@ -80,25 +80,30 @@ def allow_torch_norm_under_sequence_parallel() -> None:
 @contextlib.contextmanager
 def megatron_on_cpu(tensor_parallel_size: int = 1) -> Iterator[torch.device]:
     """Megatron-Core's process groups over gloo on the CPU; yields ``torch.device("cpu")`` and takes
-    them down on exit. One process (a free local port) unless ``torchrun`` started this one (its
-    ``RANK`` and ``WORLD_SIZE``); ``tensor_parallel_size`` must divide the number of processes.
-    Patches Megatron for the CPU first (``patch_megatron_for_cpu``)."""
+    them down on exit.
+
+    One process, on a free local port, unless ``torchrun`` started this one (``RANK`` set: its
+    ``WORLD_SIZE`` ranks join). ``tensor_parallel_size`` (Megatron's
+    ``tensor_model_parallel_size``) must divide the number of processes. Patches Megatron for the
+    CPU first (``patch_megatron_for_cpu``: process-wide, so not for a process that also uses a GPU).
+    A process group that already exists is an error, as ``torch.distributed`` makes it."""
     from megatron.core import parallel_state
 
     patch_megatron_for_cpu()
-    rendezvous = {}
+    saved = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     if "RANK" not in os.environ:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
-            rendezvous = dict(
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(probe.getsockname()[1]), RANK="0", WORLD_SIZE="1"
-            )
-        os.environ.update(rendezvous)
+            port = probe.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     try:
         dist.init_process_group("gloo")
     finally:
-        for name in rendezvous:  # read by now; a later call finds the environment as it was
-            del os.environ[name]
+        for name, value in saved.items():  # read by now: the environment goes back as it was
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     try:
         if dist.get_world_size() % tensor_parallel_size:
             raise ValueError(
@@ -106,9 +111,7 @@ def megatron_on_cpu(tensor_parallel_size: int = 1) -> Iterator[torch.device]:
                 f"the {dist.get_world_size()} processes"
             )
         parallel_state.initialize_model_parallel(tensor_parallel_size, 1)
-        try:
-            yield torch.device("cpu")
-        finally:
-            parallel_state.destroy_model_parallel()
+        yield torch.device("cpu")
     finally:
+        parallel_state.destroy_model_parallel()  # also after a partial initialization
         dist.destroy_process_group()

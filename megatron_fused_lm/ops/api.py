@@ -166,7 +166,7 @@ def fused_linear_logprob(
             bitwise the same whatever other rows share the call, as its log-prob and entropy always
             are on the Triton backend: the hidden product runs a kernel whose order of summation
             the number of rows does not change, instead of cuBLAS (``docs/DESIGN.md``, "Batch
-            invariance"; cost in ``docs/BENCHMARKS.md``). ``ValueError`` on the torch backend and
+            invariance"; cost in ``docs/benchmarks/features.md``). ``ValueError`` on the torch backend and
             for tensor-parallel groups of more than two ranks (their sums' order follows the
             message size); ``fused_linear_loss`` also refuses float32 weights.
         kept_tokens: optional ``(offsets, token_ids)``, each row's kept set (the ids a top-k /

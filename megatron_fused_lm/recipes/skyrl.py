@@ -61,7 +61,7 @@ OFF_POLICY_CORRECTION_OPTIONS = (
 class FusedLMSettings:
     """The fused head's settings, which SkyRL's ``TrainerConfig`` lacks. SkyRL's config parser rejects
     keys a dataclass does not declare, so mix this into a ``TrainerConfig`` subclass (see
-    docs/INTEGRATIONS.md). SkyRL's own ``logprobs_chunk_size`` (default 1024) sizes its logits loop
+    docs/trainers/skyrl.md). SkyRL's own ``logprobs_chunk_size`` (default 1024) sizes its logits loop
     and is not read: the head's Triton path tunes its chunks itself."""
 
     fused_linear_logprob: bool = False

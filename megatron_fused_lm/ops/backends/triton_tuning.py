@@ -1,6 +1,6 @@
 """How the Triton backend shapes its launches and chunks: the rules, and ``TritonTuning``, the public
 object that fixes any of their choices instead (tile sweeps and the interpreter tests do).
-``docs/BENCHMARKS.md`` has the measurements behind each rule.
+``docs/benchmarks/constants.md`` has the measurements behind each rule.
 
 - Tiles: the constants below; a forward kernel that stores a block from 16-bit operands takes the
   first of ``STORING_CANDIDATES`` whose shared memory (``shared_memory_bytes``) fits the device.

@@ -24,7 +24,7 @@ from .epilogue import (
     zero_targets,
 )
 
-# Launch shape of this memory-bound pass (docs/BENCHMARKS.md has the sweep).
+# Launch shape of this memory-bound pass (docs/benchmarks/constants.md has the sweep).
 ROWS_PER_PROGRAM = 16
 COLUMNS_PER_PROGRAM = 128
 NUM_WARPS = 4

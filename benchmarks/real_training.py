@@ -766,15 +766,23 @@ def prediction_interval(values: List[float]) -> tuple[float, float]:
 def final_values(record: dict, size: dict) -> Dict[str, float]:
     """A run's final held-out loss (its last evaluation) and final reward (the mean over its last
     FINAL_ROLLOUTS rollouts)."""
-    rewards = record["rl"]["curves"]["reward"][-FINAL_ROLLOUTS * size["updates_per_rollout"] :]
-    return {"held_out_loss": record["sft"]["eval"]["held_out_loss"][-1], "reward": sum(rewards) / len(rewards)}
+    return {
+        "held_out_loss": record["sft"]["eval"]["held_out_loss"][-1],
+        "reward": reward_window(record, size, last=True),
+    }
+
+
+def reward_window(record: dict, size: dict, last: bool) -> float:
+    """The mean reward over a run's last (or first) FINAL_ROLLOUTS rollouts."""
+    rewards = record["rl"]["curves"]["reward"]
+    window = FINAL_ROLLOUTS * size["updates_per_rollout"]
+    chosen = rewards[-window:] if last else rewards[:window]
+    return sum(chosen) / len(chosen)
 
 
 def reward_gain(record: dict, size: dict) -> float:
     """The mean reward of a run's last FINAL_ROLLOUTS rollouts less that of its first."""
-    rewards = record["rl"]["curves"]["reward"]
-    window = FINAL_ROLLOUTS * size["updates_per_rollout"]
-    return sum(rewards[-window:]) / len(rewards[-window:]) - sum(rewards[:window]) / len(rewards[:window])
+    return reward_window(record, size, last=True) - reward_window(record, size, last=False)
 
 
 def criterion(records: Dict[str, dict]) -> tuple[dict, List[str]]:

@@ -989,8 +989,10 @@ def print_summary(summary: dict) -> None:
         print(f"  p>0.9 before RL: {confident}")
 
 
-def code_revision() -> Optional[str]:
-    """The checkout's commit, with ``+`` when its tracked files differ from it; ``None`` outside git."""
+def code_revision() -> str:
+    """The checkout's commit, with ``+`` when its tracked files differ from it. Outside git (a GPU
+    host gets a copy of the working tree without ``.git``): ``sources <sha256>`` of the package's
+    and the benchmarks' Python files, which ``code_digest`` recomputes at any commit."""
     root = Path(__file__).resolve().parents[1]
     try:
         commit = subprocess.run(
@@ -998,8 +1000,18 @@ def code_revision() -> Optional[str]:
         )
         changed = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD"], capture_output=True).returncode
     except (OSError, subprocess.CalledProcessError):
-        return None
+        return f"sources {code_digest(root)}"
     return commit.stdout.strip() + ("+" if changed else "")
+
+
+def code_digest(root: Path) -> str:
+    """SHA-256 over the relative paths and bytes of ``megatron_fused_lm``'s, ``devkit``'s and
+    ``benchmarks``' Python files under ``root``, in path order."""
+    digest = hashlib.sha256()
+    for folder in ("megatron_fused_lm", "devkit", "benchmarks"):
+        for path in sorted((root / folder).rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def worker(run: Run, size_name: str, size: Size, out: Path) -> None:

@@ -38,17 +38,22 @@ from real_training import SIZES, Training, head_ms, micro_batches
 from devkit import distributed, measure
 from devkit.megatron_gpt import GPTShape
 
-RUNS = (("stock", False, "stock"), ("fused", True, "three-gemm"))
+RUNS = (
+    ("stock", False, "stock"),
+    ("fused", True, "three-gemm"),
+    ("recompute", True, "recompute"),
+    ("main_grad", True, "main-grad"),
+)
 
 
-def step_size(tokens: int, seq: int, layers: int, hidden: int):
-    """``real_training``'s GPU size reshaped to one micro-batch of ``tokens`` in rows of ``seq``:
-    RL rows of the same length, the second half of each the response."""
+def step_size(tokens: int, seq: int, layers: int, hidden: int, heads: int, micro_batches: int):
+    """``real_training``'s GPU size reshaped to ``micro_batches`` micro-batches of ``tokens`` in rows
+    of ``seq``: RL rows of the same length, the second half of each the response."""
     rows = max(1, tokens // seq)
-    shape = GPTShape(hidden=hidden, heads=max(1, hidden // 128), layers=layers, vocab=151936, seq=seq, micro_batch=rows)
+    shape = GPTShape(hidden=hidden, heads=heads, layers=layers, vocab=151936, seq=seq, micro_batch=rows)
     return dataclasses.replace(
-        SIZES["gpu"], shape=shape, micro_batches=1, prompts=rows, samples=1, prompt_tokens=seq // 2,
-        completion_tokens=seq - seq // 2 + 1,
+        SIZES["gpu"], shape=shape, micro_batches=micro_batches, prompts=rows * micro_batches, samples=1,
+        prompt_tokens=seq // 2, completion_tokens=seq - seq // 2 + 1,
     )  # fmt: skip
 
 
@@ -62,18 +67,21 @@ def measure_run(size, device, fused: bool, loss_path: str, warmup: int, repeats:
     training = Training(size, device, fused, loss_path)
     generator = torch.Generator().manual_seed(0)
     rows = size.shape.micro_batch
-    windows = torch.randint(0, size.shape.vocab, (rows, size.shape.seq + 1), generator=generator)
     response = torch.zeros(rows, size.shape.seq)
     response[:, size.prompt_tokens - 1 :] = 1.0
-    sft_batches = [micro_batches(windows, device)]
-    rl_batch = micro_batches(windows, device, response)
-    rl_batch["old_logprob"] = training.logprobs(training.head, training.model, rl_batch)
-    rl_batch["ref_logprob"] = rl_batch["old_logprob"] - 0.01
-    rl_batch["advantages"] = torch.randn(rows, size.shape.seq, generator=generator).to(device)
+    sft_batches, rl_batches = [], []
+    for _ in range(size.micro_batches):  # every rank draws the same tokens: the TP group's batch
+        windows = torch.randint(0, size.shape.vocab, (rows, size.shape.seq + 1), generator=generator)
+        sft_batches.append(micro_batches(windows, device))
+        rl_batch = micro_batches(windows, device, response)
+        rl_batch["old_logprob"] = training.logprobs(training.head, training.model, rl_batch)
+        rl_batch["ref_logprob"] = rl_batch["old_logprob"] - 0.01
+        rl_batch["advantages"] = torch.randn(rows, size.shape.seq, generator=generator).to(device)
+        rl_batches.append(rl_batch)
     record = {}
     for phase, forward_step, batches in (
         ("sft", training.sft_forward_step, sft_batches),
-        ("rl", training.rl_forward_step, [rl_batch]),
+        ("rl", training.rl_forward_step, rl_batches),
     ):
         steps = [training.step(forward_step, batches) for _ in range(warmup + repeats)][warmup:]
         step_ms = statistics.median(values["step_ms"] for values in steps)
@@ -82,8 +90,8 @@ def measure_run(size, device, fused: bool, loss_path: str, warmup: int, repeats:
             step_ms=step_ms,
             step_extra_bytes=largest(values["step_extra_bytes"] for values in steps),
             peak_bytes=largest(values["peak_bytes"] for values in steps),
-            head_ms=head,
-            head_share=head / step_ms,
+            head_ms=head,  # None under tensor parallelism
+            head_share=None if head is None else head * size.micro_batches / step_ms,
         )
     del training
     measure.release_memory()
@@ -101,6 +109,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048, help="tokens per row")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=4096, help="a smaller one for a CPU dry run")
+    parser.add_argument("--heads", type=int, default=None, help="attention heads (default: hidden / 128)")
+    parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="GPUs per run (sequence parallel when > 1)")
+    parser.add_argument("--runs", default="stock,fused", help=f"comma-separated, of: {', '.join(r[0] for r in RUNS)}")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default=None)
@@ -108,13 +120,19 @@ def main() -> None:
     args = parser.parse_args()
     if args.case is not None:
         tokens, name = args.case.split(":")
-        print(json.dumps(run_case(int(tokens), name, args)))
+        record = run_case(int(tokens), name, args)
+        if record is not None:
+            print(json.dumps(record))
         return
     rows = []
     for tokens in args.tokens.split(","):
-        for name, *_ in RUNS:
-            command = [sys.executable, __file__, *sys.argv[1:], "--case", f"{tokens}:{name}"]
-            done = subprocess.run(command, capture_output=True, text=True)
+        for name in args.runs.split(","):
+            launcher = [sys.executable]
+            if args.tensor_parallel > 1:
+                launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.tensor_parallel}"]
+            command = [*launcher, __file__, *sys.argv[1:], "--case", f"{tokens}:{name}"]
+            env = dict(os.environ, **distributed.MULTICAST_OFF)
+            done = subprocess.run(command, capture_output=True, text=True, env=env)
             lines = done.stdout.strip().splitlines()
             if done.returncode != 0 or not lines:
                 rows.append(dict(tokens=int(tokens), run=name, failed=done.stderr[-2000:]))
@@ -129,18 +147,25 @@ def main() -> None:
         sys.exit(1)
 
 
-def run_case(tokens: int, name: str, args) -> dict:
-    """One run's record, in this process (Megatron's groups set up and torn down here)."""
+def run_case(tokens: int, name: str, args) -> Optional[dict]:
+    """One run's record, on rank 0 (``None`` on the others), in this process or, under tensor
+    parallelism, in this torchrun job (Megatron's groups set up and torn down here)."""
     for key, value in dict(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
     ).items():
         os.environ.setdefault(key, value)
-    device = distributed.init_distributed(1)
+    device = distributed.init_distributed(args.tensor_parallel)
     try:
         fused, loss_path = {run: (fused, path) for run, fused, path in RUNS}[name]
-        size = step_size(tokens, args.seq, args.layers, args.hidden)
+        heads = args.heads or max(1, args.hidden // 128)
+        size = step_size(tokens, args.seq, args.layers, args.hidden, heads, args.micro_batches)
         record = measure_run(size, device, fused, loss_path, args.warmup, args.repeats)
-        return dict(tokens=tokens, seq=args.seq, layers=args.layers, hidden=args.hidden, run=name, **record)
+        if torch.distributed.get_rank() != 0:
+            return None
+        return dict(
+            tokens=tokens, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=heads,
+            micro_batches=args.micro_batches, tensor_parallel=args.tensor_parallel, run=name, **record,
+        )  # fmt: skip
     finally:
         distributed.shutdown()
 

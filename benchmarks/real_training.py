@@ -990,18 +990,19 @@ def print_summary(summary: dict) -> None:
 
 
 def code_revision() -> str:
-    """The checkout's commit, with ``+`` when its tracked files differ from it. Outside git (a GPU
-    host gets a copy of the working tree without ``.git``): ``sources <sha256>`` of the package's
-    and the benchmarks' Python files, which ``code_digest`` recomputes at any commit."""
+    """The checkout's commit (``+`` when its tracked files differ from it; absent outside git) and
+    ``sources <digest>`` (``code_digest``): a GPU host's copy of the tree may carry a ``.git`` that
+    lags the files it runs, and the digest names those files whatever git says."""
     root = Path(__file__).resolve().parents[1]
+    sources = f"sources {code_digest(root)}"
     try:
         commit = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
         )
         changed = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD"], capture_output=True).returncode
     except (OSError, subprocess.CalledProcessError):
-        return f"sources {code_digest(root)}"
-    return commit.stdout.strip() + ("+" if changed else "")
+        return sources
+    return f"{commit.stdout.strip()}{'+' if changed else ''} {sources}"
 
 
 def code_digest(root: Path) -> str:

@@ -3,7 +3,7 @@ byte-level BPE of production size, SFT then GRPO-style RL, the LM head stock and
 spread between stock runs of different initial seeds as the noise band.
 
     python benchmarks/real_training.py --out runs/ --runs stock_seed0,stock_seed1,stock_seed2,three_gemm
-    python benchmarks/real_training.py --out runs2/ --runs recompute,main_grad        # another call
+    python benchmarks/real_training.py --out runs2/ --corpus runs/corpus.pt --runs recompute,main_grad  # later
     python benchmarks/real_training.py --compare runs/ runs2/ --json benchmarks/results/real_training_h100.json
     python benchmarks/report_training.py benchmarks/results/real_training_h100.json --out docs/real_training
     python benchmarks/real_training.py --size cpu --out /tmp/runs --compare /tmp/runs --json out.json  # CPU
@@ -35,7 +35,9 @@ spread between stock runs of different initial seeds as the noise band.
    held-out loss and reward (mean of the last FINAL_ROLLOUTS rollouts) against the seeds' range.
    Gates (exit status): every run saw the same tokens; a fused run's head logged no warning (no
    fallback, no correcting pass); over the SFT warm-up a fused run's loss lies within the seeds'
-   band of that window; its final values lie inside the seeds' 95 % prediction interval. The gates
+   band of that window (and within CONTROL_FACTOR times the control's distance where one ran); its
+   final values lie inside the seeds' 95 % prediction interval; its RL reward gain is at least half
+   the least stock gain. The gates
    catch gross errors only (docs/benchmarks/real_training.md says why the band criterion is not
    one). Runs named twice (a replay in another call) are reported bitwise.
 

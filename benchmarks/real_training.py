@@ -283,11 +283,19 @@ def build_corpus(size: Size) -> Corpus:
     return Corpus(tokenizer, train, held_out, stats)
 
 
-def save_corpus(corpus: Corpus, path: Path) -> None:
+def corpus_key(size: Size) -> dict:
+    """What a corpus is built from: a corpus saved for the same key is the same corpus."""
+    return dict(
+        corpus=size.corpus, max_files=size.max_files, tokenizer_share=size.tokenizer_share, vocab=size.shape.vocab
+    )
+
+
+def save_corpus(corpus: Corpus, path: Path, size: Size) -> None:
     """Written under another name, then renamed: a launcher waiting for ``path`` never reads half a file."""
     partial = path.with_name(path.name + ".partial")
     torch.save(
         {
+            "built_for": corpus_key(size),
             "tokenizer": corpus.tokenizer.to_str(),
             "train": corpus.train,
             "held_out": corpus.held_out,
@@ -555,15 +563,32 @@ def held_out_batches(corpus: Corpus, size: Size, device: torch.device) -> List[D
     return [micro_batches(part, device) for part in windows[chosen].split(size.shape.micro_batch)]
 
 
-def run_sft(run: Run, size: Size, corpus: Corpus, device: torch.device) -> tuple[dict, dict]:
-    """One SFT run: its record, and its final weights (this rank's shard, on the CPU)."""
+def run_sft(
+    run: Run,
+    size: Size,
+    corpus: Corpus,
+    device: torch.device,
+    resume: Path,
+    pause_after_s: Optional[float],
+    warnings: List[str],
+) -> Optional[tuple[dict, dict]]:
+    """One SFT run: its record, and its final weights (this rank's shard, on the CPU). It starts
+    from ``resume`` where that file exists; past ``pause_after_s`` seconds it saves its state there
+    at the end of a step and returns ``None`` (a later call resumes; the steps are the same). The
+    package's ``warnings`` so far travel in the same file."""
     training = Training(size, device, run.fused, run.loss_path, seed=run.seed, moved=run.moved)
     windows = sequences(corpus.train, size.shape.seq, seed=0)
     per_step = size.micro_batches * size.shape.micro_batch
     held_out = held_out_batches(corpus, size, device)
     curves: Dict[str, list] = {}
     evaluations: Dict[str, list] = {"step": []}
-    for step in range(size.sft_steps):
+    first = 0
+    if resume.exists():
+        first, curves, evaluations, earlier = load_resume(resume, training, run, size, device)
+        warnings.extend(earlier)
+        distributed.log(f"sft {run.name}: resumed at step {first}")
+    start = time.perf_counter()
+    for step in range(first, size.sft_steps):
         learning_rate = cosine(step, size.sft_steps, size.sft_learning_rate)
         set_learning_rate(training.optimizer, learning_rate)
         rows = torch.arange(step * per_step, (step + 1) * per_step) % windows.shape[0]
@@ -579,6 +604,11 @@ def run_sft(run: Run, size: Size, corpus: Corpus, device: torch.device) -> tuple
                 f"{evaluations['held_out_loss'][-1]:.3f}, p>0.9 {evaluations['p_over_0.9'][-1]:.3f}, "
                 f"{curves['step_ms'][-1]:.0f} ms"
             )
+        if step + 1 < size.sft_steps and past(start, pause_after_s, device):
+            save_resume(resume, training, run, size, step + 1, curves, evaluations, warnings)
+            distributed.log(f"sft {run.name}: paused after step {step}")
+            return None
+    resume.unlink(missing_ok=True)
     record = phase_record(curves)
     record["eval"] = evaluations
     record["head_ms"] = head_ms(training, run.loss_path, size, device, "sft")
@@ -595,6 +625,48 @@ def run_sft(run: Run, size: Size, corpus: Corpus, device: torch.device) -> tuple
         f"{record['median_step_ms']:.1f} ms/step"
     )
     return record, state
+
+
+def past(start: float, seconds: Optional[float], device: torch.device) -> bool:
+    """Whether ``seconds`` have passed since ``start`` on any rank of the run (the ranks pause at
+    the same step)."""
+    if seconds is None:
+        return False
+    late = torch.tensor([float(time.perf_counter() - start > seconds)], device=device)
+    torch.distributed.all_reduce(late, op=torch.distributed.ReduceOp.MAX)
+    return bool(late.item())
+
+
+def save_resume(path: Path, training: Training, run: Run, size: Size, step: int, curves, evaluations, warnings) -> None:
+    """This rank's SFT state before ``step``: the weights, the optimizer (its float32 weights and
+    Adam's moments), the curves and the package's warnings so far; written under another name,
+    then renamed."""
+    partial = path.with_name(path.name + ".partial")
+    torch.save(
+        {
+            "run": dataclasses.asdict(run),
+            "size": dataclasses.asdict(size),
+            "step": step,
+            "curves": curves,
+            "evaluations": evaluations,
+            "model": training.gpt.state_dict(),
+            "optimizer": training.optimizer.state_dict(),
+            "warnings": list(warnings),
+        },
+        partial,
+    )
+    partial.rename(path)
+
+
+def load_resume(path: Path, training: Training, run: Run, size: Size, device: torch.device):
+    """``(step, curves, evaluations, warnings)`` of the state ``save_resume`` wrote, loaded into ``training``;
+    ``ValueError`` for another run's or size's state."""
+    saved = torch.load(path, map_location=device, weights_only=False)
+    if saved["run"] != dataclasses.asdict(run) or saved["size"] != dataclasses.asdict(size):
+        raise ValueError(f"{path} holds the state of another run or size ({saved['run']['name']}); remove it")
+    training.gpt.load_state_dict(saved["model"])
+    training.optimizer.load_state_dict(saved["optimizer"])
+    return saved["step"], saved["curves"], saved["evaluations"], saved["warnings"]
 
 
 def run_rl(run: Run, size: Size, corpus: Corpus, device: torch.device, state: dict) -> dict:
@@ -1017,9 +1089,9 @@ def code_digest(root: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def worker(run: Run, size_name: str, size: Size, out: Path) -> None:
+def worker(run: Run, size_name: str, size: Size, out: Path, pause_after_s: Optional[float]) -> None:
     """One run (a torchrun job of ``run.tensor_parallel`` processes): SFT, then RL from its weights;
-    writes ``out/<run>.json``."""
+    writes ``out/<run>.json``, or pauses SFT (``run_sft``) in ``out/<run>.resume<rank>.pt``."""
     device = distributed.init_distributed(run.tensor_parallel)
     recompute = RecomputeCounter()
     path = out / f"{run.name}.json"
@@ -1027,7 +1099,11 @@ def worker(run: Run, size_name: str, size: Size, out: Path) -> None:
         path.unlink(missing_ok=True)  # a record of an earlier run here must not pass for this one's
     try:
         corpus = load_corpus(out / "corpus.pt")
-        sft, state = run_sft(run, size, corpus, device)
+        resume = resume_path(out, run, torch.distributed.get_rank())
+        done = run_sft(run, size, corpus, device, resume, pause_after_s, recompute.messages)
+        if done is None:
+            return
+        sft, state = done
         record = {
             "run": dataclasses.asdict(run),
             "size": dict(dataclasses.asdict(size), name=size_name),
@@ -1049,24 +1125,32 @@ def worker(run: Run, size_name: str, size: Size, out: Path) -> None:
         distributed.shutdown()
 
 
+def resume_path(out: Path, run: Run, rank: int) -> Path:
+    return out / f"{run.name}.resume{rank}.pt"
+
+
 def launch(
     runs: List[Run], size_name: str, size: Size, out: Path, overrides: List[str], corpus_path: Optional[Path]
-) -> List[str]:
-    """Build the corpus into ``out`` (or link the one at ``corpus_path``, which another launcher of
-    the same corpus may still be writing), then start the runs side by side, each on GPUs of its own
-    (on the CPU one after another), each logging to ``out/<run>.log``; returns the failures."""
+) -> tuple[List[str], List[str]]:
+    """Build the corpus into ``out`` (or keep the one an earlier call built there, or link the one
+    at ``corpus_path``, which another launcher of the same corpus may still be writing), then start
+    the runs side by side, each on GPUs of its own (on the CPU one after another), each logging to
+    ``out/<run>.log``; returns the failures and the runs that paused (``--pause-after-s``)."""
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    if corpus_path is None:
+    own = out / "corpus.pt"
+    if corpus_path is None and own.exists() and torch.load(own).get("built_for") == corpus_key(size):
+        print(f"corpus: {own}, built by an earlier call for this size", flush=True)  # paused runs resume on it
+    elif corpus_path is None:
         corpus = build_corpus(size)
-        save_corpus(corpus, out / "corpus.pt")
+        save_corpus(corpus, own, size)
         print(f"corpus in {time.perf_counter() - start:.0f} s: {corpus.stats}", flush=True)
     else:
         if corpus_path.resolve() == (out / "corpus.pt").resolve():
-            return [f"--corpus {corpus_path} is this launcher's own corpus.pt"]
+            return [f"--corpus {corpus_path} is this launcher's own corpus.pt"], []
         while not corpus_path.exists():  # the other launcher renames it into place when written
             if time.perf_counter() - start > CORPUS_WAIT_S:
-                return [f"--corpus {corpus_path} did not appear within {CORPUS_WAIT_S} s"]
+                return [f"--corpus {corpus_path} did not appear within {CORPUS_WAIT_S} s"], []
             time.sleep(1)
         (out / "corpus.pt").unlink(missing_ok=True)
         (out / "corpus.pt").symlink_to(corpus_path.resolve())
@@ -1107,7 +1191,8 @@ def launch(
             if process.returncode != 0:
                 failures.append(f"{name} exited {process.returncode}; see {out / (name + '.log')}")
         time.sleep(0.5)
-    return failures
+    paused = [run.name for run in runs if resume_path(out, run, 0).exists()]
+    return failures, paused
 
 
 def main() -> None:
@@ -1122,16 +1207,21 @@ def main() -> None:
     parser.add_argument("--corpus", type=Path, help="a corpus.pt that another launcher of this corpus writes")
     parser.add_argument("--sft-steps", type=int, help="override the size's")
     parser.add_argument("--rl-steps", type=int, help="override the size's")
+    parser.add_argument(
+        "--pause-after-s",
+        type=float,
+        help="each run pauses its SFT after this many seconds; the same command resumes it",
+    )
     parser.add_argument("--worker", choices=RUNS, help=argparse.SUPPRESS)  # one run, started by --out
     args = parser.parse_args()
     overrides = {key: value for key, value in (("sft_steps", args.sft_steps), ("rl_steps", args.rl_steps)) if value}
     size = dataclasses.replace(SIZES[args.size], **overrides)
     if args.worker:
-        worker(RUNS[args.worker], args.size, size, Path(args.out))
+        worker(RUNS[args.worker], args.size, size, Path(args.out), args.pause_after_s)
         return
     if not (args.out or args.compare):
         parser.error("give --out (start runs), --compare (compare runs) or both")
-    failures = []
+    failures, paused = [], []
     if args.out:
         if not args.runs:
             parser.error("--out needs --runs")
@@ -1139,8 +1229,13 @@ def main() -> None:
         if unknown:
             parser.error(f"--runs: unknown {', '.join(sorted(unknown))}")
         forwarded = [item for key, value in overrides.items() for item in (f"--{key.replace('_', '-')}", str(value))]
+        if args.pause_after_s is not None:
+            forwarded += ["--pause-after-s", str(args.pause_after_s)]
         runs = [RUNS[name] for name in args.runs.split(",")]
-        failures += launch(runs, args.size, size, Path(args.out), forwarded, args.corpus)
+        failed, paused = launch(runs, args.size, size, Path(args.out), forwarded, args.corpus)
+        failures += failed
+        if paused:
+            print(f"paused: {', '.join(paused)} (the same command resumes them)", flush=True)
     if args.compare:
         records, replays, incomplete = merge(args.compare)
         summary, compared = criterion(records)
@@ -1156,7 +1251,7 @@ def main() -> None:
                 json.dump(payload, handle, indent=1)
     for line in failures:
         print(f"FAILED: {line}")
-    print("real_training: " + ("PASS" if not failures else "FAIL"), flush=True)
+    print("real_training: " + ("FAIL" if failures else "PAUSED" if paused else "PASS"), flush=True)
     if failures:
         raise SystemExit(1)
 

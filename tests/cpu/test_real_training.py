@@ -51,3 +51,37 @@ def test_fused_runs_train_like_stock_seeds_on_real_text(tmp_path):
         for row in entry["curves"].values():
             assert set(row["distance"]) >= fused and row["band"] >= 0
     assert record["comparison"]["tp1"]["controls"] == ["stock_seed0_moved"]
+
+
+def test_a_paused_run_resumes_bit_for_bit(tmp_path):
+    """``--pause-after-s 0`` stops each run's SFT after its first step (its state saved per rank),
+    the same command without it resumes on the corpus kept in the folder, and the curves equal an
+    uninterrupted run's bit for bit (the optimizer's moments and the step count came back)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    runs = ["--size", "cpu", "--runs", "three_gemm,tp2_three_gemm", "--sft-steps", "8", "--rl-steps", "2"]
+    script = [sys.executable, str(ROOT / "benchmarks" / "real_training.py"), *runs]
+
+    def launch(*extra):
+        done = subprocess.run([*script, *extra], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+        return done.stdout
+
+    whole, paused = tmp_path / "whole", tmp_path / "paused"
+    assert "real_training: PASS" in launch("--out", str(whole))
+    first = launch("--out", str(paused), "--corpus", str(whole / "corpus.pt"), "--pause-after-s", "0")
+    assert "real_training: PAUSED" in first and "paused: three_gemm, tp2_three_gemm" in first
+    assert {path.name for path in paused.glob("*.resume*.pt")} == {
+        "three_gemm.resume0.pt", "tp2_three_gemm.resume0.pt", "tp2_three_gemm.resume1.pt",
+    }  # fmt: skip
+    assert not list(paused.glob("*.json"))
+    second = launch("--out", str(paused))
+    assert "built by an earlier call" in second and "real_training: PASS" in second
+    assert not list(paused.glob("*.resume*.pt"))
+    for name in ("three_gemm", "tp2_three_gemm"):
+        assert "resumed at step 1" in (paused / f"{name}.log").read_text()
+        expected, resumed = (json.loads((folder / f"{name}.json").read_text()) for folder in (whole, paused))
+        assert resumed["sft"]["eval"] == expected["sft"]["eval"], name
+        for phase in ("sft", "rl"):
+            for curve, values in expected[phase]["curves"].items():
+                if not curve.endswith("_ms") and "bytes" not in curve:
+                    assert resumed[phase]["curves"][curve] == values, (name, phase, curve)

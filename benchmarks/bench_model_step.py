@@ -1,21 +1,27 @@
-"""What the fused head saves on one training step of a model of users' size, on one GPU: a bf16
-Megatron-Core GPTModel with hidden 4096 and a 151936-row head (``--layers`` transformer layers: the
+"""What the fused head saves on one training step of a model of users' size: a bf16
+Megatron-Core GPTModel with a 151936-row head (by default hidden 4096 and ``--layers 2``: the
 head's cost does not grow with depth, so its share of a deeper model's step follows from the
 figures), in Float16Module, DDP and Megatron's Adam, stepped through ``get_forward_backward_func``
-exactly as ``real_training.py`` steps it, one micro-batch of ``--tokens`` tokens a step (rows of
-``--seq`` tokens: Megatron's local layer spec, the one that runs here, materializes each layer's
-attention scores, so longer rows would take the memory the comparison is about).
+exactly as ``real_training.py`` steps it: ``--micro-batches`` micro-batches of ``--tokens`` tokens
+a step, in rows of ``--seq`` tokens (Megatron's local layer spec, the one that runs here,
+materializes each layer's attention scores, so longer rows would take the memory the comparison is
+about). ``--tensor-parallel N`` runs each case as a torchrun job of N GPUs with sequence
+parallelism; every rank draws the same tokens.
 
-- SFT: the labels path, the mean token loss; stock, and fused with the loss mask declared (three
-  GEMMs).
+- ``--runs``, as ``real_training.py`` names its loss paths: ``stock``; ``fused`` (three GEMMs, the
+  loss mask declared in SFT); ``recompute`` (``head.logprobs`` and the loss by hand, four GEMMs);
+  ``main_grad`` (three GEMMs, the weight gradient into ``main_grad`` at the declared scale).
+- SFT: the labels path, the mean token loss.
 - RL: ``head.loss`` with ``losses.ClippedPolicyLoss`` (entropy bonus, k3 KL) on the second half of
-  each sequence; stock computes it on the logits, fused by three GEMMs.
+  each sequence; stock computes it on the logits.
 
 Per run: the median step time after ``--warmup`` steps, the step's peak allocation beyond what was
-allocated before it, and the head alone (``real_training.head_ms``: the same ops on one micro-batch
-of the step's shape, forward and backward) with its share of the step. Each run is a process of
-its own, so that no run's memory (the caching allocator's, Megatron's global buffers) reaches the
-next.
+allocated before it, and at TP=1 the head alone (``real_training.head_ms``: the same ops on one
+micro-batch of the step's shape, forward and backward; ``None`` under tensor parallelism) with its
+share of the step (micro-batches times the head's time over the step's). Each run is a process (or
+torchrun job) of its own, so that no run's memory (the caching allocator's, Megatron's global
+buffers) reaches the next; ``--json`` is rewritten after each, and a run past ``--case-timeout``
+seconds is recorded as failed.
 
     PYTHONPATH=.:benchmarks python benchmarks/bench_model_step.py --json OUT.json
 """
@@ -30,6 +36,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 from typing import Optional
 
 import torch
@@ -116,6 +123,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--case-timeout", type=float, default=None, help="seconds one run may take")
     parser.add_argument("--case", default=None, help="TOKENS:RUN, one run in this process (what main starts)")
     args = parser.parse_args()
     if args.case is not None:
@@ -125,6 +133,7 @@ def main() -> None:
             print(json.dumps(record))
         return
     rows = []
+    meta = measure.environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.bfloat16)
     for tokens in args.tokens.split(","):
         for name in args.runs.split(","):
             launcher = [sys.executable]
@@ -132,19 +141,39 @@ def main() -> None:
                 launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.tensor_parallel}"]
             command = [*launcher, __file__, *sys.argv[1:], "--case", f"{tokens}:{name}"]
             env = dict(os.environ, **distributed.MULTICAST_OFF)
-            done = subprocess.run(command, capture_output=True, text=True, env=env)
-            lines = done.stdout.strip().splitlines()
-            if done.returncode != 0 or not lines:
-                rows.append(dict(tokens=int(tokens), run=name, failed=done.stderr[-2000:]))
-            else:
-                rows.append(json.loads(lines[-1]))
+            rows.append(run_command(command, env, args.case_timeout, dict(tokens=int(tokens), run=name)))
             print(json.dumps(rows[-1])[:600], flush=True)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"meta": measure.environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"),
-                                                   torch.bfloat16), "rows": rows}, handle, indent=1)  # fmt: skip
+            if args.json:  # after each run: a call cut short keeps the rows it finished
+                with open(args.json, "w") as handle:
+                    json.dump({"meta": meta, "rows": rows}, handle, indent=1)
     if any("failed" in row for row in rows):
         sys.exit(1)
+
+
+def run_command(command, env, timeout: Optional[float], case: dict) -> dict:
+    """The record a case's process printed (its stdout's one line that is a JSON object), or
+    ``case`` with ``failed``: what went wrong. Past ``timeout`` the process gets SIGTERM, on which
+    torchrun stops its workers (they run in sessions of their own), then SIGKILL; its output goes to
+    files, which a straggling worker cannot hold open as it could a pipe."""
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, env=env)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            return dict(case, failed=f"over --case-timeout {timeout} s")
+        stdout.seek(0)
+        stderr.seek(0)
+        out, err = stdout.read(), stderr.read()
+    records = [line for line in out.splitlines() if line.startswith('{"tokens"')]
+    if process.returncode != 0 or len(records) != 1:
+        return dict(case, failed=err[-2000:] or out[-2000:])
+    return json.loads(records[0])
 
 
 def run_case(tokens: int, name: str, args) -> Optional[dict]:

@@ -1080,8 +1080,9 @@ def code_revision() -> str:
 
 
 def code_digest(root: Path) -> str:
-    """SHA-256 over the relative paths and bytes of ``megatron_fused_lm``'s, ``devkit``'s and
-    ``benchmarks``' Python files under ``root``, in path order."""
+    """The first 16 hex digits of a SHA-256 over the relative paths and bytes of the Python files
+    under ``root``'s ``megatron_fused_lm``, ``devkit`` and ``benchmarks``, in path order (a clean
+    checkout of a commit gives that commit's)."""
     digest = hashlib.sha256()
     for folder in ("megatron_fused_lm", "devkit", "benchmarks"):
         for path in sorted((root / folder).rglob("*.py")):

@@ -21,7 +21,8 @@ micro-batch of the step's shape, forward and backward; ``None`` under tensor par
 share of the step (micro-batches times the head's time over the step's). Each run is a process (or
 torchrun job) of its own, so that no run's memory (the caching allocator's, Megatron's global
 buffers) reaches the next; ``--json`` is rewritten after each, and a run past ``--case-timeout``
-seconds is recorded as failed.
+seconds is recorded as failed. ``--diagnose DIR`` adds, per phase, one profiled step (a trace per
+rank in DIR) and its count of host synchronizations (``host_syncs``).
 
     PYTHONPATH=.:benchmarks python benchmarks/bench_model_step.py --json OUT.json
 """
@@ -37,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import warnings
 from typing import Optional
 
 import torch
@@ -70,7 +72,9 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def measure_run(size, device, fused: bool, loss_path: str, warmup: int, repeats: int) -> dict:
+def measure_run(
+    size, device, fused: bool, loss_path: str, warmup: int, repeats: int, diagnose: Optional[str] = None
+) -> dict:
     training = Training(size, device, fused, loss_path)
     generator = torch.Generator().manual_seed(0)
     rows = size.shape.micro_batch
@@ -100,9 +104,35 @@ def measure_run(size, device, fused: bool, loss_path: str, warmup: int, repeats:
             head_ms=head,  # None under tensor parallelism
             head_share=None if head is None else head * size.micro_batches / step_ms,
         )
+        if diagnose:
+            trace = os.path.join(diagnose, f"{loss_path}_{phase}_rank{torch.distributed.get_rank()}.json")
+            record[phase]["host_syncs"] = diagnosed_step(training, forward_step, batches, device, trace)
     del training
     measure.release_memory()
     return record
+
+
+def diagnosed_step(training: Training, forward_step, batches, device, trace: str) -> Optional[int]:
+    """One more step under the profiler (its trace written to ``trace``, for Perfetto or
+    chrome://tracing); the host synchronizations it made, as CUDA's sync debug mode counts them
+    (``None`` on the CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with warnings.catch_warnings(record=True) as caught, profile(activities=activities) as profiler:
+        warnings.simplefilter("always")
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            training.step(forward_step, batches)
+        finally:
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+    os.makedirs(os.path.dirname(trace) or ".", exist_ok=True)
+    profiler.export_chrome_trace(trace)
+    if device.type != "cuda":
+        return None
+    return sum("synchronizing" in str(warning.message) for warning in caught)
 
 
 def largest(values) -> Optional[int]:
@@ -123,6 +153,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--diagnose",
+        metavar="DIR",
+        help="after timing, one more step per phase profiled (traces here), its host syncs counted",
+    )
     parser.add_argument("--case-timeout", type=float, default=None, help="seconds one run may take")
     parser.add_argument("--case", default=None, help="TOKENS:RUN, one run in this process (what main starts)")
     args = parser.parse_args()
@@ -188,7 +223,7 @@ def run_case(tokens: int, name: str, args) -> Optional[dict]:
         fused, loss_path = {run: (fused, path) for run, fused, path in RUNS}[name]
         heads = args.heads or max(1, args.hidden // 128)
         size = step_size(tokens, args.seq, args.layers, args.hidden, heads, args.micro_batches)
-        record = measure_run(size, device, fused, loss_path, args.warmup, args.repeats)
+        record = measure_run(size, device, fused, loss_path, args.warmup, args.repeats, args.diagnose)
         if torch.distributed.get_rank() != 0:
             return None
         return dict(

@@ -7,6 +7,8 @@ spread between stock runs of different initial seeds as the noise band.
     python benchmarks/real_training.py --compare runs/ runs2/ --json benchmarks/results/real_training_h100.json
     python benchmarks/report_training.py benchmarks/results/real_training_h100.json --out docs/real_training
     python benchmarks/real_training.py --size cpu --out /tmp/runs --compare /tmp/runs --json out.json  # CPU
+    python benchmarks/real_training.py --out runs/ --runs ... --sft-steps 2000 --pause-after-s 470  # twice:
+    # the first call pauses each run's SFT, saving its state in runs/; the same command resumes it
 
 1. Data: the Python files of the interpreter's installed packages (site-packages: code nobody here
    wrote; the CPU size takes the standard library), split by file: a file whose path hashes to 0
@@ -1140,7 +1142,7 @@ def launch(
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     own = out / "corpus.pt"
-    if corpus_path is None and own.exists() and torch.load(own).get("built_for") == corpus_key(size):
+    if corpus_path is None and own.exists() and torch.load(own, mmap=True).get("built_for") == corpus_key(size):
         print(f"corpus: {own}, built by an earlier call for this size", flush=True)  # paused runs resume on it
     elif corpus_path is None:
         corpus = build_corpus(size)

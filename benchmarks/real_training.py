@@ -114,6 +114,7 @@ RUNS = {
         *(Run(f"tp2_stock_seed{seed}", seed, False, "stock", 2) for seed in range(3)),
         Run("tp2_three_gemm", 0, True, "three-gemm", 2),
         Run("tp2_main_grad", 0, True, "main-grad", 2),
+        Run("tp2_recompute", 0, True, "recompute", 2),
         Run("tp2_stock_seed0_moved", 0, False, "stock", 2, moved=True),
     )
 }

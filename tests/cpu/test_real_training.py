@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = (
     "stock_seed0,stock_seed1,stock_seed2,three_gemm,main_grad,recompute,stock_seed0_moved,"
-    "tp2_stock_seed0,tp2_stock_seed1,tp2_three_gemm,tp2_main_grad"
+    "tp2_stock_seed0,tp2_stock_seed1,tp2_three_gemm,tp2_main_grad,tp2_recompute"
 )
 
 
@@ -39,7 +39,7 @@ def test_fused_runs_train_like_stock_seeds_on_real_text(tmp_path):
         assert run["package_warnings"] == [] or not run["run"]["fused"], (name, run["package_warnings"])
     for label, fused in (
         ("tp1", {"three_gemm", "main_grad", "recompute"}),
-        ("tp2", {"tp2_three_gemm", "tp2_main_grad"}),
+        ("tp2", {"tp2_three_gemm", "tp2_main_grad", "tp2_recompute"}),
     ):
         entry = record["comparison"][label]
         assert set(entry["fused"]) == fused and len(entry["stock_seeds"]) >= 2

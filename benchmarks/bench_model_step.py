@@ -21,8 +21,9 @@ micro-batch of the step's shape, forward and backward; ``None`` under tensor par
 share of the step (micro-batches times the head's time over the step's). Each run is a process (or
 torchrun job) of its own, so that no run's memory (the caching allocator's, Megatron's global
 buffers) reaches the next; ``--json`` is rewritten after each, and a run past ``--case-timeout``
-seconds is recorded as failed. ``--diagnose DIR`` adds, per phase, one profiled step (a trace per
-rank in DIR) and its count of host synchronizations (``host_syncs``).
+seconds is recorded as failed. ``--diagnose DIR`` adds, per phase and after the timing, one
+profiled step (a trace per rank in ``DIR/<tokens>_tp<N>/``) and rank 0's count of host
+synchronizations in it (``host_syncs``).
 
     PYTHONPATH=.:benchmarks python benchmarks/bench_model_step.py --json OUT.json
 """
@@ -90,10 +91,8 @@ def measure_run(
         rl_batch["advantages"] = torch.randn(rows, size.shape.seq, generator=generator).to(device)
         rl_batches.append(rl_batch)
     record = {}
-    for phase, forward_step, batches in (
-        ("sft", training.sft_forward_step, sft_batches),
-        ("rl", training.rl_forward_step, rl_batches),
-    ):
+    phases = (("sft", training.sft_forward_step, sft_batches), ("rl", training.rl_forward_step, rl_batches))
+    for phase, forward_step, batches in phases:
         steps = [training.step(forward_step, batches) for _ in range(warmup + repeats)][warmup:]
         step_ms = statistics.median(values["step_ms"] for values in steps)
         head = head_ms(training, loss_path, size, device, phase)
@@ -104,9 +103,11 @@ def measure_run(
             head_ms=head,  # None under tensor parallelism
             head_share=None if head is None else head * size.micro_batches / step_ms,
         )
-        if diagnose:
-            trace = os.path.join(diagnose, f"{loss_path}_{phase}_rank{torch.distributed.get_rank()}.json")
-            record[phase]["host_syncs"] = diagnosed_step(training, forward_step, batches, device, trace)
+    for phase, forward_step, batches in (
+        phases if diagnose else ()
+    ):  # after all timing: a profiler may slow what follows
+        trace = os.path.join(diagnose, f"{loss_path}_{phase}_rank{torch.distributed.get_rank()}.json")
+        record[phase]["host_syncs"] = diagnosed_step(training, forward_step, batches, device, trace)
     del training
     measure.release_memory()
     return record
@@ -115,7 +116,8 @@ def measure_run(
 def diagnosed_step(training: Training, forward_step, batches, device, trace: str) -> Optional[int]:
     """One more step under the profiler (its trace written to ``trace``, for Perfetto or
     chrome://tracing); the host synchronizations it made, as CUDA's sync debug mode counts them
-    (``None`` on the CPU)."""
+    (``None`` on the CPU): the harness's own reads (the reported losses, Megatron's gradient norm)
+    included, the same for every run, so the counts compare runs rather than count the head's."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -223,7 +225,9 @@ def run_case(tokens: int, name: str, args) -> Optional[dict]:
         fused, loss_path = {run: (fused, path) for run, fused, path in RUNS}[name]
         heads = args.heads or max(1, args.hidden // 128)
         size = step_size(tokens, args.seq, args.layers, args.hidden, heads, args.micro_batches)
-        record = measure_run(size, device, fused, loss_path, args.warmup, args.repeats, args.diagnose)
+        # One folder per shape and TP size: the traces of other cases do not overwrite these.
+        diagnose = args.diagnose and os.path.join(args.diagnose, f"{tokens}_tp{args.tensor_parallel}")
+        record = measure_run(size, device, fused, loss_path, args.warmup, args.repeats, diagnose)
         if torch.distributed.get_rank() != 0:
             return None
         return dict(

@@ -578,7 +578,9 @@ def run_sft(
     """One SFT run: its record, and its final weights (this rank's shard, on the CPU). It starts
     from ``resume`` where that file exists; past ``pause_after_s`` seconds it saves its state there
     at the end of a step and returns ``None`` (a later call resumes; the steps are the same). The
-    package's ``warnings`` so far travel in the same file."""
+    package's ``warnings`` so far travel in the same file. The clock starts at the first step: leave
+    the call room for start-up, RL, and runs queued behind others. The file stays until the run's
+    record is written (``worker``), so a call cut short in RL resumes from it."""
     training = Training(size, device, run.fused, run.loss_path, seed=run.seed, moved=run.moved)
     windows = sequences(corpus.train, size.shape.seq, seed=0)
     per_step = size.micro_batches * size.shape.micro_batch
@@ -586,7 +588,7 @@ def run_sft(
     curves: Dict[str, list] = {}
     evaluations: Dict[str, list] = {"step": []}
     first = 0
-    if resume.exists():
+    if on_every_rank(resume.exists(), device):
         first, curves, evaluations, earlier = load_resume(resume, training, run, size, device)
         warnings.extend(earlier)
         distributed.log(f"sft {run.name}: resumed at step {first}")
@@ -611,7 +613,6 @@ def run_sft(
             save_resume(resume, training, run, size, step + 1, curves, evaluations, warnings)
             distributed.log(f"sft {run.name}: paused after step {step}")
             return None
-    resume.unlink(missing_ok=True)
     record = phase_record(curves)
     record["eval"] = evaluations
     record["head_ms"] = head_ms(training, run.loss_path, size, device, "sft")
@@ -640,6 +641,17 @@ def past(start: float, seconds: Optional[float], device: torch.device) -> bool:
     return bool(late.item())
 
 
+def on_every_rank(found: bool, device: torch.device) -> bool:
+    """Whether ``found`` holds on the run's ranks; ``ValueError`` where it holds on some only (a
+    call cut short between two ranks' writes)."""
+    flags = torch.tensor([float(found), float(not found)], device=device)
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    somewhere, missing_somewhere = (bool(flag) for flag in flags.tolist())
+    if somewhere and missing_somewhere:
+        raise ValueError("some ranks hold a saved SFT state and others not; remove the run's .resume*.pt files")
+    return somewhere
+
+
 def save_resume(path: Path, training: Training, run: Run, size: Size, step: int, curves, evaluations, warnings) -> None:
     """This rank's SFT state before ``step``: the weights, the optimizer (its float32 weights and
     Adam's moments), the curves and the package's warnings so far; written under another name,
@@ -658,15 +670,22 @@ def save_resume(path: Path, training: Training, run: Run, size: Size, step: int,
         },
         partial,
     )
+    torch.distributed.barrier()  # every rank's state written before any takes the place of the last
     partial.rename(path)
 
 
 def load_resume(path: Path, training: Training, run: Run, size: Size, device: torch.device):
     """``(step, curves, evaluations, warnings)`` of the state ``save_resume`` wrote, loaded into ``training``;
     ``ValueError`` for another run's or size's state."""
-    saved = torch.load(path, map_location=device, weights_only=False)
+    # On the CPU: load_state_dict moves each tensor where its parameter lives, and keeps Adam's step
+    # counts on the host as a fresh optimizer does.
+    saved = torch.load(path, map_location="cpu", weights_only=False)
     if saved["run"] != dataclasses.asdict(run) or saved["size"] != dataclasses.asdict(size):
         raise ValueError(f"{path} holds the state of another run or size ({saved['run']['name']}); remove it")
+    steps = torch.tensor([saved["step"], -saved["step"]], device=device)
+    torch.distributed.all_reduce(steps, op=torch.distributed.ReduceOp.MAX)
+    if steps[0].item() != -steps[1].item():
+        raise ValueError(f"the ranks' saved SFT states are of different steps; remove {run.name}'s .resume*.pt files")
     training.gpt.load_state_dict(saved["model"])
     training.optimizer.load_state_dict(saved["optimizer"])
     return saved["step"], saved["curves"], saved["evaluations"], saved["warnings"]
@@ -1013,6 +1032,9 @@ def merge(directories: List[str]) -> tuple[Dict[str, dict], dict, List[str]]:
     distance; and the records of runs that stopped before the end."""
     records: Dict[str, dict] = {}
     replays, incomplete = {}, []
+    for source in directories:
+        for state in sorted(Path(source).glob("*.resume0.pt")) if Path(source).is_dir() else []:
+            incomplete.append(f"{state}: the run paused in SFT; the command that started it resumes it")
     for name, record, source in run_records(directories):
         if record["rl"] is None:
             incomplete.append(f"{source}: the run stopped before its RL phase ended")
@@ -1125,6 +1147,7 @@ def worker(run: Run, size_name: str, size: Size, out: Path, pause_after_s: Optio
             {m for ms in distributed.gather_to_rank0(recompute.messages) or [] for m in ms}
         )
         distributed.write_json(str(path), record)
+        resume.unlink(missing_ok=True)  # only now: a call cut short in RL resumes from the saved SFT
     finally:
         distributed.shutdown()
 
@@ -1133,13 +1156,31 @@ def resume_path(out: Path, run: Run, rank: int) -> Path:
     return out / f"{run.name}.resume{rank}.pt"
 
 
+def finished(out: Path, run: Run, size: Size) -> bool:
+    """Whether ``out`` holds ``run``'s complete record at ``size`` (and no saved state to resume)."""
+    path = out / f"{run.name}.json"
+    if not path.exists() or resume_path(out, run, 0).exists():
+        return False
+    record = json.loads(path.read_text())
+    recorded = {key: value for key, value in record["size"].items() if key != "name"}
+    return record["rl"] is not None and recorded == json.loads(json.dumps(dataclasses.asdict(size)))
+
+
 def launch(
-    runs: List[Run], size_name: str, size: Size, out: Path, overrides: List[str], corpus_path: Optional[Path]
+    runs: List[Run],
+    size_name: str,
+    size: Size,
+    out: Path,
+    overrides: List[str],
+    corpus_path: Optional[Path],
+    pause_after_s: Optional[float],
 ) -> tuple[List[str], List[str]]:
     """Build the corpus into ``out`` (or keep the one an earlier call built there, or link the one
     at ``corpus_path``, which another launcher of the same corpus may still be writing), then start
     the runs side by side, each on GPUs of its own (on the CPU one after another), each logging to
-    ``out/<run>.log``; returns the failures and the runs that paused (``--pause-after-s``)."""
+    ``out/<run>.log``; returns the failures and the runs that paused. With ``pause_after_s`` the
+    runs pause (``run_sft``), and a run whose record of this size is complete here is not run
+    again: the same command, repeated, finishes every run."""
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     own = out / "corpus.pt"
@@ -1162,7 +1203,12 @@ def launch(
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))).split(",")
     free = visible[:gpus] if gpus else ["cpu"]
     pending, running, failures = list(runs), {}, []
-    for run in runs:
+    if pause_after_s is not None:
+        overrides = [*overrides, "--pause-after-s", str(pause_after_s)]
+        for run in [run for run in runs if finished(out, run, size)]:
+            print(f"{run.name}: finished in an earlier call", flush=True)
+            pending.remove(run)
+    for run in list(pending):
         if gpus and run.tensor_parallel > gpus:
             failures.append(f"{run.name}: needs {run.tensor_parallel} GPUs, {gpus} visible")
             pending.remove(run)
@@ -1180,7 +1226,8 @@ def launch(
                 f"--nproc-per-node={run.tensor_parallel}", __file__,
                 "--worker", run.name, "--size", size_name, "--out", str(out), *overrides,
             ]  # fmt: skip
-            log = open(out / f"{run.name}.log", "w")  # noqa: SIM115 (closed when the run ends)
+            mode = "a" if resume_path(out, run, 0).exists() else "w"  # a resumed run's log goes on
+            log = open(out / f"{run.name}.log", mode)  # noqa: SIM115 (closed when the run ends)
             running[run.name] = (subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), devices, log)
             print(f"started {run.name} on {','.join(devices)}", flush=True)
             pending.remove(run)
@@ -1233,14 +1280,12 @@ def main() -> None:
         if unknown:
             parser.error(f"--runs: unknown {', '.join(sorted(unknown))}")
         forwarded = [item for key, value in overrides.items() for item in (f"--{key.replace('_', '-')}", str(value))]
-        if args.pause_after_s is not None:
-            forwarded += ["--pause-after-s", str(args.pause_after_s)]
         runs = [RUNS[name] for name in args.runs.split(",")]
-        failed, paused = launch(runs, args.size, size, Path(args.out), forwarded, args.corpus)
+        failed, paused = launch(runs, args.size, size, Path(args.out), forwarded, args.corpus, args.pause_after_s)
         failures += failed
         if paused:
-            print(f"paused: {', '.join(paused)} (the same command resumes them)", flush=True)
-    if args.compare:
+            print(f"paused: {', '.join(paused)} (the same command resumes them; compare after)", flush=True)
+    if args.compare and not paused:
         records, replays, incomplete = merge(args.compare)
         summary, compared = criterion(records)
         failures += incomplete + compared

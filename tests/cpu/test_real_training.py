@@ -54,16 +54,17 @@ def test_fused_runs_train_like_stock_seeds_on_real_text(tmp_path):
 
 
 def test_a_paused_run_resumes_bit_for_bit(tmp_path):
-    """``--pause-after-s 0`` stops each run's SFT after its first step (its state saved per rank),
-    the same command without it resumes on the corpus kept in the folder, and the curves equal an
-    uninterrupted run's bit for bit (the optimizer's moments and the step count came back)."""
+    """``--pause-after-s 0`` stops each run's SFT after its first step (its state saved per rank);
+    ``--compare`` counts a paused run as unfinished; the same command resumes on the corpus kept in
+    the folder, and the curves equal an uninterrupted run's bit for bit (the optimizer's moments
+    and the step count came back); once finished, the command leaves the runs as they are."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     runs = ["--size", "cpu", "--runs", "three_gemm,tp2_three_gemm", "--sft-steps", "8", "--rl-steps", "2"]
     script = [sys.executable, str(ROOT / "benchmarks" / "real_training.py"), *runs]
 
-    def launch(*extra):
+    def launch(*extra, status=0):
         done = subprocess.run([*script, *extra], env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+        assert done.returncode == status, (done.stdout[-3000:], done.stderr[-3000:])
         return done.stdout
 
     whole, paused = tmp_path / "whole", tmp_path / "paused"
@@ -74,10 +75,16 @@ def test_a_paused_run_resumes_bit_for_bit(tmp_path):
         "three_gemm.resume0.pt", "tp2_three_gemm.resume0.pt", "tp2_three_gemm.resume1.pt",
     }  # fmt: skip
     assert not list(paused.glob("*.json"))
-    second = launch("--out", str(paused))
+    assert "the run paused in SFT" in launch("--compare", str(paused), status=1)
+    # A pause longer than the run: it resumes, finishes, and removes its saved state.
+    second = launch("--out", str(paused), "--pause-after-s", "600")
     assert "built by an earlier call" in second and "real_training: PASS" in second
     assert not list(paused.glob("*.resume*.pt"))
-    for name in ("three_gemm", "tp2_three_gemm"):
+    records = {name: (paused / f"{name}.json").read_text() for name in ("three_gemm", "tp2_three_gemm")}
+    third = launch("--out", str(paused), "--pause-after-s", "600")
+    assert "three_gemm: finished in an earlier call" in third and "started" not in third
+    assert records == {name: (paused / f"{name}.json").read_text() for name in records}
+    for name in records:
         assert "resumed at step 1" in (paused / f"{name}.log").read_text()
         expected, resumed = (json.loads((folder / f"{name}.json").read_text()) for folder in (whole, paused))
         assert resumed["sft"]["eval"] == expected["sft"]["eval"], name

@@ -103,9 +103,8 @@ def measure_run(
             head_ms=head,  # None under tensor parallelism
             head_share=None if head is None else head * size.micro_batches / step_ms,
         )
-    for phase, forward_step, batches in (
-        phases if diagnose else ()
-    ):  # after all timing: a profiler may slow what follows
+    # After all timing: a profiler may slow what runs after it.
+    for phase, forward_step, batches in phases if diagnose else ():
         trace = os.path.join(diagnose, f"{loss_path}_{phase}_rank{torch.distributed.get_rank()}.json")
         record[phase]["host_syncs"] = diagnosed_step(training, forward_step, batches, device, trace)
     del training

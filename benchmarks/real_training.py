@@ -631,22 +631,25 @@ def run_sft(
     return record, state
 
 
+def largest_on_ranks(values: List[float], device: torch.device) -> List[float]:
+    """Each of ``values``' largest value over the run's ranks (negate a value for its smallest)."""
+    gathered = torch.tensor(values, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(gathered, op=torch.distributed.ReduceOp.MAX)
+    return gathered.tolist()
+
+
 def past(start: float, seconds: Optional[float], device: torch.device) -> bool:
     """Whether ``seconds`` have passed since ``start`` on any rank of the run (the ranks pause at
     the same step)."""
     if seconds is None:
         return False
-    late = torch.tensor([float(time.perf_counter() - start > seconds)], device=device)
-    torch.distributed.all_reduce(late, op=torch.distributed.ReduceOp.MAX)
-    return bool(late.item())
+    return bool(largest_on_ranks([time.perf_counter() - start > seconds], device)[0])
 
 
 def on_every_rank(found: bool, device: torch.device) -> bool:
     """Whether ``found`` holds on the run's ranks; ``ValueError`` where it holds on some only (a
     call cut short between two ranks' writes)."""
-    flags = torch.tensor([float(found), float(not found)], device=device)
-    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-    somewhere, missing_somewhere = (bool(flag) for flag in flags.tolist())
+    somewhere, missing_somewhere = (bool(flag) for flag in largest_on_ranks([found, not found], device))
     if somewhere and missing_somewhere:
         raise ValueError("some ranks hold a saved SFT state and others not; remove the run's .resume*.pt files")
     return somewhere
@@ -682,9 +685,8 @@ def load_resume(path: Path, training: Training, run: Run, size: Size, device: to
     saved = torch.load(path, map_location="cpu", weights_only=False)
     if saved["run"] != dataclasses.asdict(run) or saved["size"] != dataclasses.asdict(size):
         raise ValueError(f"{path} holds the state of another run or size ({saved['run']['name']}); remove it")
-    steps = torch.tensor([saved["step"], -saved["step"]], device=device)
-    torch.distributed.all_reduce(steps, op=torch.distributed.ReduceOp.MAX)
-    if steps[0].item() != -steps[1].item():
+    latest, earliest = largest_on_ranks([saved["step"], -saved["step"]], device)
+    if latest != -earliest:
         raise ValueError(f"the ranks' saved SFT states are of different steps; remove {run.name}'s .resume*.pt files")
     training.gpt.load_state_dict(saved["model"])
     training.optimizer.load_state_dict(saved["optimizer"])

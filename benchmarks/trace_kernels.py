@@ -32,28 +32,31 @@ def busy_ms(intervals: List[Tuple[float, float]]) -> float:
     return total / 1e3
 
 
-def kernel_times(path: str) -> Dict[str, float]:
-    """Milliseconds of GPU time per kernel (NCCL kernels per collective) in one trace, with the
-    step's span and its busy time under ``SPAN`` and ``BUSY``."""
+def timed_events(path: str) -> List[dict]:
+    """A chrome trace's events that have a duration."""
     with open(path) as handle:
-        events = [event for event in json.load(handle)["traceEvents"] if event.get("cat") in GPU_CATEGORIES]
+        return [event for event in json.load(handle)["traceEvents"] if "dur" in event]
+
+
+def kernel_times(events: List[dict]) -> Dict[str, float]:
+    """Milliseconds of GPU time per kernel (NCCL kernels per collective) in one trace's ``events``,
+    with the step's span and its busy time under ``SPAN`` and ``BUSY``."""
+    events = [event for event in events if event.get("cat") in GPU_CATEGORIES]
     times: Dict[str, float] = collections.defaultdict(float)
     for event in events:
         name = event["name"]
         key = "nccl " + name.split("(")[0].removeprefix("ncclDevKernel_") if name.startswith("nccl") else name
-        times[key] += event.get("dur", 0) / 1e3
-    intervals = [(event["ts"], event["ts"] + event.get("dur", 0)) for event in events]
+        times[key] += event["dur"] / 1e3
+    intervals = [(event["ts"], event["ts"] + event["dur"]) for event in events]
     if intervals:
         times[SPAN] = (max(end for _, end in intervals) - min(start for start, _ in intervals)) / 1e3
         times[BUSY] = busy_ms(intervals)
     return times
 
 
-def host_times(path: str, prefixes: List[str]) -> Dict[str, float]:
+def host_times(events: List[dict], prefixes: List[str]) -> Dict[str, float]:
     """Milliseconds of host time per op name starting with one of ``prefixes`` (nested calls of the
     same prefix counted once), and the number of kernel launches under ``"(launches)"``."""
-    with open(path) as handle:
-        events = [event for event in json.load(handle)["traceEvents"] if "dur" in event]
     times: Dict[str, float] = collections.defaultdict(float)
     for prefix in prefixes:
         ops = sorted(
@@ -75,17 +78,22 @@ def main() -> None:
     parser.add_argument("--host-ops", default=None, help="comma-separated op name prefixes: their host time")
     args = parser.parse_args()
     columns = dict(item.split("=", 1) for item in args.traces)
-    times = {label: kernel_times(path) for label, path in columns.items()}
+    events = {label: timed_events(path) for label, path in columns.items()}
+    times = {label: kernel_times(trace) for label, trace in events.items()}
     names = sorted({name for table in times.values() for name in table} - {SPAN, BUSY})
     names.sort(key=lambda name: -max(table.get(name, 0.0) for table in times.values()))
-    print(f"{'ms in the profiled step':72}" + "".join(f" {label:>11}" for label in columns))
-    for name in [SPAN, BUSY, *names[: args.top]]:
-        print(f"{name[:72]:72}" + "".join(f" {table.get(name, 0.0):11.2f}" for table in times.values()))
+    print_table("ms in the profiled step", times, [SPAN, BUSY, *names[: args.top]])
     if args.host_ops:
-        host = {label: host_times(path, args.host_ops.split(",")) for label, path in columns.items()}
-        print(f"\n{'host ms in the profiled step':72}" + "".join(f" {label:>11}" for label in columns))
-        for name in sorted({name for table in host.values() for name in table}):
-            print(f"{name[:72]:72}" + "".join(f" {table.get(name, 0.0):11.2f}" for table in host.values()))
+        host = {label: host_times(trace, args.host_ops.split(",")) for label, trace in events.items()}
+        print()
+        print_table("host ms in the profiled step", host, sorted({name for table in host.values() for name in table}))
+
+
+def print_table(title: str, tables: Dict[str, Dict[str, float]], rows: List[str]) -> None:
+    """One row per name in ``rows``, one column per table (0 where a table lacks the name)."""
+    print(f"{title:72}" + "".join(f" {label:>11}" for label in tables))
+    for name in rows:
+        print(f"{name[:72]:72}" + "".join(f" {table.get(name, 0.0):11.2f}" for table in tables.values()))
 
 
 if __name__ == "__main__":

@@ -18,20 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
+from harness import GIB, make_inputs, parse_shapes, shape_name, try_measure
+from methods import FUSED_BACKEND, policy_loss, policy_loss_inputs, rl_loss_step, sft_step
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import GIB, make_inputs, parse_shapes, shape_name, try_measure  # noqa: E402
-from methods import FUSED_BACKEND, policy_loss, policy_loss_inputs, rl_loss_step, sft_step  # noqa: E402
-
-from megatron_fused_lm import FusedLMConfig  # noqa: E402
-from megatron_fused_lm.recipes import skyrl  # noqa: E402
+from megatron_fused_lm import FusedLMConfig
+from megatron_fused_lm.recipes import skyrl
 
 
 @dataclass

@@ -17,7 +17,7 @@ import torch
 from harness import make_inputs, op_steps, parse_shapes, result_row, shape_name, timing_parser, try_measure
 
 from devkit.measure import environment
-from megatron_fused_lm.ops.backends import kept_mask
+from megatron_fused_lm.ops.backends import by_name
 from megatron_fused_lm.ops.inputs import select_rows
 from megatron_fused_lm.ops.kept_tokens import checked_sets
 from megatron_fused_lm.ops.several_targets import gathered_logits
@@ -39,9 +39,8 @@ def extra_steps(inputs, kept_tokens):
 
     def bitmask():
         selection = select_rows(targets, targets.shape, None, None, weight.shape[0], None)
-        return kept_mask(
-            "triton", checked_sets(kept_tokens, selection, targets, weight.shape[0], None), weight.shape[0]
-        )
+        sets = checked_sets(kept_tokens, selection, targets, weight.shape[0], None)
+        return by_name("triton").kept_mask(sets, weight.shape[0])
 
     def sparse_forward():
         with torch.no_grad():

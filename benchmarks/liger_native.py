@@ -5,13 +5,17 @@ unpack it.
 
 Setup, once per process (``NativeScaledCrossEntropy``): the core wants NVSHMEM initialized even for
 one rank; this does it with a unique id for one PE (no MPI, no torch.distributed), after forcing
-NVLink multicast off (``NVSHMEM_DISABLE_NVLS=1``: the shared GPU hosts forbid it; the core then
-takes its direct-peer reduction kernels). Its workspace capacities (tokens, hidden, vocabulary) are
-fixed by the first configuration and cannot grow, so they are reserved up front for the largest
-shape the run will measure, as liger's notes ask; a larger shape later clears the pools and
-configures again. The workspace lives outside PyTorch's caching allocator (NVSHMEM's symmetric heap
-and the core's own allocations), so a row's ``peak_extra_bytes`` misses it: each row records it as
-``native_workspace_bytes`` (the core's conservative estimate for that shape, before configuration).
+NVLink multicast off (``NVSHMEM_DISABLE_NVLS=1``: the shared GPU hosts forbid it). That does not
+change the core's reduction kernels for a group of one: ``configure_tp_reduce`` in liger's
+``liger_cute_kernels/csrc/core/src/detail/tp_reduce.cu`` counts NVLS as available when the team has
+one PE and picks its NVLS backend on the rank's own buffers (no multicast object); its direct-peer
+backend is the fallback for larger teams without multicast. Its workspace capacities (tokens,
+hidden, vocabulary) are fixed by the first configuration and cannot grow, so they are reserved up
+front for the largest shape the run will measure, as liger's notes ask; a larger shape later
+clears the pools and configures again. The workspace lives outside PyTorch's caching allocator
+(NVSHMEM's symmetric heap and the core's own allocations), so a row's ``peak_extra_bytes`` misses
+it: each row records it as ``native_workspace_bytes`` (the core's conservative estimate for that
+shape, before configuration).
 
 The op is liger-kernel's own autograd Function for this core,
 ``LigerFusedLinearScaledCrossEntropyNativeTPFunction``, called directly: the public
@@ -30,6 +34,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from devkit.oracle import reference, relative_error
 
 # NVLink multicast must stay off on the shared hosts (a program using it can take the host's GPUs
 # out of service): forced, and setup refuses if the environment asks for it.
@@ -270,9 +276,6 @@ def run_probe():
 def probe(shape=PROBE_SHAPE, temperature=0.7):
     """Set up in this process, run one forward+backward at ``shape`` against the float64 oracle and
     print what was found as JSON; exit status 1 if an error passes ``PROBE_TOLERANCE``."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: devkit
-    from devkit.oracle import reference, relative_error
-
     op = NativeScaledCrossEntropy([shape], probe=False)
     tokens, hidden_size, vocab = shape
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -16,8 +16,10 @@ spread between stock runs of different initial seeds as the noise band.
 2. Tokenizer: a byte-level BPE trained with ``tokenizers`` on a share of the training files chosen
    by path hash, every merge up to the size's target (151936 on a GPU); the head has the target's
    rows (a multiple of 128, as Megatron pads).
-3. Runs, each in its own process on its own GPUs (``--out`` starts them side by side, the corpus
-   built once): ``stock_seed<k>``, stock heads from initial seed k, the band; ``three_gemm``,
+3. Runs, each in its own processes on its own GPUs (``--out`` starts them side by side as torchrun
+   jobs, the corpus built once; on the CPU each run's gloo ranks are forked from one server that
+   imported this script once, since a rank's imports take about as long as a CPU run trains):
+   ``stock_seed<k>``, stock heads from initial seed k, the band; ``three_gemm``,
    ``recompute``, ``main_grad``: fused heads from seed 0 (the labels path with
    ``declare_loss_weights``; the fused head without a declaration, four GEMMs; three GEMMs with the
    weight gradient added into ``main_grad`` at the schedule's declared scale); ``tp2_*``: the same
@@ -54,6 +56,7 @@ import functools
 import hashlib
 import itertools
 import json
+import multiprocessing
 import os
 import site
 import statistics
@@ -76,12 +79,14 @@ from devkit.megatron_training import (
     set_learning_rate,
     sft_loss,
 )
+from devkit.spawn import free_port, rank_environment
 from megatron_fused_lm import (
     fused_linear_cross_entropy,
     fused_linear_logprob,
     fused_linear_loss,
     logits_loss,
     losses,
+    weight_grad_corrections,
 )
 from megatron_fused_lm.integration import FusedLMConfig, wrap_model
 
@@ -399,8 +404,12 @@ class Training:
         updated, grad_norm, _ = self.optimizer.step()
         measure.synchronize(self.device)
         assert updated, "the optimizer skipped a step"
+        # Second passes that corrected the head's weight gradient, read where the step synchronizes
+        # anyway (each warns, and a fused run's warnings fail it): none when the declarations hold.
+        corrections = weight_grad_corrections()
         values = {name: torch.stack([entry[name] for entry in reported]).float().mean().item() for name in reported[0]}
         values["grad_norm"] = None if grad_norm is None else float(grad_norm)
+        values["weight_grad_corrections"] = corrections
         values["step_ms"] = (time.perf_counter() - start) * 1e3
         peak = measure.peak_memory_bytes(self.device)
         values["peak_bytes"] = peak
@@ -1123,8 +1132,9 @@ def code_digest(root: Path) -> str:
 
 
 def worker(run: Run, size_name: str, size: Size, out: Path, pause_after_s: Optional[float]) -> None:
-    """One run (a torchrun job of ``run.tensor_parallel`` processes): SFT, then RL from its weights;
-    writes ``out/<run>.json``, or pauses SFT (``run_sft``) in ``out/<run>.resume<rank>.pt``."""
+    """One run (``run.tensor_parallel`` processes: a torchrun job, or ``ForkedRanks``): SFT, then RL
+    from its weights; writes ``out/<run>.json``, or pauses SFT (``run_sft``) in
+    ``out/<run>.resume<rank>.pt``."""
     device = distributed.init_distributed(run.tensor_parallel)
     recompute = RecomputeCounter()
     path = out / f"{run.name}.json"
@@ -1173,6 +1183,46 @@ def finished(out: Path, run: Run, size: Size) -> bool:
     return record["rl"] is not None and recorded == json.loads(json.dumps(dataclasses.asdict(size)))
 
 
+class ForkedRanks:
+    """A CPU run's gloo ranks, forked from a server process that imported this script (and so torch,
+    Megatron and the package) once; each rank writes to the run's log. ``poll()`` as
+    ``subprocess.Popen``'s: ``None`` while a rank runs, then the first non-zero exit code, or 0.
+    A rank that fails ends the others, as torchrun does (they would wait in a collective)."""
+
+    def __init__(self, run: Run, size_name: str, size: Size, out: Path, pause_after_s: Optional[float], log: Path):
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["__main__"])
+        port = free_port()
+        arguments = (run, size_name, size, out, pause_after_s, log, port)
+        self.ranks = [
+            context.Process(target=forked_rank, args=(rank, *arguments)) for rank in range(run.tensor_parallel)
+        ]
+        for rank in self.ranks:
+            rank.start()
+
+    def poll(self) -> Optional[int]:
+        failed = [rank.exitcode for rank in self.ranks if rank.exitcode]
+        if failed:
+            for rank in self.ranks:
+                rank.terminate()
+            for rank in self.ranks:
+                rank.join()
+            return failed[0]
+        return None if any(rank.exitcode is None for rank in self.ranks) else 0
+
+
+def forked_rank(
+    rank: int, run: Run, size_name: str, size: Size, out: Path, pause_after_s: Optional[float], log: Path, port: int
+) -> None:
+    """One rank of ``ForkedRanks``: what torchrun would set, the output into ``log``, the worker."""
+    descriptor = os.open(log, os.O_WRONLY | os.O_APPEND)
+    os.dup2(descriptor, 1)
+    os.dup2(descriptor, 2)
+    sys.stdout.reconfigure(line_buffering=True)  # made over a pipe: a rank ended by poll() keeps its lines
+    os.environ.update(rank_environment(rank, run.tensor_parallel, port))
+    worker(run, size_name, size, out, pause_after_s)
+
+
 def launch(
     runs: List[Run],
     size_name: str,
@@ -1184,8 +1234,9 @@ def launch(
 ) -> tuple[List[str], List[str]]:
     """Build the corpus into ``out`` (or keep the one an earlier call built there, or link the one
     at ``corpus_path``, which another launcher of the same corpus may still be writing), then start
-    the runs side by side, each on GPUs of its own (on the CPU one after another), each logging to
-    ``out/<run>.log``; returns the failures and the runs that paused. With ``pause_after_s`` the
+    the runs side by side, each on GPUs of its own (torchrun), or on the CPU on as many cores as it
+    has ranks (``ForkedRanks``), each logging to ``out/<run>.log``; returns the failures and the
+    runs that paused. With ``pause_after_s`` the
     runs pause (``run_sft``), and a run whose record of this size is complete here is not run
     again: the same command, repeated, finishes every run."""
     out.mkdir(parents=True, exist_ok=True)
@@ -1208,7 +1259,9 @@ def launch(
         (out / "corpus.pt").symlink_to(corpus_path.resolve())
     gpus = torch.cuda.device_count()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))).split(",")
-    free = visible[:gpus] if gpus else ["cpu"]
+    # A CPU rank computes on one thread (distributed.init_distributed): as many ranks at once as cores.
+    free = visible[:gpus] if gpus else ["cpu"] * (os.cpu_count() or 1)
+    capacity = len(free)
     pending, running, failures = list(runs), {}, []
     if pause_after_s is not None:
         overrides = [*overrides, "--pause-after-s", str(pause_after_s)]
@@ -1221,33 +1274,42 @@ def launch(
             pending.remove(run)
     while pending or running:
         for run in list(pending):
-            needed = run.tensor_parallel if gpus else len(free) or 1
+            needed = min(run.tensor_parallel, capacity)
             if len(free) < needed:
                 continue
             devices, free = free[:needed], free[needed:]
-            env = dict(os.environ, PYTHONUNBUFFERED="1", **distributed.MULTICAST_OFF)
-            if gpus:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
-            command = [
-                sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={run.tensor_parallel}", __file__,
-                "--worker", run.name, "--size", size_name, "--out", str(out), *overrides,
-            ]  # fmt: skip
+            log_path = out / f"{run.name}.log"
             mode = "a" if resume_path(out, run, 0).exists() else "w"  # a resumed run's log goes on
-            log = open(out / f"{run.name}.log", mode)  # noqa: SIM115 (closed when the run ends)
-            running[run.name] = (subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), devices, log)
+            log = open(log_path, mode)  # noqa: SIM115 (closed when the run ends)
+            if gpus:
+                env = dict(
+                    os.environ,
+                    PYTHONUNBUFFERED="1",
+                    CUDA_VISIBLE_DEVICES=",".join(devices),
+                    **distributed.MULTICAST_OFF,
+                )
+                command = [
+                    sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={run.tensor_parallel}", __file__,
+                    "--worker", run.name, "--size", size_name, "--out", str(out), *overrides,
+                ]  # fmt: skip
+                process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+            else:
+                process = ForkedRanks(run, size_name, size, out, pause_after_s, log_path)
+            running[run.name] = (process, devices, log)
             print(f"started {run.name} on {','.join(devices)}", flush=True)
             pending.remove(run)
         for name, (process, devices, log) in list(running.items()):
-            if process.poll() is None:
+            returncode = process.poll()
+            if returncode is None:
                 continue
             log.close()
             free += devices
             del running[name]
             elapsed = time.perf_counter() - start
-            print(f"{name} exited {process.returncode} at {elapsed:.0f} s", flush=True)
-            if process.returncode != 0:
-                failures.append(f"{name} exited {process.returncode}; see {out / (name + '.log')}")
+            print(f"{name} exited {returncode} at {elapsed:.0f} s", flush=True)
+            if returncode != 0:
+                failures.append(f"{name} exited {returncode}; see {out / (name + '.log')}")
         time.sleep(0.5)
     paused = [run.name for run in runs if resume_path(out, run, 0).exists()]
     return failures, paused

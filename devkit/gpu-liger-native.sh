@@ -62,7 +62,11 @@
 # Needs glibc >= 2.34 on the host (the core's newest symbol; the wheel is tagged manylinux_2_35).
 # Keep NVLink multicast off (NVSHMEM_DISABLE_NVLS=1, NCCL_NVLS_ENABLE=0,
 # TORCH_SYMM_MEM_DISABLE_MULTICAST=1): the shared hosts forbid it, and liger_native.py refuses to
-# initialize NVSHMEM otherwise; without NVLS the core takes its direct-peer reduction kernels.
+# initialize NVSHMEM otherwise. This does not move a group of one onto the direct-peer kernels:
+# configure_tp_reduce (liger_cute_kernels/csrc/core/src/detail/tp_reduce.cu in linkedin/Liger-Kernel)
+# counts NVLS as available whenever the team has one PE and picks its NVLS backend, handing it the
+# rank's own buffers where a larger team gets multicast addresses; direct peer is only the fallback
+# for a team of two or more without multicast mappings.
 set -euo pipefail
 LCK_VERSION=${LCK_VERSION:-0.8.5}
 NVSHMEM_VERSION=${NVSHMEM_VERSION:-3.6.5}

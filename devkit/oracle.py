@@ -12,7 +12,7 @@ import torch
 class Reference(NamedTuple):
     """Float64 results; the gradients are ``None`` when no upstream gradient was given."""
 
-    logprob: torch.Tensor  # [...]
+    logprob: torch.Tensor  # [...] ([..., k] for several targets per row)
     entropy: torch.Tensor  # [...]
     grad_hidden: Optional[torch.Tensor] = None  # [..., H] (or the logits' gradient [..., V])
     grad_weight: Optional[torch.Tensor] = None  # [V, H] (None for a logits reference)
@@ -23,26 +23,38 @@ class Reference(NamedTuple):
         return self.grad_hidden
 
 
-def logprob_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature=1.0, kept=None):
-    """Float64 ``(logprob [...], entropy [...])`` of ``targets`` under ``softmax(logits / T)``;
-    ``temperature`` a number or a tensor of ``targets``' shape (one per row); ``kept [..., V]``
-    bool: the softmax over each row's kept columns alone."""
+def logprob_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature=1.0, kept=None, out_of_vocab="error"):
+    """Float64 ``(logprob, entropy [...])`` of ``targets`` under ``softmax(logits [..., V] / T)``:
+    ``targets [...]`` one per row (``logprob [...]``) or ``[..., k]`` several (``logprob [..., k]``);
+    ``temperature`` a number or a tensor ``[...]`` (one per row); ``kept [..., V]`` bool: the
+    softmax over each row's kept columns alone. ``out_of_vocab="max_logit"``: a target outside
+    ``[0, V)`` scores as its row's largest scaled logit, a constant to autograd (Megatron's
+    vocabulary-parallel cross-entropy, where no rank owns it); ``"error"``: it fails the gather."""
     if isinstance(temperature, torch.Tensor):
         temperature = temperature.double().unsqueeze(-1)
     scaled = logits.double() / temperature
     if kept is not None:  # a finite stand-in for -inf: p = 0 exactly, and no 0 * inf in autograd
         scaled = torch.where(kept, scaled, -1e300)
     log_probs = torch.log_softmax(scaled, dim=-1)
-    logprob = log_probs.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    several = targets.dim() == logits.dim()
+    index = targets.long() if several else targets.long().unsqueeze(-1)
+    if out_of_vocab == "max_logit":
+        vocab = logits.shape[-1]
+        largest = scaled.detach().amax(-1, keepdim=True) - torch.logsumexp(scaled, -1, keepdim=True)
+        logprob = torch.where((index < 0) | (index >= vocab), largest, log_probs.gather(-1, index.clamp(0, vocab - 1)))
+    else:
+        logprob = log_probs.gather(-1, index)
     entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return logprob, entropy
+    return logprob if several else logprob.squeeze(-1), entropy
 
 
-def _reference(logits_of, inputs, targets, temperature, grad_logprob, grad_entropy, kept=None) -> Reference:
+def _reference(
+    logits_of, inputs, targets, temperature, grad_logprob, grad_entropy, kept=None, out_of_vocab="error"
+) -> Reference:
     """``logits_of(*leaves)`` on float64 leaves made from ``inputs``; the gradients of the upstream
     loss with respect to those leaves, given any upstream gradient."""
     leaves = [tensor.detach().double().requires_grad_() for tensor in inputs]
-    logprob, entropy = logprob_entropy(logits_of(*leaves), targets, temperature, kept)
+    logprob, entropy = logprob_entropy(logits_of(*leaves), targets, temperature, kept, out_of_vocab)
     upstream = [(value, grad) for value, grad in ((logprob, grad_logprob), (entropy, grad_entropy)) if grad is not None]
     if not upstream:
         return Reference(logprob.detach(), entropy.detach())
@@ -58,13 +70,17 @@ def reference(
     grad_logprob: Optional[torch.Tensor] = None,
     grad_entropy: Optional[torch.Tensor] = None,
     kept: Optional[torch.Tensor] = None,
+    out_of_vocab: str = "error",
 ) -> Reference:
-    """Log-probs and entropy of ``targets [...]`` under ``softmax(hidden [..., H] @ weight.T / T)``
-    (``T`` a number or a tensor of ``targets``' shape)
-    over the whole vocabulary ``weight [V, H]`` (``kept [..., V]`` bool: each row's kept columns);
-    given upstream gradients, the gradients of ``sum(logprob * grad_logprob + entropy *
-    grad_entropy)`` with respect to hidden and weight."""
-    return _reference(lambda h, w: h @ w.t(), (hidden, weight), targets, temperature, grad_logprob, grad_entropy, kept)
+    """Log-probs and entropy of ``targets [...]`` (or ``[..., k]``, as ``logprob_entropy``) under
+    ``softmax(hidden [..., H] @ weight.T / T)`` (``T`` a number or a tensor ``[...]``)
+    over the whole vocabulary ``weight [V, H]`` (``kept [..., V]`` bool: each row's kept columns;
+    ``out_of_vocab`` as ``logprob_entropy``'s); given upstream gradients (of the log-probs' and the
+    entropy's shapes), the gradients of ``sum(logprob * grad_logprob + entropy * grad_entropy)``
+    with respect to hidden and weight."""
+    return _reference(
+        lambda h, w: h @ w.t(), (hidden, weight), targets, temperature, grad_logprob, grad_entropy, kept, out_of_vocab
+    )
 
 
 def reference_from_logits(
@@ -85,7 +101,7 @@ class LossReference(NamedTuple):
     and the loss's gradients."""
 
     loss: torch.Tensor  # []
-    logprob: torch.Tensor  # [...]
+    logprob: torch.Tensor  # [...] ([..., k] for several targets per row)
     entropy: torch.Tensor  # [...]
     grad_hidden: torch.Tensor  # [..., H]
     grad_weight: torch.Tensor  # [V, H]
@@ -101,30 +117,62 @@ def loss_reference(
     mask: Optional[torch.Tensor] = None,
     kept: Optional[torch.Tensor] = None,
 ) -> LossReference:
-    """``sum_t loss_fn(logprob_t, entropy_t, **inputs_t)`` over the rows ``mask`` selects (every row
-    without one) under ``softmax(hidden [..., H] @ weight.T / T)`` over the whole vocabulary
-    ``weight [V, H]``, in float64 (float inputs upcast), and its gradients by autograd.
-    ``loss_fn`` receives the selected rows flattened, ``[rows]``; unselected targets are not read.
-    ``kept [..., V]`` bool: each row's softmax over its kept columns."""
+    """``sum_t loss_fn(logprob_t, entropy_t, **inputs_t)`` over the rows ``mask [...]`` selects
+    (every row without one) under ``softmax(hidden [..., H] @ weight.T / T)`` over the whole
+    vocabulary ``weight [V, H]``, in float64 (float inputs upcast), and its gradients by autograd.
+    ``targets [...]``, or ``[..., k]`` for several per row. ``loss_fn`` receives the selected rows
+    flattened: ``logprob [rows]`` (``[rows, k]``), ``entropy [rows]`` and each input ``[..., *]`` as
+    ``[rows, *]``; unselected targets are not read. ``kept [..., V]`` bool: each row's softmax over
+    its kept columns."""
     leaves = [tensor.detach().double().requires_grad_() for tensor in (hidden, weight)]
-    selected = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask.to(torch.bool)
-    readable_targets = torch.where(selected, targets, torch.zeros_like(targets))
+    lead = hidden.shape[:-1]
+    selected = torch.ones(lead, dtype=torch.bool, device=hidden.device) if mask is None else mask.to(torch.bool)
+    per_target = selected if targets.dim() == len(lead) else selected.unsqueeze(-1)
+    readable_targets = torch.where(per_target, targets, torch.zeros_like(targets))
     logprob, entropy = logprob_entropy(leaves[0] @ leaves[1].t(), readable_targets, temperature, kept)
     rows = selected.reshape(-1)
+
+    def flat(value):  # [..., *] -> the selected rows [rows, *]
+        return value.reshape(rows.numel(), *value.shape[len(lead) :])[rows]
+
     inputs = {
-        name: (value.double() if value.is_floating_point() else value).reshape(-1)[rows]
+        name: flat(value.double() if value.is_floating_point() else value)
         for name, value in (loss_inputs or {}).items()
     }
-    loss = loss_fn(logprob.reshape(-1)[rows], entropy.reshape(-1)[rows], **inputs).sum()
+    loss = loss_fn(flat(logprob), flat(entropy), **inputs).sum()
     grad_hidden, grad_weight = torch.autograd.grad(loss, leaves)
-    zero = torch.zeros((), dtype=torch.float64)
+    zero = logprob.new_zeros(())
     return LossReference(
         loss.detach(),
-        torch.where(selected, logprob.detach(), zero),
+        torch.where(per_target, logprob.detach(), zero),
         torch.where(selected, entropy.detach(), zero),
         grad_hidden,
         grad_weight,
     )
+
+
+def topk_distillation_loss(divergence: str = "forward", remainder: str = "renormalize"):
+    """A float64 ``loss_fn`` for ``loss_reference``: ``(logprob [rows, k], entropy, *,
+    teacher_logprob [rows, k], weight [rows]) -> weight * KL [rows]`` between a student's and a
+    teacher's distributions on the teacher's top-k ids (log-probs each over its whole vocabulary),
+    from probabilities ``p`` (student) and ``q`` (teacher). ``remainder="renormalize"``: both
+    renormalized over the k ids; ``"tail"``: each one's rest of mass, ``1 - sum``, as one outcome
+    more. ``divergence="forward"``: KL(q || p); ``"reverse"``: KL(p || q). The entropy is not used."""
+
+    def loss_fn(logprob, entropy, *, teacher_logprob, weight):
+        p, q = logprob.double().exp(), teacher_logprob.double().exp()
+        if remainder == "renormalize":
+            p, q = p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
+            first, second = (q, p) if divergence == "forward" else (p, q)
+            return weight.double() * torch.xlogy(first, first / second).sum(-1)
+        rest_p, rest_q = 1 - p.sum(-1), 1 - q.sum(-1)
+        first, second, rest_first, rest_second = (
+            (q, p, rest_q, rest_p) if divergence == "forward" else (p, q, rest_p, rest_q)
+        )
+        kl = torch.xlogy(first, first / second).sum(-1) + torch.xlogy(rest_first, rest_first / rest_second)
+        return weight.double() * kl
+
+    return loss_fn
 
 
 def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

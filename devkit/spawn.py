@@ -1,13 +1,19 @@
-"""Run a function on several gloo ranks in spawned processes (CPU tests of tensor parallelism)."""
+"""Run a function, or a torchrun script, on several gloo ranks in processes forked from a server
+that imported torch and Megatron once (CPU tests of tensor and pipeline parallelism)."""
 
 import multiprocessing
+import os
+import runpy
 import socket
+import sys
+import time
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a gloo rendezvous)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -32,8 +38,43 @@ def run_ranks(worker, world_size: int, *args) -> None:
     multiprocessing.set_forkserver_preload(PRELOADED)
     mp.start_processes(
         _rank_entry,
-        args=(worker, world_size, _free_port(), args),
+        args=(worker, world_size, free_port(), args),
         nprocs=world_size,
         join=True,
         start_method="forkserver",
     )
+
+
+def run_script_on_ranks(script, world_size: int, argv, env=None, timeout_s: float = 600) -> None:
+    """Run the torchrun script ``script`` as ``__main__`` with arguments ``argv`` on ``world_size``
+    ranks, each with the environment torchrun gives a rank (and ``env``), without torchrun: a CPU
+    dry run whose ranks skip the imports. A failure on any rank fails the caller (with the rank's
+    traceback), and so do ranks still running after ``timeout_s``."""
+    multiprocessing.set_forkserver_preload(PRELOADED)
+    context = mp.start_processes(
+        _script_entry,
+        args=(str(script), list(argv), world_size, free_port(), dict(env or {})),
+        nprocs=world_size,
+        join=False,
+        start_method="forkserver",
+    )
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.terminate()
+            raise TimeoutError(f"{script}: the ranks had not finished after {timeout_s} s")
+
+
+def rank_environment(rank: int, world_size: int, port: int) -> dict:
+    """What torchrun sets for ``rank`` of a one-host job whose rendezvous is 127.0.0.1:``port``."""
+    return dict(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+
+
+def _script_entry(rank, script, argv, world_size, port, env):
+    os.environ.update(env, **rank_environment(rank, world_size, port))
+    sys.argv = [script, *argv]
+    runpy.run_path(script, run_name="__main__")

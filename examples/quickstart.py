@@ -23,12 +23,9 @@ import os
 import socket
 import warnings
 
-# torch.distributed's notices about its own API's future, and megatron-core's advice on two GPU
-# features (CUDA-graph scope, CUDA connections for async all-reduce): nothing to act on in a CPU
-# example. Every other warning shows.
+# torch.distributed's notices about its own API's future: nothing to act on in an example.
+# (megatron_on_cpu itself hides Megatron's advice on GPU features.) Every other warning shows.
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-warnings.filterwarnings("ignore", message=r"full scope is deprecated", category=UserWarning)
-warnings.filterwarnings("ignore", message=r"When using async grad allreduce", category=UserWarning)
 
 import torch
 import torch.distributed as dist

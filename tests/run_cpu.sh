@@ -10,7 +10,8 @@
 #   version's one torch: 0.13 to 0.15 on top of the environment above, 0.17 to 0.19 (which need
 #   Python >= 3.12) on top of one Python 3.12 environment under .venvs/. The integration tests run
 #   on each, after a check that the release imported is the one installed.
-# - Every environment pins torch, triton and pytest; pip keeps no cache.
+# - Every environment pins torch, triton and pytest; pip keeps no cache. pytest-xdist spreads each
+#   run over the machine's cores (-n auto).
 #
 #   tests/run_cpu.sh            everything above
 #   tests/run_cpu.sh --quick    the pinned environment, ruff and the CPU suite only
@@ -79,7 +80,7 @@ print(importlib.metadata.version("megatron-core") if inside else f"a copy outsid
   local where
   where="megatron-core $3, $("$1" -c 'import platform; print("Python", platform.python_version())')"
   echo "integration tests on $where"
-  PYTHONPATH="$path" pytest_run "integration tests ($where)" "$1" -m pytest tests/cpu/test_integration_*.py -q
+  PYTHONPATH="$path" pytest_run "integration tests ($where)" "$1" -m pytest tests/cpu/test_integration_*.py -q -n auto --dist worksteal
 }
 
 # $1: a Python interpreter, $2: an overlay folder, $3: a constraints file, then what to install.
@@ -101,7 +102,7 @@ summary+=("ruff check and format: clean")
 pinned="megatron-core $(python -c 'import importlib.metadata as m; print(m.version("megatron-core"))')"
 pinned+=", torch $(python -c 'import torch; print(torch.__version__)')"
 pinned+=", $(python -c 'import platform; print("Python", platform.python_version())')"
-pytest_run "CPU suite ($pinned)" python -m pytest tests/cpu -q
+pytest_run "CPU suite ($pinned)" python -m pytest tests/cpu -q -n auto --dist worksteal
 if $quick; then
   print_summary
   exit 0
@@ -123,7 +124,7 @@ done
 env312=.venvs/python3.12/environment
 python_env312="$env312/bin/python"
 [ -x "$python_env312" ] || "$python312" -m venv "$env312"
-"$python_env312" -m pip install -q -c constraints-python3.12.txt numpy packaging pytest pyyaml
+"$python_env312" -m pip install -q -c constraints-python3.12.txt numpy packaging pytest pytest-xdist pyyaml
 "$python_env312" -m pip install -q -c constraints-python3.12.txt --no-deps torch
 "$python_env312" -c '
 import importlib.metadata

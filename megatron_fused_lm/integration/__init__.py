@@ -15,12 +15,13 @@ import importlib
 import warnings
 
 # Megatron-Core announces, as each of the modules imported here loads, that TransformerEngine and
-# Apex are absent and it uses torch's implementations instead: expected wherever they are not
-# installed (every CPU machine), and no other message is filtered.
+# Apex are absent and it uses torch's implementations instead, and (0.17 on) that absl's logging is
+# absent and it uses Python's: expected wherever they are not installed (every CPU machine), and no
+# other message is filtered.
 with warnings.catch_warnings():
     warnings.filterwarnings(
         "ignore",
-        message=r"(Transformer Engine and Apex are|Apex is) not installed\. Falling back",
+        message=r"((Transformer Engine and Apex are|Apex is) not installed\. Falling back|absl\.logging is not installed)",
         category=UserWarning,
     )
     try:

@@ -104,9 +104,10 @@ class LogprobRequest:
 @dataclass(frozen=True)
 class LossRequest:
     """A loss known in the forward: the arguments of ``FusedLMHead.loss`` (``loss_inputs`` a dict
-    of ``[b, s]`` or ``[b, s, ...]`` tensors, ``mask`` bool ``[b, s]``, ``main_grad_scale`` the upstream gradient the
-    loss will receive, to add the weight gradient into ``main_grad`` in the forward; ``kept_tokens``
-    as for ``LogprobRequest``), also the ``output_processor_context`` asking for it. The answer:
+    of ``[b, s]`` or ``[b, s, ...]`` tensors, ``mask`` bool ``[b, s]`` with ``max_rows`` a bound on
+    the positions it selects, ``main_grad_scale`` the upstream gradient the loss will receive, to
+    add the weight gradient into ``main_grad`` in the forward; ``kept_tokens`` as for
+    ``LogprobRequest``), also the ``output_processor_context`` asking for it. The answer:
     ``FusedLoss(loss, logprob, entropy)``."""
 
     targets: Optional[torch.Tensor]
@@ -116,6 +117,7 @@ class LossRequest:
     temperature: Union[float, torch.Tensor] = 1.0
     main_grad_scale: Optional[float] = None
     kept_tokens: Optional[KeptTokens] = None
+    max_rows: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -148,13 +150,13 @@ def answer(call: HeadCall, config: FusedLMConfig, hidden: torch.Tensor, request:
             backend=config.backend, token_chunk=config.token_chunk,
         )  # fmt: skip
     arguments = dict(
-        _op_arguments(call, config), temperature=request.temperature, mask=request.mask,
+        _op_arguments(call, config), temperature=request.temperature, mask=request.mask, max_rows=request.max_rows,
         batch_invariant=config.batch_invariant, kept_tokens=request.kept_tokens,
     )  # fmt: skip
     if isinstance(request, LogprobRequest):
         return fused_linear_logprob(
             hidden, call.weight, request.targets, return_entropy=request.return_entropy,
-            entropy_grad=request.entropy_grad, max_rows=request.max_rows, **arguments,
+            entropy_grad=request.entropy_grad, **arguments,
         )  # fmt: skip
     weight, accumulation = main_grad_route(call.weight, request.main_grad_scale, call.owner)
     return fused_linear_loss(
@@ -176,13 +178,13 @@ def answer_from_logits(
             logits, request.k, tp_group=tp_group, temperature=request.temperature, token_chunk=config.token_chunk
         )
     arguments = dict(
-        tp_group=tp_group, temperature=request.temperature, mask=request.mask, token_chunk=config.token_chunk,
-        kept_tokens=request.kept_tokens,
+        tp_group=tp_group, temperature=request.temperature, mask=request.mask, max_rows=request.max_rows,
+        token_chunk=config.token_chunk, kept_tokens=request.kept_tokens,
     )  # fmt: skip
     if isinstance(request, LogprobRequest):
         return logits_logprob(
             logits, request.targets, return_entropy=request.return_entropy, entropy_grad=request.entropy_grad,
-            max_rows=request.max_rows, **arguments,
+            **arguments,
         )  # fmt: skip
     return logits_loss(logits, request.targets, request.loss_fn, loss_inputs=request.loss_inputs, **arguments)
 
@@ -212,8 +214,16 @@ def outstanding_main_grads(layers: List[Tuple[torch.nn.Module, torch.nn.Module]]
     return outstanding
 
 
-def check_declared_shape(declared: Optional[torch.Tensor], labels: torch.Tensor) -> None:
-    """Declared loss weights ``[b, s]`` must have the labels' shape."""
+def check_labels(labels: torch.Tensor, hidden: torch.Tensor, declared: Optional[torch.Tensor]) -> None:
+    """``labels [b, s]``, one id per position of the hidden states ``[s, b, h]`` (the model's layout,
+    so the error names the labels' own), and declared loss weights of the labels' shape."""
+    positions = (hidden.shape[1], hidden.shape[0]) if hidden.dim() == 3 else None
+    if labels.dim() != 2 or (positions is not None and tuple(labels.shape) != positions):
+        raise ValueError(
+            f"labels {tuple(labels.shape)} must be [b, s]{'' if positions is None else f' = {positions}'}: the "
+            "labels path takes one id per position (several ids per position, [b, s, k], are for head.logprobs "
+            "and head.loss)"
+        )
     if declared is not None and declared.shape != labels.shape:
         raise ValueError(
             f"the declared loss weights have shape {tuple(declared.shape)} but the labels {tuple(labels.shape)}; "
@@ -236,11 +246,6 @@ def call_labels_loss(
     scores as the stock loss scores it (``megatron_compat.labels_ignore_index``): the row's largest
     logit, or under TransformerEngine's fused cross-entropy 0 with no gradient for its
     ``ignore_idx`` and an error for any other id."""
-    if targets.shape != hidden.shape[:-1]:  # [..., k] ids are head.logprobs' alone
-        raise ValueError(
-            f"labels {tuple(targets.shape)} must have the positions' shape {tuple(hidden.shape[:-1])}: the labels "
-            "path takes one id per position"
-        )
     kept, out_of_vocab = None, "max_logit"
     if call.labels_ignore_index is not None:
         kept, out_of_vocab = targets != call.labels_ignore_index, "error"

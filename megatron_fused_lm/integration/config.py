@@ -72,9 +72,11 @@ class FusedLMConfig:
             trainer_config: a mapping (dict, OmegaConf ``DictConfig``) or an object with attributes
                 (argparse ``Namespace``, dataclass), sections nested the same way.
             section: the dotted path of the section that holds the keys, e.g.
-                ``"actor_rollout_ref.actor"`` (where verl keeps its actor's settings). The keys are
-                then read there only; a ``None`` (null) section reads as empty, and a path that
-                does not lead to a section raises ``ValueError``.
+                ``"actor_rollout_ref.actor.megatron"`` (verl's actor engine section, which its engine
+                hands to the recipe). The keys are then read there only; a ``None`` (null) section
+                reads as empty, and a path that does not lead to a section raises ``ValueError``.
+                A section that sets none of the keys while a section below it does is read as
+                empty with one warning naming that section.
 
         Without ``section``, each key is looked up at the top level and under ``trainer``; an
         absent or ``None`` key takes the default; a key given in both places with different
@@ -87,8 +89,16 @@ class FusedLMConfig:
             raise TypeError("trainer_config must be a mapping or an object with attributes, got None")
         if section is not None:
             chosen = _section(trainer_config, section)
-            config = cls(**{TRAINER_KEYS[key]: value for key, value in _read_keys(chosen).items()})
+            read = _read_keys(chosen)
+            config = cls(**{TRAINER_KEYS[key]: value for key, value in read.items()})
             _warn_of_misspellings([(f"{section}.", chosen)], config)
+            below = [path for path, _ in _set_keys_below(chosen, f"{section}.")]
+            if not read and below:
+                warn_once(
+                    f"megatron_fused_lm: FusedLMConfig.from_trainer_config read section={section!r}, which sets none "
+                    f"of its keys, and ignored {', '.join(below)}: the config reads as {config}. To read them, pass "
+                    f"section={below[0].rpartition('.')[0]!r}."
+                )
             return config
         top_level = _read_keys(trainer_config)
         nested = _lookup(trainer_config, "trainer")

@@ -9,9 +9,11 @@
 Under ``torchrun --nproc-per-node N`` the same context joins the N ranks, and
 ``megatron_on_cpu(tensor_parallel_size=N)`` splits the vocabulary over them.
 
-Megatron-Core assumes a GPU in a few places a GPTModel's forward, backward and pipeline schedule
-reach; ``patch_megatron_for_cpu`` redirects them, process-wide and for good. It is for trying the
-head and for tests: a training run belongs on GPUs.
+Megatron-Core assumes a GPU in a few places a GPTModel's forward, backward and pipeline schedule,
+and its DistributedDataParallel's gradient reduction, reach; ``patch_megatron_for_cpu`` redirects
+them, process-wide and for good, on every release the integration supports (0.13 to 0.19). Inside
+the context Megatron's advice on GPU features that a CPU has no use for is not shown. It is for
+trying the head and for tests: a training run belongs on GPUs.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import contextlib
 import copy
 import os
 import socket
+import warnings
 from typing import Iterator
 
 import torch
@@ -29,17 +32,30 @@ _patched = False
 
 
 def patch_megatron_for_cpu() -> None:
-    """Let a GPTModel of Megatron's local layer spec run on the CPU: the attention scratch buffer's
-    device (``torch.cuda.current_device``) becomes the CPU, the CUDA RNG tracker's fork does nothing
-    (so dropout must be 0), tensors that Megatron creates with ``device="cuda"`` (the schedule's
-    token count, among others) are created on the CPU, and torch norms run under sequence
-    parallelism (``allow_torch_norm_under_sequence_parallel``). Idempotent; never undone."""
+    """Let a GPTModel of Megatron's local layer spec, and Megatron's DistributedDataParallel around
+    it, run on the CPU (megatron-core 0.13 to 0.19). What each redirect is for:
+
+    - ``torch.cuda.current_device()`` returns ``"cpu"``: the device of the attention scratch
+      buffer (``GlobalMemoryBuffer``) and of DDP's gradient buffers.
+    - ``torch.cuda.current_stream()`` returns a stand-in whose ``wait_event`` and ``wait_stream``
+      do nothing (work on the CPU is synchronous): DDP's ``start_grad_sync``, which
+      ``finish_grad_sync`` and the backward's hooks call, asks for the current stream
+      unconditionally from megatron-core 0.19 (earlier releases only with several distributed
+      optimizer instances, which this does not cover).
+    - ``CudaRNGStatesTracker.fork`` does nothing: the CUDA RNG tracker has no states on the CPU
+      (so dropout must be 0).
+    - ``torch.tensor``, ``zeros``, ``ones``, ``empty`` and ``full`` create on the CPU what is asked
+      for with ``device="cuda"``: the pipeline schedule's token count, among others.
+    - torch norms run under sequence parallelism (``allow_torch_norm_under_sequence_parallel``).
+
+    Idempotent; never undone."""
     global _patched
     if _patched:
         return
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 
     torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.current_stream = lambda device=None: _HostStream()
     CudaRNGStatesTracker.fork = lambda self, *args, **kwargs: contextlib.nullcontext()
 
     def on_cpu(factory):
@@ -52,6 +68,16 @@ def patch_megatron_for_cpu() -> None:
         setattr(torch, name, on_cpu(getattr(torch, name)))
     allow_torch_norm_under_sequence_parallel()
     _patched = True
+
+
+class _HostStream:
+    """The CPU's stand-in for the current CUDA stream: work is synchronous, nothing to wait for."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
 
 
 def allow_torch_norm_under_sequence_parallel() -> None:
@@ -77,6 +103,37 @@ def allow_torch_norm_under_sequence_parallel() -> None:
     WrappedTorchNorm.__new__ = build_norm_ignoring_sequence_parallel
 
 
+# Megatron's warnings, by message, that concern only GPU features:
+# - "full scope is deprecated": megatron-core 0.16 on warns of its own default for the CUDA-graph
+#   capture scope (``cuda_graph_scope``, ``cuda_graph_modules`` from 0.18) each time a
+#   TransformerConfig is built without one;
+# - the advice to set CUDA_DEVICE_MAX_CONNECTIONS (CUDA's work queues), which the first linear layer
+#   under tensor parallelism gives where it is unset.
+GPU_ADVICE = (
+    r"full scope is deprecated",
+    r"When using (async grad allreduce|sequence parallelism) it is recommended to set the environment variable "
+    r"CUDA_DEVICE_MAX_CONNECTIONS",
+)
+
+
+@contextlib.contextmanager
+def _gpu_advice_hidden() -> Iterator[None]:
+    """``GPU_ADVICE`` from Megatron's modules filtered out until exit; the filters are then taken
+    out again (those alone: filters set meanwhile stay)."""
+    added = []
+    for message in GPU_ADVICE:
+        before = list(warnings.filters)
+        warnings.filterwarnings("ignore", message=message, category=UserWarning, module=r"megatron\.core\.")
+        if warnings.filters[0] not in before:  # else the same filter was already there: it stays
+            added.append(warnings.filters[0])
+    try:
+        yield
+    finally:
+        for entry in added:
+            with contextlib.suppress(ValueError):  # taken out meanwhile
+                warnings.filters.remove(entry)
+
+
 @contextlib.contextmanager
 def megatron_on_cpu(tensor_parallel_size: int = 1) -> Iterator[torch.device]:
     """Megatron-Core's process groups over gloo on the CPU; yields ``torch.device("cpu")`` and takes
@@ -86,7 +143,10 @@ def megatron_on_cpu(tensor_parallel_size: int = 1) -> Iterator[torch.device]:
     ``WORLD_SIZE`` ranks join). ``tensor_parallel_size`` (Megatron's
     ``tensor_model_parallel_size``) must divide the number of processes. Patches Megatron for the
     CPU first (``patch_megatron_for_cpu``: process-wide, so not for a process that also uses a GPU).
-    A process group that already exists is an error, as ``torch.distributed`` makes it."""
+    A process group that already exists is an error, as ``torch.distributed`` makes it.
+
+    Inside the context Megatron's warnings of ``GPU_ADVICE`` are not shown: advice on GPU features,
+    which the CPU has no use for. Every other warning shows, and these again after the context."""
     from megatron.core import parallel_state
 
     patch_megatron_for_cpu()
@@ -111,7 +171,8 @@ def megatron_on_cpu(tensor_parallel_size: int = 1) -> Iterator[torch.device]:
                 f"the {dist.get_world_size()} processes"
             )
         parallel_state.initialize_model_parallel(tensor_parallel_size, 1)
-        yield torch.device("cpu")
+        with _gpu_advice_hidden():
+            yield torch.device("cpu")
     finally:
         parallel_state.destroy_model_parallel()  # also after a partial initialization
         dist.destroy_process_group()

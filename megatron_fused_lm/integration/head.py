@@ -15,7 +15,7 @@ import copy
 import functools
 import threading
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Union
 
 import torch
 
@@ -31,7 +31,7 @@ from .calls import (
     answer,
     answer_from_logits,
     call_labels_loss,
-    check_declared_shape,
+    check_labels,
     outstanding_main_grads,
     project_input,
 )
@@ -135,10 +135,18 @@ class _Patch:
         Inside ``head.stock_logits()``: the stock forward, ``(logits [s, b, vocab/TP], bias)``.
         """
         if self.head._stock_logits_on():
-            return self.stock(self.layer, "forward")(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+            logits, bias = self.stock(self.layer, "forward")(
+                input_, weight=weight, runtime_gather_output=runtime_gather_output
+            )
+            # Marked (and what the model makes of them on the way out), so that the head refuses them as
+            # hidden states whatever their shape.
+            origin = provenance.Origin(weakref.ref(self.head), self.head.name, None, input_.shape[-1], logits.device)
+            self.head._thread.origin, self.head._thread.returned = origin, provenance.STOCK_LOGITS
+            provenance.register(logits, origin, provenance.STOCK_LOGITS)
+            return logits, bias
         hidden, call = project_input(self.layer, self.tp_group, input_, weight, self.head.name)
         origin = provenance.Origin(weakref.ref(self.head), self.head.name, call, hidden.shape[-1], hidden.device)
-        self.head._thread.origin = origin
+        self.head._thread.origin, self.head._thread.returned = origin, provenance.HIDDEN_STATES
         return provenance.traced(hidden, call.weight, origin), None
 
     # The two hooks around the forward of each module on the call's way out: what it returns is tied
@@ -156,7 +164,7 @@ class _Patch:
         thread = self.head._thread
         before, origin = thread.outer.pop(), getattr(thread, "origin", None)
         if origin is not None and origin is not before:
-            provenance.register(output, origin)
+            provenance.register(output, origin, thread.returned)
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """``labels [b, s]`` global ids, ``logits``: what the patched output layer returned,
@@ -169,14 +177,16 @@ class _Patch:
         if self.head._stock_logits_on():
             return self.stock(self.chunk, "compute_language_model_loss")(labels, logits)
         head, declared = self.head, self.head._declared_weights
-        check_declared_shape(declared, labels)
+        check_labels(labels, logits, declared)
         latest, head._thread.origin = getattr(head._thread, "origin", None), None
         call = head._call_for(logits, "the labels path", fallback=latest)
         losses = call_labels_loss(
             call, head.config, logits, labels.transpose(0, 1), None if declared is None else declared.transpose(0, 1),
             head._declared_main_grad_scale,
         )  # fmt: skip
-        return losses.transpose(0, 1).contiguous()
+        # Marked, so that the head refuses the loss as hidden states even where s equals the hidden size.
+        origin = provenance.Origin(weakref.ref(head), head.name, call, logits.shape[-1], logits.device)
+        return provenance.traced(losses.transpose(0, 1).contiguous(), call.weight, origin, provenance.PER_TOKEN_LOSS)
 
 
 class FusedLMHead:
@@ -262,6 +272,7 @@ class FusedLMHead:
         *,
         loss_inputs: Optional[Dict[str, torch.Tensor]] = None,
         mask: Optional[torch.Tensor] = None,
+        max_rows: Optional[int] = None,
         temperature: Union[float, torch.Tensor] = 1.0,
         main_grad_scale: Optional[float] = None,
         kept_tokens: Optional[KeptTokens] = None,
@@ -270,7 +281,7 @@ class FusedLMHead:
         when fused (``fused_linear_loss``, three GEMMs), else by the backward (``logits_loss``).
 
         Args:
-            output, targets, mask, temperature, kept_tokens: as for ``logprobs`` (``mask`` selects the
+            output, targets, mask, max_rows, temperature, kept_tokens: as for ``logprobs`` (``mask`` selects the
                 summed rows).
             loss_fn: a per-token loss ``loss_fn(logprob [rows], entropy [rows], **inputs) ->
                 [rows]`` (``logprob [rows, k]`` for ``targets [b, s, k]``); it must not reduce across
@@ -291,7 +302,7 @@ class FusedLMHead:
             main_grad-route loss released without its backward is logged and listed by
             ``main_grad_outstanding``.
         """
-        request = LossRequest(targets, loss_fn, loss_inputs, mask, temperature, main_grad_scale, kept_tokens)
+        request = LossRequest(targets, loss_fn, loss_inputs, mask, temperature, main_grad_scale, kept_tokens, max_rows)
         return self._answer(output, request, "head.loss")
 
     def topk(
@@ -375,7 +386,9 @@ class FusedLMHead:
         the one live forward that could have made it."""
         self._check_attached()
         self._check_hidden(output, caller)
-        traced = provenance.graph_origins(output) if output.grad_fn is not None else set()
+        marks = provenance.graph_marks(output) if output.grad_fn is not None else set()
+        self._refuse_other_returns({mark.returned for mark in marks}, output, caller)
+        traced = {mark.origin for mark in marks}
         if len(traced) > 1:
             raise RuntimeError(
                 f"{caller}: this tensor derives from the hidden states of {len(traced)} forwards; the head computes "
@@ -383,8 +396,23 @@ class FusedLMHead:
             )
         if traced:
             return self._own(traced.pop(), caller).call
-        origin = provenance.storage_origin(output) or fallback or self._only_candidate(output, caller)
+        mark = provenance.storage_mark(output)
+        if mark is not None:
+            self._refuse_other_returns({mark.returned}, output, caller)
+        origin = (mark.origin if mark is not None else None) or fallback or self._only_candidate(output, caller)
         return self._own(origin, caller).call.without_graph()
+
+    @staticmethod
+    def _refuse_other_returns(returned: Set[str], output: torch.Tensor, caller: str) -> None:
+        """An error naming what ``output`` is, where a forward returned it (or what it derives from)
+        instead of hidden states."""
+        others = sorted(returned - {provenance.HIDDEN_STATES})
+        if others:
+            raise ValueError(
+                f"{caller} expected the hidden states that the wrapped model returns with the fused head on; got a "
+                f"tensor of shape {tuple(output.shape)} made from {' and '.join(others)}. Run the forward without "
+                "labels= (and outside head.stock_logits()) for the hidden states"
+            )
 
     def _own(self, origin: provenance.Origin, caller: str) -> provenance.Origin:
         """``origin`` if this head's forward made it, else an error naming both models."""

@@ -34,7 +34,7 @@ from .calls import (
     answer,
     answer_from_logits,
     call_labels_loss,
-    check_declared_shape,
+    check_labels,
     outstanding_main_grads,
     project_input,
 )
@@ -164,7 +164,6 @@ class FusedOutputProcessor:
                     "LabelsRequest(main_grad_scale=) is the scale of the declared loss mask: make the processor with "
                     "declare_loss_mask=True and pass loss_mask= to the forward"
                 )
-            check_declared_shape(declared, labels)
         elif not isinstance(context, TopkRequest) and context.targets is None:
             if labels is None:
                 raise ValueError("the request has no targets and the forward no labels")
@@ -180,6 +179,7 @@ class FusedOutputProcessor:
         hidden = scale_logits(hidden)  # a scalar (MuP), which commutes with the projection
         # [s, b] throughout, the hidden states' layout; the results come back [b, s].
         if labels_path:
+            check_labels(labels, hidden, declared)
             losses = call_labels_loss(call, self.config, hidden, _swap(labels), _swap(declared), main_grad_scale)
             return _batch_first(losses)
         result = answer(call, self.config, hidden, _sequence_first(context))

@@ -10,6 +10,11 @@ calls. Each fused forward's ``Origin`` is attached two ways:
 - to the hidden states' storage, so that a tensor without a graph (a forward under ``no_grad``, a
   ``.detach()``) that shares it is recognized too.
 
+What a forward returns instead of hidden states (the labels path's per-token loss, the stock
+logits inside ``head.stock_logits()``) is marked the same two ways with what it is, so that the head
+refuses it, and what derives from it, by where it comes from rather than by its shape (a loss
+``[b, s]`` has the hidden states' last dimension wherever ``s`` equals the hidden size).
+
 A forward's ``Origin`` lives as long as its output's storage or its graph node does (the registry
 forgets it at its next use, or the garbage collector's next pass, once neither is alive). It holds
 its head weakly: hidden states kept past their model, or a registry entry not yet forgotten, do
@@ -23,7 +28,7 @@ import gc
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, List, Optional, Set
+from typing import Any, List, NamedTuple, Optional, Set
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -47,19 +52,32 @@ class Origin:
         return self.head_ref()
 
 
+HIDDEN_STATES = "hidden states"
+PER_TOKEN_LOSS = "the per-token loss that the forward returned for labels= (the labels path)"
+STOCK_LOGITS = "the stock logits that the forward returned inside head.stock_logits()"
+
+
+class Mark(NamedTuple):
+    """What a forward returned (``returned``: ``HIDDEN_STATES``, ``PER_TOKEN_LOSS`` or
+    ``STOCK_LOGITS``) and the forward that returned it."""
+
+    origin: Origin
+    returned: str
+
+
 class _Traced(torch.autograd.Function):
-    """The identity on ``hidden``, whose graph node carries the forward's ``Origin``. ``weight`` is
-    an input too, so that the output has a graph exactly where the stock logits ``hidden @
-    weight.T`` would (a frozen body under a trained head), though no gradient flows to it here."""
+    """The identity on ``tensor``, whose graph node carries its ``Mark``. ``weight`` is an input
+    too, so that the output has a graph exactly where the stock logits ``hidden @ weight.T`` would
+    (a frozen body under a trained head), though no gradient flows to it here."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, origin: Origin) -> torch.Tensor:
-        ctx.origin = origin
+    def forward(ctx, tensor: torch.Tensor, weight: torch.Tensor, mark: Mark) -> torch.Tensor:
+        ctx.mark = mark
         ctx.set_materialize_grads(False)
         # The same storage, but not a view of the input to autograd: in-place operations on the
         # model's output stay allowed, as on the stock logits (a view made inside a custom
         # Function may not be modified in place).
-        return hidden.detach()
+        return tensor.detach()
 
     @staticmethod
     def backward(ctx, grad: Optional[torch.Tensor]):
@@ -67,12 +85,12 @@ class _Traced(torch.autograd.Function):
 
 
 class _Entry:
-    """A forward's output storage and its ``Origin``, held while the storage is alive."""
+    """A forward's output storage and its ``Mark``, held while the storage is alive."""
 
-    __slots__ = ("storage", "origin")
+    __slots__ = ("storage", "mark")
 
-    def __init__(self, storage: StorageWeakRef, origin: Origin):
-        self.storage, self.origin = storage, origin
+    def __init__(self, storage: StorageWeakRef, mark: Mark):
+        self.storage, self.mark = storage, mark
 
 
 _lock = threading.Lock()
@@ -102,32 +120,43 @@ gc.callbacks.append(_forget_expired)
 
 # A compiled model runs these eagerly, between its graphs: they touch a lock and weak references.
 @torch.compiler.disable
-def traced(hidden: torch.Tensor, weight: torch.Tensor, origin: Origin) -> torch.Tensor:
-    """``hidden`` as the output layer returns it, with ``origin`` attached to its graph (where the
-    stock logits of ``weight`` would have one) and to its storage."""
-    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        hidden = _Traced.apply(hidden, weight, origin)
-    register(hidden, origin)
-    return hidden
+def traced(tensor: torch.Tensor, weight: torch.Tensor, origin: Origin, returned: str = HIDDEN_STATES) -> torch.Tensor:
+    """``tensor``, what the forward of ``origin`` returns (``returned``), with its mark attached to
+    its graph (where the stock logits of ``weight`` would have one) and to its storage."""
+    mark = Mark(origin, returned)
+    if torch.is_grad_enabled() and (tensor.requires_grad or weight.requires_grad):
+        tensor = _Traced.apply(tensor, weight, mark)
+    _register(tensor, mark)
+    return tensor
 
 
 @torch.compiler.disable
-def register(output: Any, origin: Origin) -> None:
-    """Tie ``output``'s storage to ``origin`` if it is a tensor of that forward's hidden states (a
-    module that wraps the model returns them, or a copy of them)."""
-    if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[-1] != origin.hidden_size:
+def register(output: Any, origin: Origin, returned: str = HIDDEN_STATES) -> None:
+    """Tie ``output``'s storage to what ``origin``'s forward returned: its hidden states if it is a
+    tensor of their size (a module that wraps the model returns them, or a copy of them) and not
+    already marked as something else (the labels path's loss, on its way out of the model)."""
+    if not isinstance(output, torch.Tensor) or output.dim() == 0:
         return
+    if returned == HIDDEN_STATES and output.shape[-1] != origin.hidden_size:
+        return
+    _register(output, Mark(origin, returned))
+
+
+def _register(output: torch.Tensor, mark: Mark) -> None:
     storage = StorageWeakRef(output.untyped_storage())
     with _lock:
         entries = _live_entries()
-        if not any(entry.storage == storage and entry.origin is origin for entry in entries):
-            entries.append(_Entry(storage, origin))
+        marked = [entry.mark for entry in entries if entry.storage == storage]
+        if mark.returned == HIDDEN_STATES and any(other.returned != HIDDEN_STATES for other in marked):
+            return
+        if mark not in marked:
+            entries.append(_Entry(storage, mark))
 
 
-def graph_origins(tensor: torch.Tensor) -> Set[Origin]:
-    """The origins of the forwards ``tensor``'s graph leads back to, searched no further than the
-    first marked node on each path."""
-    found: Set[Origin] = set()
+def graph_marks(tensor: torch.Tensor) -> Set[Mark]:
+    """The marks of what the forwards returned that ``tensor``'s graph leads back to, searched no
+    further than the first marked node on each path."""
+    found: Set[Mark] = set()
     seen = set()
     stack = [tensor.grad_fn]
     while stack:
@@ -136,26 +165,25 @@ def graph_origins(tensor: torch.Tensor) -> Set[Origin]:
             continue
         seen.add(node)
         if isinstance(node, _Traced._backward_cls):
-            found.add(node.origin)
+            found.add(node.mark)
             continue
         stack.extend(next_node for next_node, _ in node.next_functions)
     return found
 
 
-def storage_origin(tensor: torch.Tensor) -> Optional[Origin]:
-    """The origin of the live forward whose output shares ``tensor``'s storage, if any."""
+def storage_mark(tensor: torch.Tensor) -> Optional[Mark]:
+    """The mark of the live forward's output that shares ``tensor``'s storage, if any (what else
+    than hidden states it is, where it is both)."""
     storage = StorageWeakRef(tensor.untyped_storage())
     with _lock:
-        for entry in reversed(_live_entries()):
-            if entry.storage == storage:
-                return entry.origin
-    return None
+        marks = [entry.mark for entry in reversed(_live_entries()) if entry.storage == storage]
+    return next((mark for mark in marks if mark.returned != HIDDEN_STATES), marks[0] if marks else None)
 
 
 def live_origins(hidden_size: int, device: torch.device) -> List[Origin]:
-    """The origins of every forward (of any head, alive or not) whose output is still alive, with
-    hidden states of this size on this device: the forwards that could have made a tensor whose
-    origin nothing establishes."""
+    """The origins of every forward (of any head, alive or not) whose hidden states are still
+    alive, of this size on this device: the forwards that could have made a tensor whose origin
+    nothing establishes."""
     with _lock:
-        origins = [entry.origin for entry in _live_entries()]
-    return [origin for origin in origins if (origin.hidden_size, origin.device) == (hidden_size, device)]
+        marks = [entry.mark for entry in _live_entries() if entry.mark.returned == HIDDEN_STATES]
+    return [mark.origin for mark in marks if (mark.origin.hidden_size, mark.origin.device) == (hidden_size, device)]

@@ -3,7 +3,7 @@ LM head. They know nothing about Megatron: a tensor-parallel group, if any, is a
 group. ``docs/DESIGN.md`` has the layout by execution path and the math."""
 
 from . import losses
-from .accumulation import name_weight_grad_into, outstanding_weight_grads
+from .accumulation import name_weight_grad_into, outstanding_weight_grads, weight_grad_corrections
 from .api import (
     FusedLoss,
     fused_linear_cross_entropy,
@@ -15,6 +15,7 @@ from .api import (
 from .kept_tokens import KeptTokens
 from .loss_in_forward import LossFn
 from .options import BACKENDS
+from .rank_check import check_ranks_agree
 from .topk import fused_linear_topk, logits_topk
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "FusedLoss",
     "KeptTokens",
     "LossFn",
+    "check_ranks_agree",
     "fused_linear_cross_entropy",
     "fused_linear_logprob",
     "fused_linear_loss",
@@ -32,4 +34,5 @@ __all__ = [
     "losses",
     "name_weight_grad_into",
     "outstanding_weight_grads",
+    "weight_grad_corrections",
 ]

@@ -1,7 +1,9 @@
-"""Three-GEMM losses whose forward added a weight gradient into a caller's accumulator
-(``weight_grad_into``: Megatron's ``main_grad``) and whose backward has not run.
+"""What a three-GEMM loss leaves for the trainer to read where it synchronizes anyway (before or
+after the optimizer step): the losses whose forward added a weight gradient into a caller's
+accumulator (``weight_grad_into``: Megatron's ``main_grad``) and whose backward has not run, and the
+backward passes that corrected a weight gradient by a second pass (``weight_grad_corrections``).
 
-Such a loss must be backpropagated: its backward gives the hidden gradient and checks the scale
+A loss into an accumulator must be backpropagated: its backward gives the hidden gradient and checks the scale
 the forward assumed. One released without it (a metric computed with gradients on, a micro-batch
 skipped after a NaN check, an exception in the middle of its forward) leaves its weight gradient
 in the accumulator, where nothing can tell it from the others: its release is logged at once, and
@@ -13,13 +15,13 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._logging import logger
-from .inputs import may_synchronize
+from .._logging import logger, warn_once
+from .inputs import checked_at_once, is_abstract, may_synchronize
 
 _Key = Tuple[torch.device, int, Tuple[int, ...]]
 
@@ -113,3 +115,52 @@ def outstanding_weight_grads(
             released = {id(pending) for pending in chosen if pending.state == RELEASED}
             _pending[:] = [pending for pending in _pending if id(pending) not in released]
     return [pending.describe() for pending in chosen]
+
+
+# Per device, how many backward passes corrected a weight gradient (on a GPU counted on the device,
+# no host synchronization), and what the last one would say.
+_corrections: Dict[torch.device, torch.Tensor] = {}
+_correction_notes: Dict[torch.device, str] = {}
+
+
+def record_correction(ran: torch.Tensor, note: str) -> None:
+    """A backward whose weight-gradient correction ran where the 0-dim bool ``ran`` holds: counted
+    on ``ran``'s device for ``weight_grad_corrections`` (in a CUDA graph's replays too), and warned
+    at once (``note``, once per process) where that takes no synchronization
+    (``inputs.checked_at_once``). Meta and fake tensors have nothing to count."""
+    if is_abstract(ran):
+        return
+    at_once = checked_at_once(ran)
+    if at_once and bool(ran):
+        warn_once(note)
+    with _lock:
+        counter = _corrections.get(ran.device)
+        if counter is None:
+            if not may_synchronize(ran):  # a counter made in a capture would be zeroed at each replay
+                raise RuntimeError(
+                    "megatron_fused_lm: run a three-GEMM loss's backward once before capturing it in a CUDA "
+                    "graph (the warm-up makes the device's correction counter)"
+                )
+            counter = _corrections[ran.device] = torch.zeros((), dtype=torch.int64, device=ran.device)
+        if not at_once:  # warned when read, by weight_grad_corrections
+            _correction_notes[ran.device] = note
+    counter.add_(ran)
+
+
+def weight_grad_corrections() -> int:
+    """How many backward passes of three-GEMM losses corrected a weight gradient by a second pass
+    since the last call, on every device (one synchronization per GPU: call it where the trainer
+    synchronizes anyway, at the optimizer step; one warning, the first time): their upstream
+    gradient was not the one declared (``fused_linear_cross_entropy``'s weights,
+    ``weight_grad_scale``). Each gradient is exact either way; declaring what the loss receives
+    saves the pass. On the CPU each kind warns at once instead, the first time."""
+    total = 0
+    with _lock:
+        counters, notes = dict(_corrections), dict(_correction_notes)
+    for device, counter in counters.items():
+        count = int(counter)
+        counter.zero_()
+        if count and device in notes:
+            warn_once(notes[device])
+        total += count
+    return total

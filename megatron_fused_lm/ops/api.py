@@ -9,10 +9,11 @@ from typing import Dict, NamedTuple, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from .backends import kept_mask as build_kept_mask
-from .boundary import fused_forward, logits_forward
-from .contract import NeededGrads, ShardProblem
-from .held_pass import HeldPass, attach
+from . import backends
+from .boundary import Logits, crossed
+from .contract import ShardProblem
+from .held_gradients import WeightGradSink
+from .held_pass import run_held_pass
 from .inputs import (
     RowSelection,
     check_linear_inputs,
@@ -23,15 +24,17 @@ from .inputs import (
 )
 from .kept_tokens import KeptTokens, checked_sets, every_column
 from .loss_in_forward import (
+    ChunkLoss,
     LossFn,
+    check_declared_inputs,
     check_loss_inputs,
     check_per_token,
     check_rows_independent,
     has_entropy_term,
     per_token_losses,
 )
-from .losses import cross_entropy
 from .options import HeadOptions, check_weight_grad_scale
+from .rank_check import check_across_ranks
 
 Tensor = torch.Tensor
 
@@ -45,54 +48,42 @@ class FusedLoss(NamedTuple):
 
 
 def _fused_rows(
-    hidden,
-    weight,
-    targets,
-    mask,
-    max_rows,
-    tp_group,
-    temperature,
-    kept_tokens,
-    out_of_vocab="error",
-    several=False,
-    **options,
-) -> tuple[HeadOptions, RowSelection, Tensor, Tensor, Tensor]:
-    """A fused op's checked options, its selected rows (``several``: ``k`` targets each), their
-    hidden states in the weight's dtype (the products run in it), their temperatures ``[k]``
-    float32 and their ``kept_mask``."""
+    hidden, weight, targets, mask, max_rows, tp_group, temperature, kept_tokens, out_of_vocab="error", several=False,
+    *, backend, **options,
+) -> tuple[HeadOptions, RowSelection, ShardProblem]:  # fmt: skip
+    """A fused op's checked options (its backend resolved once), its selected rows (``several``:
+    ``k`` targets each) and their ``ShardProblem``: their hidden states in the weight's dtype (the
+    products run in it, detached), their target columns, temperatures ``[k]`` float32 and
+    ``kept_mask``."""
     check_linear_inputs(hidden, weight)
-    options = HeadOptions.checked(tp_group=tp_group, device=hidden.device, **options)
+    resolved = backends.resolve(backend, hidden.device)
+    options = HeadOptions.checked(backend=resolved.name, tp_group=tp_group, **options)
     selection = select_rows(
         targets, hidden.shape[:-1], mask, max_rows, weight.shape[0], tp_group, out_of_vocab, several
     )
     rows = selection.take(hidden).to(weight.dtype)
     temperature = row_temperatures(temperature, selection, hidden.device)
-    kept_mask = _kept_mask(
-        kept_tokens, selection, targets, weight.shape[0], tp_group, options.backend, several, out_of_vocab
-    )
-    return options, selection, rows, temperature, kept_mask
+    kept_mask = _kept_mask(kept_tokens, selection, targets, weight.shape[0], tp_group, resolved, several, out_of_vocab)
+    return options, selection, ShardProblem(rows, weight, selection.target_column, temperature, kept_mask)
 
 
 def _kept_mask(
     kept_tokens: Optional[KeptTokens], selection: RowSelection, targets: Tensor, vocab_shard: int, tp_group,
-    backend: str, several: bool, out_of_vocab: str = "error",
+    backend, several: bool, out_of_vocab: str = "error",
 ) -> Tensor:  # fmt: skip
     """The selected rows' ``kept_mask`` on this shard (``kept_tokens``' form), built by ``backend``."""
     if kept_tokens is None:
         return every_column(targets.device)
     if several:
-        raise ValueError("kept_tokens takes one target per row, not targets [..., k]")
+        raise ValueError(
+            "kept_tokens takes one target per row, not targets [..., k]: a set replays the sampler of the row's one "
+            "sampled token, and several targets (a teacher's ids) need not lie in it (docs/OPS.md)"
+        )
     if out_of_vocab != "error":
         raise ValueError(
             "kept_tokens takes targets inside the vocabulary, each in its row's set (out_of_vocab='error')"
         )
-    return build_kept_mask(backend, checked_sets(kept_tokens, selection, targets, vocab_shard, tp_group), vocab_shard)
-
-
-def needed_grads(hidden: Tensor, weight: Tensor) -> NeededGrads:
-    """The gradients a backward will ask for: none under ``no_grad`` or ``inference_mode``."""
-    enabled = torch.is_grad_enabled()
-    return NeededGrads(enabled and hidden.requires_grad, enabled and weight.requires_grad)
+    return backend.kept_mask(checked_sets(kept_tokens, selection, targets, vocab_shard, tp_group), vocab_shard)
 
 
 def fused_linear_logprob(
@@ -104,7 +95,7 @@ def fused_linear_logprob(
     temperature: Union[float, Tensor] = 1.0,
     return_entropy: bool = False,
     entropy_grad: bool = True,
-    backend: str = "torch",
+    backend: Union[str, object] = "torch",
     token_chunk: Optional[int] = None,
     reduce_hidden_grad: bool = True,
     mask: Optional[Tensor] = None,
@@ -139,7 +130,9 @@ def fused_linear_logprob(
         return_entropy: also return the entropy of the distribution.
         entropy_grad: with ``False`` the entropy is a metric: no graph, no backward term.
         backend: ``"torch"``, ``"triton"`` or ``"auto"`` (Triton on CUDA when available; otherwise
-            the torch backend, with one logged warning).
+            the torch backend, with one logged warning), or a backend object
+            (``backends.triton.TritonBackend(TritonTuning(...))``: the Triton kernels with launch
+            choices of its own).
         token_chunk: rows per chunk, which bounds the ``[token_chunk, vocab_shard]`` working set
             (the Triton forward has none: only its backward chunks); ``None`` picks the backend's
             own rule.
@@ -185,22 +178,19 @@ def fused_linear_logprob(
         ``logprob [...]`` (``[..., k]`` for several targets) float32, or ``(logprob, entropy)`` with
         ``return_entropy=True``.
         Gradients: w.r.t. ``hidden`` in hidden's dtype, w.r.t. ``weight`` (this shard's rows) in
-        the weight's dtype. Computed by the custom operators ``torch.ops.megatron_fused_lm.fused_*``
-        in float32 whatever the autocast context; no host synchronization without a mask (or
-        with ``max_rows``): an out-of-range target raises ``ValueError`` on the CPU and trips a
-        device-side assertion on a GPU.
+        the weight's dtype. Computed in float32 whatever the autocast context (under
+        ``torch.compile`` by the custom operators ``torch.ops.megatron_fused_lm.fused_*``); no host
+        synchronization without a mask (or with ``max_rows``): an out-of-range target raises
+        ``ValueError`` on the CPU and trips a device-side assertion on a GPU.
     """
     several = _several_targets(targets, hidden.shape[:-1], out_of_vocab, batch_invariant)
-    options, selection, rows, temperature, kept_mask = _fused_rows(
+    check_across_ranks("fused_linear_logprob", tp_group, hidden, weight, targets, mask, temperature, kept_tokens)
+    options, selection, problem = _fused_rows(
         hidden, weight, targets, mask, max_rows, tp_group, temperature, kept_tokens, out_of_vocab, several,
         token_chunk=token_chunk, backend=backend, entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
         batch_invariant=batch_invariant,
     )  # fmt: skip
-    logprob, entropy, _, _ = fused_forward(
-        rows, weight, selection.target_column, temperature, kept_mask, backend=options.backend,
-        token_chunk=options.token_chunk, tp_group_name=options.tp_group_name,
-        reduce_hidden_grad=options.reduce_hidden_grad, batch_invariant=options.batch_invariant,
-    )  # fmt: skip
+    logprob, entropy, _, _ = crossed(*problem, options=options)
     return _results(selection, logprob, entropy if return_entropy else None, options.entropy_grad)
 
 
@@ -261,16 +251,16 @@ def logits_logprob(
     """
     check_logits(logits)
     options = HeadOptions.checked(
-        token_chunk=token_chunk, tp_group=tp_group, device=logits.device, entropy_grad=entropy_grad
+        backend="torch", token_chunk=token_chunk, tp_group=tp_group, entropy_grad=entropy_grad
     )
     several = _several_targets(targets, logits.shape[:-1], "error", False)
+    check_across_ranks("logits_logprob", tp_group, logits, None, targets, mask, temperature, kept_tokens)
     selection = select_rows(targets, logits.shape[:-1], mask, max_rows, logits.shape[-1], tp_group, several=several)
     rows, temperature = selection.take(logits), row_temperatures(temperature, selection, logits.device)
-    kept_mask = _kept_mask(kept_tokens, selection, targets, logits.shape[-1], tp_group, "torch", several)
-    logprob, entropy, _, _ = logits_forward(
-        rows, selection.target_column, temperature, kept_mask, token_chunk=options.token_chunk,
-        tp_group_name=options.tp_group_name,
-    )  # fmt: skip
+    kept_mask = _kept_mask(
+        kept_tokens, selection, targets, logits.shape[-1], tp_group, backends.by_name("torch"), several
+    )
+    logprob, entropy, _, _ = Logits.apply(rows, selection.target_column, temperature, kept_mask, options)
     return _results(selection, logprob, entropy if return_entropy else None, options.entropy_grad)
 
 
@@ -284,7 +274,8 @@ def fused_linear_loss(
     tp_group: Optional[dist.ProcessGroup] = None,
     temperature: Union[float, Tensor] = 1.0,
     mask: Optional[Tensor] = None,
-    backend: str = "torch",
+    max_rows: Optional[int] = None,
+    backend: Union[str, object] = "torch",
     token_chunk: Optional[int] = None,
     reduce_hidden_grad: bool = True,
     weight_grad_into: Optional[Tensor] = None,
@@ -321,14 +312,20 @@ def fused_linear_loss(
             weights, a teacher's top-k log-probs, ...), on hidden's device, needing no gradient;
             under tensor parallelism the same on every rank.
         mask: optional bool ``[...]``: only rows where it is True are computed and summed; the
-            others have log-prob and entropy 0. The number of selected rows is read on the host.
+            others have log-prob and entropy 0. The number of selected rows is read on the host
+            (one synchronization) unless ``max_rows`` is given.
+        max_rows: with ``mask``, an upper bound on the rows it selects (as for
+            ``fused_linear_logprob``): a static shape, no host synchronization; the padding rows
+            compute a real row whose loss and gradients count for nothing.
         weight_grad_into: optional contiguous float32 ``[vocab_shard, H]`` (Megatron's
             ``main_grad``) into which the forward adds ``weight_grad_scale`` times the weight's
             gradient, never rounded: no weight-sized buffer waits for the backward, and ``weight``
             gets no autograd gradient. Eager mode only; ignored when no weight gradient is needed.
         weight_grad_scale: with ``weight_grad_into``, the upstream gradient the loss will receive
-            (``1 / num_microbatches``, a loss scale). The backward checks it (one host
-            synchronization) and adds any difference exactly by a second pass, with one warning.
+            (``1 / num_microbatches``, a loss scale). The backward checks it on the device and
+            adds any difference exactly by a second pass (two GEMMs; the Triton backend decides on
+            the device, the torch backend reads the check on the host), with one warning
+            (``weight_grad_corrections`` counts them on a GPU).
 
     Returns:
         ``FusedLoss(loss, logprob, entropy)``: ``loss`` a float32 scalar, differentiable w.r.t.
@@ -339,34 +336,44 @@ def fused_linear_loss(
     """
     inputs = check_loss_inputs(loss_fn, loss_inputs, hidden.shape[:-1], hidden.device)
     several = _several_targets(targets, hidden.shape[:-1], "error", batch_invariant)
+    check_declared_inputs(loss_fn, targets, inputs, mask, hidden.shape[:-1])
+    check_across_ranks("fused_linear_loss", tp_group, hidden, weight, targets, mask, temperature, kept_tokens)
     entropy_grad = has_entropy_term(loss_fn, inputs, tuple(targets.shape[-1:]) if several else ())
-    options, selection, rows, temperature, kept_mask = _fused_rows(
-        hidden, weight, targets, mask, None, tp_group, temperature, kept_tokens, "error", several,
+    options, selection, problem = _fused_rows(
+        hidden, weight, targets, mask, max_rows, tp_group, temperature, kept_tokens, "error", several,
         token_chunk=token_chunk, backend=backend, entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
         batch_invariant=batch_invariant,
     )  # fmt: skip
     if selection.rows is not None:
         inputs = {name: value.index_select(0, selection.rows) for name, value in inputs.items()}
-    problem = ShardProblem(rows.detach(), weight.detach(), selection.target_column, temperature, kept_mask)
-    held_pass = HeldPass(problem, loss_fn, inputs, options, needed_grads(rows, weight))
-    _send_weight_grad(held_pass, weight_grad_into, weight_grad_scale)
-    chunk_loss = held_pass.run()
-    loss = attach(held_pass, chunk_loss.total, rows, weight)
-    return FusedLoss(loss, selection.place(chunk_loss.logprob), selection.place(chunk_loss.entropy))
+    sink = _weight_grad_sink(weight, problem.hidden.shape[0], weight_grad_into, weight_grad_scale)
+    padding = selection.padding
+    chunk_loss = ChunkLoss(
+        loss_fn, inputs, entropy_grad, gradients=torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad),
+        upstream_scale=sink.scale if sink else 1.0, valid=None if padding is None else ~padding,
+        keep=sink is not None and sink.accumulator is not None,
+    )  # fmt: skip
+    loss, summary = run_held_pass(problem.hidden, weight, _detached(problem), options, sink, chunk_loss)
+    return FusedLoss(loss, selection.place(summary.logprob), selection.place(summary.entropy))
 
 
-def _send_weight_grad(held_pass: HeldPass, weight_grad_into: Optional[Tensor], weight_grad_scale: float) -> None:
-    """Point the pass's weight gradient at ``weight_grad_into`` (checked) where it is given and a
-    weight gradient is needed."""
-    if weight_grad_into is None or not held_pass.needed.weight:
-        return
+def _detached(problem: ShardProblem) -> ShardProblem:
+    return problem._replace(hidden=problem.hidden.detach(), weight=problem.weight.detach())
+
+
+def _weight_grad_sink(
+    weight: Tensor, rows: int, weight_grad_into: Optional[Tensor], weight_grad_scale: float
+) -> Optional[WeightGradSink]:
+    """Where a three-GEMM op's weight gradient goes: ``None`` where none is needed, the caller's
+    ``weight_grad_into`` (checked) where given, else parts of the pass's own."""
+    if not (torch.is_grad_enabled() and weight.requires_grad):
+        return None
+    if weight_grad_into is None:
+        return WeightGradSink()
     if torch.compiler.is_compiling():
         raise NotImplementedError("weight_grad_into runs eagerly only, not under torch.compile")
-    check_weight_grad_into(weight_grad_into, held_pass.problem.weight)
-    held_pass.weight_grad_into, held_pass.weight_grad_scale = (
-        weight_grad_into,
-        check_weight_grad_scale(weight_grad_scale),
-    )
+    check_weight_grad_into(weight_grad_into, weight)
+    return WeightGradSink.into(weight_grad_into, check_weight_grad_scale(weight_grad_scale), rows)
 
 
 def fused_linear_cross_entropy(
@@ -377,7 +384,7 @@ def fused_linear_cross_entropy(
     *,
     tp_group: Optional[dist.ProcessGroup] = None,
     temperature: Union[float, Tensor] = 1.0,
-    backend: str = "torch",
+    backend: Union[str, object] = "torch",
     token_chunk: Optional[int] = None,
     reduce_hidden_grad: bool = True,
     weight_grad_into: Optional[Tensor] = None,
@@ -388,11 +395,14 @@ def fused_linear_cross_entropy(
     (three GEMMs) for an upstream gradient declared up to a scalar: ``c * declared_weights``.
 
     Megatron's SFT loss, ``sum(losses * loss_mask) * scale``, has this shape with the scale
-    unknown in the forward. The backward checks the upstream gradient it receives (one host
-    synchronization): proportional to ``declared_weights`` (``loss_in_forward.
-    PROPORTIONAL_TOLERANCE``), the held gradients times ``c``; otherwise a second three-GEMM pass
-    adds the difference (exact by linearity; one warning). Either way the gradients are those of
-    ``fused_linear_logprob``.
+    unknown in the forward. The forward holds each row's own hidden gradient, exact for any
+    upstream gradient, and the weight gradient for the declared weights. The backward fits ``c``
+    on the device: proportional to ``declared_weights`` (``loss_in_forward.
+    PROPORTIONAL_TOLERANCE``), the held weight gradient times ``c``; otherwise a second pass (two
+    GEMMs, gated on the device on the Triton backend, read on the host on the torch backend) adds
+    the weight gradient of the difference, exact by linearity, with one warning
+    (``weight_grad_corrections``). Either way the gradients are those of ``fused_linear_logprob``,
+    with no host synchronization on the Triton backend.
 
     Args:
         declared_weights: ``[...]`` (``targets``' shape) float or bool per-token weights, needing
@@ -401,23 +411,20 @@ def fused_linear_cross_entropy(
             declared as ``weight_grad_scale * declared_weights``.
         out_of_vocab: as for ``fused_linear_logprob`` (``"max_logit"``: the stock labels path's
             loss, ``lse - max``, for a target id outside the vocabulary).
-        the rest: as for ``fused_linear_loss``. There is no ``batch_invariant``: the backward fits
-            one scale over all rows, so a row's gradient depends on the others; the four-GEMM
+        the rest: as for ``fused_linear_loss``. There is no ``batch_invariant``; the four-GEMM
             ``fused_linear_logprob(..., batch_invariant=True)`` gives the same loss's gradients.
     """
-    options, selection, rows, temperature, kept_mask = _fused_rows(
+    check_across_ranks("fused_linear_cross_entropy", tp_group, hidden, weight, targets, temperature=temperature)
+    options, selection, problem = _fused_rows(
         hidden, weight, targets, None, None, tp_group, temperature, None, out_of_vocab, token_chunk=token_chunk,
         backend=backend, entropy_grad=False, reduce_hidden_grad=reduce_hidden_grad,
     )  # fmt: skip
     declared = check_per_token("declared_weights", declared_weights, hidden.shape[:-1], hidden.device)
     if not declared.dtype.is_floating_point and declared.dtype != torch.bool:
         raise TypeError(f"declared_weights must be float or bool, got {declared.dtype}")
-    problem = ShardProblem(rows.detach(), weight.detach(), selection.target_column, temperature, kept_mask)
-    inputs, needed = {"weight": declared.float()}, needed_grads(rows, weight)
-    held_pass = HeldPass(problem, cross_entropy, inputs, options, needed, per_token=True)
-    _send_weight_grad(held_pass, weight_grad_into, weight_grad_scale)
-    chunk_loss = held_pass.run()
-    return selection.place(attach(held_pass, -chunk_loss.logprob, rows, weight))
+    sink = _weight_grad_sink(weight, problem.hidden.shape[0], weight_grad_into, weight_grad_scale)
+    loss, _ = run_held_pass(problem.hidden, weight, _detached(problem), options, sink, None, declared.float())
+    return selection.place(loss)
 
 
 def logits_loss(
@@ -429,16 +436,19 @@ def logits_loss(
     tp_group: Optional[dist.ProcessGroup] = None,
     temperature: Union[float, Tensor] = 1.0,
     mask: Optional[Tensor] = None,
+    max_rows: Optional[int] = None,
     token_chunk: Optional[int] = None,
     kept_tokens: Optional[KeptTokens] = None,
 ) -> FusedLoss:
     """``fused_linear_loss`` on a materialized logits shard: the same loss, the same contract for
-    ``loss_fn`` and ``loss_inputs``, the gradient (to ``logits``) by the usual backward."""
+    ``loss_fn`` and ``loss_inputs`` (``max_rows`` checked as there), the gradient (to ``logits``) by
+    the usual backward; with ``mask`` the number of selected rows is read on the host."""
     logprob, entropy = logits_logprob(
         logits, targets, tp_group=tp_group, temperature=temperature, return_entropy=True,
-        token_chunk=token_chunk, mask=mask, kept_tokens=kept_tokens,
+        token_chunk=token_chunk, mask=mask, max_rows=max_rows, kept_tokens=kept_tokens,
     )  # fmt: skip
     inputs = check_loss_inputs(loss_fn, loss_inputs, logits.shape[:-1], logits.device)
+    check_declared_inputs(loss_fn, targets, inputs, mask, logits.shape[:-1])
     logprob_rows = logprob.reshape(entropy.numel(), *logprob.shape[entropy.dim() :])  # [rows] or [rows, k]
     entropy_rows = entropy.reshape(-1)
     if mask is not None:

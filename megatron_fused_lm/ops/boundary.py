@@ -1,35 +1,33 @@
-"""The ops as PyTorch custom operators, each with an explicit typed schema: the option fields it
-uses are parameters of the names ``HeadOptions`` gives them.
+"""The autograd boundary: how a call crosses into its backend and back.
 
-- Recompute path (so ``torch.compile`` keeps each whole and autocast stays outside):
-  ``fused_forward(hidden [n, H], weight [vocab_shard, H], target_column [n], temperature [n],
-  kept_mask [n, words] or [0]) -> (logprob, entropy, lse, mean_logit)``, each ``[n]`` float32
-  (``target_column [n, k]``: log-probs ``[n, k]``), and the ``fused_backward`` its autograd formula
-  runs;
-  ``logits_forward`` / ``logits_backward`` on a materialized logits shard. Only O(n) statistics
-  are saved; the backward recomputes.
-- Three-GEMM path (``held_pass``): its phases, ``loss_allocate``, ``loss_statistics``,
-  ``loss_gradients``, the ``merge_statistics`` collective and, for several targets per row,
-  ``target_logits``, which ``OperatorLossBackend`` hands
-  to ``contract.run_loss_pass``, so that a compiled graph never traces into a backend.
+Eagerly a call goes straight to its backend: the four-GEMM path through an autograd function
+(``Recompute``), the three-GEMM pass through ``held_pass``. Under ``torch.compile`` the same bodies run
+inside custom operators (``torch.ops.megatron_fused_lm``), so that a compiled graph keeps each whole
+and never traces into a backend: each operator's schema lists its tensors and then every
+``HeadOptions`` field (``options.OPTIONS_SCHEMA``), which it rebuilds by name. The unfused path on
+materialized logits (``Logits``) is pure torch, which a compiled graph traces. Autocast stays outside
+all of them: the statistics are float32 by contract.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import List, Optional
 
 import torch
 
-from .backends import loss_backend, recompute_backend
+from . import backends
 from .chunking import BlockLogits, chunk_logit_grads, chunk_rows, chunk_statistics
-from .contract import LossState, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
-from .distributed import all_reduce_sum, group_by_name, merge_across_group
+from .contract import Gradients, LossState, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
+from .distributed import all_gather_stacked, all_reduce_sum, group_size, merge_across_group
+from .options import OPTIONS_SCHEMA, HeadOptions
 from .several_targets import gathered_logits, statistics_column, taken_logits
 from .softmax import NUM_STATISTICS, SoftmaxSummary, summarize
 
 Tensor = torch.Tensor
 Statistics = tuple[Tensor, Tensor, Tensor, Tensor]  # logprob, entropy, lse, mean_logit: [n] float32
+_PROBLEM = "Tensor hidden, Tensor weight, Tensor target_column, Tensor temperature, Tensor kept_mask"
 
 
 def autocast_off(device: torch.device):
@@ -40,142 +38,185 @@ def autocast_off(device: torch.device):
     return contextlib.nullcontext()
 
 
-def _summary(
-    stats: Tensor, target_column: Tensor, target_logits: Optional[Tensor], tp_group_name: Optional[str]
-) -> Statistics:
-    """The rows' results from this shard's statistics; for several targets (``target_column [n,
-    k]``) with their ``target_logits [n, k]`` on this shard, summed over the group first."""
-    group = group_by_name(tp_group_name)
-    if target_logits is not None:
-        all_reduce_sum(target_logits, group)  # each rank holds its own ids' logits, 0 elsewhere
-    summary = summarize(merge_across_group(stats, group), statistics_column(target_column), target_logits)
-    return summary.logprob, summary.entropy, summary.lse, summary.mean_logit
+def operator(name: str, tensors: str, returns: str):
+    """A custom operator ``megatron_fused_lm::name`` taking ``tensors`` (schema text; ``Tensor(a!)``
+    marks one it writes) and every option, its body called with ``HeadOptions`` rebuilt."""
+
+    def define(body):
+        schema = f"({tensors}, *, {OPTIONS_SCHEMA}) -> {returns}"
+        mutates = re.findall(r"Tensor\([a-z]!\)(?:\[\])? (\w+)", tensors)
+        rebuilt = lambda *args, **fields: body(*args, HeadOptions(**fields))  # noqa: E731
+        return torch.library.custom_op(f"megatron_fused_lm::{name}", rebuilt, mutates_args=mutates, schema=schema)
+
+    return define
 
 
-def _statistics_like(rows: Tensor, target_column: Tensor) -> Statistics:
-    # The log-prob has the targets' shape ([n] or [n, k]); the rest are [n].
-    logprob = target_column.new_empty(target_column.shape, dtype=torch.float32)
-    return (logprob, *(rows.new_empty(rows.shape[0], dtype=torch.float32) for _ in range(3)))
+def merge_and_summarize(backend, local: Tensor, target_column: Tensor, target_logits: Optional[Tensor], out,
+                        options: HeadOptions) -> None:  # fmt: skip
+    """Rows' shard statistics ``local [k, 4]`` merged over the group (one all-gather) and summarized
+    into ``out``'s tensors (``new_summary``): by ``backend.summarize`` for one target per row; for
+    several (``target_column [k, m]``), with their logits ``target_logits [k, m]`` on this shard,
+    summed over the group first."""
+    group = options.tp_group
+    if target_logits is None:
+        parts = all_gather_stacked(local, group) if group_size(group) > 1 else local.unsqueeze(0)
+        backend.summarize(parts, target_column, out)
+        return
+    all_reduce_sum(target_logits, group)  # each rank holds its own ids' logits, 0 elsewhere
+    merged = summarize(merge_across_group(local, group), statistics_column(target_column), target_logits)
+    for field, value in zip(out, merged, strict=True):
+        field.copy_(value)
 
 
-def _empty_unless(needed: bool, like: Tensor) -> Tensor:
-    # A custom operator returns tensors, never None: an unneeded gradient is an empty tensor.
-    return torch.empty_like(like) if needed else like.new_empty(0)
+def new_summary(target_column: Tensor) -> SoftmaxSummary:
+    """Empty float32 tensors for the summary of rows of ``target_column``: ``[n]`` each, the
+    log-probs ``[n, m]`` for several targets."""
+    empty = lambda *shape: target_column.new_empty(shape, dtype=torch.float32)  # noqa: E731
+    return SoftmaxSummary(empty(*target_column.shape), *(empty(target_column.shape[0]) for _ in range(4)))
 
 
-def _save_statistics(ctx, inputs: tuple, keyword_only_inputs: dict, output: Statistics) -> None:
-    # The entropy of a call without entropy_grad is detached by the public op, so its upstream
-    # gradient arrives as None.
-    _, _, lse, mean_logit = output
-    ctx.save_for_backward(*inputs, lse, mean_logit)
-    ctx.options = keyword_only_inputs
-    ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(lse, mean_logit)
+def _summarized(backend, stats, hidden, weight, target_column, temperature, options, several_logits) -> Statistics:
+    out = new_summary(target_column)
+    several = several_logits(hidden, weight, target_column, temperature) if target_column.dim() == 2 else None
+    merge_and_summarize(backend, stats, target_column, several, out, options)
+    return tuple(out[:4])
 
 
-def _open_backward(ctx, grad_logprob: Optional[Tensor], grad_entropy: Optional[Tensor]):
-    """``(saved inputs, saved statistics, float32 upstream gradients)``, or ``None`` when no
-    gradient flows back."""
-    upstream = UpstreamGrads.from_autograd(grad_logprob, grad_entropy)
-    if upstream is None:
-        return None
-    *inputs, lse, mean_logit = ctx.saved_tensors
-    return tuple(inputs), SavedStatistics(lse, mean_logit), upstream
+# The four-GEMM path: eagerly ``Recompute``, in a compiled graph ``fused_forward`` and its backward
+# ``fused_backward``, over the same two bodies.
 
 
-# The recompute path.
-
-
-@torch.library.custom_op("megatron_fused_lm::fused_forward", mutates_args=())
-def fused_forward(
-    hidden: Tensor,
-    weight: Tensor,
-    target_column: Tensor,
-    temperature: Tensor,
-    kept_mask: Tensor,
-    *,
-    backend: str,
-    token_chunk: Optional[int],
-    tp_group_name: Optional[str],
-    reduce_hidden_grad: bool,
-    batch_invariant: bool,
-) -> Statistics:
-    """Log-prob, entropy and the saved statistics of each row, over the whole vocabulary
-    (``reduce_hidden_grad`` and ``batch_invariant`` are the backward's: the forward is batch
-    invariant either way). ``target_column [n, k]``: ``k`` targets per row, log-probs ``[n, k]``;
-    ``kept_mask`` (``kept_tokens``' form): each row's softmax over its kept columns alone."""
+def recompute_statistics(hidden, weight, target_column, temperature, kept_mask, options: HeadOptions) -> Statistics:
+    """Log-prob, entropy and the saved statistics of each row over the whole vocabulary
+    (``target_column [n, k]``: log-probs ``[n, k]``)."""
+    backend = backends.by_name(options.backend)
     problem = ShardProblem(hidden, weight, statistics_column(target_column), temperature, kept_mask)
     with autocast_off(hidden.device):
-        stats = recompute_backend(backend, token_chunk).local_statistics(problem)
-        several = target_column.dim() == 2
-        target_logits = gathered_logits(hidden, weight, target_column, temperature) if several else None
-        return _summary(stats, target_column, target_logits, tp_group_name)
+        stats = backend.local_statistics(problem, options)
+        return _summarized(backend, stats, hidden, weight, target_column, temperature, options, gathered_logits)
+
+
+def recompute_gradients(problem, saved, upstream, needed, options: HeadOptions) -> Gradients:
+    """The gradients, the hidden one summed over the group when ``reduce_hidden_grad``."""
+    with autocast_off(problem.hidden.device):
+        grads = backends.by_name(options.backend).local_gradients(problem, saved, upstream, needed, options)
+        if grads.hidden is not None and options.reduce_hidden_grad:
+            all_reduce_sum(grads.hidden, options.tp_group)
+    return grads
+
+
+@operator("fused_forward", f"{_PROBLEM}", "(Tensor, Tensor, Tensor, Tensor)")
+def fused_forward(hidden, weight, target_column, temperature, kept_mask, options) -> Statistics:
+    return recompute_statistics(hidden, weight, target_column, temperature, kept_mask, options)
 
 
 @fused_forward.register_fake
-def _(hidden, weight, target_column, temperature, kept_mask, **options) -> Statistics:
-    return _statistics_like(hidden, target_column)
+def _(hidden, weight, target_column, *tensors, **fields) -> Statistics:
+    # The log-prob has the targets' shape ([n] or [n, k]); the rest are [n].
+    return (target_column.new_empty(target_column.shape, dtype=torch.float32),
+            *(hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(3)))  # fmt: skip
 
 
-@torch.library.custom_op("megatron_fused_lm::fused_backward", mutates_args=())
-def fused_backward(
-    hidden: Tensor,
-    weight: Tensor,
-    target_column: Tensor,
-    temperature: Tensor,
-    kept_mask: Tensor,
-    lse: Tensor,
-    mean_logit: Tensor,
-    grad_logprob: Optional[Tensor],
-    grad_entropy: Optional[Tensor],
-    *,
-    need_hidden: bool,
-    need_weight: bool,
-    backend: str,
-    token_chunk: Optional[int],
-    tp_group_name: Optional[str],
-    reduce_hidden_grad: bool,
-    batch_invariant: bool,
-) -> tuple[Tensor, Tensor]:
-    """``(grad_hidden, grad_weight)``; an unneeded one is empty. The hidden gradient is summed
-    over the group when ``reduce_hidden_grad``, else this rank's partial."""
-    problem = ShardProblem(hidden, weight, target_column, temperature, kept_mask)
-    with autocast_off(hidden.device):
-        grads = recompute_backend(backend, token_chunk, batch_invariant).local_gradients(
-            problem,
-            SavedStatistics(lse, mean_logit),
-            UpstreamGrads(grad_logprob, grad_entropy),
-            NeededGrads(need_hidden, need_weight),
-        )
-        if grads.hidden is not None and reduce_hidden_grad:
-            all_reduce_sum(grads.hidden, group_by_name(tp_group_name))
-    return (
-        hidden.new_empty(0) if grads.hidden is None else grads.hidden,
-        weight.new_empty(0) if grads.weight is None else grads.weight,
-    )
+@operator("fused_backward", f"{_PROBLEM}, Tensor lse, Tensor mean_logit, Tensor? grad_logprob, Tensor? grad_entropy, "
+          "bool need_hidden, bool need_weight", "(Tensor, Tensor)")  # fmt: skip
+def fused_backward(*args) -> tuple[Tensor, Tensor]:
+    *problem, lse, mean_logit, grad_logprob, grad_entropy, need_hidden, need_weight, options = args
+    upstream, needed = UpstreamGrads(grad_logprob, grad_entropy), NeededGrads(need_hidden, need_weight)
+    grads = recompute_gradients(ShardProblem(*problem), SavedStatistics(lse, mean_logit), upstream, needed, options)
+    # A custom operator returns tensors, never None: an unneeded gradient is an empty tensor.
+    return tuple(like.new_empty(0) if grad is None else grad for grad, like in zip(grads, problem[:2], strict=True))
 
 
 @fused_backward.register_fake
-def _(hidden, weight, *statistics_and_upstream, need_hidden, need_weight, **options) -> tuple[Tensor, Tensor]:
-    return _empty_unless(need_hidden, hidden), _empty_unless(need_weight, weight)
-
-
-def _fused_gradients(ctx, grad_logprob, grad_entropy, _grad_lse, _grad_mean_logit):
-    opened = _open_backward(ctx, grad_logprob, grad_entropy)
-    if opened is None:
-        return None, None, None, None, None
-    inputs, saved, upstream = opened
-    need_hidden, need_weight = ctx.needs_input_grad[:2]
-    grad_hidden, grad_weight = fused_backward(
-        *inputs, *saved, *upstream, need_hidden=need_hidden, need_weight=need_weight, **ctx.options
+def _(hidden, weight, *statistics_and_upstream, **fields) -> tuple[Tensor, Tensor]:
+    needed = statistics_and_upstream[-2:]
+    return tuple(
+        torch.empty_like(like) if need else like.new_empty(0)
+        for like, need in zip((hidden, weight), needed, strict=True)
     )
-    return (grad_hidden if need_hidden else None), (grad_weight if need_weight else None), None, None, None
 
 
-fused_forward.register_autograd(_fused_gradients, setup_context=_save_statistics)
+class Recompute(torch.autograd.Function):
+    """The four-GEMM path eagerly: ``recompute_statistics``, its backward ``recompute_gradients``."""
+
+    @staticmethod
+    def forward(hidden, weight, target_column, temperature, kept_mask, options: HeadOptions):
+        return recompute_statistics(hidden, weight, target_column, temperature, kept_mask, options)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _save_statistics(ctx, inputs[:5], inputs[5], output)
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy, _grad_lse, _grad_mean_logit):
+        return (*_recompute_backward(ctx, grad_logprob, grad_entropy, recompute_gradients), None)
 
 
-# The unfused path, on a materialized logits shard.
+def _operator_backward(problem, saved, upstream, needed, options) -> Gradients:
+    grads = fused_backward(*problem, *saved, *upstream, *needed, **options.fields())
+    return Gradients(*(grad if need else None for grad, need in zip(grads, needed, strict=True)))
+
+
+fused_forward.register_autograd(
+    lambda ctx, grad_logprob, grad_entropy, *_: _recompute_backward(
+        ctx, grad_logprob, grad_entropy, _operator_backward
+    ),
+    setup_context=lambda ctx, inputs, keyword_only_inputs, output: _save_statistics(
+        ctx, inputs, HeadOptions(**keyword_only_inputs), output
+    ),
+)
+
+
+def _recompute_backward(ctx, grad_logprob, grad_entropy, run) -> tuple:
+    upstream = UpstreamGrads.from_autograd(grad_logprob, grad_entropy)
+    if upstream is None:
+        return None, None, None, None, None
+    *problem, lse, mean_logit = ctx.saved_tensors
+    needed = NeededGrads(*ctx.needs_input_grad[:2])
+    grads = run(ShardProblem(*problem), SavedStatistics(lse, mean_logit), upstream, needed, ctx.options)
+    return grads.hidden, grads.weight, None, None, None
+
+
+def crossed(*tensors, options: HeadOptions) -> Statistics:
+    """The four-GEMM path: ``Recompute`` eagerly, the custom operator in a compiled graph."""
+    if torch.compiler.is_compiling():
+        return fused_forward(*tensors, **options.fields())
+    return Recompute.apply(*tensors, options)
+
+
+class Logits(torch.autograd.Function):
+    """The unfused path on a materialized logits shard ``[n, vocab_shard]``: the float32 softmax
+    one chunk of rows at a time, in the forward and again in the backward (the saved logits never
+    modified), the gradient in the logits' dtype. Pure torch, so a compiled graph traces it."""
+
+    @staticmethod
+    def forward(logits, target_column, temperature, kept_mask, options: HeadOptions) -> Statistics:
+        with autocast_off(logits.device):
+            rows = chunk_rows(options.token_chunk, logits.shape[-1])
+            stats = chunk_statistics(_scaled(logits, temperature), statistics_column(target_column), kept_mask, rows)
+            several = lambda logits, _, columns, temperature: taken_logits(logits, columns, temperature)  # noqa: E731
+            torch_backend = backends.by_name("torch")
+            return _summarized(torch_backend, stats, logits, None, target_column, temperature, options, several)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _save_statistics(ctx, inputs[:4], inputs[4], output)
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy, _grad_lse, _grad_mean_logit):
+        upstream = UpstreamGrads.from_autograd(grad_logprob, grad_entropy)
+        if upstream is None:
+            return None, None, None, None, None
+        logits, target_column, temperature, kept_mask, lse, mean_logit = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        with autocast_off(logits.device):
+            rows, saved = chunk_rows(ctx.options.token_chunk, logits.shape[-1]), SavedStatistics(lse, mean_logit)
+            chunks = chunk_logit_grads(
+                _scaled(logits, temperature), target_column, saved, upstream, temperature, kept_mask, rows
+            )
+            for chunk, grad in chunks:
+                grad_logits[chunk] = grad
+        return grad_logits, None, None, None, None
 
 
 def _scaled(logits: Tensor, temperature: Tensor) -> BlockLogits:
@@ -183,234 +224,124 @@ def _scaled(logits: Tensor, temperature: Tensor) -> BlockLogits:
     return lambda rows: logits[rows].float() / temperature[rows, None]
 
 
-@torch.library.custom_op("megatron_fused_lm::logits_forward", mutates_args=())
-def logits_forward(
-    logits: Tensor,
-    target_column: Tensor,
-    temperature: Tensor,
-    kept_mask: Tensor,
-    *,
-    token_chunk: Optional[int],
-    tp_group_name: Optional[str],
-) -> Statistics:
-    """Log-prob, entropy and the saved statistics of each row of a logits shard (``target_column
-    [n, k]`` and ``kept_mask``: as for ``fused_forward``)."""
-    with autocast_off(logits.device):
-        rows = chunk_rows(token_chunk, logits.shape[-1])
-        stats = chunk_statistics(_scaled(logits, temperature), statistics_column(target_column), kept_mask, rows)
-        several = target_column.dim() == 2
-        target_logits = taken_logits(logits, target_column, temperature) if several else None
-        return _summary(stats, target_column, target_logits, tp_group_name)
+def _save_statistics(ctx, inputs: tuple, options: HeadOptions, output: Statistics) -> None:
+    # The entropy of a call without entropy_grad is detached by the public op, so its upstream
+    # gradient arrives as None.
+    _, _, lse, mean_logit = output
+    ctx.save_for_backward(*inputs, lse, mean_logit)
+    ctx.options = options
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(lse, mean_logit)
 
 
-@logits_forward.register_fake
-def _(logits, target_column, temperature, kept_mask, **options) -> Statistics:
-    return _statistics_like(logits, target_column)
+# The three-GEMM pass's phases in a compiled graph (``held_pass``; eagerly it calls the backend's
+# own methods).
+
+_STATE = "Tensor(a!) block, Tensor(b!) reference, Tensor(c!) held_hidden, Tensor(d!)[] held_weight, Tensor(e!) chosen"
 
 
-@torch.library.custom_op("megatron_fused_lm::logits_backward", mutates_args=())
-def logits_backward(
-    logits: Tensor,
-    target_column: Tensor,
-    temperature: Tensor,
-    kept_mask: Tensor,
-    lse: Tensor,
-    mean_logit: Tensor,
-    grad_logprob: Optional[Tensor],
-    grad_entropy: Optional[Tensor],
-    *,
-    token_chunk: Optional[int],
-) -> Tensor:
-    """The gradient with respect to the logits shard, in its dtype (the float32 softmax is
-    recomputed one chunk at a time; the saved logits are never modified)."""
-    grad_logits = torch.empty_like(logits)
-    with autocast_off(logits.device):
-        logit_grads = chunk_logit_grads(
-            _scaled(logits, temperature), target_column, SavedStatistics(lse, mean_logit),
-            UpstreamGrads(grad_logprob, grad_entropy), temperature, kept_mask, chunk_rows(token_chunk, logits.shape[-1]),
-        )  # fmt: skip
-        for rows, grad in logit_grads:
-            grad_logits[rows] = grad
-    return grad_logits
-
-
-@logits_backward.register_fake
-def _(logits, *statistics_and_upstream, **options) -> Tensor:
-    return torch.empty_like(logits)
-
-
-def _logits_gradients(ctx, grad_logprob, grad_entropy, _grad_lse, _grad_mean_logit):
-    opened = _open_backward(ctx, grad_logprob, grad_entropy)
-    if opened is None:
-        return None, None, None, None
-    inputs, saved, upstream = opened
-    return logits_backward(*inputs, *saved, *upstream, token_chunk=ctx.options["token_chunk"]), None, None, None
-
-
-logits_forward.register_autograd(_logits_gradients, setup_context=_save_statistics)
-
-
-# The three-GEMM path's phases.
-
-
-@torch.library.custom_op("megatron_fused_lm::target_logits", mutates_args=())
-def target_logits(
-    hidden: Tensor, weight: Tensor, target_column: Tensor, temperature: Tensor, *, tp_group_name: Optional[str]
-) -> Tensor:
-    """Several targets' logits ``[k, m]`` (float32, divided by each row's temperature) for a chunk's
-    ``k`` rows and their ``target_column [k, m]``, summed over the group (each rank holds its own
-    ids')."""
-    with autocast_off(hidden.device):
-        logits = gathered_logits(hidden, weight, target_column, temperature)
-        all_reduce_sum(logits, group_by_name(tp_group_name))
-    return logits
-
-
-@target_logits.register_fake
-def _(hidden, weight, target_column, temperature, **options) -> Tensor:
-    return hidden.new_empty(target_column.shape, dtype=torch.float32)
-
-
-@torch.library.custom_op("megatron_fused_lm::merge_statistics", mutates_args=())
-def merge_statistics(stats: Tensor, *, tp_group_name: Optional[str]) -> Tensor:
-    """Every rank's shard statistics ``[k, 4]`` merged over the group (one all-gather)."""
-    return merge_across_group(stats, group_by_name(tp_group_name)).clone()
-
-
-@merge_statistics.register_fake
-def _(stats, **options) -> Tensor:
-    return torch.empty_like(stats)
-
-
-def _allocate(
-    hidden, weight, need_hidden, need_weight, backend, token_chunk, entropy_grad, batch_invariant
-) -> List[Tensor]:
-    # Allocation reads the shapes of the rows and the weight alone.
-    problem = ShardProblem(
-        hidden, weight, *(hidden.new_empty(0, dtype=dtype) for dtype in (torch.long, torch.float32, torch.int32))
-    )
+def _allocated(*args) -> List[Tensor]:
+    *problem, need_hidden, need_weight, options = args
     needed = NeededGrads(need_hidden, need_weight)
-    state = loss_backend(backend, token_chunk, entropy_grad, batch_invariant).allocate(problem, needed)
-    return [state.block, state.reference, state.held_hidden, *state.held_weight]
+    state = backends.by_name(options.backend).allocate(ShardProblem(*problem), needed, options)
+    return [state.block, state.reference, state.held_hidden, state.chosen, *state.held_weight]
 
 
-@torch.library.custom_op("megatron_fused_lm::loss_allocate", mutates_args=())
-def loss_allocate(
-    hidden: Tensor,
-    weight: Tensor,
-    *,
-    need_hidden: bool,
-    need_weight: bool,
-    backend: str,
-    token_chunk: Optional[int],
-    entropy_grad: bool,
-    batch_invariant: bool,
-) -> List[Tensor]:
-    """The backend's ``allocate``: ``[block, reference, held_hidden, *held_weight]``."""
-    return _allocate(hidden, weight, need_hidden, need_weight, backend, token_chunk, entropy_grad, batch_invariant)
+@operator("loss_allocate", f"{_PROBLEM}, bool need_hidden, bool need_weight", "Tensor[]")
+def loss_allocate(*args) -> List[Tensor]:
+    """The backend's ``allocate``: ``[block, reference, held_hidden, chosen, *held_weight]``."""
+    return _allocated(*args)
 
 
 @loss_allocate.register_fake
-def _(hidden, weight, **options) -> List[Tensor]:
+def _(*args, **fields) -> List[Tensor]:
     # The same allocation on fake tensors gives the same shapes, dtypes and strides.
-    return _allocate(hidden, weight, **options)
+    return _allocated(*args, HeadOptions(**fields))
 
 
-@torch.library.custom_op("megatron_fused_lm::loss_statistics", mutates_args=("block", "reference"))
-def loss_statistics(
-    hidden: Tensor,
-    weight: Tensor,
-    target_column: Tensor,
-    temperature: Tensor,
-    kept_mask: Tensor,
-    block: Tensor,
-    reference: Tensor,
-    *,
-    backend: str,
-) -> Tensor:
-    """The backend's ``chunk_statistics`` for a chunk's ``k`` rows (``hidden``, ``target_column``,
-    ``temperature``, ``kept_mask``), into the block's first ``k`` rows: ``[k, 4]``."""
+@operator("loss_statistics", f"{_PROBLEM}, Tensor(a!) block, Tensor(b!) reference", "Tensor")
+def loss_statistics(hidden, weight, target_column, temperature, kept_mask, block, reference, options) -> Tensor:
+    """The backend's ``chunk_statistics`` for a chunk's ``k`` rows, into the block's first ``k`` rows."""
     problem = ShardProblem(hidden, weight, target_column, temperature, kept_mask)
-    state = LossState(block, reference, hidden.new_empty(0), [])
-    with autocast_off(hidden.device):
-        return loss_backend(backend).chunk_statistics(problem, state, slice(0, hidden.shape[0]))
+    state = LossState(block, reference, hidden.new_empty(0), [], hidden.new_empty(0))
+    return backends.by_name(options.backend).chunk_statistics(problem, state, slice(0, hidden.shape[0]))
 
 
 @loss_statistics.register_fake
-def _(hidden, *tensors, **options) -> Tensor:
+def _(hidden, *tensors, **fields) -> Tensor:
     return hidden.new_empty(hidden.shape[0], NUM_STATISTICS, dtype=torch.float32)
 
 
-@torch.library.custom_op("megatron_fused_lm::loss_gradients", mutates_args=("block", "held_hidden", "held_weight"))
-def loss_gradients(
-    hidden: Tensor,
-    weight: Tensor,
-    target_column: Tensor,
-    temperature: Tensor,
-    kept_mask: Tensor,
-    block: Tensor,
-    reference: Tensor,
-    held_hidden: Tensor,
-    held_weight: List[Tensor],
-    summary: List[Tensor],
-    grad_logprob: Optional[Tensor],
-    grad_entropy: Optional[Tensor],
-    *,
-    start: int,
-    stop: int,
-    accumulate: bool,
-    backend: str,
-    batch_invariant: bool,
-) -> None:
-    """The backend's ``chunk_gradients`` for the rows ``[start, stop)``; ``summary`` holds the
-    ``SoftmaxSummary`` fields in order."""
-    problem = ShardProblem(hidden, weight, target_column, temperature, kept_mask)
-    state = LossState(block, reference, held_hidden, held_weight)
-    upstream = UpstreamGrads(grad_logprob, grad_entropy)
-    with autocast_off(hidden.device):
-        loss_backend(backend, batch_invariant=batch_invariant).chunk_gradients(
-            problem, state, slice(start, stop), SoftmaxSummary(*summary), upstream, accumulate
-        )
+@operator("loss_summary", f"Tensor local, {_PROBLEM}", "Tensor[]")
+def loss_summary(local, hidden, weight, target_column, temperature, kept_mask, options) -> List[Tensor]:
+    """A chunk's ``merge_and_summarize`` (its ``k`` rows), as ``SoftmaxSummary``'s tensors."""
+    out, several = new_summary(target_column), None
+    if target_column.dim() == 2:
+        several = gathered_logits(hidden, weight, target_column, temperature)
+    merge_and_summarize(backends.by_name(options.backend), local, target_column, several, out, options)
+    return list(out)
+
+
+@loss_summary.register_fake
+def _(local, hidden, weight, target_column, *tensors, **fields) -> List[Tensor]:
+    return list(new_summary(target_column))
+
+
+@operator("loss_gradients", f"{_PROBLEM}, {_STATE}, Tensor[] summary, Tensor? grad_logprob, Tensor? grad_entropy, "
+          "Tensor? weight_scale, SymInt start, SymInt stop, bool accumulate", "()")  # fmt: skip
+def loss_gradients(*args) -> None:
+    """The backend's ``chunk_gradients`` for the rows ``[start, stop)``."""
+    *problem, block, reference, held_hidden, held_weight, chosen, summary, grad_logprob, grad_entropy = args[:13]
+    weight_scale, start, stop, accumulate, options = args[13:]
+    state = LossState(block, reference, held_hidden, held_weight, chosen)
+    backends.by_name(options.backend).chunk_gradients(
+        ShardProblem(*problem), state, slice(start, stop), SoftmaxSummary(*summary),
+        UpstreamGrads(grad_logprob, grad_entropy), weight_scale, accumulate, options,
+    )  # fmt: skip
 
 
 @loss_gradients.register_fake
-def _(*args, **options) -> None:
+def _(*args, **fields) -> None:
     return None
 
 
-class OperatorLossBackend:
-    """The ``contract.LossBackend`` phases of the three-GEMM pass: the backend ``options`` name, run
-    through the custom operators above."""
+@operator("loss_chosen_rows", "Tensor(a!)[] held_weight, Tensor target_column, Tensor chosen, Tensor hidden", "()")
+def loss_chosen_rows(held_weight, target_column, chosen, hidden, options) -> None:
+    """The backend's ``add_chosen_rows``."""
+    backends.by_name(options.backend).add_chosen_rows(held_weight, target_column, chosen, hidden)
 
-    def __init__(self, options):
-        self.options = options
 
-    def allocate(self, problem: ShardProblem, needed: NeededGrads) -> LossState:
-        options = self.options
-        block, reference, held_hidden, *held_weight = loss_allocate(
-            problem.hidden, problem.weight, need_hidden=needed.hidden, need_weight=needed.weight,
-            backend=options.backend, token_chunk=options.token_chunk, entropy_grad=options.entropy_grad,
-            batch_invariant=options.batch_invariant,
-        )  # fmt: skip
-        return LossState(block, reference, held_hidden, held_weight)
+@loss_chosen_rows.register_fake
+def _(*args, **fields) -> None:
+    return None
+
+
+class OperatorPhases:
+    """The backend's three-GEMM phases in a compiled graph, each a custom operator above, so that
+    the graph never traces into a backend (own float32 parts only: ``weight_grad_into`` runs
+    eagerly); ``summarize_chunk`` is ``held_pass``'s eager step."""
+
+    def __init__(self, options: HeadOptions):
+        self.fields = options.fields()
+
+    def allocate(self, problem: ShardProblem, needed: NeededGrads, options: HeadOptions, held_weight=None) -> LossState:
+        block, reference, held_hidden, chosen, *parts = loss_allocate(*problem, *needed, **self.fields)
+        return LossState(block, reference, held_hidden, parts, chosen)
 
     def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice) -> Tensor:
-        return loss_statistics(
-            problem.hidden[rows], problem.weight, problem.target_column[rows], problem.temperature[rows],
-            problem.kept_mask[rows], state.block, state.reference, backend=self.options.backend,
+        return loss_statistics(*(value[rows] for value in problem[:1]), problem.weight,
+                               *(value[rows] for value in problem[2:]), state.block, state.reference, **self.fields)  # fmt: skip
+
+    def summarize_chunk(self, problem: ShardProblem, rows: slice, local: Tensor, out: SoftmaxSummary, options) -> None:
+        chunk = ShardProblem(problem.hidden[rows], problem.weight, *(value[rows] for value in problem[2:]))
+        for field, value in zip(out, loss_summary(local, *chunk, **self.fields), strict=True):
+            field.copy_(value)
+
+    def chunk_gradients(self, problem, state, rows, summary, upstream, weight_scale, accumulate, options) -> None:
+        loss_gradients(
+            *problem, *state[:5], list(summary), *upstream, weight_scale, rows.start, rows.stop, accumulate,
+            **self.fields,
         )  # fmt: skip
 
-    def chunk_gradients(
-        self,
-        problem: ShardProblem,
-        state: LossState,
-        rows: slice,
-        summary: SoftmaxSummary,
-        upstream: UpstreamGrads,
-        accumulate: bool,
-    ) -> None:
-        loss_gradients(
-            *problem, state.block, state.reference, state.held_hidden, state.held_weight, list(summary), *upstream,
-            start=rows.start, stop=rows.stop, accumulate=accumulate, backend=self.options.backend,
-            batch_invariant=self.options.batch_invariant,
-        )  # fmt: skip
+    def add_chosen_rows(self, held_weight, target_column, chosen, hidden) -> None:
+        loss_chosen_rows(held_weight, target_column, chosen, hidden, **self.fields)

@@ -1,19 +1,19 @@
-"""The backend contract: what the autograd boundary hands a backend, what it gets back, and the loop
-that drives a loss-in-forward pass.
+"""The backend contract: what a backend receives and returns, and the loop that drives a
+loss-in-forward pass.
 
-A backend works on this rank's vocabulary shard only and never communicates. A recompute backend
-(``RecomputeBackend``) gives the shard's statistics in the forward and its gradients in the
-backward (four GEMMs). A loss-in-forward backend (``LossBackend``) gives named phases per token
-chunk over the tensors of a ``LossState``, and ``run_loss_pass`` owns the chunk loop: every rank calls the chunk's step (which may
-communicate) exactly once per chunk, in order, whatever the backend does. ``docs/DESIGN.md``
-("Contracts") says why each piece is where it is.
+A backend works on this rank's vocabulary shard only and never communicates. Its four-GEMM path
+(``local_statistics``, ``local_gradients``) gives the shard's statistics in the forward and its
+gradients in the backward. Its three-GEMM path is a set of phases over a ``LossState``, and
+``run_loss_pass`` owns their chunk loop: every rank calls the chunk's step (which may communicate)
+exactly once per chunk, in order, whatever the backend does. ``backends`` has the two backends;
+``docs/DESIGN.md`` ("Contracts") says why each piece is where it is.
 
 Shapes: ``n`` token rows, ``H`` hidden size, ``vocab_shard`` rows of this rank's weight shard.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, List, NamedTuple, Optional, Protocol
+from typing import Callable, Iterator, List, NamedTuple, Optional
 
 import torch
 
@@ -26,13 +26,13 @@ class ShardProblem(NamedTuple):
 
     hidden: torch.Tensor  # [n, H] float32, bfloat16 or float16
     weight: torch.Tensor  # [vocab_shard, H], hidden's dtype
-    target_column: torch.Tensor  # [n] int64: the target's row in the shard, -1 where another shard owns it
+    target_column: torch.Tensor  # [n] (or [n, k]) int64: the target's row in the shard, -1 where another shard owns it
     temperature: torch.Tensor  # [n] float32, positive: divides each row's logits
     kept_mask: torch.Tensor  # [n, words] int32 bitmask of the columns each row keeps (kept_tokens), or [0]: all
 
 
 class SavedStatistics(NamedTuple):
-    """What the recompute backward needs per row, over the whole vocabulary (every rank's shard)."""
+    """What a backward that recomputes the logits needs per row, over the whole vocabulary."""
 
     lse: torch.Tensor  # [n] float32: log sum exp z
     mean_logit: torch.Tensor  # [n] float32: sum p z
@@ -41,7 +41,7 @@ class SavedStatistics(NamedTuple):
 class UpstreamGrads(NamedTuple):
     """Gradients of the loss with respect to the per-row log-prob and entropy; ``None``: no term."""
 
-    logprob: Optional[torch.Tensor]  # [n] float32
+    logprob: Optional[torch.Tensor]  # [n] (or [n, k]) float32
     entropy: Optional[torch.Tensor]  # [n] float32
 
     @classmethod
@@ -77,27 +77,17 @@ class Gradients(NamedTuple):
     weight: Optional[torch.Tensor]
 
 
-class RecomputeBackend(Protocol):
-    """The four-GEMM path: products accumulate in float32."""
-
-    def local_statistics(self, problem: ShardProblem) -> torch.Tensor:
-        """This shard's statistics ``[n, 4]`` float32 (``softmax`` says what they are)."""
-        ...
-
-    def local_gradients(
-        self, problem: ShardProblem, saved: SavedStatistics, upstream: UpstreamGrads, needed: NeededGrads
-    ) -> Gradients:
-        """This shard's gradients for the upstream gradients ``upstream``."""
-        ...
-
-
 class LossState(NamedTuple):
     """The tensors a loss-in-forward pass keeps between its phases: what the phases mutate."""
 
     block: torch.Tensor  # [token_chunk, vocab_shard]: the current chunk's logits, as the backend keeps them
     reference: torch.Tensor  # float32, what the block is stored against (Triton): [token_chunk] or tile maxima; or [0]
     held_hidden: torch.Tensor  # [n, H] float32: this shard's partial hidden gradient, or [0]
-    held_weight: List[torch.Tensor]  # float32 row parts of the weight gradient, or none
+    held_weight: List[torch.Tensor]  # float32 row parts of the weight gradient (a caller's accumulator), or none
+    chosen: torch.Tensor  # [n] (or [n, k]) float32: each row's chosen-token term of the weight gradient, or [0]
+    # A correcting pass's 0-dim bool: where it is false, a backend that decides on the device
+    # (``gates_on_device``) skips the products; None: the forward's pass, which always runs.
+    gate: Optional[torch.Tensor] = None
 
     @property
     def token_chunk(self) -> int:
@@ -105,37 +95,11 @@ class LossState(NamedTuple):
         return self.block.shape[0]
 
 
-class LossBackend(Protocol):
-    """The loss-in-forward path (three GEMMs), as named phases over a ``LossState``; an implementation
-    is a ``held_gradients.HeldSteps``, whose steps finish the held gradients."""
-
-    def allocate(self, problem: ShardProblem, needed: NeededGrads) -> LossState:
-        """The pass's tensors: the block (its rows are the token chunk) and the held gradients."""
-        ...
-
-    def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice) -> torch.Tensor:
-        """The chunk's logits (the first GEMM) kept in ``state.block``, and this shard's statistics
-        of them ``[k, 4]``."""
-        ...
-
-    def chunk_gradients(
-        self,
-        problem: ShardProblem,
-        state: LossState,
-        rows: slice,
-        summary: SoftmaxSummary,
-        upstream: UpstreamGrads,
-        accumulate: bool,
-    ) -> None:
-        """The chunk's ``dz`` and its two products (the other GEMMs) into the held gradients, from
-        the merged statistics and the upstream gradients: the hidden gradient's rows written, the
-        weight gradient added to what it holds (``accumulate``) or written."""
-        ...
-
-
-# ``chunk_step(rows, local_statistics [k, 4]) -> (summary, upstream)``: merges a chunk's shard
-# statistics across the group (it may communicate) and evaluates the loss's per-token gradients.
-ChunkStep = Callable[[slice, torch.Tensor], "tuple[SoftmaxSummary, UpstreamGrads]"]
+# ``chunk_step(rows, local_statistics [k, 4]) -> (summary, upstream, weight_scale)``: merges a
+# chunk's shard statistics across the group (it may communicate), summarizes them and evaluates
+# the loss's per-row gradients: those of the hidden gradient, and ``weight_scale [k]`` (or
+# ``None``: 1) times them for the weight gradient.
+ChunkStep = Callable[[slice, torch.Tensor], "tuple[SoftmaxSummary, UpstreamGrads, Optional[torch.Tensor]]"]
 
 
 def token_chunks(num_tokens: int, token_chunk: int) -> Iterator[slice]:
@@ -144,24 +108,16 @@ def token_chunks(num_tokens: int, token_chunk: int) -> Iterator[slice]:
         yield slice(start, min(start + token_chunk, num_tokens))
 
 
-def run_loss_pass(
-    backend: LossBackend,
-    problem: ShardProblem,
-    chunk_step: ChunkStep,
-    needed: NeededGrads,
-    held_weight: Optional[List[torch.Tensor]] = None,
-) -> LossState:
-    """The three-GEMM pass: per token chunk, the backend's statistics, ``chunk_step`` (once per
-    chunk, chunks in order, on every rank) and, when a gradient is needed, the backend's gradients.
-    The weight gradient adds into ``held_weight`` where given (float32 row parts: an earlier pass's,
-    or a caller's accumulator); otherwise into parts the backend allocates, which the first chunk
-    writes. Returns the state, whose held gradients are the pass's result."""
-    adds = held_weight is not None and needed.weight
-    state = backend.allocate(problem, NeededGrads(needed.hidden, needed.weight and not adds))
-    if adds:
-        state = state._replace(held_weight=held_weight)
+def run_loss_pass(phases, problem: ShardProblem, chunk_step: ChunkStep, state: LossState, options, adds: bool) -> None:
+    """The three-GEMM pass over ``state`` (``phases.allocate``'s): per token chunk, the phases'
+    statistics (GEMM 1), ``chunk_step`` (once per chunk, chunks in order, on every rank) and, when
+    a gradient is needed, the phases' gradients (GEMMs 2 and 3; the weight gradient written by the
+    first chunk, or added to what ``state.held_weight`` holds where it ``adds``: a caller's
+    accumulator); then each row's chosen-token term of the weight gradient, once."""
     for rows in token_chunks(problem.hidden.shape[0], state.token_chunk):
-        summary, upstream = chunk_step(rows, backend.chunk_statistics(problem, state, rows))
-        if needed.hidden or needed.weight:
-            backend.chunk_gradients(problem, state, rows, summary, upstream, adds or rows.start > 0)
-    return state
+        summary, upstream, weight_scale = chunk_step(rows, phases.chunk_statistics(problem, state, rows))
+        if state.held_hidden.dim() == 2 or state.held_weight:
+            accumulate = adds or rows.start > 0
+            phases.chunk_gradients(problem, state, rows, summary, upstream, weight_scale, accumulate, options)
+    if state.held_weight:
+        phases.add_chosen_rows(state.held_weight, problem.target_column, state.chosen, problem.hidden)

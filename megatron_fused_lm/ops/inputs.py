@@ -8,6 +8,7 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 from .distributed import group_rank, group_size
 from .options import checked_number
@@ -67,6 +68,17 @@ def may_synchronize(tensor: torch.Tensor) -> bool:
     return not (tensor.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
+def is_abstract(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has a shape and dtype but no values: a meta or fake tensor."""
+    return tensor.device.type == "meta" or is_fake(tensor)
+
+
+def has_values(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s values exist to be checked: not on meta or fake tensors, not while
+    ``torch.compile`` traces or a CUDA graph is captured (a check there would run at every replay)."""
+    return may_synchronize(tensor) and not is_abstract(tensor)  # this order: a compiled graph cannot trace is_fake
+
+
 def checked_at_once(tensor: torch.Tensor) -> bool:
     """Whether a check of ``tensor``'s values can raise at once, reading them on the host without a
     synchronization: on the CPU, outside compiled graphs."""
@@ -80,8 +92,8 @@ def check_on_device(condition: torch.Tensor, message: str) -> None:
     if checked_at_once(condition):
         if not bool(condition):
             raise ValueError(message)
-    else:
-        torch._assert_async(condition, message)
+    else:  # the device's message holds at most 254 characters
+        torch._assert_async(condition, message if len(message) < 255 else message[:251] + "...")
 
 
 class RowSelection(NamedTuple):
@@ -160,7 +172,10 @@ def select_rows(
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
     if mask.shape != lead_shape:
-        raise ValueError(f"mask.shape {tuple(mask.shape)} must equal targets.shape {tuple(lead_shape)}")
+        raise ValueError(
+            f"mask.shape {tuple(mask.shape)} must equal the rows' shape {tuple(lead_shape)} (the hidden states' "
+            "without their last dimension): one flag per row, also with several targets per row"
+        )
     flat_mask = mask.reshape(-1)
     if max_rows is None:
         rows = flat_mask.nonzero().squeeze(-1)
@@ -205,9 +220,11 @@ def target_columns(
     Megatron's vocabulary-parallel cross-entropy."""
     vocab = vocab_shard * group_size(tp_group)
     targets = targets.long()
-    column = targets - group_rank(tp_group) * vocab_shard
-    column = torch.where((column >= 0) & (column < vocab_shard), column, -1)
-    inside = (targets >= 0) & (targets < vocab)
+    inside = targets.clamp(0, vocab - 1) == targets
+    column = targets
+    if vocab_shard != vocab:  # another rank's ids: -1
+        column = targets - group_rank(tp_group) * vocab_shard
+        column = torch.where(column.clamp(0, vocab_shard - 1) == column, column, -1)
     if check_out_of_vocab(out_of_vocab) == "max_logit":
         return torch.where(inside, column, OUTSIDE_VOCAB)
     if targets.numel() > 0:

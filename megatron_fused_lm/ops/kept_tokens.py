@@ -82,7 +82,10 @@ def checked_sets(
     chosen = selection.take_rows(targets).long()
     if selection.padding is not None:
         if not 0 <= num_sets <= num_rows:
-            raise ValueError(f"kept_tokens' offsets hold {num_sets} sets; mask= selects at most max_rows={num_rows}")
+            raise ValueError(
+                f"kept_tokens' offsets hold {num_sets} sets, more than the {num_rows} rows that mask= can select "
+                "(with max_rows): one set per selected row"
+            )
         check_on_device((~selection.padding).sum() == num_sets, "kept_tokens holds a set per row mask= selects")
         chosen = torch.where(selection.padding, 0, chosen)  # the padding rows' stand-in target
     first_id = group_rank(tp_group) * vocab_shard

@@ -6,14 +6,12 @@ gradients."""
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from .contract import UpstreamGrads
-from .inputs import may_synchronize
-from .several_targets import statistics_column
-from .softmax import NUM_STATISTICS, SoftmaxSummary, summarize
+from .inputs import check_on_device, has_values
 
 Tensor = torch.Tensor
 LossFn = Callable[..., Tensor]
@@ -55,19 +53,40 @@ def check_per_token(
     return value.reshape(lead_shape.numel(), *value.shape[len(lead_shape) :])
 
 
+def check_declared_inputs(
+    loss_fn: LossFn, targets: Tensor, inputs: Dict[str, Tensor], mask: Optional[Tensor], lead_shape: torch.Size
+) -> None:
+    """The checks ``loss_fn`` declares (``loss_fn.check_inputs(targets [rows, ...], inputs (as
+    ``check_loss_inputs`` gives them), mask [rows] or None)``, e.g. ``TopkDistillation``'s): once per
+    call, on the rows as the caller gave them, so that rows the mask leaves out (and ``max_rows``'
+    padding, which reads some row's inputs) can be told apart. They check on the device."""
+    check = getattr(loss_fn, "check_inputs", None)
+    if check is not None:
+        rows = lead_shape.numel()
+        check(
+            targets.reshape(rows, *targets.shape[len(lead_shape) :]), inputs, None if mask is None else mask.reshape(-1)
+        )
+
+
 def per_token_losses(loss_fn: LossFn, logprob: Tensor, entropy: Tensor, inputs: Dict[str, Tensor]) -> Tensor:
     """``loss_fn(logprob [rows] (or [rows, k]), entropy [rows], **inputs)`` as float32 ``[rows]``, or
     a clear error when it is not one loss per row."""
-    return _one_loss_per_row(loss_fn(logprob, entropy, **inputs), entropy)
+    return _one_loss_per_row(loss_fn(logprob, entropy, **inputs), logprob, entropy)
 
 
-def _one_loss_per_row(losses, entropy: Tensor) -> Tensor:
+def _one_loss_per_row(losses, logprob: Tensor, entropy: Tensor) -> Tensor:
     if not isinstance(losses, Tensor) or not losses.dtype.is_floating_point:
         raise TypeError(f"loss_fn must return a float tensor of per-token losses, got {losses!r:.80}")
     if losses.shape != entropy.shape:
+        if logprob.dim() == 2 and losses.shape == logprob.shape:
+            why = (
+                "one value per target: with several targets per row it must combine them into one loss (e.g. .sum(-1))"
+            )
+        else:
+            why = "it is called on chunks of rows and its results are summed, so it must not reduce across rows"
         raise ValueError(
-            f"loss_fn must return one loss per token, shape {tuple(entropy.shape)}, got {tuple(losses.shape)}: "
-            "it is called on chunks of rows and its results are summed, so it must not reduce across rows"
+            f"loss_fn must return one loss per row, shape [rows]; given log-probs {tuple(logprob.shape)} it returned "
+            f"{tuple(losses.shape)}: {why}"
         )
     return losses.float()
 
@@ -99,12 +118,13 @@ def _definition(loss_fn: LossFn) -> object:
 
 
 def check_rows_independent(loss_fn: LossFn, logprob: Tensor, entropy: Tensor, inputs: Dict[str, Tensor]) -> None:
-    """``ValueError`` unless ``loss_fn`` gives each row of a chunk the loss it gives that row among
-    the chunk's halves: a function that reduces or normalizes across its rows gives a loss that
-    changes with the chunking. Checked the first time a definition is used with two rows or more
-    (three more calls of ``loss_fn`` under ``no_grad``, one host synchronization), outside
-    compiled graphs and CUDA graph captures."""
-    if logprob.shape[0] < 2 or not may_synchronize(logprob):
+    """An error unless ``loss_fn`` gives each row of a chunk the loss it gives that row among the
+    chunk's halves: a function that reduces or normalizes across its rows gives a loss that changes
+    with the chunking. Checked the first time a definition is used with two rows or more where
+    values exist (``has_values``): three more calls of ``loss_fn`` under ``no_grad`` and
+    ``inputs.check_on_device`` (``ValueError`` on the CPU, a device-side assertion on a GPU: no
+    host synchronization)."""
+    if logprob.shape[0] < 2 or not has_values(logprob):
         return
     definition = _definition(loss_fn)
     if definition in _rows_checked:
@@ -116,14 +136,14 @@ def check_rows_independent(loss_fn: LossFn, logprob: Tensor, entropy: Tensor, in
             per_token_losses(loss_fn, logprob[rows], entropy[rows], {name: value[rows] for name, value in inputs.items()})
             for rows in (slice(0, half), slice(half, None))
         ])  # fmt: skip
-    largest = whole.abs().nan_to_num(0.0, 0.0, 0.0).max()
-    close = (parts - whole).abs() <= ROW_TOLERANCE * (whole.abs() + largest)
-    if not bool((close | (parts == whole) | (parts.isnan() & whole.isnan())).all()):
-        raise ValueError(
+        largest = whole.abs().nan_to_num(0.0, 0.0, 0.0).max()
+        close = (parts - whole).abs() <= ROW_TOLERANCE * (whole.abs() + largest)
+        check_on_device(
+            (close | (parts == whole) | (parts.isnan() & whole.isnan())).all(),
             "loss_fn gives a row another loss when the other rows of its chunk change (the two halves of a chunk "
             "gave other losses than the whole): it is called on chunks of rows and its results are summed, so it "
             "must compute each row's loss from that row alone. Express a mean or a per-sequence normalization as "
-            "per-token weights among loss_inputs (losses.token_mean_weights)"
+            "per-token weights among loss_inputs (losses.token_mean_weights)",
         )
     _rows_checked.add(definition)
 
@@ -169,67 +189,74 @@ def probe_entropy_term(
                 f"CPU, inputs {[name for name, _ in input_shapes]}): {type(error).__name__}: {error}. Give it an "
                 "attribute entropy_grad (True if its loss depends on the entropy, else False) to skip the probe"
             ) from error
-        total = _one_loss_per_row(losses, entropy).sum()
+        total = _one_loss_per_row(losses, logprob, entropy).sum()
         return total.requires_grad and torch.autograd.grad(total, entropy, allow_unused=True)[0] is not None
 
 
 class ChunkLoss:
-    """The chunk step both backends' passes are driven with: ``merge(rows, local_statistics)`` (the
-    statistics all-gather, or the merged statistics of an earlier pass over the same rows) on a
-    chunk's shard statistics, the merged statistics (``merged [n, 4]``; ``[n, 4 + k]`` with several
-    targets' logits for ``target_column [n, k]``, whose log-probs are ``[n, k]``), log-probs and entropy
-    recorded with the running loss, and,
-    when ``upstream``, the loss's per-token gradients (the entropy's only when ``entropy_grad``),
-    times ``upstream_scale`` (a float or a 0-dim float32 tensor; ``None``: as they are)."""
+    """``loss_fn`` on each chunk of a pass (the loss half of ``contract.ChunkStep``): its value added
+    to ``total`` and, with ``gradients``, its per-row gradients (the entropy's only when
+    ``entropy_grad``) times ``upstream_scale`` (the upstream gradient the held gradients assume; 1:
+    as they are), all chunks' kept with ``keep`` (``kept_grads``); a ``max_rows`` padding row
+    (``valid`` false) adds neither."""
 
     def __init__(
         self,
         loss_fn: LossFn,
         inputs: Dict[str, Tensor],
-        target_column: Tensor,
-        merge: Callable[[slice, Tensor], Tensor],
         entropy_grad: bool,
-        upstream: bool,
-        upstream_scale: Optional[Union[float, Tensor]] = None,
+        gradients: bool,
+        upstream_scale: float = 1.0,
+        valid: Optional[Tensor] = None,
+        keep: bool = False,
     ):
-        self.loss_fn, self.inputs, self.target_column, self.merge = loss_fn, inputs, target_column, merge
-        self.entropy_grad, self.upstream, self.upstream_scale = entropy_grad, upstream, upstream_scale
-        num_rows, device = target_column.shape[0], target_column.device
-        self.logprob = torch.empty(target_column.shape, dtype=torch.float32, device=device)
-        self.entropy = torch.empty(num_rows, dtype=torch.float32, device=device)
-        # Several targets per row ([n, k]): their logits follow the statistics.
-        width = NUM_STATISTICS + (target_column.shape[1] if target_column.dim() == 2 else 0)
-        self.merged = torch.empty(num_rows, width, dtype=torch.float32, device=device)
-        self.total = torch.zeros((), dtype=torch.float32, device=device)
+        self.loss_fn, self.inputs, self.entropy_grad, self.gradients = loss_fn, inputs, entropy_grad, gradients
+        self.upstream_scale, self.valid, self.keep = upstream_scale, valid, keep
+        self.total: Optional[Tensor] = None  # [] float32, after the first chunk
+        self.chunk_grads: list = []  # with keep, each chunk's UpstreamGrads
 
-    def __call__(self, rows: slice, local_statistics: Tensor) -> tuple[SoftmaxSummary, UpstreamGrads]:
-        self.merged[rows] = self.merge(rows, local_statistics)
-        merged, target_column = self.merged[rows], self.target_column[rows]
-        if target_column.dim() == 1:
-            summary = summarize(merged, target_column)
-        else:
-            stats, target_logits = merged[:, :NUM_STATISTICS], merged[:, NUM_STATISTICS:]
-            summary = summarize(stats, statistics_column(target_column), target_logits)
-        self.logprob[rows], self.entropy[rows] = summary.logprob, summary.entropy
+    def __call__(self, rows: slice, logprob: Tensor, entropy: Tensor) -> UpstreamGrads:
         inputs = {name: value[rows] for name, value in self.inputs.items()}
-        check_rows_independent(self.loss_fn, summary.logprob, summary.entropy, inputs)
+        check_rows_independent(self.loss_fn, logprob, entropy, inputs)
+        valid = None if self.valid is None else self.valid[rows]
 
         def total(logprob: Tensor, entropy: Tensor) -> Tensor:
-            return per_token_losses(self.loss_fn, logprob, entropy, inputs).sum()
+            losses = per_token_losses(self.loss_fn, logprob, entropy, inputs)
+            return (losses if valid is None else torch.where(valid, losses, 0.0)).sum()
 
-        if not self.upstream:
-            self.total += total(summary.logprob, summary.entropy)
-            return summary, UpstreamGrads(None, None)
-        row_grads = getattr(self.loss_fn, "row_grads", None)  # a ready-made loss's closed form
-        if row_grads is not None:
-            (grad_logprob, grad_entropy), chunk_total = row_grads(**inputs), total(summary.logprob, summary.entropy)
+        grads = UpstreamGrads(None, None)
+        with_grads = getattr(self.loss_fn, "with_grads", None)  # a ready-made loss's closed form
+        if not self.gradients:
+            value = total(logprob, entropy)
+        elif with_grads is not None:
+            losses, *row_grads = with_grads(logprob, entropy, **inputs)
+            value = (losses if valid is None else torch.where(valid, losses, 0.0)).sum()
+            grads = UpstreamGrads(*row_grads)
         else:
-            grad_logprob, grad_entropy, chunk_total = per_token_grads(total, summary.logprob, summary.entropy)
-        self.total += chunk_total
-        grads = UpstreamGrads(grad_logprob, grad_entropy if self.entropy_grad else None)
-        if self.upstream_scale is not None:
-            grads = UpstreamGrads(*(None if grad is None else grad * self.upstream_scale for grad in grads))
-        return summary, grads
+            grad_logprob, grad_entropy, value = per_token_grads(total, logprob, entropy)
+            grads = UpstreamGrads(grad_logprob, grad_entropy)
+        self.total = value if self.total is None else self.total + value
+        grads = grads._replace(entropy=grads.entropy if self.entropy_grad else None)
+        grads = UpstreamGrads(*(None if grad is None else self._scaled(grad, valid) for grad in grads))
+        if self.keep:
+            self.chunk_grads.append(grads)
+        return grads
+
+    @property
+    def kept_grads(self) -> UpstreamGrads:
+        """Every row's gradients (``keep``), chunk after chunk."""
+        return UpstreamGrads(*(_joined(grads) for grads in zip(*self.chunk_grads, strict=True)))
+
+    def _scaled(self, grad: Tensor, valid: Optional[Tensor]) -> Tensor:
+        if valid is not None:
+            grad = torch.where(valid.view(-1, *[1] * (grad.dim() - 1)), grad, 0.0)
+        return grad if self.upstream_scale == 1.0 else grad * self.upstream_scale
+
+
+def _joined(chunks: tuple) -> Optional[Tensor]:
+    if chunks[0] is None:
+        return None
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
 
 def per_token_grads(total: Callable[[Tensor, Tensor], Tensor], logprob: Tensor, entropy: Tensor):
@@ -241,8 +268,6 @@ def per_token_grads(total: Callable[[Tensor, Tensor], Tensor], logprob: Tensor, 
         return grad_logprob, grad_entropy, value
     logprob, entropy = logprob.detach().requires_grad_(), entropy.detach().requires_grad_()
     with torch.enable_grad():
-        if not (logprob * 1).requires_grad:  # inside a custom operator: autograd records nothing here
-            raise RuntimeError("a loss_fn without a closed form (row_grads) cannot be differentiated here")
         value = total(logprob, entropy)
     if not value.requires_grad:
         return None, None, value
@@ -254,12 +279,22 @@ def per_token_grads(total: Callable[[Tensor, Tensor], Tensor], logprob: Tensor, 
 PROPORTIONAL_TOLERANCE = 1e-5
 
 
-def proportional_scale(upstream: Tensor, declared: Tensor) -> Optional[Tensor]:
-    """``c`` (a 0-dim float32 tensor) such that ``upstream == c * declared`` up to
-    ``PROPORTIONAL_TOLERANCE``, or ``None`` when there is none (one host synchronization)."""
-    upstream, declared = upstream.float(), declared.float()
-    norm = (declared * declared).sum()
-    scale = torch.where(norm > 0, (upstream * declared).sum() / norm.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
-    deviation = (upstream - scale * declared).abs().max() if upstream.numel() else upstream.new_zeros(())
-    bound = PROPORTIONAL_TOLERANCE * upstream.abs().max() if upstream.numel() else upstream.new_zeros(())
-    return scale if bool(deviation <= bound) else None
+def deviates(difference: Tensor, upstream: Tensor) -> Tensor:
+    """0-dim bool: whether ``difference`` (per row) exceeds ``PROPORTIONAL_TOLERANCE`` of the
+    largest ``upstream``, on the device."""
+    if upstream.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=upstream.device)
+    return difference.abs().amax() > PROPORTIONAL_TOLERANCE * upstream.abs().amax()
+
+
+def proportional_fit(upstream: Tensor, declared: Tensor) -> Tensor:
+    """``c`` (0-dim float32) that best fits ``upstream ~ c * declared`` (``[n]`` float32, ``n >= 1``),
+    on the device. Where ``c * declared`` explains nothing of the upstream (within
+    ``PROPORTIONAL_TOLERANCE`` of its largest entry: declared weights all 0, an upstream orthogonal
+    to them), 1, or 0 for an upstream of zeros: any scale is exact, the correction taking the
+    rest, but the correction is divided by ``c``, so it must not vanish where one is needed."""
+    norm, dot = (declared * declared).sum(), (upstream * declared).sum()
+    scale = dot / norm.clamp(min=torch.finfo(torch.float32).tiny)
+    largest = upstream.abs().amax()
+    explains = scale.abs() * declared.abs().amax() > PROPORTIONAL_TOLERANCE * largest
+    return torch.where(explains, scale, (largest > 0).float())

@@ -11,9 +11,11 @@ Each declares ``entropy_grad``, whether its value depends on the entropy, which 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
+
+from .inputs import check_on_device
 
 Tensor = torch.Tensor
 
@@ -37,16 +39,21 @@ def cross_entropy(logprob: Tensor, entropy: Tensor, *, weight: Tensor) -> Tensor
     cross-entropy over the masked tokens, or the loss mask itself for their sum. One target per
     row (``ValueError`` for several: their losses are the caller's to combine).
     """
+    return _cross_entropy_terms(logprob, weight)[0]
+
+
+def _cross_entropy_terms(logprob: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """``(losses, d losses / d logprob)`` of ``cross_entropy``."""
     if logprob.dim() != 1:
         raise ValueError(f"cross_entropy takes one target per row, got log-probs {tuple(logprob.shape)}")
-    return -weight * logprob
+    grad = -weight
+    return grad * logprob, grad
 
 
 cross_entropy.entropy_grad = False
-# Its per-token gradients (d loss / d logprob, d loss / d entropy) in closed form: the second pass
-# of fused_linear_cross_entropy's compiled backward runs inside a custom operator, where autograd
-# records nothing.
-cross_entropy.row_grads = lambda *, weight: (-weight, None)
+# Its losses with their per-token gradients (d loss / d logprob, d loss / d entropy) in closed form,
+# which the three-GEMM pass takes instead of autograd's (``loss_in_forward.ChunkLoss``): fewer launches.
+cross_entropy.with_grads = lambda logprob, entropy, *, weight: (*_cross_entropy_terms(logprob, weight), None)
 
 
 def kl_penalty(logprob: Tensor, ref_logprob: Tensor, estimator: str) -> Tensor:
@@ -60,6 +67,16 @@ def kl_penalty(logprob: Tensor, ref_logprob: Tensor, estimator: str) -> Tensor:
     if estimator == "k3":
         return torch.expm1(log_ratio) - log_ratio
     raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+def kl_penalty_grad(logprob: Tensor, ref_logprob: Tensor, estimator: str) -> Tensor:
+    """``d kl_penalty / d logprob``: ``1``, ``-d`` and ``-expm1(d)`` for k1, k2 and k3."""
+    log_ratio = ref_logprob - logprob
+    if estimator == "k1":
+        return torch.ones_like(log_ratio)
+    if estimator == "k2":
+        return -log_ratio
+    return -torch.expm1(log_ratio)
 
 
 @dataclass(frozen=True)
@@ -99,6 +116,44 @@ class ClippedPolicyLoss:
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
 
+    def with_grads(
+        self,
+        logprob: Tensor,
+        entropy: Tensor,
+        *,
+        old_logprob: Tensor,
+        advantages: Tensor,
+        weight: Tensor,
+        ref_logprob: Optional[Tensor] = None,
+    ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+        """``(losses, d losses / d logprob, d losses / d entropy or None)`` per token in closed form,
+        what the three-GEMM pass takes instead of autograd's (fewer launches). Where a ``max``
+        or ``min`` ties, its two sides have the same derivative, but at the dual clip's bound,
+        where autograd splits it in halves and this takes the bound's (a set of measure zero)."""
+        raw = logprob - old_logprob
+        ratio = raw.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
+        grad_ratio = torch.where(raw.abs() <= LOG_RATIO_LIMIT, ratio, 0.0)  # clamp passes it inside the limits
+        low, high = 1 - self.clip_low, 1 + self.clip_high
+        unclipped, grad_unclipped = -advantages * ratio, -advantages * grad_ratio
+        clipped = -advantages * ratio.clamp(low, high)
+        # Where the two tie, the ratio is inside the clip range (or the advantage 0): one derivative.
+        unclipped_wins = unclipped >= clipped
+        loss = torch.where(unclipped_wins, unclipped, clipped)
+        grad = torch.where(unclipped_wins | ((ratio >= low) & (ratio <= high)), grad_unclipped, 0.0)
+        if self.dual_clip is not None:
+            bound = -advantages * self.dual_clip
+            capped = (advantages < 0) & (loss > bound)
+            loss, grad = torch.where(capped, bound, loss), torch.where(capped, 0.0, grad)
+        grad_entropy = None
+        if self.entropy_coef:
+            loss, grad_entropy = loss - self.entropy_coef * entropy, -self.entropy_coef * weight
+        if self.kl_coef:
+            if ref_logprob is None:
+                raise ValueError("ClippedPolicyLoss with kl_coef != 0 needs ref_logprob among the loss inputs")
+            loss = loss + self.kl_coef * kl_penalty(logprob, ref_logprob, self.kl_estimator)
+            grad = grad + self.kl_coef * kl_penalty_grad(logprob, ref_logprob, self.kl_estimator)
+        return weight * loss, weight * grad, grad_entropy
+
     def __call__(
         self,
         logprob: Tensor,
@@ -126,6 +181,10 @@ class ClippedPolicyLoss:
 
 
 DIVERGENCES = ("forward", "reverse")
+# How far a teacher's log-probs may lie above 0, and the log of their mass over the k ids above
+# log 1: the bf16 rounding of log-probs near 0 and of a mass spread over the ids, with room to spare;
+# raw logits and probabilities miss it by far.
+TEACHER_TOLERANCE = 1e-2
 REMAINDERS = ("renormalize", "tail")
 
 
@@ -136,7 +195,9 @@ class TopkDistillation:
     Call ``fused_linear_loss(hidden, weight, teacher_ids, TopkDistillation(...), loss_inputs=
     {"teacher_logprob": ..., "weight": ...})`` with ``teacher_ids [..., k]`` (distinct ids per row,
     as ``head.topk`` / ``fused_linear_topk`` give them) and ``teacher_logprob [..., k]`` their
-    log-probs under the teacher, normalized over its whole vocabulary. Per token, with the
+    log-probs under the teacher, normalized over its whole vocabulary (each at most 0, their
+    exponentials summing to at most 1 per row, within ``TEACHER_TOLERANCE``). The ops check both
+    and the ids' distinctness (``check_inputs``) on the device, without a host synchronization. Per token, with the
     student's ``p_j = exp(logprob_j)`` and the teacher's ``q_j`` on the ``k`` ids and the rest of
     each distribution ``P = 1 - sum_j p_j``, ``Q = 1 - sum_j q_j``::
 
@@ -167,6 +228,27 @@ class TopkDistillation:
         if self.remainder not in REMAINDERS:
             raise ValueError(f"remainder must be one of {REMAINDERS}, got {self.remainder!r}")
 
+    def check_inputs(self, targets: Tensor, inputs: Dict[str, Tensor], mask: Optional[Tensor]) -> None:
+        """The ops' check of ``targets [rows, k]`` and ``inputs["teacher_logprob"] [rows, k]`` on the
+        rows ``mask [rows]`` computes (every row without one), on the device."""
+        teacher = inputs.get("teacher_logprob")
+        if teacher is None or targets.dim() != 2 or teacher.shape != targets.shape:
+            return  # __call__ names what is missing
+        ordered = targets.sort(-1).values
+        distinct = (ordered[:, 1:] != ordered[:, :-1]).all(-1)
+        normalized = (teacher <= TEACHER_TOLERANCE).all(-1) & (teacher.float().logsumexp(-1) <= TEACHER_TOLERANCE)
+        if mask is not None:  # rows left out are never read (padding)
+            distinct, normalized = distinct | ~mask, normalized | ~mask
+        check_on_device(
+            normalized.all(),
+            "TopkDistillation's teacher_logprob must be log-probabilities: each at most 0 and their exponentials summing "
+            f"to at most 1 in each row (tolerance {TEACHER_TOLERANCE}); raw logits or probabilities give wrong losses",
+        )
+        check_on_device(
+            distinct.all(),
+            "TopkDistillation needs distinct teacher ids in each row (as head.topk gives them); one repeats",
+        )
+
     def __call__(self, logprob: Tensor, entropy: Tensor, *, teacher_logprob: Tensor, weight: Tensor) -> Tensor:
         if logprob.dim() != 2 or teacher_logprob.shape != logprob.shape:
             raise ValueError(
@@ -175,6 +257,7 @@ class TopkDistillation:
             )
         # Float64: the rest of the mass 1 - sum p is a difference of numbers near 1.
         student, teacher = logprob.double(), teacher_logprob.double()
+
         if self.remainder == "renormalize":
             student = student - student.logsumexp(-1, keepdim=True)
             teacher = teacher - teacher.logsumexp(-1, keepdim=True)

@@ -1,5 +1,6 @@
 """The ops' scalar options, checked once into the one object that carries them across the autograd
-boundary (``HeadOptions``); the temperature is per row, a tensor (``inputs.row_temperatures``)."""
+boundary (``HeadOptions``), and the schema its fields take in every custom operator
+(``OPTIONS_SCHEMA``); the temperature is per row, a tensor (``inputs.row_temperatures``)."""
 
 from __future__ import annotations
 
@@ -65,9 +66,9 @@ def check_weight_grad_scale(weight_grad_scale: float) -> float:
 
 
 def resolved_backend(backend: str, device: torch.device) -> str:
-    """The backend a call runs, chosen once per call: ``"triton"`` where ``backend`` is ``"triton"``
-    or ``"auto"`` and Triton can run on ``device``; otherwise ``"torch"`` (one logged warning when
-    ``"triton"`` or ``"auto"`` falls back)."""
+    """The kind of backend a call runs, chosen once per call: ``"triton"`` where ``backend`` is
+    ``"triton"`` or ``"auto"`` and Triton can run on ``device``; otherwise ``"torch"`` (one logged
+    warning when ``"triton"`` or ``"auto"`` falls back)."""
     if check_backend(backend) == "torch":
         return "torch"
     reason = _triton_unavailable_reason(device)
@@ -83,13 +84,31 @@ def _triton_unavailable_reason(device: torch.device) -> Optional[str]:
     return triton_unavailable_reason(device)
 
 
-@dataclasses.dataclass(frozen=True)
-class HeadOptions:
-    """Every option of a fused or unfused call, checked once (``checked``) and kept whole by the pass
-    and its autograd function; the custom operators take the fields they use as typed parameters
-    of the same names. The public ops document each."""
+_SCHEMA_TYPES = {
+    "str": "str", "Optional[int]": "SymInt?", "Optional[str]": "str?", "bool": "bool", "float": "float",
+    "int": "SymInt", "torch.dtype": "ScalarType",
+}  # fmt: skip
 
-    backend: str = "torch"  # resolved: "torch" or "triton"
+
+class Keywords:
+    """A frozen dataclass whose fields a custom operator takes as keyword-only parameters of the same
+    names (``schema``), and rebuilds by name (``cls(**fields)``): nothing depends on positions."""
+
+    def fields(self) -> dict:
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+    @classmethod
+    def schema(cls) -> str:
+        return ", ".join(f"{_SCHEMA_TYPES[field.type]} {field.name}" for field in dataclasses.fields(cls))
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadOptions(Keywords):
+    """Every option of a fused or unfused call, checked once (``checked``) and kept whole by the pass
+    and its autograd function; every custom operator takes all of them (``OPTIONS_SCHEMA``). The
+    public ops document each."""
+
+    backend: str = "torch"  # the resolved backend's name (backends.by_name)
     token_chunk: Optional[int] = None  # rows per chunk; None: the path's own rule
     tp_group_name: Optional[str] = None  # the tensor-parallel group by its registered name
     entropy_grad: bool = True
@@ -100,17 +119,15 @@ class HeadOptions:
     def checked(
         cls,
         *,
+        backend: str,
         token_chunk: Optional[int],
         tp_group: Optional[dist.ProcessGroup],
-        device: torch.device,
-        backend: str = "torch",
         entropy_grad: bool = True,
         reduce_hidden_grad: bool = True,
         batch_invariant: bool = False,
     ) -> HeadOptions:
-        """The options of a public call on tensors of ``device``, each checked (``TypeError`` /
-        ``ValueError``), the backend resolved."""
-        backend = resolved_backend(backend, device)
+        """The options of a public call whose backend ``backend`` (a name) is resolved already, each
+        checked (``TypeError`` / ``ValueError``)."""
         batch_invariant = check_batch_invariant(batch_invariant, backend)
         if batch_invariant and tp_group is not None and dist.get_world_size(tp_group) > 2:
             raise ValueError(
@@ -129,3 +146,7 @@ class HeadOptions:
     @property
     def tp_group(self) -> Optional[dist.ProcessGroup]:
         return group_by_name(self.tp_group_name)
+
+
+# The keyword-only parameters every custom operator of the ops takes.
+OPTIONS_SCHEMA = HeadOptions.schema()

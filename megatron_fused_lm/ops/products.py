@@ -14,10 +14,10 @@ def add_product(out: torch.Tensor, left: torch.Tensor, right: torch.Tensor, accu
     beta = 1 if accumulate else 0
     if out.dtype == left.dtype:
         torch.addmm(out, left, right, beta=beta, out=out)
-    elif out.is_cuda:
-        torch.addmm(out, left, right, beta=beta, out_dtype=out.dtype, out=out)
-    else:  # CPU has no mixed-dtype addmm.
+    elif out.device.type == "cpu":  # CPU has no mixed-dtype addmm.
         out.addmm_(left.to(out.dtype), right.to(out.dtype), beta=beta)
+    else:
+        torch.addmm(out, left, right, beta=beta, out_dtype=out.dtype, out=out)
     return out
 
 

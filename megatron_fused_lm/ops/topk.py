@@ -18,12 +18,14 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from . import backends
 from .boundary import autocast_off
 from .chunking import chunk_rows
 from .distributed import all_gather_stacked, group_rank, group_size, merge_across_group
 from .inputs import RowSelection, check_linear_inputs, check_logits, row_temperatures
 from .options import HeadOptions, checked_number
 from .products import float32_product
+from .rank_check import check_across_ranks
 from .softmax import summarize
 from .top_keys import MAX_ID, NO_KEY, keyed_logits, shard_top_keys
 
@@ -37,7 +39,7 @@ def fused_linear_topk(
     *,
     tp_group: Optional[dist.ProcessGroup] = None,
     temperature: Union[float, Tensor] = 1.0,
-    backend: str = "torch",
+    backend: Union[str, object] = "torch",
     token_chunk: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Each row's ``k`` largest log-probs under ``softmax(hidden @ weight.T / temperature)`` (the
@@ -74,7 +76,9 @@ def fused_linear_topk(
         rows for the torch form).
     """
     check_linear_inputs(hidden, weight)
-    options = HeadOptions.checked(token_chunk=token_chunk, tp_group=tp_group, device=hidden.device, backend=backend)
+    check_across_ranks("fused_linear_topk", tp_group, hidden, weight, temperature=temperature)
+    resolved = backends.resolve(backend, hidden.device)
+    options = HeadOptions.checked(backend=resolved.name, token_chunk=token_chunk, tp_group=tp_group)
     temperature = row_temperatures(temperature, RowSelection(hidden.shape[:-1], None, None, None), hidden.device)
     rows, weight = hidden.reshape(-1, hidden.shape[-1]).detach().to(weight.dtype), weight.detach()
     first_id = group_rank(options.tp_group) * weight.shape[0]
@@ -83,12 +87,7 @@ def fused_linear_topk(
         return float32_product(rows[index], weight.t()).div_(temperature[index, None])
 
     def local_keys(local_k):
-        if options.backend == "triton":
-            from .backends.triton_topk import top_keys
-
-            return top_keys(rows, weight, temperature, local_k, first_id, block_logits, options.token_chunk)
-        rows_per_chunk = chunk_rows(options.token_chunk, weight.shape[0])
-        return shard_top_keys(block_logits, rows.shape[0], local_k, first_id, rows_per_chunk, rows.device)
+        return resolved.top_keys(rows, weight, temperature, local_k, first_id, block_logits, options.token_chunk)
 
     logprobs, ids = _topk_pass(local_keys, rows.shape[0], weight.shape[0], k, options, rows.device)
     return logprobs.view(*hidden.shape[:-1], k), ids.view(*hidden.shape[:-1], k)
@@ -106,7 +105,8 @@ def logits_topk(
     bfloat16 or float16; rank ``r`` owns global ids ``[r * vocab_shard, (r + 1) * vocab_shard)``):
     the same results, forward only."""
     check_logits(logits)
-    options = HeadOptions.checked(token_chunk=token_chunk, tp_group=tp_group, device=logits.device)
+    check_across_ranks("logits_topk", tp_group, logits, None, temperature=temperature)
+    options = HeadOptions.checked(backend="torch", token_chunk=token_chunk, tp_group=tp_group)
     temperature = row_temperatures(temperature, RowSelection(logits.shape[:-1], None, None, None), logits.device)
     flat = logits.detach().reshape(-1, logits.shape[-1])
     first_id, rows_per_chunk = (

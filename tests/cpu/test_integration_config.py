@@ -193,6 +193,22 @@ def test_section_reads_the_keys_there(build, package_warnings):
     assert package_warnings() == []  # pointing at a section silences the search
 
 
+@pytest.mark.parametrize("build", [dict, namespaces], ids=["dict", "namespace"])
+def test_a_section_whose_keys_sit_one_level_deeper_warns_naming_that_section(build, package_warnings):
+    config = build({"actor_rollout_ref": {"actor": {"strategy": "megatron", "megatron": dict(SETTINGS)}}})
+    assert FusedLMConfig.from_trainer_config(config, section="actor_rollout_ref.actor") == FusedLMConfig()
+    [warning] = package_warnings()
+    assert "actor_rollout_ref.actor.megatron.fused_linear_logprob," in warning and "enabled=False" in warning
+    assert "section='actor_rollout_ref.actor.megatron'" in warning
+    assert FusedLMConfig.from_trainer_config(config, section="actor_rollout_ref.actor.megatron") == EXPECTED
+
+
+def test_a_section_that_sets_a_key_reads_only_there_without_a_warning(package_warnings):
+    config = {"actor": {"fused_linear_logprob": True, "megatron": {"fused_linear_logprob_token_chunk": 8}}}
+    assert FusedLMConfig.from_trainer_config(config, section="actor") == FusedLMConfig(enabled=True)
+    assert package_warnings() == []
+
+
 def test_section_reads_only_there():
     config = {
         "fused_linear_logprob": True,

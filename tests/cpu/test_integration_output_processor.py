@@ -26,6 +26,7 @@ absolute on values and 5e-5 of the largest entry of each stock gradient.
 """
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -197,6 +198,9 @@ def check_bad_input() -> None:
     processor = FusedOutputProcessor(model, FusedLMConfig(enabled=True))
     with pytest.raises(ValueError, match="needs labels= or an output_processor_context"):
         processed(model, batch, processor)
+    several = torch.stack([batch[3], batch[3]], -1)
+    with pytest.raises(ValueError, match=re.escape(f"labels {tuple(several.shape)} must be [b, s]")):
+        processed(model, batch, processor, labels=several)
     with pytest.raises(TypeError, match="a LossRequest, a TopkRequest or a LabelsRequest"):
         processed(model, batch, processor, {"targets": batch[3]})
     other = harness.build_gpt(sequence_parallel=False, tied=False)

@@ -22,6 +22,8 @@ gradient. A dropped or doubled term moves values by O(1); a hidden gradient redu
 at all is off by tens of percent.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -120,7 +122,9 @@ def check_case(sequence_parallel: bool, tied: bool, token_chunk, label: str) -> 
     harness.assert_grads_close(
         harness.parameter_grads(model), stock_distillation_grads, GRAD_RTOL, f"{label} fused distillation"
     )
-    with pytest.raises(ValueError, match="one id per position"):  # the labels path takes one
+    # The labels path takes one id per position; the error names the labels in their own [b, s, k].
+    expected = f"labels {tuple(several.shape)} must be [b, s] = {tuple(several.shape[:2])}: the labels path takes one"
+    with pytest.raises(ValueError, match=re.escape(expected)):
         harness.forward(model, batch, labels=several)
 
     fused_loss = harness.forward(model, batch, labels=targets)

@@ -159,6 +159,16 @@ def test_configuration_examples_enable_the_fused_head():
             assert config.enabled and config.backend == "auto", (page.name, call.group(1), config)
 
 
+def test_every_document_names_each_trainer_s_section_as_its_page_does():
+    pages = {call for page in PAGES.values() for call in SECTION_COMMENT.findall(page.read_text())}
+    named = {
+        (path.relative_to(ROOT), section)
+        for path in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "examples").iterdir()]
+        for section in re.findall(r'section="([^"]+)"', path.read_text())
+    }
+    assert named and all(section in pages for _, section in named), sorted(named)
+
+
 def test_slime_command_line_enables_the_fused_head():
     assert not any(blocks(page.read_text(), "bash") for page in DOCUMENTS if page != PAGES["slime"])
     [block] = blocks(PAGES["slime"].read_text(), "bash")

@@ -1,8 +1,9 @@
-"""Several targets per row on the three-GEMM path, and the top-k distillation loss on it: against a
-float64 oracle written here from the formulas (``losses.TopkDistillation``'s docstring) on the
-student's full ``log_softmax``; the three-GEMM loss beside the recompute path's own error on the
-same inputs; ``logits_loss`` (the unfused path) and two gloo ranks; the errors. The Triton pass is
-in test_triton_interpreter.py (``test_several_targets_per_row_three_gemm``).
+"""Several targets per row on the three-GEMM path, and the top-k distillation loss on it: against
+devkit's float64 oracle (``loss_reference``, with ``topk_distillation_loss`` for the formulas of
+``losses.TopkDistillation``'s docstring) on the student's full ``log_softmax``; the three-GEMM loss
+beside the recompute path's own error on the same inputs; ``logits_loss`` (the unfused path) and
+two gloo ranks; the errors. The Triton pass is in test_triton_interpreter.py
+(``test_several_targets_per_row_three_gemm``).
 
 Teachers put 60 to 99 % of their mass on their top 5 of 97 ids and the students are peaked (logits
 of about 25): a renormalization or a rest-of-mass term that is off, or a target's term counted
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from devkit.oracle import make_case, relative_error, within_recompute
+from devkit.oracle import loss_reference, make_case, relative_error, topk_distillation_loss, within_recompute
 from devkit.spawn import run_ranks
 from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, logits_loss, losses
 
@@ -34,29 +35,6 @@ def teacher_case(lead, vocab, seed):
     return ids.view(*lead, K), (shares * mass).log().float().view(*lead, K)
 
 
-def oracle_kl(student_logprob, teacher_logprob, divergence, remainder):
-    """Float64 ``KL_t [rows]`` from probabilities, as the docstring writes it."""
-    p, q = student_logprob.double().exp(), teacher_logprob.double().exp()
-    if remainder == "renormalize":
-        p, q = p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
-        first, second = (q, p) if divergence == "forward" else (p, q)
-        return torch.xlogy(first, first / second).sum(-1)
-    rest_p, rest_q = 1 - p.sum(-1), 1 - q.sum(-1)
-    first, second, rest_first, rest_second = (
-        (q, p, rest_q, rest_p) if divergence == "forward" else (p, q, rest_p, rest_q)
-    )
-    return torch.xlogy(first, first / second).sum(-1) + torch.xlogy(rest_first, rest_first / rest_second)
-
-
-def oracle(hidden, weight, ids, teacher_logprob, weights, divergence, remainder, mask=None):
-    """Float64 loss and gradients of the distillation loss of the selected rows."""
-    leaves = [tensor.detach().double().requires_grad_() for tensor in (hidden, weight)]
-    student = torch.log_softmax(leaves[0] @ leaves[1].t(), -1).gather(-1, ids)
-    kl = oracle_kl(student, teacher_logprob, divergence, remainder) * weights.double()
-    loss = kl.sum() if mask is None else kl[mask].sum()
-    return (loss.detach(), *torch.autograd.grad(loss, leaves))
-
-
 def leaves(*tensors):
     return [tensor.detach().clone().requires_grad_() for tensor in tensors]
 
@@ -73,7 +51,7 @@ def test_distillation_against_float64(divergence, remainder, token_chunk):
     leaf_hidden, leaf_weight = leaves(hidden, weight)
     result = fused_linear_loss(leaf_hidden, leaf_weight, ids, loss_fn, loss_inputs=inputs, token_chunk=token_chunk)
     result.loss.backward()
-    expected = oracle(hidden, weight, ids, teacher, weights, divergence, remainder)
+    expected = loss_reference(hidden, weight, ids, topk_distillation_loss(divergence, remainder), inputs)
     # The same loss on the recompute path's log-probs: the bound is 1.2 times its own error, or float32's.
     recompute_hidden, recompute_weight = leaves(hidden, weight)
     logprob = fused_linear_logprob(recompute_hidden, recompute_weight, ids)
@@ -83,9 +61,9 @@ def test_distillation_against_float64(divergence, remainder, token_chunk):
     recompute_loss.backward()
     assert result.logprob.shape == (*LEAD, K) and result.entropy.shape == LEAD
     for actual, recompute, exact in (
-        (result.loss, recompute_loss, expected[0]),
-        (leaf_hidden.grad, recompute_hidden.grad, expected[1]),
-        (leaf_weight.grad, recompute_weight.grad, expected[2]),
+        (result.loss, recompute_loss, expected.loss),
+        (leaf_hidden.grad, recompute_hidden.grad, expected.grad_hidden),
+        (leaf_weight.grad, recompute_weight.grad, expected.grad_weight),
     ):
         # Beside the recompute bound (which a wrong formula would loosen with its own error): the
         # float32 accuracy of the log-probs themselves.
@@ -106,7 +84,7 @@ def test_the_formulas(divergence, remainder):
     teacher[1, 2] = -torch.inf
     weights = torch.rand(student.shape[0], dtype=torch.float64, generator=generator)
     loss = losses.TopkDistillation(divergence, remainder)(student, None, teacher_logprob=teacher, weight=weights)
-    exact = oracle_kl(student, teacher, divergence, remainder) * weights
+    exact = topk_distillation_loss(divergence, remainder)(student, None, teacher_logprob=teacher, weight=weights)
     finite = exact.isfinite()  # reverse: a student id the teacher gives 0 costs infinity, as it should
     assert bool(finite[0]) and torch.equal(loss.isfinite(), finite)
     assert relative_error(loss[finite], exact[finite]) <= 1e-6
@@ -139,18 +117,14 @@ def test_masked_rows_and_a_general_loss():
     leaf_hidden, leaf_weight = leaves(hidden, weight)
     result = fused_linear_loss(leaf_hidden, leaf_weight, ids, loss_fn, loss_inputs={"goal": goal}, mask=mask)
     result.loss.backward()
-    double = [tensor.double().requires_grad_() for tensor in (hidden, weight)]
-    log_probs = torch.log_softmax(double[0] @ double[1].t(), -1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1)
-    expected = loss_fn(log_probs.gather(-1, ids), entropy, goal=goal.double())[mask].sum()
-    grads = torch.autograd.grad(expected, double)
-    assert relative_error(result.loss, expected) <= FLOAT32_TOL
-    assert relative_error(leaf_hidden.grad, grads[0]) <= FLOAT32_TOL
-    assert relative_error(leaf_weight.grad, grads[1]) <= FLOAT32_TOL
+    expected = loss_reference(hidden, weight, ids, loss_fn, {"goal": goal}, mask=mask)
+    assert relative_error(result.loss, expected.loss) <= FLOAT32_TOL
+    assert relative_error(leaf_hidden.grad, expected.grad_hidden) <= FLOAT32_TOL
+    assert relative_error(leaf_weight.grad, expected.grad_weight) <= FLOAT32_TOL
     assert torch.count_nonzero(result.logprob[~mask]) == 0
     (logits,) = leaves(hidden @ weight.t())
     unfused = logits_loss(logits, ids, loss_fn, loss_inputs={"goal": goal}, mask=mask)
-    assert relative_error(unfused.loss, expected) <= FLOAT32_TOL
+    assert relative_error(unfused.loss, expected.loss) <= FLOAT32_TOL
 
 
 @pytest.mark.parametrize("prob", [0.5, 0.99, 1 - 1e-6])
@@ -176,15 +150,14 @@ def test_a_dominant_target_among_several(prob):
     def loss_fn(logprob, entropy, *, coef):
         return -(coef * logprob).sum(-1)
 
-    double = [tensor.double().requires_grad_() for tensor in (hidden, weight)]
-    exact_logprob = torch.log_softmax(double[0] @ double[1].t(), -1).gather(-1, ids)
-    expected = torch.autograd.grad(loss_fn(exact_logprob, None, coef=coef.double()).sum(), double)
+    expected = loss_reference(hidden, weight, ids, loss_fn, {"coef": coef})
     three_gemm, recompute = leaves(hidden, weight), leaves(hidden, weight)
     result = fused_linear_loss(*three_gemm, ids, loss_fn, loss_inputs={"coef": coef})
     result.loss.backward()
     loss_fn(fused_linear_logprob(*recompute, ids), None, coef=coef).sum().backward()
-    assert relative_error(result.logprob, exact_logprob) <= FLOAT32_TOL
-    for actual, reference, exact in zip(three_gemm, recompute, expected, strict=True):
+    assert relative_error(result.logprob, expected.logprob) <= FLOAT32_TOL
+    exact_grads = (expected.grad_hidden, expected.grad_weight)
+    for actual, reference, exact in zip(three_gemm, recompute, exact_grads, strict=True):
         assert within_recompute(actual.grad, reference.grad, exact, FLOAT32_GRAD_FLOOR)
 
 
@@ -205,8 +178,42 @@ def test_errors():
         )
     with pytest.raises(ValueError, match="one target per row"):
         fused_linear_loss(hidden, weight, ids, losses.cross_entropy, loss_inputs={"weight": torch.ones(LEAD)})
-    with pytest.raises(ValueError, match="one loss per token"):  # a loss per id, not per row
+    with pytest.raises(ValueError, match="one value per target: with several targets per row it must combine"):
         fused_linear_loss(hidden, weight, ids, lambda logprob, entropy: -logprob)
+
+
+@pytest.mark.parametrize("op", ["fused_linear_loss", "logits_loss"])
+def test_the_teacher_is_checked_on_the_rows_computed(op):
+    """Raw logits, probabilities and repeated ids are refused (on the CPU at once; a device-side
+    assertion on a GPU); a teacher sure of one id (a log-prob a rounding above 0) and padding rows
+    the mask leaves out, with or without max_rows (whose padding reads some row's inputs), are not."""
+    hidden, weight, _ = make_case(LEAD, H, V, torch.float32, peaky=False, seed=30)
+    ids, teacher = teacher_case(LEAD, V, seed=31)
+    weights = torch.ones(LEAD)
+    loss_fn = losses.TopkDistillation()
+
+    def run(ids, teacher, **kwargs):
+        inputs = {"teacher_logprob": teacher, "weight": weights}
+        if op == "fused_linear_loss":
+            return fused_linear_loss(hidden, weight, ids, loss_fn, loss_inputs=inputs, **kwargs)
+        return logits_loss(hidden @ weight.t(), ids, loss_fn, loss_inputs=inputs, **kwargs)
+
+    logits = torch.randn(*LEAD, V, generator=torch.Generator().manual_seed(32)) * 3
+    for wrong in (logits.gather(-1, ids), teacher.exp()):  # raw logits, probabilities
+        with pytest.raises(ValueError, match="teacher_logprob must be log-probabilities"):
+            run(ids, wrong)
+    repeated = ids.clone()
+    repeated[1, 4, 3] = repeated[1, 4, 0]
+    with pytest.raises(ValueError, match="distinct teacher ids"):
+        run(repeated, teacher)
+    sure = teacher.clone()
+    sure[0, 0] = torch.tensor([1e-7, -30.0, -31.0, -32.0, -33.0])  # float32 rounding of a certain teacher
+    assert torch.isfinite(run(ids, sure).loss)
+    mask = torch.ones(LEAD, dtype=torch.bool)
+    mask[:, -3:] = False
+    padded, padded_ids = teacher.masked_fill(~mask[..., None], 0.0), ids.masked_fill(~mask[..., None], 0)
+    assert torch.isfinite(run(padded_ids, padded, mask=mask).loss)
+    assert torch.isfinite(run(padded_ids, padded, mask=mask, max_rows=LEAD[0] * LEAD[1]).loss)
 
 
 # Two ranks.
@@ -226,10 +233,11 @@ def check_two_ranks(rank, group):
         token_chunk=8,
     )  # fmt: skip
     result.loss.backward()
-    expected = oracle(hidden, weight, ids, teacher, weights, "reverse", "tail")
-    assert relative_error(result.loss, expected[0]) <= FLOAT32_TOL
-    assert relative_error(hidden_leaf.grad, expected[1]) <= 1e-4
-    assert relative_error(shard.grad, expected[2][rank * V_LOCAL : (rank + 1) * V_LOCAL]) <= 1e-4
+    inputs = {"teacher_logprob": teacher, "weight": weights}
+    expected = loss_reference(hidden, weight, ids, topk_distillation_loss("reverse", "tail"), inputs)
+    assert relative_error(result.loss, expected.loss) <= FLOAT32_TOL
+    assert relative_error(hidden_leaf.grad, expected.grad_hidden) <= 1e-4
+    assert relative_error(shard.grad, expected.grad_weight[rank * V_LOCAL : (rank + 1) * V_LOCAL]) <= 1e-4
 
 
 def two_rank_cases(rank, world_size):

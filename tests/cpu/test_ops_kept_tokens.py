@@ -239,6 +239,10 @@ def test_errors():
     with pytest.raises(ValueError, match="more than max_rows|at most max_rows"):
         mask = torch.tensor([True, True, False, False, False])
         fused_linear_logprob(hidden, weight, targets, mask=mask, max_rows=1, kept_tokens=(offsets[:3], ids))
+    # More sets than the rows max_rows lets the mask select: named as such.
+    with pytest.raises(ValueError, match="hold 5 sets, more than the 2 rows that mask= can select"):
+        mask = torch.tensor([True, True, False, False, False])
+        fused_linear_logprob(hidden, weight, targets, mask=mask, max_rows=2, kept_tokens=(offsets, ids))
 
 
 def test_strided_sets_reach_the_builders_contiguous():

@@ -44,6 +44,7 @@ from megatron_fused_lm import (
     fused_linear_loss,
     logits_loss,
     losses,
+    weight_grad_corrections,
 )
 
 H, V = 24, 97
@@ -263,6 +264,21 @@ def test_zero_tokens_give_a_zero_loss_and_zero_gradients():
     assert weight.grad.shape == weight.shape and torch.count_nonzero(weight.grad) == 0
 
 
+@pytest.mark.parametrize("into", [False, True], ids=["own", "weight_grad_into"])
+def test_the_declared_cross_entropy_of_zero_tokens_has_zero_gradients(into):
+    hidden, weight = leaves(torch.randn(0, 3, H), torch.randn(V, H))
+    accumulator = torch.zeros(V, H) if into else None
+    out = fused_linear_cross_entropy(
+        hidden, weight, torch.zeros(0, 3, dtype=torch.long), torch.ones(0, 3), weight_grad_into=accumulator
+    )
+    out.sum().backward()
+    assert out.shape == (0, 3) and hidden.grad.shape == hidden.shape
+    if into:
+        assert weight.grad is None and torch.count_nonzero(accumulator) == 0
+    else:
+        assert weight.grad.shape == weight.shape and torch.count_nonzero(weight.grad) == 0
+
+
 def test_a_mask_selecting_nothing_gives_a_zero_loss_and_zero_gradients():
     hidden, weight, targets, _ = sft_case()
     mask = torch.zeros(LEAD, dtype=torch.bool)
@@ -313,9 +329,9 @@ def test_loss_fn_errors():
     hidden, weight, targets, inputs = sft_case()
     with pytest.raises(TypeError, match="callable"):
         fused_linear_loss(hidden, weight, targets, "cross_entropy", loss_inputs=inputs)
-    with pytest.raises(ValueError, match="one loss per token"):
+    with pytest.raises(ValueError, match="one loss per row"):
         fused_linear_loss(hidden, weight, targets, lambda logprob, entropy: logprob.mean())
-    with pytest.raises(ValueError, match="one loss per token"):  # a single-row chunk too
+    with pytest.raises(ValueError, match="one loss per row"):  # a single-row chunk too
         fused_linear_loss(hidden, weight, targets, lambda logprob, entropy: logprob.sum(), token_chunk=1)
     with pytest.raises(TypeError, match="float tensor"):
         fused_linear_loss(hidden, weight, targets, lambda logprob, entropy: logprob > 0)
@@ -536,6 +552,10 @@ DECLARED_CASES = {
     "other-mask": ("mask", lambda out, d, o: out * o / 7, False),
     "squared": ("mask", lambda out, d, o: out**2, False),
     "zero-declared": ("zeros", lambda out, d, o: out, False),
+    # A skipped micro-batch (loss times 0): c = 0 fits, nothing to correct.
+    "zero-upstream": ("mask", lambda out, d, o: out * 0.0, True),
+    # An upstream orthogonal to the declaration: the fit is 0, yet all of it needs the correction.
+    "orthogonal": ("mask", lambda out, d, o: out * (1 - d) * o, False),
 }
 
 
@@ -554,10 +574,12 @@ def test_cross_entropy_gradients_for_any_upstream(name, token_chunk, package_war
         "zeros": torch.zeros(LEAD),
     }[declared_kind]
     leaf_hidden, leaf_weight = leaves(hidden, weight)
+    weight_grad_corrections()  # what earlier tests left
     out = fused_linear_cross_entropy(
         leaf_hidden, leaf_weight, targets, declared, temperature=0.9, token_chunk=token_chunk
     )
     per_token(out, declared.float(), other).sum().backward()
+    assert weight_grad_corrections() == (0 if matches else 1)
     expected = loss_reference(
         hidden, weight, targets, lambda logprob, entropy, *, d, o: per_token(-logprob, d, o),
         {"d": declared.float(), "o": other}, 0.9,

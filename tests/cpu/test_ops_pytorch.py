@@ -176,14 +176,14 @@ def opcheck_cases():
     """``(operator, args, kwargs)`` for each custom operator: inputs that need gradients for the
     forward operators (their registered autograd is checked), plain ones for the others; the loss
     path's phases on a pass's own state after its first chunk's statistics."""
-    from megatron_fused_lm.ops.backends.torch_loss import TorchLoss
+    from megatron_fused_lm.ops.backends import TorchBackend
     from megatron_fused_lm.ops.contract import NeededGrads, ShardProblem
+    from megatron_fused_lm.ops.options import HeadOptions
     from megatron_fused_lm.ops.softmax import summarize
 
     hidden, weight, targets, upstream, _ = inputs()
-    recompute = dict(backend="torch", token_chunk=7, tp_group_name=None, batch_invariant=False)
+    options = HeadOptions(token_chunk=7).fields()
     temperature = torch.rand(ROWS) + 1.0  # one per row, at least 1: the random lse must not overflow exp(z - lse)
-    logits = (hidden @ weight.t()).detach()
     lse, mean_logit = torch.randn(ROWS), torch.randn(ROWS)
     ops = torch.ops.megatron_fused_lm
     hidden, weight = hidden.detach(), weight.detach()
@@ -195,71 +195,57 @@ def opcheck_cases():
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.bincount(kept_row, minlength=ROWS).cumsum(0)])
     kept = torch_kept_mask(KeptSets(offsets, kept_ids, targets, ROWS, 0, VOCAB), VOCAB)
     problem = ShardProblem(hidden, weight, targets, temperature, every)
-    state = TorchLoss(token_chunk=7).allocate(problem, NeededGrads(True, True))
-    summary = list(summarize(TorchLoss(token_chunk=7).chunk_statistics(problem, state, slice(0, 7))))
-    chunk = dict(start=0, stop=7, backend="torch", batch_invariant=False)
-    phases = (hidden, weight, targets, temperature, kept, state.block, state.reference)
+    backend = TorchBackend()
+    state = backend.allocate(problem, NeededGrads(True, True), HeadOptions(token_chunk=7))
+    local = backend.chunk_statistics(problem, state, slice(0, 7))
+    summary = list(summarize(local, targets[:7]))
+    chunk_problem = (hidden[:7], weight, targets[:7], temperature[:7], kept[:7])
     held_weight = [torch.randn(VOCAB // 2, HIDDEN), torch.randn(VOCAB - VOCAB // 2, HIDDEN)]
     held = [torch.randn(ROWS, HIDDEN), *held_weight]
-    finish = dict(parts=2, dtype=torch.bfloat16, reduce_hidden_grad=True, **recompute)
+    spec = dict(into_caller=False, scale=1.0, parts=2, dtype=torch.bfloat16, **options)
+    # The summary a correcting pass reads: an lse far above the logits, so exp(z - lse) stays small.
+    correction = [hidden, weight, targets, temperature, kept, -lse.abs(), lse.abs(), lse.abs() + 10, mean_logit, lse]
+    gradients = (upstream[0][:7], upstream[1][:7], None, 0, 7, False)
     return {
-        "merge_statistics": (ops.merge_statistics, (torch.randn(ROWS, 4),), dict(tp_group_name=None)),
-        "loss_allocate": (
-            ops.loss_allocate, (hidden, weight),
-            dict(need_hidden=True, need_weight=True, backend="torch", token_chunk=7, entropy_grad=True, batch_invariant=False),
+        "loss_allocate": (ops.loss_allocate, (*problem, True, True), options),
+        "loss_statistics": (ops.loss_statistics, (*chunk_problem, state.block, state.reference), options),
+        "loss_summary": (ops.loss_summary, (local, *chunk_problem), options),
+        "loss_gradients": (ops.loss_gradients, (*problem, *state[:5], summary, *gradients), options),
+        "loss_chosen_rows": (ops.loss_chosen_rows, (held_weight, targets, torch.randn(ROWS), hidden), options),
+        "held_backward": (
+            ops.held_backward, (torch.tensor(0.37), held), dict(spec, per_token=False, correctable=False)
         ),
-        "loss_statistics": (
-            ops.loss_statistics, (hidden[:7], weight, targets[:7], temperature[:7], kept[:7], state.block, state.reference),
-            dict(backend="torch"),
-        ),
-        "loss_gradients": (
-            ops.loss_gradients,
-            (*phases, state.held_hidden, state.held_weight, summary, upstream[0][:7], upstream[1][:7]),
-            dict(chunk, accumulate=False),
-        ),
-        "held_backward": (ops.held_backward, (torch.tensor(0.37), held), finish),
         "held_backward_per_token": (
             ops.held_backward,
-            (upstream[0] * 0.0 + 0.5, [*held, hidden, weight, targets, temperature, kept, torch.randn(ROWS, 4), torch.ones(ROWS)]),
-            finish,
+            (upstream[0] * 0.0 + 0.5, [*held, *correction, torch.empty(0), torch.ones(ROWS), torch.empty(0)]),
+            dict(spec, per_token=True, correctable=True),
         ),
         "fused_forward": (
             ops.fused_forward,
             (hidden.detach().requires_grad_(), weight.detach().requires_grad_(), targets, temperature, every),
-            dict(recompute, reduce_hidden_grad=True),
+            options,
         ),
         "fused_forward_kept": (
             ops.fused_forward,
             (hidden.detach().requires_grad_(), weight.detach().requires_grad_(), targets, temperature, kept),
-            dict(recompute, reduce_hidden_grad=True),
+            options,
         ),
         "fused_backward": (
             ops.fused_backward,
-            (hidden.detach(), weight.detach(), targets, temperature, kept, lse, mean_logit, upstream[0], upstream[1]),
-            dict(recompute, need_hidden=True, need_weight=True, reduce_hidden_grad=True),
+            (hidden, weight, targets, temperature, kept, lse, mean_logit, upstream[0], upstream[1], True, True),
+            options,
         ),
         "fused_forward_several": (
             ops.fused_forward,
             (hidden.detach().requires_grad_(), weight.detach().requires_grad_(), several, temperature, every),
-            dict(recompute, reduce_hidden_grad=True),
+            options,
         ),
         "fused_backward_several": (
             ops.fused_backward,
-            (hidden.detach(), weight.detach(), several, temperature, every, lse, mean_logit, upstream[0][:, None].repeat(1, 3), upstream[1]),
-            dict(recompute, need_hidden=True, need_weight=True, reduce_hidden_grad=True),
-        ),
-        "logits_forward_several": (
-            ops.logits_forward, (logits.clone().requires_grad_(), several, temperature, every),
-            dict(token_chunk=7, tp_group_name=None),
-        ),
-        "logits_forward": (
-            ops.logits_forward, (logits.clone().requires_grad_(), targets, temperature, kept),
-            dict(token_chunk=7, tp_group_name=None),
-        ),
-        "logits_backward": (
-            ops.logits_backward, (logits, targets, temperature, kept, lse, mean_logit, upstream[0], None),
-            dict(token_chunk=7),
-        ),
+            (hidden, weight, several, temperature, every, lse, mean_logit, upstream[0][:, None].repeat(1, 3),
+             upstream[1], True, True),
+            options,
+        ),  # fmt: skip
     }  # fmt: skip
 
 
@@ -271,13 +257,11 @@ def opcheck_cases():
         "fused_backward",
         "fused_forward_several",
         "fused_backward_several",
-        "logits_forward_several",
-        "logits_forward",
-        "logits_backward",
-        "merge_statistics",
         "loss_allocate",
         "loss_statistics",
+        "loss_summary",
         "loss_gradients",
+        "loss_chosen_rows",
         "held_backward",
         "held_backward_per_token",
     ],

@@ -148,6 +148,12 @@ def test_refusals():
         fused_linear_logprob(hidden, weight, ids.index_fill(-1, torch.tensor([2]), V))
     with pytest.raises(ValueError, match="must equal the leading shape"):  # its declared weights are per row
         fused_linear_cross_entropy(hidden, weight, ids, torch.ones(LEAD))
+    # The messages name the real mistake: a mask shaped like the ids, not like the rows; kept sets,
+    # which replay the sampling of one token per row.
+    with pytest.raises(ValueError, match=r"must equal the rows' shape \(3, 10\).*one flag per row"):
+        fused_linear_logprob(hidden, weight, ids, mask=torch.ones(ids.shape, dtype=torch.bool))
+    with pytest.raises(ValueError, match="kept_tokens takes one target per row.*sampled token"):
+        fused_linear_logprob(hidden, weight, ids, kept_tokens=(torch.arange(31) * K, ids.reshape(-1)))
 
 
 def tensor_parallel_case(rank, world_size):

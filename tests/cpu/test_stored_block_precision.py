@@ -14,6 +14,7 @@ block for an entropy term (the choice ``stored_dtype`` refuses) would not.
 import pytest
 import torch
 
+from devkit.oracle import reference
 from megatron_fused_lm.ops.backends.triton_loss import direct_factor
 from megatron_fused_lm.ops.backends.triton_reference import REFERENCE_HEADROOM, stored_dtype
 from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
@@ -47,14 +48,6 @@ def case(kind, prob, seed=0):
             hidden = hidden + gap[:, None] * direction / (direction * direction).sum(1, keepdim=True)
         hidden = rounded(hidden, torch.bfloat16)
     return hidden, weight, targets
-
-
-def exact_gradients(hidden, weight, targets, grad_logprob, grad_entropy):
-    leaves = [tensor.clone().requires_grad_() for tensor in (hidden, weight)]
-    log_probs = torch.log_softmax(leaves[0] @ leaves[1].t(), dim=-1)
-    logprob = log_probs.gather(1, targets[:, None]).squeeze(1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return torch.autograd.grad((logprob * grad_logprob + entropy * grad_entropy).sum(), leaves)
 
 
 def products(dz, hidden, weight, chosen=None, targets=None):
@@ -142,7 +135,8 @@ def error_ratios(kind, prob, loss, block_dtype=None):
     """The three-GEMM path's relative L2 error of each gradient over the recompute path's."""
     hidden, weight, targets = case(kind, prob)
     grad_logprob, grad_entropy, entropy_grad = upstream(loss)
-    expected = exact_gradients(hidden, weight, targets, grad_logprob, grad_entropy)
+    exact = reference(hidden, weight, targets, grad_logprob=grad_logprob, grad_entropy=grad_entropy)
+    expected = exact.grad_hidden, exact.grad_weight
     recompute = recompute_path(hidden, weight, targets, grad_logprob, grad_entropy)
     ours = three_gemm_path(hidden, weight, targets, grad_logprob, grad_entropy, entropy_grad, block_dtype)
     return [

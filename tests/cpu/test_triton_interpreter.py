@@ -1,8 +1,9 @@
 """The Triton backend's kernels under the Triton interpreter (``TRITON_INTERPRET=1``) on the CPU,
 against the float64 oracle.
 
-The interpreter is chosen when Triton first loads, so each case runs in a subprocess: this file,
-run as a script with the case as JSON. The backend is built here with small tiles (the CUDA tiles
+The interpreter is chosen when Triton first loads, so the cases run in one subprocess with it on:
+this file, run as a script that takes one case per line as JSON and answers each with a line (a
+process per case spent most of its time importing torch and Triton). The backend is built here with small tiles (the CUDA tiles
 would take minutes to interpret), two vocabulary splits and a two-program backward grid, so that
 every case crosses several tiles, splits and programs. Each case runs the four-GEMM path
 (statistics, then the recomputing backward) or the three-GEMM one (``contract.run_loss_pass``).
@@ -12,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,16 +27,36 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def held_gradient_kernels(case: dict) -> dict:
-    """The Triton backend's kernels for the held gradients against the torch steps they replace
-    (``held_gradients.HeldSteps``): relative differences of the scaled copy, the finished hidden rows (with and
-    without a factor) and the chosen rows added to a two-part float32 weight gradient."""
+    """The Triton backend's small kernels against the torch code they replace: the scaled copy (one
+    scale, one per row), the finished hidden rows (with and without a factor), the chosen rows added
+    to a two-part float32 weight gradient (``held_gradients.HeldSteps``), the per-row terms
+    (``softmax.chosen_logit_grad``, ``triton_loss.direct_factor``, the scaled hidden rows), the
+    labels path's fit (``HeldSteps.fit_declared``), the rows' references and their stale check
+    (``triton_reference``) and the summary (``softmax.summarize``): relative differences."""
+    from functools import partial
+
     import torch
 
     from devkit.oracle import relative_error
     from megatron_fused_lm.ops import held_gradients
-    from megatron_fused_lm.ops.contract import LossState, NeededGrads
+    from megatron_fused_lm.ops.backends.triton_loss import direct_factor
+    from megatron_fused_lm.ops.backends.triton_reference import (
+        EMPTY_REFERENCE,
+        MAX_ABOVE_REFERENCE,
+        MAX_BELOW_REFERENCE,
+        REFERENCE_HEADROOM,
+        row_references,
+        stale_references,
+    )  # fmt: skip
+    from megatron_fused_lm.ops.contract import NeededGrads, UpstreamGrads
     from megatron_fused_lm.ops.kernels.chosen_token_kernel import add_chosen_rows, finish_hidden_grad
+    from megatron_fused_lm.ops.kernels.fit_kernel import fit_declared
+    from megatron_fused_lm.ops.kernels.merge_kernel import StaleCheck, merge_parts, summarize_parts
+    from megatron_fused_lm.ops.kernels.reference_kernel import row_references as triton_row_references
+    from megatron_fused_lm.ops.kernels.row_terms_kernel import row_terms
     from megatron_fused_lm.ops.kernels.scale_kernel import scale_into
+    from megatron_fused_lm.ops.loss_in_forward import PROPORTIONAL_TOLERANCE
+    from megatron_fused_lm.ops.softmax import OUTSIDE_VOCAB, SoftmaxSummary, chosen_logit_grad, summarize
 
     torch.manual_seed(case["seed"])
     tokens, hidden_size, vocab = case["shape"]
@@ -43,26 +66,91 @@ def held_gradient_kernels(case: dict) -> dict:
     target_column = torch.randint(-1, 4, (tokens,))
     chosen = torch.randn(tokens) * (torch.rand(tokens) > 0.2)
     product, factor = torch.randn(tokens, hidden_size), torch.randn(tokens)
-    errors, steps, rows = {}, held_gradients.HeldSteps(), slice(0, tokens)
+    errors, steps = {}, held_gradients.HeldSteps()
     for with_factor in (False, True):
         expected, actual = product.clone(), product.clone()
-        state = LossState(None, None, expected, [])
-        steps.add_chosen(state, rows, target_column, chosen, hidden, weight, factor if with_factor else None)
+        steps.add_chosen(expected, target_column, chosen, weight, factor if with_factor else None)
         finish_hidden_grad(actual, factor if with_factor else None, chosen, target_column, weight, actual)
         errors[f"finish_hidden_factor_{with_factor}"] = relative_error(actual, expected)
     logit_grads = torch.randn(tokens, vocab, generator=torch.Generator().manual_seed(1)).to(dtype)
     expected, actual = (held_gradients.allocate(hidden, weight, NeededGrads(False, True))[1] for _ in range(2))
     for parts in (expected, actual):
         held_gradients.add_weight_product(parts, logit_grads, hidden, accumulate=False)
-    steps.add_chosen(LossState(None, None, hidden.new_empty(0), expected), rows, target_column, chosen, hidden, weight)
+    steps.add_chosen_rows(expected, target_column, chosen, hidden)
     add_chosen_rows(actual, target_column, chosen, hidden)
     errors["chosen_rows"] = max(
         relative_error(actual_part, expected_part) for actual_part, expected_part in zip(actual, expected, strict=True)
     )
-    scale, source = torch.tensor(0.37), torch.randn(tokens, hidden_size)
-    scaled = torch.empty(tokens, hidden_size, dtype=dtype)
-    scale_into(source, scale, scaled)
-    errors["scale"] = relative_error(scaled, torch.mul(source, scale).to(dtype))
+    for scale in (torch.tensor(0.37), torch.randn(tokens)):
+        source, scaled = torch.randn(tokens, hidden_size), torch.empty(tokens, hidden_size, dtype=dtype)
+        scale_into(source, scale, scaled)
+        errors[f"scale_{scale.dim()}"] = relative_error(
+            scaled, steps.scaled_copy(source, scale, torch.empty_like(scaled))
+        )
+    # The per-row terms, with a temperature per row: confident rows (log-probs near 0) and targets so
+    # unlikely that exp(logprob) is subnormal in float32 among them.
+    logprob = -torch.rand(tokens) * 3
+    logprob[::4] = -torch.rand(tokens)[::4] * 1e-6
+    logprob[1::4] = -torch.rand(tokens)[1::4] * 20 - 90
+    summary = SoftmaxSummary(
+        logprob, torch.rand(tokens), torch.randn(tokens) + 5, torch.randn(tokens), torch.randn(tokens)
+    )
+    upstream, temperature = UpstreamGrads(torch.randn(tokens), torch.randn(tokens)), torch.rand(tokens) + 0.5
+    reference, weight_scale = summary.lse - torch.rand(tokens), torch.rand(tokens)
+    operand, chosen_weight = torch.empty(tokens, hidden_size, dtype=dtype), torch.empty(tokens)
+    kernel_chosen, kernel_factor = row_terms(
+        target_column, summary, upstream, temperature, reference, weight_scale, hidden, operand, chosen_weight
+    )
+    torch_chosen = chosen_logit_grad(target_column, summary, *upstream) / temperature
+    torch_factor = direct_factor(reference, summary.lse, upstream.logprob, temperature)
+    errors["row_chosen"] = relative_error(kernel_chosen, torch_chosen)
+    errors["row_factor"] = relative_error(kernel_factor, torch_factor)
+    errors["row_chosen_weight"] = relative_error(chosen_weight, torch_chosen * weight_scale)
+    errors["row_operand"] = relative_error(operand, (hidden * (torch_factor * weight_scale)[:, None]).to(dtype))
+    # The fit: an upstream proportional to the declared weights but for one row, one that is, one
+    # orthogonal to them (the fit falls back to 1) and zeros (0); the correction against the
+    # upstream's size over the scale (the difference is rounding there), none for zeros (0 / 0,
+    # behind a closed gate).
+    declared = (torch.rand(tokens) > 0.3).float()
+    fits = {
+        "off": 0.3 * declared + (torch.arange(tokens) == 2), "on": 0.3 * declared,
+        "orthogonal": (1 - declared) * torch.randn(tokens), "zero": torch.zeros(tokens),
+    }  # fmt: skip
+    for name, upstream_grad in fits.items():
+        for assumed in (None, 0.25):
+            (scale, correction, ran), (torch_scale, torch_correction, torch_ran) = (
+                fit(upstream_grad, declared, assumed) for fit in (partial(fit_declared, tolerance=PROPORTIONAL_TOLERANCE),
+                                                                 steps.fit_declared)
+            )  # fmt: skip
+            errors[f"fit_{name}_{assumed}_scale"] = relative_error(scale, torch_scale)
+            errors[f"fit_{name}_{assumed}_gate"] = float(ran != torch_ran)
+            if name != "zero":
+                size = upstream_grad.abs().max() / torch_scale.abs()
+                errors[f"fit_{name}_{assumed}_correction"] = float((correction - torch_correction).abs().max() / size)
+    # The references (a sample of 5 rows and the chosen token) and their stale check against maxima
+    # far above, far below, inside the bounds and -inf (a shard keeping none of a row's columns).
+    columns = torch.where(target_column >= 0, target_column, -1)
+    kernel_reference = triton_row_references(
+        hidden, weight, columns, temperature, 5, REFERENCE_HEADROOM, torch.empty(tokens)
+    )
+    errors["reference"] = relative_error(kernel_reference, row_references(hidden, weight, columns, temperature, 5))
+    local = torch.randn(2, tokens, 4).abs()
+    local[..., 0] = kernel_reference + torch.tensor([-100.0, -20.0, 0.0, 50.0])[torch.arange(tokens) % 4]
+    local[0, ::5, 0] = -torch.inf
+    local[1, ::5, 0], local[1, ::5, 1] = -torch.inf, 0.0
+    stale, refresh = kernel_reference.clone(), torch.empty(tokens, dtype=torch.int8)
+    merged = merge_parts(local, StaleCheck(stale, refresh, MAX_ABOVE_REFERENCE, MAX_BELOW_REFERENCE, EMPTY_REFERENCE))
+    expected_reference, expected_refresh = stale_references(kernel_reference, merged[:, 0])
+    errors["stale_reference"] = relative_error(stale, expected_reference)
+    errors["stale_refresh"] = float((refresh != expected_refresh).sum())
+    # The summary of two ranks' statistics (every row keeps columns in one at least), ids outside the vocabulary among them.
+    local[1, ::5, 0], local[1, ::5, 1] = torch.randn(tokens)[::5], 1.0
+    summary_columns = torch.where(torch.arange(tokens) % 7 == 0, OUTSIDE_VOCAB, columns)
+    out = SoftmaxSummary(*(torch.empty(tokens) for _ in SoftmaxSummary._fields))
+    summarize_parts(local[:, 1:].contiguous(), summary_columns[1:], SoftmaxSummary(*(field[1:] for field in out)))
+    expected_summary = summarize(merge_parts(local[:, 1:].contiguous()), summary_columns[1:])
+    for name, actual_field, expected_field in zip(SoftmaxSummary._fields, out, expected_summary, strict=True):
+        errors[f"summary_{name}"] = relative_error(actual_field[1:], expected_field)
     return errors
 
 
@@ -100,6 +188,22 @@ def merge_kernel_case(case: dict) -> dict:
     return errors
 
 
+def finished_pass(backend, problem, chunk_step, options):
+    """The package's loss-in-forward pass (``run_loss_pass``) over ``problem``, its held gradients
+    finished for an upstream gradient of 1, as the backward finishes them: ``Gradients``."""
+    import torch
+
+    from megatron_fused_lm.ops.contract import Gradients, NeededGrads, run_loss_pass
+
+    state = backend.allocate(problem, NeededGrads(hidden=True, weight=True), options)
+    run_loss_pass(backend, problem, chunk_step, state, options, adds=False)
+    dtype, one = problem.weight.dtype, torch.ones(())
+    hidden = backend.scaled_copy(
+        state.held_hidden, one, torch.empty_like(state.held_hidden, dtype=problem.hidden.dtype)
+    )
+    return Gradients(hidden, backend.finish_weight(state.held_weight, one, dtype, True))
+
+
 def several_targets_case(case: dict) -> dict:
     """The four-GEMM path's backend with ``k`` targets per row (``target_column [n, k]``, a repeated
     id among them), as ``fused_forward`` and ``fused_backward`` drive it, against the float64
@@ -107,19 +211,19 @@ def several_targets_case(case: dict) -> dict:
     import torch
 
     from devkit.oracle import relative_error
-    from megatron_fused_lm.ops.backends.triton_loss import TritonLoss
-    from megatron_fused_lm.ops.backends.triton_recompute import TritonRecompute
+    from megatron_fused_lm.ops.backends.triton import TritonBackend
     from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
-    from megatron_fused_lm.ops.contract import NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads, run_loss_pass
+    from megatron_fused_lm.ops.contract import NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
     from megatron_fused_lm.ops.kept_tokens import every_column
     from megatron_fused_lm.ops.kernels.tiles import Tiles
+    from megatron_fused_lm.ops.options import HeadOptions
     from megatron_fused_lm.ops.several_targets import gathered_logits, statistics_column
     from megatron_fused_lm.ops.softmax import summarize
 
     tiles = Tiles(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1, dot_precision="ieee")
     tuning = TritonTuning(forward_tiles=tiles, backward_tiles=tiles, tiles_per_split=2, programs=2,
                           dz_block_bytes=16 * 64 * 4)  # fmt: skip
-    backend = TritonRecompute(token_chunk=16, tuning=tuning)
+    backend = TritonBackend(tuning)
     torch.manual_seed(case["seed"])
     tokens, hidden_size, vocab, k = case["shape"]
     dtype = getattr(torch, case["dtype"])
@@ -132,26 +236,25 @@ def several_targets_case(case: dict) -> dict:
     if case.get("zero_entropy_grad"):
         grad_entropy = None
     problem = ShardProblem(hidden, weight, ids, temperature, every_column(hidden.device))
+    options = HeadOptions(token_chunk=16, entropy_grad=grad_entropy is not None)
     if case.get("three_gemm"):  # the loss-in-forward pass, its chunk step reading the k logits
         logprob = torch.empty(tokens, k)
-        backend = TritonLoss(entropy_grad=grad_entropy is not None, token_chunk=16, tuning=tuning)
 
         def chunk_step(rows, local):
             target_logits = gathered_logits(hidden[rows], weight, ids[rows], temperature[rows])
             summary = summarize(local, statistics_column(ids[rows]), target_logits)
             logprob[rows] = summary.logprob
             upstream = UpstreamGrads(grad_logprob[rows], None if grad_entropy is None else grad_entropy[rows])
-            return summary, upstream
+            return summary, upstream, None
 
-        state = run_loss_pass(backend, problem, chunk_step, NeededGrads(hidden=True, weight=True))
-        grads = backend.finish(state.held_hidden, state.held_weight, torch.ones(()), (dtype, dtype), True)
+        grads = finished_pass(backend, problem, chunk_step, options)
     else:
-        stats = backend.local_statistics(problem._replace(target_column=statistics_column(ids)))
+        stats = backend.local_statistics(problem._replace(target_column=statistics_column(ids)), options)
         summary = summarize(stats)
         logprob = summarize(stats, None, gathered_logits(hidden, weight, ids, temperature)).logprob
         grads = backend.local_gradients(
             problem, SavedStatistics(summary.lse, summary.mean_logit), UpstreamGrads(grad_logprob, grad_entropy),
-            NeededGrads(hidden=True, weight=True),
+            NeededGrads(hidden=True, weight=True), options,
         )  # fmt: skip
     leaves = [tensor.double().requires_grad_() for tensor in (hidden, weight)]
     log_probs = torch.log_softmax(leaves[0] @ leaves[1].t() / temperature.double()[:, None], dim=-1)
@@ -205,14 +308,15 @@ def kept_mask_builder_case(case: dict) -> dict:
 def topk_case(case: dict) -> dict:
     """The Triton top-k's keys (``backends.triton_topk``: tile maxima, thresholds, candidates in
     split slots) as log-probs and ids against a float64 oracle, for each ``k`` of ``case["ks"]``,
-    two chunks of rows, 40 column tiles in 10 splits of 4. Row 0 holds 40 equal largest logits, 32
+    two chunks of rows (the first of two row tiles), 40 column tiles in 10 splits of 4. Row 0 holds 40 equal largest logits, 32
     of them in one column tile (more than a tile's picks); row 2 holds 12 equal ones, 3 in each
     tile of the last split (more than the split's slots: a write past them would land in row 3's
     first slot, where row 3 keeps its largest); both take the torch form, lower ids first. Row 1
     ties its largest logit across three tiles, the rest are random; ``k = 12`` exceeds a quarter of
     the column tiles (the torch form for every row). Float32 gives each row its own temperature.
-    ``{k: [ids equal, max log-prob error over the largest |logit|]}``, and ``"nan"``: whether a
-    row of NaN hidden states gets ids in the vocabulary (not the keys' empty slots)."""
+    Row 5's hidden states are NaN: ``{k: [the other rows' ids equal, their max log-prob error over
+    the largest |logit|]}``, and ``"nan"``: whether row 5 got ids in the vocabulary (not the keys'
+    empty slots) for every ``k``."""
     import torch
 
     from megatron_fused_lm.ops.backends.triton_topk import top_keys
@@ -226,13 +330,19 @@ def topk_case(case: dict) -> dict:
     torch.manual_seed(case["seed"])
     dtype = getattr(torch, case["dtype"])
     tokens, hidden_size, vocab = case["shape"]
-    hidden = torch.randn(tokens, hidden_size) * 3
+    # Integer hidden states and tied weight rows in eighths: every row's product with a tied row is
+    # exact in float32 whatever the summation order (the interpreter's matmul rounds by column).
+    hidden = (torch.randn(tokens, hidden_size) * 3).round()
+
+    def tied(row):
+        return (hidden[row] / hidden[row].norm() * 32).round() / 8
+
     weight = torch.randn(vocab, hidden_size) / hidden_size**0.5
-    weight[64:104] = hidden[0] / hidden[0].norm() * 4  # 32 in the tile [64, 96), 8 in the next
-    weight[[5, 200, 1100]] = hidden[1] / hidden[1].norm() * 4
+    weight[64:104] = tied(0)  # 32 in the tile [64, 96), 8 in the next
+    weight[[5, 200, 1100]] = tied(1)
     last_split = [first + offset for first in (1160, 1190, 1220, 1250) for offset in range(3)]
-    weight[last_split] = hidden[2] / hidden[2].norm() * 4
-    weight[[10, 11]] = hidden[3] / hidden[3].norm() * 4
+    weight[last_split] = tied(2)
+    weight[[10, 11]] = tied(3)
     hidden, weight = hidden.to(dtype), weight.to(dtype)
     if dtype == torch.float32:
         temperature = torch.rand(tokens) * 1.5 + 0.5
@@ -245,19 +355,137 @@ def topk_case(case: dict) -> dict:
     def block_logits(index):
         return (hidden[index].float() @ weight.float().t()) / temperature[index, None]
 
-    results = {}
+    nan_row = 5
+    hidden[nan_row] = float("nan")  # its neighbours' keys must not notice it
+    others = torch.arange(tokens) != nan_row
+    results, in_vocabulary = {}, True
     for k in case["ks"]:
         stats, keys = top_keys(hidden, weight, temperature, k, 0, block_logits, token_chunk=17, tuning=tuning)
         logits, ids = keyed_logits(keys)
+        in_vocabulary &= bool(((ids[nan_row] >= 0) & (ids[nan_row] < vocab)).all())
         logprob = logits - summarize(stats).lse[:, None]
         results[k] = [
-            bool((ids == order[:, :k]).all()),
-            float((logprob.double() - exact.gather(1, order[:, :k])).abs().max()) / scale,
+            bool((ids[others] == order[others, :k]).all()),
+            float((logprob.double() - exact.gather(1, order[:, :k]))[others].abs().max()) / scale,
         ]
-    hidden[5] = float("nan")
-    _, keys = top_keys(hidden, weight, temperature, 2, 0, block_logits, token_chunk=17, tuning=tuning)
-    results["nan"] = bool(((keyed_logits(keys)[1] >= 0) & (keyed_logits(keys)[1] < vocab)).all())
+    results["nan"] = in_vocabulary
     return results
+
+
+def candidates_case(case: dict) -> dict:
+    """Top-k's candidates kernel (``kernels.topk_kernel``) against the statistics kernel's tile maxima
+    (``split_statistics``' ``tile_maxima``), which must walk the same tiles: with each row's smallest
+    tile maximum as its threshold and room for every logit at or above it, the candidates hold each
+    tile's maximum. ``{temperature: [no slot overflowed and every column in the vocabulary, each
+    tile's largest candidate the bits of its tile maximum, the largest |error| of the candidates'
+    logits]}``, one temperature for all rows and one per row; the vocabulary ends inside a tile and
+    a split."""
+    import torch
+
+    from megatron_fused_lm.ops.kernels.softmax_stats_kernel import split_statistics
+    from megatron_fused_lm.ops.kernels.tiles import Tiles
+    from megatron_fused_lm.ops.kernels.topk_kernel import collect_candidates
+
+    tiles = Tiles(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1, dot_precision="ieee")
+    torch.manual_seed(case["seed"])
+    dtype = getattr(torch, case["dtype"])
+    tokens, hidden_size, vocab = case["shape"]
+    hidden, weight = torch.randn(tokens, hidden_size).to(dtype), torch.randn(vocab, hidden_size).to(dtype)
+    column_tiles, tiles_per_split = -(-vocab // tiles.block_n), 3
+    num_splits, slots = -(-column_tiles // tiles_per_split), tiles_per_split * tiles.block_n
+    no_targets, every_column = torch.full((tokens,), -1), torch.empty(0, dtype=torch.int32)
+    results = {}
+    for name, temperature in (("uniform", torch.full((1,), 0.7).expand(tokens)), ("per_row", torch.rand(tokens) + 0.5)):
+        tile_maxima = torch.empty(tokens, column_tiles)
+        split_statistics(
+            hidden, weight, no_targets, temperature, every_column, tiles, tiles_per_split, tile_maxima=tile_maxima
+        )
+        threshold = tile_maxima.min(dim=1).values.contiguous()
+        candidates = torch.empty(tokens, num_splits, slots)
+        columns = torch.empty(tokens, num_splits, slots, dtype=torch.int32)
+        count = collect_candidates(
+            hidden, weight, temperature, tiles, tiles_per_split, threshold, candidates, columns, tiles.block_n
+        )
+        filled = torch.arange(slots) < count[:, :, None]
+        values = torch.where(filled, candidates, float("-inf")).view(tokens, -1)
+        columns = torch.where(filled, columns, 0).long().view(tokens, -1)
+        by_tile = torch.full_like(tile_maxima, float("-inf")).scatter_reduce(
+            1, columns // tiles.block_n, values, "amax"
+        )
+        logits = (hidden.double() @ weight.double().t()) / temperature.double()[:, None]
+        results[name] = [
+            bool((count <= slots).all() & (columns < vocab).all()),
+            torch.equal(by_tile, tile_maxima),
+            float(torch.where(filled.view(tokens, -1), logits.gather(1, columns) - values.double(), 0.0).abs().max()),
+        ]
+    return results
+
+
+def corrections_case(case: dict) -> dict:
+    """The three-GEMM ops through their public form on the Triton backend (the interpreter counts as
+    a device Triton runs on), with upstream gradients the forward did not assume: the labels path's
+    declared weights (as declared: the correcting pass's gate closed; another upstream: open), a
+    weight gradient into an accumulator for another scale than it arrives with, on either path.
+    Relative errors of the gradients against the float64 oracle."""
+    import torch
+
+    from devkit.oracle import reference, relative_error
+    from megatron_fused_lm import fused_linear_cross_entropy, fused_linear_loss, losses
+    from megatron_fused_lm.ops.backends.triton import TritonBackend
+    from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
+    from megatron_fused_lm.ops.kernels.tiles import Tiles
+
+    tiles = Tiles(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1, dot_precision="ieee")
+    backend = TritonBackend(
+        TritonTuning(forward_tiles=tiles, backward_tiles=tiles, tiles_per_split=2, programs=2, stored_block_bytes=2**30)
+    )
+    torch.manual_seed(case["seed"])
+    tokens, hidden_size, vocab = case["shape"]
+    hidden, weight = torch.randn(tokens, hidden_size) * 2, torch.randn(vocab, hidden_size) / hidden_size**0.5
+    targets = torch.randint(0, vocab, (tokens,))
+    declared = (torch.rand(tokens) > 0.3).float()
+    errors = {}
+
+    def leaves():
+        return hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+
+    # A skipped micro-batch's zeros (the fit is 0: nothing to correct, no 0 / 0) and an upstream
+    # orthogonal to the declaration (the fit is 0, the correction is all of it).
+    upstreams = {
+        "declared": 0.37 * declared, "other": torch.randn(tokens), "zero": torch.zeros(tokens),
+        "orthogonal": (1 - declared) * torch.randn(tokens),
+    }  # fmt: skip
+    declared_size = reference(hidden, weight, targets, grad_logprob=-declared).grad_weight.abs().max()
+    for name, upstream in upstreams.items():
+        hidden_leaf, weight_leaf = leaves()
+        per_token = fused_linear_cross_entropy(
+            hidden_leaf, weight_leaf, targets, declared, backend=backend, token_chunk=16
+        )
+        (per_token * upstream).sum().backward()
+        expected = reference(hidden, weight, targets, grad_logprob=-upstream)
+        errors[f"labels_{name}_hidden"] = relative_error(hidden_leaf.grad, expected.grad_hidden)
+        errors[f"labels_{name}_weight"] = relative_error(weight_leaf.grad, expected.grad_weight)
+        accumulator = torch.zeros_like(weight)
+        per_token = fused_linear_cross_entropy(
+            *leaves(), targets, declared, backend=backend, token_chunk=16, weight_grad_into=accumulator,
+            weight_grad_scale=1.0,
+        )  # fmt: skip
+        (per_token * upstream).sum().backward()
+        # Into the accumulator the forward added the declared gradient and the correction takes it
+        # back: within rounding of that gradient's size (a zero upstream's expected one has none).
+        size = torch.maximum(expected.grad_weight.abs().max(), declared_size).double()
+        errors[f"labels_{name}_into"] = float((accumulator.double() - expected.grad_weight.double()).abs().max() / size)
+    upstream = torch.full((tokens,), 0.37 / tokens)
+    accumulator = torch.zeros_like(weight)
+    result = fused_linear_loss(
+        *leaves(), targets, losses.cross_entropy, loss_inputs={"weight": torch.full((tokens,), 1.0 / tokens)},
+        backend=backend, token_chunk=16, weight_grad_into=accumulator, weight_grad_scale=1.0,
+    )  # fmt: skip
+    (0.37 * result.loss).backward()
+    errors["loss_other_scale_into"] = relative_error(
+        accumulator, reference(hidden, weight, targets, grad_logprob=-upstream).grad_weight
+    )
+    return errors
 
 
 def run_case_here(case: dict) -> dict:
@@ -274,15 +502,19 @@ def run_case_here(case: dict) -> dict:
         return kept_mask_builder_case(case)
     if case.get("kind") == "topk":
         return topk_case(case)
+    if case.get("kind") == "candidates":
+        return candidates_case(case)
+    if case.get("kind") == "corrections":
+        return corrections_case(case)
 
     from devkit.oracle import max_abs_error, reference, relative_error
-    from megatron_fused_lm.ops.backends.triton_loss import TritonLoss
-    from megatron_fused_lm.ops.backends.triton_recompute import TritonRecompute
+    from megatron_fused_lm.ops.backends.triton import TritonBackend
     from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
     from megatron_fused_lm.ops.contract import NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
     from megatron_fused_lm.ops.kept_tokens import KeptSets, every_column, torch_kept_mask
     from megatron_fused_lm.ops.kernels.kept_mask_kernel import kept_mask
     from megatron_fused_lm.ops.kernels.tiles import Tiles
+    from megatron_fused_lm.ops.options import HeadOptions
     from megatron_fused_lm.ops.softmax import summarize
 
     small_tiles = Tiles(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1, dot_precision="ieee")
@@ -295,6 +527,7 @@ def run_case_here(case: dict) -> dict:
         programs=2,
         dz_block_bytes=case.get("dz_block_bytes"),
         reference_rows=case.get("reference_rows"),
+        stored_block_bytes=2**30,  # what a GPU's share of its memory would give: one chunk of these rows
     )
     torch.manual_seed(case["seed"])
     dtype = getattr(torch, case["dtype"])
@@ -357,27 +590,27 @@ def run_case_here(case: dict) -> dict:
         return mask
 
     # The backend alone, as the ops call it.
-    options = dict(
-        token_chunk=case.get("token_chunk"), batch_invariant=case.get("batch_invariant", False), tuning=tuning
-    )
+    backend = TritonBackend(tuning)
+    options = HeadOptions(
+        token_chunk=case.get("token_chunk"), batch_invariant=case.get("batch_invariant", False),
+        entropy_grad=case["entropy_grad"],
+    )  # fmt: skip
     if case.get("three_gemm"):
-        backend = TritonLoss(entropy_grad=case["entropy_grad"], **options)
 
         def run(rows):
             return three_gemm_pass(
-                backend, hidden[rows], weight, targets[rows], temperature[rows], grad_logprob[rows],
+                backend, options, hidden[rows], weight, targets[rows], temperature[rows], grad_logprob[rows],
                 None if grad_entropy is None else grad_entropy[rows], case.get("shards", 1),
                 lambda first, count: kept_mask_of(rows, first, count),
             )  # fmt: skip
     else:  # one rank: every target in this shard
-        backend = TritonRecompute(**options)
 
         def run(rows):
             problem = ShardProblem(hidden[rows], weight, targets[rows], temperature[rows], kept_mask_of(rows, 0, vocab))
-            summary = summarize(backend.local_statistics(problem))
+            summary = summarize(backend.local_statistics(problem, options))
             upstream = UpstreamGrads(grad_logprob[rows], None if grad_entropy is None else grad_entropy[rows])
             saved = SavedStatistics(summary.lse, summary.mean_logit)
-            grads = backend.local_gradients(problem, saved, upstream, NeededGrads(hidden=True, weight=True))
+            grads = backend.local_gradients(problem, saved, upstream, NeededGrads(hidden=True, weight=True), options)
             return summary.logprob, summary.entropy, grads
 
     logprob, entropy, grads = run(slice(0, tokens))
@@ -405,17 +638,18 @@ def run_case_here(case: dict) -> dict:
     }
 
 
-def three_gemm_pass(backend, hidden, weight, targets, temperature, grad_logprob, grad_entropy, shards, kept_mask_of):
+def three_gemm_pass(backend, options, hidden, weight, targets, temperature, grad_logprob, grad_entropy, shards,
+                    kept_mask_of):  # fmt: skip
     """The package's loss-in-forward pass (``run_loss_pass``) with the vocabulary split into
     ``shards`` equal shards, one pass per shard as each rank of a tensor-parallel group would run
     it (``kept_mask_of(first column, columns)``: its kept_mask); the chunk step merges the shards'
-    statistics as the group's all-gather does. Returns
-    ``(logprob, entropy, Gradients)`` with the hidden gradient summed over the shards and the
-    weight gradient's shards stacked."""
+    statistics as the group's all-gather does and summarizes them by the backend (its merge
+    kernel). Returns ``(logprob, entropy, Gradients)`` with the hidden gradient summed over the
+    shards and the weight gradient's shards stacked."""
     import torch
 
     from megatron_fused_lm.ops.contract import Gradients, NeededGrads, ShardProblem, UpstreamGrads, run_loss_pass
-    from megatron_fused_lm.ops.softmax import merge_statistics, summarize
+    from megatron_fused_lm.ops.softmax import SoftmaxSummary
 
     tokens, vocab = targets.shape[0], weight.shape[0]
     shard_rows = vocab // shards
@@ -435,42 +669,87 @@ def three_gemm_pass(backend, hidden, weight, targets, temperature, grad_logprob,
 
         def record(rows, local_statistics, shard=shard):
             local[shard][rows.start] = local_statistics.clone()
-            return summarize(local_statistics), UpstreamGrads(None, None)
+            return None, UpstreamGrads(None, None), None
 
-        run_loss_pass(backend, problem, record, NeededGrads(hidden=False, weight=False))
+        state = backend.allocate(problem, NeededGrads(hidden=False, weight=False), options)
+        run_loss_pass(backend, problem, record, state, options, adds=False)
     # ... then each shard's gradients, its chunks in order, merged with the others' statistics.
     logprob, entropy = torch.empty(tokens), torch.empty(tokens)
     partials = []
     for problem in problems:
         chunk_starts = []
 
-        def chunk_step(rows, local_statistics, chunk_starts=chunk_starts):
+        def chunk_step(rows, local_statistics, chunk_starts=chunk_starts, problem=problem):
             chunk_starts.append(rows.start)
-            summary = summarize(merge_statistics(torch.stack([part[rows.start] for part in local])))
+            summary = SoftmaxSummary(*(torch.empty(rows.stop - rows.start) for _ in SoftmaxSummary._fields))
+            parts = torch.stack([part[rows.start] for part in local])
+            backend.summarize(parts, problem.target_column[rows], summary)
             logprob[rows], entropy[rows] = summary.logprob, summary.entropy
             upstream = [None if grad is None else grad[rows] for grad in (grad_logprob, grad_entropy)]
-            return summary, UpstreamGrads(*upstream)
+            return summary, UpstreamGrads(*upstream), None
 
-        state = run_loss_pass(backend, problem, chunk_step, NeededGrads(hidden=True, weight=True))
-        # An upstream gradient of 1: unscaled.
-        partials.append(
-            backend.finish(state.held_hidden, state.held_weight, torch.ones(()), (hidden.dtype, weight.dtype), True)
-        )
+        partials.append(finished_pass(backend, problem, chunk_step, options))
         assert chunk_starts == sorted(chunk_starts) and len(set(chunk_starts)) == len(chunk_starts)
     grad_hidden = torch.stack([grads.hidden.float() for grads in partials]).sum(0).to(hidden.dtype)
     return logprob, entropy, Gradients(grad_hidden, torch.cat([grads.weight for grads in partials]))
 
 
+CASE_TIMEOUT = 300  # seconds
+
+
+class Interpreter:
+    """The subprocess that runs the cases with the interpreter on; started on the first case and
+    again after one that killed it. What the cases print goes to a log file, read on failure."""
+
+    process = None
+    log = None
+
+    @classmethod
+    def run(cls, case: dict) -> dict:
+        if cls.process is None or cls.process.poll() is not None:
+            env = dict(
+                os.environ,
+                TRITON_INTERPRET="1",
+                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            )
+            cls.log = tempfile.TemporaryFile(mode="w+")
+            cls.process = subprocess.Popen(
+                [sys.executable, __file__, "--serve"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=cls.log, text=True,
+            )  # fmt: skip
+        cls.process.stdin.write(json.dumps(case) + "\n")
+        cls.process.stdin.flush()
+        ready, _, _ = select.select([cls.process.stdout], [], [], CASE_TIMEOUT)
+        line = cls.process.stdout.readline() if ready else ""
+        if not line:  # timed out or died: its log says why
+            cls.process.kill()
+            cls.process.wait()
+            cls.log.seek(0)
+            raise AssertionError(f"the interpreter's process stopped on {case}:\n{cls.log.read()[-3000:]}")
+        reply = json.loads(line)
+        assert "error" not in reply, reply["error"]
+        return reply["result"]
+
+
+def serve() -> None:
+    """Answer each case read from stdin with one line of JSON: ``{"result": ...}`` or ``{"error":
+    traceback}``; what the cases print goes to stderr."""
+    import traceback
+
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    for line in sys.stdin:
+        try:
+            reply = {"result": run_case_here(json.loads(line))}
+        except Exception:
+            reply = {"error": traceback.format_exc()[-3000:]}
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+
+
 def run_case(**case) -> dict:
     case = dict(dict(seed=0, temperature=1.0, hidden_scale=1.0, entropy_grad=True), **case)
-    env = dict(
-        os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    )
-    done = subprocess.run(
-        [sys.executable, __file__, json.dumps(case)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return Interpreter.run(case)
 
 
 # Bounds per input dtype: (max |log-prob or entropy error|, max gradient error relative to the
@@ -542,11 +821,21 @@ def test_topk(dtype):
     # in split slots, a crowded row past a tile's picks and one past its split's slots, ties across
     # tiles (lower ids first), k past a quarter of the column tiles, per-row temperatures, a NaN
     # row, two chunks of rows.
-    results = run_case(kind="topk", dtype=dtype, shape=[34, 24, 1280], ks=[1, 2, 9, 12], seed=6)
+    results = run_case(kind="topk", dtype=dtype, shape=[20, 24, 1280], ks=[1, 2, 9, 12], seed=6)
     assert results.pop("nan")
     for k, (ids_equal, logprob_error) in results.items():
-        # float32 logits of up to 84 here (the crowded row's), each rounded by a few 1e-7 of it.
+        # float32 logits of up to 93 here (a crowded row's), each rounded by a few 1e-7 of it.
         assert ids_equal and logprob_error <= 1e-6, (k, ids_equal, logprob_error)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_topk_candidates_walk_the_statistics_tiles(dtype):
+    # The candidates kernel's logits are the statistics kernel's, bit for bit: each tile's maximum
+    # comes back among the candidates with the same bits (per-row temperatures included).
+    results = run_case(kind="candidates", dtype=dtype, shape=[20, 24, 300], seed=3)
+    for name, (in_slots, same_bits, error) in results.items():
+        # float32 logits of |z| up to ~40 here, against float64: a few 1e-6.
+        assert in_slots and same_bits and error <= 1e-4, (name, in_slots, same_bits, error)
 
 
 def test_kept_mask_builder():
@@ -669,6 +958,14 @@ def test_three_gemm_two_shards(dtype, entropy_grad):
     check(result, dtype)
 
 
+def test_upstream_gradients_the_forward_did_not_assume():
+    # float32 products and a float32 block: within float32 rounding of the oracle whether the
+    # correcting pass's gate is closed (an upstream as declared), open (another one), or the
+    # accumulator was given another scale.
+    errors = run_case(kind="corrections", shape=[24, 32, 97], seed=11)  # two chunks of rows
+    assert all(error <= 1e-5 for error in errors.values()), errors
+
+
 @pytest.mark.parametrize(
     "dtype, three_gemm",
     [("float32", False), ("float16", False), ("float16", True)],
@@ -693,23 +990,31 @@ def test_batch_invariant_three_gemm_refuses_float32_weights():
     # rows: no form the option could keep.
     import torch
 
-    from megatron_fused_lm.ops.backends.triton_loss import TritonLoss
+    from megatron_fused_lm.ops.backends.triton import TritonBackend
     from megatron_fused_lm.ops.contract import NeededGrads, ShardProblem
     from megatron_fused_lm.ops.kept_tokens import every_column
+    from megatron_fused_lm.ops.options import HeadOptions
 
     problem = ShardProblem(
         torch.zeros(4, 8), torch.zeros(16, 8), torch.zeros(4, dtype=torch.long), torch.ones(4), every_column("cpu")
     )
     with pytest.raises(ValueError, match="needs 16-bit weights"):
-        TritonLoss(batch_invariant=True).allocate(problem, NeededGrads(True, True))
+        TritonBackend().allocate(problem, NeededGrads(True, True), HeadOptions(batch_invariant=True))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_held_gradient_kernels_match_the_torch_code(dtype):
-    # Both sum the same float32 terms per element (the chosen rows in token order), and round the
-    # same float32 sum into the same dtype once.
+    # The chosen terms sum the same float32 terms per element (the chosen rows in token order) and
+    # round the same float32 sum once; the per-row terms take the same float32 operations in
+    # another order (Triton's expm1 is Kahan's form: a few ulps), and the scaled hidden rows may
+    # then round to the neighbouring value of the weight's dtype (2^-11 for float16). The
+    # references are an estimate with 20 of headroom: the interpreter's float16 products
+    # accumulate in float16 (a GPU's in float32), 1e-3 of the logits bounds both.
     errors = run_case(kind="held_gradient_kernels", dtype=dtype, shape=[41, 300, 9], seed=8)
-    assert all(error <= 1e-6 for error in errors.values()), errors
+    assert errors.pop("stale_refresh") == 0, errors
+    assert errors.pop("reference") <= 1e-3, errors
+    assert errors.pop("row_operand") <= 2**-11, errors
+    assert all(error <= 2e-6 for error in errors.values()), errors
 
 
 def test_merge_kernel_against_float64():
@@ -726,7 +1031,7 @@ def test_zero_tokens(three_gemm):
 
 
 if __name__ == "__main__":
-    print(json.dumps(run_case_here(json.loads(sys.argv[1]))))
+    serve()
 
 
 @pytest.mark.parametrize("entropy", [True, False], ids=["entropy", "no_entropy"])

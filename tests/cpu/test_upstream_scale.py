@@ -23,6 +23,7 @@ from megatron_fused_lm import (
     fused_linear_loss,
     losses,
     outstanding_weight_grads,
+    weight_grad_corrections,
 )
 
 SCALE = 0.37
@@ -86,20 +87,18 @@ def test_the_held_weight_gradient_is_narrowed_once_scaled_in_every_step(monkeypa
     # over rows not yet read would leave entries far from the oracle's.
     from megatron_fused_lm.ops import held_gradients
 
-    monkeypatch.setattr(held_gradients, "NARROWING_ROWS", 3)
+    monkeypatch.setattr(held_gradients, "NARROWING_SHARE", 17)  # a first step of ceil(49 / 17) = 3 rows
     generator = torch.Generator().manual_seed(5)
     held = torch.randn(VOCAB, HIDDEN, generator=generator, dtype=torch.float64)
     parts = [held[:49].float().clone(), held[49:].float().clone()]
     first_address = parts[0].data_ptr()
-    grads = held_gradients.HeldSteps().finish(
-        torch.empty(0), parts, torch.tensor(SCALE), (torch.bfloat16, torch.bfloat16), narrow_in_place
-    )
+    grad_weight = held_gradients.HeldSteps().finish_weight(parts, torch.tensor(SCALE), torch.bfloat16, narrow_in_place)
     assert [step.stop for step in held_gradients.narrowing_steps(49)] == [3, 6, 12, 24, 48, 49]
     expected = (held.float().double() * SCALE).to(torch.bfloat16)
-    assert grads.weight.dtype == torch.bfloat16 and grads.weight.shape == (VOCAB, HIDDEN)
+    assert grad_weight.dtype == torch.bfloat16 and grad_weight.shape == (VOCAB, HIDDEN)
     # One rounding of the float32 product: within one bfloat16 step of the float64 oracle's.
-    torch.testing.assert_close(grads.weight.double(), expected.double(), rtol=2**-8, atol=0)
-    assert (grads.weight.data_ptr() == first_address) == narrow_in_place
+    torch.testing.assert_close(grad_weight.double(), expected.double(), rtol=2**-8, atol=0)
+    assert (grad_weight.data_ptr() == first_address) == narrow_in_place
 
 
 @pytest.mark.parametrize("peaky", [False, True], ids=["flat", "peaked"])
@@ -120,12 +119,15 @@ def test_weight_grad_into_receives_the_scaled_weight_gradient_once(declared, dty
     accumulator = before.clone()
     hidden.requires_grad_()
     weight.requires_grad_()
+    weight_grad_corrections()  # what earlier tests left
     result = fused_linear_loss(
         hidden, weight, targets, POLICY, loss_inputs=inputs, token_chunk=7, weight_grad_into=accumulator,
         weight_grad_scale=declared,
     )  # fmt: skip
     (result.loss * SCALE).backward()
     assert weight.grad is None
+    assert weight_grad_corrections() == (0 if declared == SCALE else 1)  # the second pass, counted once
+    assert weight_grad_corrections() == 0
     added = (accumulator.double() - before.double()) / SCALE
     # float32 products over float32 or bf16 operands, then one float32 sum with `before`.
     bound = 1e-5 if dtype == torch.float32 else 2e-2

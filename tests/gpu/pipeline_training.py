@@ -1,7 +1,7 @@
 """Training a bf16 GPTModel with Megatron-Core in a chosen parallel layout, with the fused head off
 and on from the same seed. Started by torchrun, one process per GPU:
 
-    torchrun --nproc-per-node 2 tests/gpu/pipeline_training.py --layout pp2_tied [--loss-path three-gemm]
+    torchrun --nproc-per-node 2 tests/gpu/pipeline_training.py --layout pp2_tied [--loss-path three-gemm ...]
         [--backend triton] [--json pipeline_training.json]
 
 Layouts (``--layout NAME``; the flags ``--tp``, ``--pp``, ``--vpp``, ``--micro-batches``,
@@ -54,7 +54,9 @@ The loss path applies to every run (a stock head ignores the declaration and com
 from the logits), so fused and stock curves compare. A third run, the noise reference, is the
 stock run again with every initial weight moved by about one bf16 rounding (a sign pattern seeded
 by the weight's shape, so replicated weights and the tied copies move alike): how far two equally
-valid bf16 trainings drift apart here.
+valid bf16 trainings drift apart here. Several paths (``--loss-path logprobs three-gemm``) run one
+after another in the same processes, each with its own three runs and checks (the JSON's
+``loss_paths``): the ranks start once.
 
 Checked (every rank's checks, then the last stage's curves on rank 0; the JSON is written before
 the verdict):
@@ -116,7 +118,7 @@ from devkit.megatron_training import (
     set_learning_rate,
     sft_loss,
 )
-from megatron_fused_lm import losses
+from megatron_fused_lm import _logging, losses, weight_grad_corrections
 from megatron_fused_lm.integration import FusedLMConfig, wrap_model
 
 GPU_SHAPE = GPTShape(hidden=1024, heads=16, layers=4, vocab=151936, seq=2048, micro_batch=2)
@@ -523,6 +525,9 @@ class Run:
             }
             self.check_parameters(record, phase)
         record["main_grad_outstanding"] = self.outstanding
+        # Counted on the device (warned only when read): the backward passes that corrected a
+        # three-GEMM weight gradient because the upstream was not the declared one.
+        record["weight_grad_corrections"] = weight_grad_corrections()
         return record
 
     def sft_step(self, step: int, batches, after_backward=None) -> Dict[str, float]:
@@ -595,6 +600,10 @@ def compare_runs(ranks: List[dict]) -> tuple:
                 )
         for run in record["runs"]:
             where = f"rank {record['rank']} run {run['name']}"
+            if run["weight_grad_corrections"]:
+                failures.append(
+                    f"{where}: {run['weight_grad_corrections']} backward passes corrected a weight gradient"
+                )
             if run["main_grad_outstanding"]:
                 failures.append(f"{where}: {run['main_grad_outstanding']} main_grad-route losses lacked their backward")
             for check, sentence in (("tied_equal", "tied copies differ"), ("replicas_equal", "DP replicas differ")):
@@ -655,6 +664,43 @@ def parse_layout(args: argparse.Namespace) -> Layout:
     return layout
 
 
+def train_loss_path(layout: Layout, shape: GPTShape, device, loss_path: str, args, recompute) -> dict:
+    """This rank's record of the three runs (stock, fused, reference) on ``loss_path``."""
+    from megatron.core import parallel_state
+
+    recompute.count = 0  # the fused run's recomputations of this path alone
+    _logging._already_warned.clear()  # a warning an earlier path gave is given again for this one
+    runs, first_grads = [], {}
+    for name, fused, perturbed in RUNS:
+        run = Run(layout, shape, device, name, fused, perturbed, loss_path, args.backend)
+        runs.append(run.train(args.sft_steps, args.rl_steps))
+        first_grads[name] = run.first_grads
+        distributed.log(
+            f"{loss_path} {name}: "
+            + ", ".join(
+                f"{phase} {runs[-1][phase]['median_step_ms']:.1f} ms/step, peak {runs[-1][phase]['peak_bytes']} B"
+                + (
+                    f", loss {runs[-1][phase]['curves']['loss'][0]:.4f} -> {runs[-1][phase]['curves']['loss'][-1]:.4f}"
+                    if runs[-1][phase]["curves"]
+                    else ""
+                )
+                for phase in ("sft", "rl")
+            )
+        )
+        del run
+        measure.release_memory()
+    return {
+        "rank": dist.get_rank(),
+        "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+        "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+        "dp_rank": parallel_state.get_data_parallel_rank(),
+        "last_stage": parallel_state.is_pipeline_last_stage(),
+        "gradient_differences": gradient_differences(first_grads),
+        "recomputed": recompute.count,
+        "runs": runs,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layout", choices=LAYOUTS, default="tp2_pp2", help="a named layout (flags override it)")
@@ -666,12 +712,17 @@ def main() -> None:
         parser.add_argument(f"--{switch}", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--sft-steps", type=int, default=SFT_STEPS)
     parser.add_argument("--rl-steps", type=int, default=RL_STEPS)
-    parser.add_argument("--loss-path", choices=LOSS_PATHS, default="logprobs", help="see the module docstring")
+    parser.add_argument(
+        "--loss-path", nargs="+", choices=LOSS_PATHS, default=["logprobs"],
+        help="one or more, each checked on its own three runs; see the module docstring",
+    )  # fmt: skip
     parser.add_argument("--backend", choices=("torch", "triton", "auto"), default="auto", help="the fused head's")
     parser.add_argument("--json", default=None, help="where rank 0 writes curves, times and memory")
     args = parser.parse_args()
     if min(args.sft_steps, args.rl_steps) <= WARMUP_STEPS:
         parser.error(f"the step times are medians after {WARMUP_STEPS} warm-up steps: run more steps")
+    if len(set(args.loss_path)) < len(args.loss_path):
+        parser.error("--loss-path: a path named twice")
     layout = parse_layout(args)
     shape = GPU_SHAPE
     if not torch.cuda.is_available():  # the dry run: at least a layer a chunk
@@ -682,61 +733,37 @@ def main() -> None:
 
     recompute = RecomputeCounter()
     try:
-        runs, first_grads = [], {}
-        for name, fused, perturbed in RUNS:
-            run = Run(layout, shape, device, name, fused, perturbed, args.loss_path, args.backend)
-            runs.append(run.train(args.sft_steps, args.rl_steps))
-            first_grads[name] = run.first_grads
-            distributed.log(
-                f"{name}: "
-                + ", ".join(
-                    f"{phase} {runs[-1][phase]['median_step_ms']:.1f} ms/step, peak {runs[-1][phase]['peak_bytes']} B"
-                    + (
-                        f", loss {runs[-1][phase]['curves']['loss'][0]:.4f} -> {runs[-1][phase]['curves']['loss'][-1]:.4f}"
-                        if runs[-1][phase]["curves"]
-                        else ""
-                    )
-                    for phase in ("sft", "rl")
-                )
-            )
-            del run
-            measure.release_memory()
-        record = {
-            "rank": dist.get_rank(),
-            "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
-            "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
-            "dp_rank": parallel_state.get_data_parallel_rank(),
-            "last_stage": parallel_state.is_pipeline_last_stage(),
-            "gradient_differences": gradient_differences(first_grads),
-            "recomputed": recompute.count,
-            "runs": runs,
-        }
-        ranks = distributed.gather_to_rank0(record)
-        failures = []
+        # One process for every path: the ranks' start-up (imports, process groups) is paid once.
+        records = {path: train_loss_path(layout, shape, device, path, args, recompute) for path in args.loss_path}
+        gathered = distributed.gather_to_rank0(records)
         if dist.get_rank() == 0:
-            summary, failures = compare_runs(ranks)
+            failures, paths = [], {}
+            for path in args.loss_path:
+                ranks = [record[path] for record in gathered]
+                summary, path_failures = compare_runs(ranks)
+                paths[path] = {"summary": summary, "ranks": ranks}
+                failures += [f"{path}: {failure}" for failure in path_failures]
+                for key, value in summary.items():
+                    if isinstance(value, dict):
+                        distributed.log(
+                            f"{path} {key}: fused-stock max {value['fused_max_difference']:.3g}, reference-stock "
+                            f"max {value['reference_max_difference']:.3g}, tolerance {value['tolerance']:.3g}, "
+                            f"step 0 {value['step0_difference']:.3g}"
+                        )
             distributed.write_json(
                 args.json,
                 {
                     "layout": dict(
                         dataclasses.asdict(layout),
                         dp=parallel_state.get_data_parallel_world_size(),
-                        loss_path=args.loss_path,
+                        loss_paths=args.loss_path,
                         backend=args.backend,
                     ),
                     "shape": distributed.shape_record(shape),
-                    "summary": summary,
-                    "ranks": ranks,
+                    "loss_paths": paths,
                     "environment": distributed.environment(device),
                 },
             )
-            for key, value in summary.items():
-                if isinstance(value, dict):
-                    distributed.log(
-                        f"{key}: fused-stock max {value['fused_max_difference']:.3g}, reference-stock max "
-                        f"{value['reference_max_difference']:.3g}, tolerance {value['tolerance']:.3g}, "
-                        f"step 0 {value['step0_difference']:.3g}"
-                    )
             assert not failures, "pipeline_training: FAIL: " + "; ".join(failures)
             distributed.log("pipeline_training: PASS")
     finally:

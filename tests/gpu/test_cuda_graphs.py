@@ -1,8 +1,10 @@
 """The ops as PyTorch citizens on CUDA: CUDA-graph capture (forward only, and forward + backward)
 with replays bitwise equal to eager, ``torch.compile(fullgraph=True)``, no host synchronization
 under ``torch.cuda.set_sync_debug_mode``, autocast, and an out-of-range target caught on the device.
-Both paths: the log-prob op (``path="logprob"``) and the loss op with its gradients finished in the
-forward (``path="loss"``, a clipped policy loss with an entropy bonus)."""
+The paths: the log-prob op (``path="logprob"``), the loss op with its gradients finished in the
+forward (``path="loss"``, a clipped policy loss with an entropy bonus), and the labels path's
+declared cross-entropy (``path="labels"``: an upstream gradient as declared; ``"labels-other"``: one
+that is not, which the Triton backend corrects behind a gate on the device)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,13 @@ import textwrap
 import pytest
 import torch
 
-from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, losses
+from megatron_fused_lm import (
+    fused_linear_cross_entropy,
+    fused_linear_logprob,
+    fused_linear_loss,
+    losses,
+    weight_grad_corrections,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,8 +46,15 @@ def make_inputs(seed, dtype=torch.bfloat16):
 
 
 def forward(hidden, weight, targets, upstream, backend, path="logprob", **options):
-    """``(logprob, entropy, loss)``: the loss the weighted sum of both (``path="logprob"``), or the
-    policy loss on them (``path="loss"``, its inputs made from ``upstream``)."""
+    """``(logprob, entropy, loss)``: the loss the weighted sum of both (``path="logprob"``), the
+    policy loss on them (``path="loss"``, its inputs made from ``upstream``), or the labels path's
+    per-token cross-entropy twice and its loss (``"labels"``: declared as 0.37 times a mask;
+    ``"labels-other"``: the losses weighted by ``upstream[0]`` instead)."""
+    if path.startswith("labels"):
+        declared = (upstream[1] > 0).float()
+        per_token = fused_linear_cross_entropy(hidden, weight, targets, declared, backend=backend, **options)
+        weights = 0.37 * declared if path == "labels" else upstream[0]
+        return per_token, per_token, (per_token * weights).sum()
     if path == "loss":
         weights = torch.full_like(upstream[0], 1e-3)
         loss_inputs = dict(old_logprob=upstream[0] - 10.0, advantages=upstream[1], weight=weights)
@@ -69,8 +84,8 @@ def eager_results(inputs, backend, backward, path="logprob", **options):
 @pytest.mark.parametrize("backward", [False, True], ids=["forward only", "forward and backward"])
 @pytest.mark.parametrize(
     "path, masked",
-    [("logprob", False), ("logprob", True), ("loss", False)],
-    ids=["all rows", "mask with max_rows", "loss"],
+    [("logprob", False), ("logprob", True), ("loss", False), ("loss", True), ("labels", False)],
+    ids=["all rows", "mask with max_rows", "loss", "loss with mask and max_rows", "labels"],
 )
 def test_cuda_graph_replay_equals_eager(backend, backward, path, masked):
     first, second = make_inputs(0), make_inputs(1)
@@ -105,10 +120,40 @@ def test_cuda_graph_replay_equals_eager(backend, backward, path, masked):
             assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("path, corrections", [("labels", 0), ("labels-other", 1)])
+def test_corrections_are_counted_in_every_replay(path, corrections):
+    # The correcting pass's gate and its counter live on the device: each replay of a captured
+    # backward that needed the pass counts once, one that did not counts nothing.
+    inputs = make_inputs(3)
+    hidden, weight = inputs[0].clone().requires_grad_(), inputs[1].clone().requires_grad_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step(hidden, weight, *inputs[2:4], "triton", True, path)
+    torch.cuda.current_stream().wait_stream(side)
+    hidden.grad = weight.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(hidden, weight, *inputs[2:4], "triton", True, path)
+    weight_grad_corrections()  # the warm-up's
+    for _ in range(3):
+        graph.replay()
+    assert weight_grad_corrections() == 3 * corrections
+    assert weight_grad_corrections() == 0
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_host_synchronization(backend):
+    # Every path through the Triton backend, the labels path's check of its upstream gradient and
+    # its correction included; the torch backend reads that check on the host, as documented.
     inputs = make_inputs(2)
-    for path, options in (("logprob", {}), ("logprob", dict(mask=inputs[4], max_rows=TOKENS // 2)), ("loss", {})):
+    masked = dict(mask=inputs[4], max_rows=TOKENS // 2)
+    cases = [("logprob", {}), ("logprob", masked), ("loss", {}), ("loss", masked)]
+    if backend == "triton":
+        cases += [("labels", {}), ("labels-other", {})]
+    weight_grad_corrections()  # what earlier tests left
+    for path, options in cases:
         eager_results(inputs, backend, True, path, **options)  # warm up: Triton compiles, cuBLAS loads
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -116,11 +161,33 @@ def test_no_host_synchronization(backend):
             eager_results(inputs, backend, True, path, **options)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+    if backend == "triton":  # labels-other's correction, warm-up and checked run, counted on the device
+        assert weight_grad_corrections() == 2
+        assert weight_grad_corrections() == 0
     # A bare mask reads its row count on the host, as documented.
     torch.cuda.set_sync_debug_mode("error")
     try:
         with pytest.raises(RuntimeError, match="synchroniz"):
             eager_results(inputs, backend, True, mask=inputs[4])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_loss_functions_first_use_reads_nothing_on_the_host():
+    # The check that a loss_fn treats its rows alone runs on the device, at its first use.
+    inputs = make_inputs(5)
+    eager_results(inputs, "triton", True, "loss")  # warm up
+    torch.cuda.synchronize()
+
+    def first_used_here(logprob, entropy, *, weight):
+        return -weight * logprob + 0.01 * entropy
+
+    hidden, weight, targets, _, _ = inputs
+    leaves = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss_inputs = {"weight": torch.full((TOKENS,), 1e-3, device="cuda")}
+        fused_linear_loss(*leaves, targets, first_used_here, loss_inputs=loss_inputs, backend="triton").loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -157,7 +224,7 @@ def test_autocast_gives_the_float32_numbers(backend):
 DEVICE_ASSERT_SCRIPT = textwrap.dedent(
     """
     import torch
-    from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, losses
+    from megatron_fused_lm import fused_linear_logprob
     hidden = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16)
     targets = torch.randint(0, 1000, (64,), device="cuda")

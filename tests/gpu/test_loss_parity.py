@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from devkit.oracle import logprob_entropy, max_abs_error
+from devkit.oracle import loss_reference, max_abs_error, reference
 from megatron_fused_lm import fused_linear_cross_entropy, fused_linear_logprob, fused_linear_loss, losses
 from megatron_fused_lm.ops.backends.triton_reference import MAX_ABOVE_REFERENCE, row_references
 from megatron_fused_lm.ops.backends.triton_tuning import REFERENCE_ROWS
@@ -65,12 +65,12 @@ def loss_cases(hidden, weight, targets, gen):
     }
 
 
-def float64_reference(hidden, weight, targets, loss_fn, loss_inputs):
-    """``(logprob, entropy, grad_hidden, grad_weight)`` in float64."""
-    leaves = [tensor.detach().double().requires_grad_() for tensor in (hidden, weight)]
-    logprob, entropy = logprob_entropy(leaves[0] @ leaves[1].t(), targets)
-    loss = loss_fn(logprob, entropy, **{name: value.double() for name, value in loss_inputs.items()}).sum()
-    return (logprob.detach(), entropy.detach(), *torch.autograd.grad(LOSS_SCALE * loss, leaves))
+def float64_reference(hidden, weight, targets, loss_fn, loss_inputs, temperature=1.0, mask=None):
+    """``(logprob, entropy, grad_hidden, grad_weight)`` in float64 (devkit's oracle): the metrics 0 on
+    the rows ``mask`` leaves out, the gradients those of ``LOSS_SCALE`` times the loss. The hidden
+    states enter in the weight's dtype, as the ops' products take them."""
+    exact = loss_reference(hidden.to(weight.dtype), weight, targets, loss_fn, loss_inputs, temperature, mask)
+    return exact.logprob, exact.entropy, LOSS_SCALE * exact.grad_hidden, LOSS_SCALE * exact.grad_weight
 
 
 def recompute_path(hidden, weight, targets, loss_fn, loss_inputs, backend):
@@ -191,7 +191,7 @@ def peaked_case(regime, dtypes, tokens=512, hidden_size=1000, vocab=32003, seed=
 
 def check_regime(hidden, weight, targets, loss_fn, loss_inputs, backend, temperature=1.0, mask=None):
     """Values within the recompute path's error, gradients within ``GRAD_RATIO`` of its."""
-    expected = regime_reference(hidden, weight, targets, loss_fn, loss_inputs, temperature, mask)
+    expected = float64_reference(hidden, weight, targets, loss_fn, loss_inputs, temperature, mask)
     runs = {}
     for path in ("three-gemm", "recompute"):
         leaves = [tensor.detach().requires_grad_() for tensor in (hidden, weight)]
@@ -216,23 +216,6 @@ def check_regime(hidden, weight, targets, loss_fn, loss_inputs, backend, tempera
         assert ours[index].dtype == (hidden.dtype, weight.dtype)[index - 2]
         error, bound = relative_l2(ours[index], expected[index]), relative_l2(recompute[index], expected[index])
         assert error <= GRAD_RATIO * bound + floor, (name, error, bound)
-
-
-def regime_reference(hidden, weight, targets, loss_fn, loss_inputs, temperature, mask):
-    """``(logprob, entropy, grad_hidden, grad_weight)`` in float64, of the rows ``mask`` selects
-    (0 elsewhere)."""
-    leaves = [tensor.detach().double().requires_grad_() for tensor in (hidden, weight)]
-    product = leaves[0].to(weight.dtype).double() if hidden.dtype != weight.dtype else leaves[0]
-    logprob, entropy = logprob_entropy(product @ leaves[1].t(), targets, temperature)
-    rows = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask
-    inputs = {name: value.double()[rows] for name, value in loss_inputs.items()}
-    loss = loss_fn(logprob[rows], entropy[rows], **inputs).sum()
-    zero = torch.zeros((), dtype=torch.float64, device="cuda")
-    return (
-        torch.where(rows, logprob.detach(), zero),
-        torch.where(rows, entropy.detach(), zero),
-        *torch.autograd.grad(LOSS_SCALE * loss, leaves),
-    )
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -323,19 +306,6 @@ def test_declared_cross_entropy_into_weight_grad_into_against_float64(backend, a
     assert relative_l2(leaves[0].grad, expected[2]) <= GRAD_RATIO * relative_l2(recompute[2], expected[2])
 
 
-def max_logit_reference(hidden, weight, targets, upstream):
-    """Float64 log-probs under the convention of Megatron's vocabulary-parallel cross-entropy (an id
-    outside the vocabulary scores as the row's largest logit, a constant to the backward) and the
-    gradients of ``sum(logprob * upstream)``."""
-    leaves = [tensor.detach().double().requires_grad_() for tensor in (hidden, weight)]
-    logits = leaves[0] @ leaves[1].t()
-    inside = (targets >= 0) & (targets < weight.shape[0])
-    chosen = logits.gather(-1, targets.clamp(0, weight.shape[0] - 1).unsqueeze(-1)).squeeze(-1)
-    largest = logits.detach().amax(dim=-1)
-    logprob = torch.where(inside, chosen, largest) - torch.logsumexp(logits, dim=-1)
-    return (logprob.detach(), *torch.autograd.grad((logprob * upstream.double()).sum(), leaves))
-
-
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("op", ["logprob", "declared", "other-upstream"])
 def test_out_of_vocab_targets_score_as_megatron_scores_them(op, backend):
@@ -358,7 +328,8 @@ def test_out_of_vocab_targets_score_as_megatron_scores_them(op, backend):
                 *leaves, these_targets, declared, backend=backend, out_of_vocab="max_logit"
             )
         (logprob * upstream).sum().backward()
-        expected = max_logit_reference(hidden, weight, these_targets, upstream)
+        exact = reference(hidden, weight, these_targets, grad_logprob=upstream, out_of_vocab="max_logit")
+        expected = exact.logprob, exact.grad_hidden, exact.grad_weight
         results = (logprob.detach(), *(leaf.grad for leaf in leaves))
         return [relative_l2(got, want) for got, want in zip(results, expected, strict=True)]
 
@@ -390,11 +361,8 @@ def test_several_targets_three_gemm(loss_name, dtype):
             return weight * (((logprob - goal) ** 2).sum(-1) - 0.01 * entropy)
 
         inputs = dict(goal=goal, weight=rows)
-    leaves = [tensor.detach().double().requires_grad_() for tensor in (hidden, weight)]
-    log_probs = torch.log_softmax(leaves[0] @ leaves[1].t(), -1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1)
-    exact = loss_fn(log_probs.gather(-1, ids), entropy, **{name: value.double() for name, value in inputs.items()})
-    expected = torch.autograd.grad(exact.sum(), leaves)
+    exact = loss_reference(hidden, weight, ids, loss_fn, inputs)
+    expected = exact.grad_hidden, exact.grad_weight
     errors = {}
     for backend in ("torch", "triton"):
         run = [tensor.detach().requires_grad_() for tensor in (hidden, weight)]
@@ -417,9 +385,8 @@ def test_a_dominant_target_among_several(prob, dtype):
     def loss_fn(logprob, entropy, *, coef):
         return -(coef * logprob).sum(-1)
 
-    leaves = [tensor.detach().double().requires_grad_() for tensor in (hidden, weight)]
-    exact = loss_fn(torch.log_softmax(leaves[0] @ leaves[1].t(), -1).gather(-1, ids), None, coef=coef.double())
-    expected = torch.autograd.grad(exact.sum(), leaves)
+    exact = loss_reference(hidden, weight, ids, loss_fn, dict(coef=coef))
+    expected = exact.grad_hidden, exact.grad_weight
     three_gemm = [tensor.detach().requires_grad_() for tensor in (hidden, weight)]
     recompute = [tensor.detach().requires_grad_() for tensor in (hidden, weight)]
     fused_linear_loss(*three_gemm, ids, loss_fn, loss_inputs=dict(coef=coef), backend="triton").loss.backward()

@@ -65,7 +65,8 @@ def test_tensor_parallel_sequence_parallel_parity(tmp_path):
 @needs_gpus(4)
 def test_pipeline_training_curves_and_tied_copies(tmp_path):
     record = run_torchrun("pipeline_training.py", 4, tmp_path / "pipeline_training.json", "--layout", "tp2_pp2")
-    assert len(record["summary"]["sft_loss"]["stock"]) == len(record["summary"]["sft_loss"]["fused"]) > 0
+    summary = record["loss_paths"]["logprobs"]["summary"]
+    assert len(summary["sft_loss"]["stock"]) == len(summary["sft_loss"]["fused"]) > 0
 
 
 @needs_gpus(2)
@@ -74,7 +75,7 @@ def test_pipeline_training_curves_and_tied_copies(tmp_path):
 def test_two_gpu_layouts_train_fused_like_stock(layout, loss_path, tmp_path):
     arguments = ("--layout", layout, "--loss-path", loss_path)
     record = run_torchrun("pipeline_training.py", 2, tmp_path / "pipeline_training.json", *arguments)
-    assert (record["layout"]["name"], record["layout"]["loss_path"]) == (layout, loss_path)
+    assert (record["layout"]["name"], record["layout"]["loss_paths"]) == (layout, [loss_path])
 
 
 @needs_gpus(8)
@@ -82,4 +83,4 @@ def test_two_gpu_layouts_train_fused_like_stock(layout, loss_path, tmp_path):
 def test_three_dimensional_layout_trains_fused_like_stock(loss_path, tmp_path):
     arguments = ("--layout", "tp2_pp2_dp2", "--loss-path", loss_path)
     record = run_torchrun("pipeline_training.py", 8, tmp_path / "pipeline_training.json", *arguments)
-    assert (record["layout"]["dp"], record["layout"]["loss_path"]) == (2, loss_path)
+    assert (record["layout"]["dp"], record["layout"]["loss_paths"]) == (2, [loss_path])

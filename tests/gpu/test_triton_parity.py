@@ -184,12 +184,13 @@ def test_several_targets_per_row(dtype):
 def test_targets_on_other_ranks(backend):
     """Simulated TP=3: each shard's statistics from the backend, merged as the collective would,
     and each shard's partial hidden gradient summed as the all-reduce would."""
-    from megatron_fused_lm.ops.backends import recompute_backend
+    from megatron_fused_lm.ops.backends import by_name
+    from megatron_fused_lm.ops.options import HeadOptions
 
     num_tokens, hidden_size, vocab, ranks = 300, 1000, 3 * 43307, 3
     inputs = make_inputs(num_tokens, hidden_size, vocab, torch.bfloat16, 20.0, seed=1)
     hidden, weight, targets, grad_logprob, grad_entropy = inputs
-    implementation = recompute_backend(backend, None)
+    implementation, options = by_name(backend), HeadOptions(backend=backend)
     shard = vocab // ranks
     stats, shards = [], []
     for rank in range(ranks):
@@ -204,7 +205,7 @@ def test_targets_on_other_ranks(backend):
                 every_column(hidden.device),
             )
         )
-        stats.append(implementation.local_statistics(shards[-1]))
+        stats.append(implementation.local_statistics(shards[-1], options))
     summary = summarize(merge_statistics(torch.stack(stats)))
     saved = SavedStatistics(summary.lse, summary.mean_logit)
     expected = reference(hidden, weight, targets, 1.0, grad_logprob, grad_entropy)
@@ -213,7 +214,7 @@ def test_targets_on_other_ranks(backend):
     grad_weight = []
     for problem in shards:
         grads = implementation.local_gradients(
-            problem, saved, UpstreamGrads(grad_logprob, grad_entropy), NeededGrads(hidden=True, weight=True)
+            problem, saved, UpstreamGrads(grad_logprob, grad_entropy), NeededGrads(hidden=True, weight=True), options
         )
         assert grads.hidden.dtype == torch.bfloat16  # the contract: partials in hidden's dtype
         grad_hidden += grads.hidden
@@ -281,23 +282,26 @@ def test_zero_tokens(backend):
 def test_backward_blocked_over_token_and_vocabulary_chunks():
     """Partial token chunks and partial vocabulary chunks of the Triton backward (the backend
     itself, as the ops call it, with a small dz block)."""
-    from megatron_fused_lm.ops.backends.triton_recompute import TritonRecompute
+    from megatron_fused_lm.ops.backends.triton import TritonBackend
     from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
+    from megatron_fused_lm.ops.options import HeadOptions
 
     inputs = make_inputs(2500, 1000, 129920, torch.bfloat16, 5.0, seed=5)
     hidden, weight, targets, grad_logprob, grad_entropy = inputs
     expected = reference(hidden, weight, targets, 1.0, grad_logprob, grad_entropy)
     stock = run("stock", *inputs)
-    blocked = TritonRecompute(token_chunk=1000, tuning=TritonTuning(dz_block_bytes=1000 * 20000 * 2))  # 3 x 7 blocks
+    blocked = TritonBackend(TritonTuning(dz_block_bytes=1000 * 20000 * 2))  # 3 x 7 blocks of 1000 rows
+    options = HeadOptions(backend=blocked.name, token_chunk=1000)
     problem = ShardProblem(
         hidden, weight, targets, torch.ones(hidden.shape[0], device="cuda"), every_column(hidden.device)
     )
-    summary = summarize(blocked.local_statistics(problem))
+    summary = summarize(blocked.local_statistics(problem, options))
     grads = blocked.local_gradients(
         problem,
         SavedStatistics(summary.lse, summary.mean_logit),
         UpstreamGrads(grad_logprob, grad_entropy),
         NeededGrads(hidden=True, weight=True),
+        options,
     )
     results = (summary.logprob, summary.entropy, grads.hidden, grads.weight)
     check_against(

@@ -5,14 +5,12 @@ for ``grad_weight`` (``held_gradients``), narrowed into its own memory at the en
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import torch
 
 from .. import held_gradients
 from ..chunking import BlockLogits, chunk_logit_grads, chunk_rows, chunk_statistics
 from ..contract import Gradients, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
+from ..options import HeadOptions
 from ..products import add_product, float32_product
 
 
@@ -22,19 +20,22 @@ def block_logits(problem: ShardProblem) -> BlockLogits:
     return lambda rows: float32_product(hidden[rows], weight_t).div_(temperature[rows, None])
 
 
-@dataclass(frozen=True)
 class TorchRecompute:
-    """``token_chunk``: rows per chunk (``chunk_rows``)."""
+    """The four-GEMM path of the torch backend (``options.token_chunk``: rows per chunk, as
+    ``chunking.chunk_rows``)."""
 
-    token_chunk: Optional[int] = None
-
-    def local_statistics(self, problem: ShardProblem) -> torch.Tensor:
+    def local_statistics(self, problem: ShardProblem, options: HeadOptions) -> torch.Tensor:
         """This shard's statistics ``[n, 4]`` (float32)."""
-        rows = chunk_rows(self.token_chunk, problem.weight.shape[0])
+        rows = chunk_rows(options.token_chunk, problem.weight.shape[0])
         return chunk_statistics(block_logits(problem), problem.target_column, problem.kept_mask, rows)
 
     def local_gradients(
-        self, problem: ShardProblem, saved: SavedStatistics, upstream: UpstreamGrads, needed: NeededGrads
+        self,
+        problem: ShardProblem,
+        saved: SavedStatistics,
+        upstream: UpstreamGrads,
+        needed: NeededGrads,
+        options: HeadOptions,
     ) -> Gradients:
         """This shard's gradients (``contract.Gradients`` gives their dtypes). The products run in
         the weight's dtype, as the stock path's logits gradient does; each accumulates in float32,
@@ -42,22 +43,18 @@ class TorchRecompute:
         hidden, weight = problem.hidden, problem.weight
         grad_hidden = torch.empty_like(hidden) if needed.hidden else None
         _, held_weight = held_gradients.allocate(hidden, weight, NeededGrads(hidden=False, weight=needed.weight))
-        logit_grads = chunk_logit_grads(
-            block_logits(problem),
-            problem.target_column,
-            saved,
-            upstream,
-            problem.temperature,
-            problem.kept_mask,
-            chunk_rows(self.token_chunk, weight.shape[0]),
-        )
-        for rows, grad in logit_grads:
+        rows = chunk_rows(options.token_chunk, weight.shape[0])
+        for chunk, grad in _logit_grads(problem, saved, upstream, rows):
             grad = grad.to(weight.dtype)
             if grad_hidden is not None:
-                add_product(grad_hidden[rows], grad, weight, accumulate=False)
-            held_gradients.add_weight_product(held_weight, grad, hidden[rows], accumulate=rows.start > 0)
-        empty = hidden.new_empty(0)
-        grad_weight = (
-            held_gradients.HeldSteps().finish(empty, held_weight, None, (hidden.dtype, weight.dtype), True).weight
-        )
+                add_product(grad_hidden[chunk], grad, weight, accumulate=False)
+            held_gradients.add_weight_product(held_weight, grad, hidden[chunk], accumulate=chunk.start > 0)
+        grad_weight = self.finish_weight(held_weight, None, weight.dtype, narrow_in_place=True)
         return Gradients(grad_hidden, grad_weight)
+
+
+def _logit_grads(problem: ShardProblem, saved: SavedStatistics, upstream: UpstreamGrads, rows: int):
+    """``chunking.chunk_logit_grads`` of the problem's rows, ``rows`` at a time."""
+    return chunk_logit_grads(
+        block_logits(problem), problem.target_column, saved, upstream, problem.temperature, problem.kept_mask, rows
+    )

@@ -15,8 +15,7 @@ and why.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -24,16 +23,27 @@ from .. import held_gradients
 from ..contract import LossState, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
 from ..kernels.chosen_token_kernel import add_chosen_rows, finish_hidden_grad
 from ..kernels.descriptors import addressable, addressable_empty
-from ..kernels.merge_kernel import merge_parts
+from ..kernels.fit_kernel import fit_declared
+from ..kernels.merge_kernel import StaleCheck, merge_parts, summarize_parts
+from ..kernels.reference_kernel import row_references
+from ..kernels.row_terms_kernel import row_terms
 from ..kernels.rows_product_kernel import rows_product
 from ..kernels.scale_kernel import scale_into
 from ..kernels.softmax_stats_kernel import refresh_exponentials, split_statistics, stores_offsets
 from ..kernels.stored_grad_kernel import stored_logit_grads
+from ..loss_in_forward import PROPORTIONAL_TOLERANCE
+from ..options import HeadOptions
 from ..products import add_product
 from ..several_targets import statistics_column
-from ..softmax import MAX, SoftmaxSummary, chosen_logit_grad, logit_grad, zero_chosen
-from .triton_reference import row_references, stale_references, stored_dtype
-from .triton_tuning import REFERENCE_ROWS, TritonTuning, loss_token_chunk
+from ..softmax import SoftmaxSummary, chosen_logit_grad, logit_grad, zero_chosen
+from .triton_reference import (
+    EMPTY_REFERENCE,
+    MAX_ABOVE_REFERENCE,
+    MAX_BELOW_REFERENCE,
+    REFERENCE_HEADROOM,
+    stored_dtype,
+)
+from .triton_tuning import REFERENCE_ROWS, loss_token_chunk
 
 
 def direct_factor(
@@ -47,6 +57,14 @@ def direct_factor(
     return logit_grad(torch.exp(reference - lse), None, grad_logprob, None, True, False).div_(temperature)
 
 
+def chunk_reference(state: LossState, rows: slice) -> torch.Tensor:
+    """What a chunk's rows of the block are stored against: their references (exponentials, one per
+    row of the call) or their tiles' maxima (offsets, the chunk's first rows)."""
+    if state.reference.dim() == 1:
+        return state.reference[rows]
+    return state.reference[: rows.stop - rows.start]
+
+
 def reads_block_directly(state: LossState, weight: torch.Tensor, upstream: UpstreamGrads) -> bool:
     """The fast-path predicate: the block holds exponentials in the weight's dtype and the loss has
     no entropy term, so ``dz = f * exp(z - r)`` for every column but the chosen token's and the
@@ -55,42 +73,50 @@ def reads_block_directly(state: LossState, weight: torch.Tensor, upstream: Upstr
     return block_dtype == weight.dtype and not stores_offsets(block_dtype) and upstream.entropy is None
 
 
-@dataclass(frozen=True)
 class TritonLoss(held_gradients.HeldSteps):
-    """``token_chunk``: rows per chunk (``triton_tuning.loss_token_chunk``); ``entropy_grad``:
-    whether the loss has an entropy term (``triton_reference.stored_dtype``); ``batch_invariant``:
-    the hidden product by ``rows_product`` instead of cuBLAS; ``tuning``: fixed choices. The chosen
-    tokens' term and the scaled copies run the kernels of ``kernels.chosen_token_kernel`` and
-    ``kernels.scale_kernel``."""
+    """The three-GEMM path of the Triton backend (``self.tuning``: ``triton_tuning.TritonTuning``).
+    ``options.token_chunk``: rows per chunk (``triton_tuning.loss_token_chunk``); the block's form
+    follows the loss's entropy term (``triton_reference.stored_dtype``); ``options.batch_invariant``
+    runs the hidden product by ``rows_product`` instead of cuBLAS. The chosen tokens' term and the
+    scaled copies run the kernels of ``kernels.chosen_token_kernel`` and ``kernels.scale_kernel``."""
 
-    token_chunk: Optional[int] = None
-    entropy_grad: bool = True
-    batch_invariant: bool = False
-    tuning: TritonTuning = field(default_factory=TritonTuning)
+    gates_on_device = True  # a correcting pass's kernels read its gate (LossState.gate)
 
-    def allocate(self, problem: ShardProblem, needed: NeededGrads) -> LossState:
+    def allocate(
+        self,
+        problem: ShardProblem,
+        needed: NeededGrads,
+        options: HeadOptions,
+        held_weight: Optional[List[torch.Tensor]] = None,
+    ) -> LossState:
+        """The pass's tensors (``TorchLoss.allocate`` says which); the block in its stored form."""
         hidden, weight = problem.hidden, problem.weight
         num_tokens, vocab = hidden.shape[0], weight.shape[0]
-        if self.batch_invariant and weight.dtype == torch.float32:
+        if options.batch_invariant and weight.dtype == torch.float32:
             raise ValueError(
                 "batch_invariant=True on the three-GEMM path needs 16-bit weights: a float32 block is stored "
                 "against row references from products whose order depends on the rows"
             )
         # Batch invariant, the block holds offsets from the kernel's own tile maxima, never exponentials
         # against row references (those come from products and reductions over the chunk's rows).
-        block_dtype = stored_dtype(weight.dtype, self.entropy_grad or self.batch_invariant)
+        block_dtype = stored_dtype(weight.dtype, options.entropy_grad or options.batch_invariant)
         tiles = self.tuning.forward_tiles_for(weight.dtype, block_dtype, weight.device)
-        token_chunk = self.token_chunk or loss_token_chunk(num_tokens, vocab, block_dtype.itemsize, tiles)
+        token_chunk = options.token_chunk or loss_token_chunk(
+            num_tokens, vocab, block_dtype.itemsize, tiles, self.tuning.stored_block_bytes_for(weight.device)
+        )
         token_chunk = min(token_chunk, max(num_tokens, 1))
         block = addressable_empty(hidden, token_chunk, vocab, block_dtype)
-        # Per row (exponentials), or per row and column tile (offsets: the tiles' maxima).
-        shape = (token_chunk, -(-vocab // tiles.block_n)) if stores_offsets(block_dtype) else (token_chunk,)
+        # Per row of the call (exponentials: a correcting pass stores against the forward's), or per
+        # row of the chunk and column tile (offsets: the tiles' maxima, which the kernel finds itself).
+        shape = (token_chunk, -(-vocab // tiles.block_n)) if stores_offsets(block_dtype) else (max(num_tokens, 1),)
         reference = hidden.new_empty(shape, dtype=torch.float32)
-        return LossState(block, reference, *held_gradients.allocate(hidden, weight, needed))
+        return LossState(block, reference, *held_gradients.allocate_state(problem, needed, held_weight))
 
     def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice) -> torch.Tensor:
         """The forward kernel over the chunk: its statistics ``[k, 4]``, its stored block and what
-        the block is stored against (``state.reference``)."""
+        the block is stored against (``state.reference``). A correcting pass (``state.gate``) stores
+        the block alone, against the forward's references, which ``state.reference`` holds already:
+        its statistics are the forward's (``None`` returned)."""
         num_rows = rows.stop - rows.start
         hidden, weight = addressable(problem.hidden[rows]), addressable(problem.weight)
         # Several targets per row: the statistics run with none, their logits are read apart.
@@ -98,22 +124,26 @@ class TritonLoss(held_gradients.HeldSteps):
         temperature, kept_mask = problem.temperature[rows], problem.kept_mask[rows]
         tiles = self.tuning.forward_tiles_for(weight.dtype, block.dtype, weight.device)
         tiles_per_split = self.tuning.tiles_per_split_for(weight.shape[0], tiles, weight.device)
-        offsets = stores_offsets(block.dtype)
-        if offsets:  # the kernel writes each tile's maximum into the state
-            reference = state.reference[:num_rows]
-        else:
-            sample_rows = self.tuning.reference_rows or REFERENCE_ROWS
-            reference = row_references(hidden, weight, columns, temperature, sample_rows)
-        parts = split_statistics(
-            hidden, weight, columns, temperature, kept_mask, tiles, tiles_per_split, block, reference
+        reference = chunk_reference(state, rows)
+        splits = (hidden, weight, columns, temperature, kept_mask, tiles, tiles_per_split, block, reference)
+        if state.gate is not None:
+            split_statistics(*splits, gate=state.gate)
+            return None
+        if stores_offsets(block.dtype):
+            return merge_parts(split_statistics(*splits))
+        sample_rows = self.tuning.reference_rows or REFERENCE_ROWS
+        row_references(hidden, weight, columns, temperature, sample_rows, REFERENCE_HEADROOM, reference)
+        parts = split_statistics(*splits)
+        refresh = torch.empty(num_rows, dtype=torch.int8, device=hidden.device)
+        local = merge_parts(
+            parts, StaleCheck(reference, refresh, MAX_ABOVE_REFERENCE, MAX_BELOW_REFERENCE, EMPTY_REFERENCE)
         )
-        local = merge_parts(parts)
-        if offsets:
-            return local
-        reference, refresh = stale_references(reference, local[:, MAX])
-        state.reference[:num_rows] = reference
-        refresh_exponentials(hidden, weight, temperature, kept_mask, tiles, tiles_per_split, block, reference, refresh)
+        refresh_exponentials(*splits, refresh)
         return local
+
+    def summarize(self, parts: torch.Tensor, target_column: torch.Tensor, out: SoftmaxSummary) -> None:
+        """``TorchLoss.summarize`` by the merge kernel (one target per row)."""
+        summarize_parts(parts, target_column.contiguous(), out)
 
     def chunk_gradients(
         self,
@@ -122,33 +152,58 @@ class TritonLoss(held_gradients.HeldSteps):
         rows: slice,
         summary: SoftmaxSummary,
         upstream: UpstreamGrads,
+        weight_scale: Optional[torch.Tensor],
         accumulate: bool,
+        options: HeadOptions,
     ) -> None:
-        """The chunk's operand (the stored block, or ``dz``), its two products, the chosen term."""
+        """The chunk's operand (the stored block, or ``dz``), its two products, the chosen term
+        (``TorchLoss.chunk_gradients`` says what ``weight_scale`` is)."""
         upstream = UpstreamGrads(*(None if grad is None else grad.contiguous() for grad in upstream))
-        if reads_block_directly(state, problem.weight, upstream):
-            operand, factor = self.direct_operand(problem, state, rows, summary, upstream)
-        else:
-            operand, factor = self.dz_operand(problem, state, rows, summary, upstream), None
-        self.products(problem, state, rows, operand, factor, accumulate)
+        weight, hidden = addressable(problem.weight), addressable(problem.hidden[rows])
         columns = problem.target_column[rows].contiguous()
-        temperature = problem.temperature[rows].view(-1, *[1] * (columns.dim() - 1))  # beside one or several targets
-        chosen = chosen_logit_grad(columns, summary, *upstream).div_(temperature)
-        hidden, weight = addressable(problem.hidden[rows]), addressable(problem.weight)
-        self.add_chosen_columns(state, rows, columns, chosen, hidden, weight, factor)
+        block = state.block[: rows.stop - rows.start]
+        direct = reads_block_directly(state, weight, upstream)
+        if direct and columns.dim() == 2:  # the forward kernel zeroed one target's element, not several's
+            zero_chosen(block, columns)
+        terms = self.row_terms if columns.dim() == 1 else self.several_row_terms
+        chosen, factor, operand = terms(problem, state, rows, summary, upstream, weight_scale, direct)
+        if not direct:
+            block = self.dz_operand(problem, state, rows, summary, upstream)
+        self.products(problem, state, rows, block, hidden if operand is None else operand, accumulate, options)
+        if state.held_hidden.dim() == 2:
+            self.add_chosen(state.held_hidden[rows], columns, chosen, weight, factor)
 
-    def direct_operand(
-        self, problem: ShardProblem, state: LossState, rows: slice, summary: SoftmaxSummary, upstream: UpstreamGrads
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored block with the chosen tokens' elements zeroed, and its per-row factor."""
-        num_rows = rows.stop - rows.start
-        block = state.block[:num_rows]
-        zero_chosen(block, problem.target_column[rows])
-        grad_logprob = upstream.logprob
-        if grad_logprob is not None and grad_logprob.dim() == 2:  # several targets: the shared term takes their sum
-            grad_logprob = grad_logprob.sum(1)
-        factor = direct_factor(state.reference[:num_rows], summary.lse, grad_logprob, problem.temperature[rows])
-        return block, factor
+    def row_terms(self, problem, state, rows, summary, upstream, weight_scale, direct):
+        """``(chosen, factor, weight operand)`` of a chunk's rows, one target each
+        (``kernels.row_terms_kernel``); the weight operand ``None`` where it is the hidden rows."""
+        hidden = addressable(problem.hidden[rows])
+        into_weight = bool(state.held_weight)
+        operand = None
+        if into_weight and (direct or weight_scale is not None):
+            operand = addressable_empty(hidden, *hidden.shape, problem.weight.dtype)
+        reference = chunk_reference(state, rows) if direct else None
+        chosen_weight = state.chosen[rows] if into_weight else None
+        chosen, factor = row_terms(
+            problem.target_column[rows], summary, upstream, problem.temperature[rows], reference, weight_scale, hidden,
+            operand, chosen_weight,
+        )  # fmt: skip
+        return chosen, factor, operand
+
+    def several_row_terms(self, problem, state, rows, summary, upstream, weight_scale, direct):
+        """``row_terms`` for several targets per row, in torch: each distinct target's chosen term
+        (``softmax.chosen_logit_grad``), the shared term taking the row sum of their gradients."""
+        columns, hidden = problem.target_column[rows], problem.hidden[rows]
+        temperature = problem.temperature[rows]
+        chosen = chosen_logit_grad(columns, summary, *upstream).div_(temperature.unsqueeze(1))
+        factor = None
+        if direct:
+            grad_logprob = None if upstream.logprob is None else upstream.logprob.sum(1)
+            factor = direct_factor(chunk_reference(state, rows), summary.lse, grad_logprob, temperature)
+        scale = factor if weight_scale is None else weight_scale if factor is None else factor * weight_scale
+        if state.held_weight:
+            state.chosen[rows] = chosen if weight_scale is None else chosen * weight_scale.unsqueeze(1)
+        operand = None if scale is None or not state.held_weight else (hidden * scale.unsqueeze(1)).to(hidden.dtype)
+        return chosen, factor, operand
 
     def dz_operand(
         self, problem: ShardProblem, state: LossState, rows: slice, summary: SoftmaxSummary, upstream: UpstreamGrads
@@ -162,7 +217,7 @@ class TritonLoss(held_gradients.HeldSteps):
         tiles = self.tuning.forward_tiles_for(weight.dtype, block.dtype, weight.device)
         saved = SavedStatistics(summary.lse.contiguous(), summary.mean_logit.contiguous())
         return stored_logit_grads(
-            block, state.reference[:num_rows], block.view(weight.dtype), problem.target_column[rows].contiguous(),
+            block, chunk_reference(state, rows), block.view(weight.dtype), problem.target_column[rows].contiguous(),
             saved, upstream, problem.temperature[rows], tiles.block_n if stores_offsets(block.dtype) else 0,
         )  # fmt: skip
 
@@ -172,44 +227,66 @@ class TritonLoss(held_gradients.HeldSteps):
         state: LossState,
         rows: slice,
         operand: torch.Tensor,
-        factor: Optional[torch.Tensor],
+        hidden_operand: torch.Tensor,
         accumulate: bool,
+        options: HeadOptions,
     ) -> None:
-        """``operand @ W`` into the held hidden gradient (the factor is applied with the chosen term)
-        and ``operand.T @ (f * h)`` into the weight gradient (added to it with ``accumulate``), in
-        float32."""
-        weight = problem.weight
-        if state.held_hidden.dim() == 2 and self.batch_invariant:
-            rows_product(state.held_hidden[rows], operand, weight, False, self.tuning.backward_tiles_for(weight.dtype))
+        """``operand @ W`` into the held hidden gradient (its factor is applied with the chosen term)
+        and ``operand.T @ hidden_operand`` into the weight gradient (added to it with
+        ``accumulate``), in float32."""
+        weight, tiles = problem.weight, self.tuning.backward_tiles_for(problem.weight.dtype)
+        if state.held_hidden.dim() == 2 and options.batch_invariant:
+            rows_product(state.held_hidden[rows], operand, weight, False, tiles)
         elif state.held_hidden.dim() == 2:
             add_product(state.held_hidden[rows], operand, weight, accumulate=False)
-        if state.held_weight:
-            hidden = problem.hidden[rows]
-            if factor is not None:
-                hidden = (hidden * factor.unsqueeze(1)).to(weight.dtype)
-            held_gradients.add_weight_product(state.held_weight, operand, hidden, accumulate)
+        if state.held_weight and state.gate is not None:  # gated: a kernel that reads it, not cuBLAS
+            start = 0
+            for part in state.held_weight:
+                rows_product(
+                    part, operand[:, start : start + part.shape[0]].t(), hidden_operand, True, tiles, state.gate
+                )
+                start += part.shape[0]
+        elif state.held_weight:
+            held_gradients.add_weight_product(state.held_weight, operand, hidden_operand, accumulate)
 
     def scaled_copy(self, source: torch.Tensor, scale: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
         """``HeldSteps.scaled_copy`` by a kernel that reads the scale on the device (``mul`` by a 0-dim
         CUDA tensor broadcasts it as an operand, off PyTorch's vectorized elementwise path)."""
         if scale is None or not (source.is_contiguous() and out.is_contiguous()):
             return super().scaled_copy(source, scale, out)
-        scale_into(source, scale, out)
+        scale_into(source, scale.contiguous(), out)
         return out
 
     def add_chosen(
         self,
-        state: LossState,
-        rows: slice,
+        product: torch.Tensor,
         target_column: torch.Tensor,
         chosen: torch.Tensor,
-        hidden: torch.Tensor,
         weight: torch.Tensor,
         factor: Optional[torch.Tensor] = None,
     ) -> None:
-        """``HeldSteps.add_chosen`` by the chosen-token kernels (``hidden``, ``weight`` addressable)."""
-        if state.held_hidden.dim() == 2:
-            product = state.held_hidden[rows]
+        """``HeldSteps.add_chosen`` by the chosen-token kernel, one target column at a time
+        (``weight`` addressable)."""
+        if target_column.dim() == 1:
             finish_hidden_grad(product, factor, chosen, target_column, weight, product)
-        if state.held_weight:
-            add_chosen_rows(state.held_weight, target_column, chosen, hidden)
+            return
+        for target in range(target_column.shape[1]):
+            column, term = target_column[:, target].contiguous(), chosen[:, target].contiguous()
+            finish_hidden_grad(product, factor if target == 0 else None, term, column, weight, product)
+
+    def fit_declared(
+        self, upstream: torch.Tensor, declared: torch.Tensor, assumed: Optional[float]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``HeldSteps.fit_declared`` in one launch (``kernels.fit_kernel``)."""
+        return fit_declared(upstream.contiguous(), declared.contiguous(), assumed, PROPORTIONAL_TOLERANCE)
+
+    def add_chosen_rows(
+        self, held_weight: List[torch.Tensor], target_column: torch.Tensor, chosen: torch.Tensor, hidden: torch.Tensor
+    ) -> None:
+        """``HeldSteps.add_chosen_rows`` by the chosen-token kernel (sorted runs, no atomics)."""
+        hidden = addressable(hidden)
+        if target_column.dim() == 1:
+            add_chosen_rows(held_weight, target_column.contiguous(), chosen, hidden)
+            return
+        for target in range(target_column.shape[1]):
+            add_chosen_rows(held_weight, target_column[:, target].contiguous(), chosen[:, target].contiguous(), hidden)

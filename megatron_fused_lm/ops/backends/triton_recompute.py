@@ -11,9 +11,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
-
 import torch
 
 from ..contract import Gradients, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads, token_chunks
@@ -22,21 +19,18 @@ from ..kernels.logit_grad_kernel import logit_grad_block
 from ..kernels.merge_kernel import merge_parts
 from ..kernels.rows_product_kernel import rows_product
 from ..kernels.softmax_stats_kernel import split_statistics
+from ..options import HeadOptions
 from ..products import add_product
 from ..softmax import NUM_STATISTICS
-from .triton_tuning import TOKEN_CHUNK, VOCAB_CHUNK_MULTIPLE, TritonTuning
+from .triton_tuning import TOKEN_CHUNK, VOCAB_CHUNK_MULTIPLE
 
 
-@dataclass(frozen=True)
 class TritonRecompute:
-    """``token_chunk``: backward rows per token chunk (``TOKEN_CHUNK``); ``batch_invariant``: the
-    hidden product by ``rows_product`` instead of cuBLAS; ``tuning``: fixed choices."""
+    """The four-GEMM path of the Triton backend (``self.tuning``: ``triton_tuning.TritonTuning``).
+    ``options.token_chunk``: backward rows per token chunk (``TOKEN_CHUNK``);
+    ``options.batch_invariant``: the hidden product by ``rows_product`` instead of cuBLAS."""
 
-    token_chunk: Optional[int] = None
-    batch_invariant: bool = False
-    tuning: TritonTuning = field(default_factory=TritonTuning)
-
-    def local_statistics(self, problem: ShardProblem) -> torch.Tensor:
+    def local_statistics(self, problem: ShardProblem, options: HeadOptions) -> torch.Tensor:
         """This shard's statistics ``[n, 4]`` (float32)."""
         hidden, weight = problem.hidden, problem.weight
         if hidden.shape[0] == 0:
@@ -49,7 +43,12 @@ class TritonRecompute:
         return merge_parts(parts)
 
     def local_gradients(
-        self, problem: ShardProblem, saved: SavedStatistics, upstream: UpstreamGrads, needed: NeededGrads
+        self,
+        problem: ShardProblem,
+        saved: SavedStatistics,
+        upstream: UpstreamGrads,
+        needed: NeededGrads,
+        options: HeadOptions,
     ) -> Gradients:
         """This shard's gradients (``contract.Gradients`` gives their dtypes)."""
         hidden, weight = problem.hidden, problem.weight
@@ -60,7 +59,7 @@ class TritonRecompute:
         if num_tokens == 0:
             return Gradients(grad_hidden, None if grad_weight is None else grad_weight.zero_())
 
-        token_chunk = min(self.token_chunk or TOKEN_CHUNK, num_tokens)
+        token_chunk = min(options.token_chunk or TOKEN_CHUNK, num_tokens)
         accumulator_bytes = token_chunk * hidden_size * 4 if needed.hidden else 0
         gradient_bytes = sum(
             grad.numel() * grad.element_size() for grad in (grad_hidden, grad_weight) if grad is not None
@@ -96,7 +95,7 @@ class TritonRecompute:
                     tiles,
                     programs,
                 )
-                if hidden_acc is not None and self.batch_invariant:
+                if hidden_acc is not None and options.batch_invariant:
                     # Each vocabulary chunk continues the row's float32 sum where the last left it
                     # (chunks start at multiples of the tiles' hidden step): one order whatever the chunks.
                     rows_product(hidden_acc[:rows], block, weight_operand[columns], columns.start > 0, tiles)

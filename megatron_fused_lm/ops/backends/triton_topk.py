@@ -1,19 +1,21 @@
-"""The Triton backend's top-k: two launches of the forward kernel over the shard, no logits stored.
+"""The Triton backend's top-k: two launches over the shard's vocabulary splits, no logits stored.
 
-1. The statistics, and each row's maximum of each column tile (``TILE_MAXIMA``).
+1. The forward kernel: the statistics, and each row's maximum of each column tile
+   (``softmax_stats_kernel.split_statistics``' ``tile_maxima``).
 2. Each row's threshold: the ``k``-th largest of its tile maxima. ``k`` tiles hold a logit at or
    above it, so the row's ``k`` largest logits all are.
-3. The kernel again (``COLLECT``): each row's logits at or above its threshold and their columns,
-   up to ``picks`` a column tile, into the row's slots of each vocabulary split. Its products are
-   the first launch's, bit for bit.
+3. The candidates kernel (``topk_kernel.collect_candidates``): each row's logits at or above its
+   threshold and their columns, up to ``picks`` a column tile, into the row's slots of each
+   vocabulary split. It walks the splits as the forward kernel does: its products are the first
+   launch's, bit for bit.
 4. The ``k`` largest keys of each row's candidates (``top_keys.logit_keys``).
 5. A row with a logit that found no slot (its largest logits crowded into a few tiles, or many
    equal to the threshold), or with fewer than ``k`` candidates (a NaN threshold, or launches
    whose products differed), takes the torch form's statistics and keys
    (``top_keys.shard_top_keys``): one read on the host per chunk of rows finds them.
 Where ``k`` exceeds a quarter of the shard's column tiles, every row takes the torch form: the
-threshold then falls so low among the rows' logits that their candidates outgrow the slots (at
-``k = 1024`` of 1187 tiles, 94 % of the rows' did on one H100). ``docs/benchmarks/features.md`` (top-k) has what each costs.
+threshold then falls so low among the rows' logits that their candidates outgrow the slots.
+``docs/benchmarks/features.md`` (top-k) has how often, and what each form costs.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import triton
 from ..chunking import BLOCK_BYTES, chunk_rows
 from ..contract import token_chunks
 from ..kernels.merge_kernel import merge_parts
-from ..kernels.softmax_stats_kernel import collect_candidates, split_statistics
+from ..kernels.softmax_stats_kernel import split_statistics
+from ..kernels.topk_kernel import collect_candidates
 from ..softmax import NUM_STATISTICS
 from ..top_keys import NO_KEY, logit_keys, shard_top_keys
 from .triton_tuning import TritonTuning

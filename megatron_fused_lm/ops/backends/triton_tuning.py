@@ -9,8 +9,9 @@ object that fixes any of their choices instead (tile sweeps and the interpreter 
   vocabulary alone, so that a row's result does not depend on the other rows of the call.
 - Recompute backward: token chunks of ``TOKEN_CHUNK`` rows, vocabulary chunks within
   ``WORKING_SET_BYTES`` plus ``WORKING_SET_GRADIENT_SHARE`` of the gradients' bytes.
-- Loss-in-forward pass: token chunks whose stored block takes at most ``STORED_LOGITS_BYTES``, the
-  rows split evenly over the chunks.
+- Loss-in-forward pass: token chunks whose stored block takes at most the stored-block budget
+  (``TritonTuning.stored_block_bytes``; by default ``STORED_BLOCK_SHARE`` of the device's memory),
+  the rows split evenly over the chunks: one chunk wherever the whole block fits.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ WORKING_SET_BYTES = 256 * 2**20
 WORKING_SET_GRADIENT_SHARE = 0.1
 RESERVE_BYTES = 32 * 2**20  # of the working set, for the statistics and small temporaries
 VOCAB_CHUNK_MULTIPLE = 256  # keeps the cuBLAS products on whole tiles
-STORED_LOGITS_BYTES = 2**30
+# The stored block's default budget, a share of the device's memory, which holds 8192 tokens of a
+# 151936-id vocabulary (2.3 GiB in 16 bits) in one chunk on an 80 GB card.
+STORED_BLOCK_SHARE = 1 / 32
 REFERENCE_ROWS = 512  # weight rows sampled for each row's reference (plus the chosen token's)
 
 GPU_16BIT_TILES = Tiles(
@@ -78,6 +81,9 @@ class TritonTuning:
             (the multiprocessor count).
         dz_block_bytes: bytes of one recompute-backward ``dz`` block.
         reference_rows: weight rows sampled for each row's reference in the loss-in-forward pass.
+        stored_block_bytes: the loss-in-forward pass's memory budget for one chunk's stored logits
+            (its chunks take as many rows as fit; by default ``STORED_BLOCK_SHARE`` of the
+            device's memory).
     """
 
     forward_tiles: Optional[Tiles] = None
@@ -86,6 +92,7 @@ class TritonTuning:
     programs: Optional[int] = None
     dz_block_bytes: Optional[int] = None
     reference_rows: Optional[int] = None
+    stored_block_bytes: Optional[int] = None
 
     def forward_tiles_for(
         self, dtype: torch.dtype, stored: Optional[torch.dtype] = None, device: Optional[torch.device] = None
@@ -126,6 +133,12 @@ class TritonTuning:
         candidates = {min(per_split, col_tiles) for per_split in TILES_PER_SPLIT}
         return min(candidates, key=lambda per_split: (column_tiles_per_slot(per_split), -per_split))
 
+    def stored_block_bytes_for(self, device: torch.device) -> int:
+        """The stored block's budget on ``device``."""
+        if self.stored_block_bytes is not None:
+            return self.stored_block_bytes
+        return int(STORED_BLOCK_SHARE * torch.cuda.get_device_properties(device).total_memory)
+
     def dz_block_bytes_for(self, gradient_bytes: int, accumulator_bytes: int) -> int:
         """Bytes of the recompute backward's ``dz`` block: what the working-set target leaves."""
         if self.dz_block_bytes is not None:
@@ -134,11 +147,11 @@ class TritonTuning:
         return int(budget - accumulator_bytes - RESERVE_BYTES)
 
 
-def loss_token_chunk(num_tokens: int, vocab: int, bytes_per_logit: int, tiles: Tiles) -> int:
-    """Rows per loss-in-forward chunk: at most as many whole token tiles as ``STORED_LOGITS_BYTES``
-    holds at ``bytes_per_logit`` (the stored block's), and as few as still need that many chunks,
-    so that the rows split evenly (a short last chunk would run every phase at low occupancy)."""
-    limit = max(tiles.block_m, STORED_LOGITS_BYTES // (bytes_per_logit * vocab) // tiles.block_m * tiles.block_m)
+def loss_token_chunk(num_tokens: int, vocab: int, bytes_per_logit: int, tiles: Tiles, budget: int) -> int:
+    """Rows per loss-in-forward chunk: at most as many whole token tiles as ``budget`` bytes hold at
+    ``bytes_per_logit`` (the stored block's), and as few as still need that many chunks, so that
+    the rows split evenly (a short last chunk would run every phase at low occupancy)."""
+    limit = max(tiles.block_m, budget // (bytes_per_logit * vocab) // tiles.block_m * tiles.block_m)
     chunks = max(1, -(-num_tokens // limit))
     even = max(1, -(-num_tokens // chunks))
     return min(limit, -(-even // tiles.block_m) * tiles.block_m)

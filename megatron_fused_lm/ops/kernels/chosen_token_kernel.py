@@ -4,8 +4,10 @@ has the torch code that computes the same):
 - ``finish_hidden_grad``: ``grad_hidden[t] = f[t] * product[t] + c[t] * W[y_t]``, one pass over the
   chunk's float32 product ``[n, H]``;
 - ``add_chosen_rows``: ``grad_weight[y] += sum over tokens t with y_t = y of c[t] * h[t]``, summed in
-  float32 per row. The tokens come sorted by their row, and the first token of each run sums the
-  run: deterministic, no atomics, no host synchronization.
+  float32 per row, in token order: a first launch links each token to the next one of its row
+  (``chosen_links_kernel``, every pair of tokens compared, which costs less than a sort's launches
+  for the chunks a pass takes), and the first token of each row walks its links and adds the sum:
+  deterministic, no atomics, no host synchronization, two launches for both parts of the gradient.
 """
 
 from __future__ import annotations
@@ -47,40 +49,63 @@ def finish_hidden_grad_kernel(
     tl.store(out_ptr + row * stride_out + cols, grad.to(out_ptr.dtype.element_ty), mask=valid)
 
 
+LINK_BLOCK = 128  # tokens a links program owns, and compares at a time
+
+
+@triton.jit
+def chosen_links_kernel(target_column_ptr, first_ptr, next_ptr, num_tokens, BLOCK: tl.constexpr):
+    """For each of a block of tokens: the first token of its row (``first``) and the next one after
+    it (``next``, -1 for the last), found by comparing it with every token."""
+    tokens = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = tokens < num_tokens
+    row = tl.load(target_column_ptr + tokens, mask=valid, other=0)
+    first = tl.full([BLOCK], num_tokens, tl.int32)
+    following = tl.full([BLOCK], num_tokens, tl.int32)
+    for start in range(0, num_tokens, BLOCK):
+        others = start + tl.arange(0, BLOCK)
+        other_row = tl.load(target_column_ptr + others, mask=others < num_tokens, other=0)
+        same = (row[:, None] == other_row[None, :]) & (others < num_tokens)[None, :]
+        first = tl.minimum(first, tl.min(tl.where(same, others[None, :], num_tokens), axis=1))
+        later = same & (others[None, :] > tokens[:, None])
+        following = tl.minimum(following, tl.min(tl.where(later, others[None, :], num_tokens), axis=1))
+    tl.store(first_ptr + tokens, first, mask=valid)
+    tl.store(next_ptr + tokens, tl.where(following == num_tokens, -1, following), mask=valid)
+
+
 @triton.jit
 def add_chosen_rows_kernel(
-    sorted_rows_ptr,
-    order_ptr,
+    target_column_ptr,
+    first_ptr,
+    next_ptr,
     chosen_ptr,
     hidden_ptr,
     stride_hidden,
-    grad_ptr,
-    stride_grad,
-    first_row,
-    num_rows,
-    num_tokens,
+    part_ptr,
+    stride_part,
+    second_part_ptr,
+    stride_second_part,
+    first_part_rows,
+    vocab,
     hidden_size,
     BLOCK_H: tl.constexpr,
 ):
-    position = tl.program_id(0)
+    token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     valid = cols < hidden_size
-    row = tl.load(sorted_rows_ptr + position)
-    previous = tl.load(sorted_rows_ptr + tl.maximum(position - 1, 0))
-    starts_run = (position == 0) | (previous != row)
-    if starts_run & (row >= first_row) & (row < first_row + num_rows):
+    row = tl.load(target_column_ptr + token)
+    if (tl.load(first_ptr + token) == token) & (row >= 0) & (row < vocab):
         total = tl.zeros([BLOCK_H], tl.float32)
-        member = position
-        in_run = True
-        while in_run:
-            token = tl.load(order_ptr + member).to(tl.int64)
-            term = tl.load(hidden_ptr + token * stride_hidden + cols, mask=valid, other=0.0).to(tl.float32)
-            total += tl.load(chosen_ptr + token) * term
-            member += 1
-            in_run = tl.load(sorted_rows_ptr + member, mask=member < num_tokens, other=-1) == row
-        out = grad_ptr + (row - first_row).to(tl.int64) * stride_grad + cols
+        member = token
+        while member >= 0:
+            term = tl.load(hidden_ptr + member.to(tl.int64) * stride_hidden + cols, mask=valid, other=0.0)
+            total += tl.load(chosen_ptr + member) * term.to(tl.float32)
+            member = tl.load(next_ptr + member)
+        if row < first_part_rows:
+            out = part_ptr + row.to(tl.int64) * stride_part + cols
+        else:
+            out = second_part_ptr + (row - first_part_rows).to(tl.int64) * stride_second_part + cols
         current = tl.load(out, mask=valid, other=0.0).to(tl.float32)
-        tl.store(out, (current + total).to(grad_ptr.dtype.element_ty), mask=valid)
+        tl.store(out, (current + total).to(out.dtype.element_ty), mask=valid)
 
 
 def finish_hidden_grad(
@@ -110,21 +135,21 @@ def add_chosen_rows(
     chosen: torch.Tensor,
     hidden: torch.Tensor,
 ) -> None:
-    """Add ``chosen[t] * hidden[t]`` to the weight gradient's row ``target_column[t]`` (-1: none),
-    summed in float32 with one rounding per row. The gradient may be held in row parts ``[R, H]``,
-    one after the other. ``chosen [n]``
-    float32, ``hidden [n, H]``; unit last strides. Tokens with ``chosen == 0`` add nothing and are
-    skipped."""
+    """Add ``chosen[t] * hidden[t]`` to the weight gradient's row ``target_column[t]`` (< 0: none),
+    summed in float32 per row in token order with one rounding per row. The gradient is held in one
+    or two row parts ``[R, H]``, one after the other. ``target_column [n]`` int64 and ``chosen [n]``
+    float32 contiguous, ``hidden [n, H]`` with a unit last stride."""
     num_tokens, hidden_size = hidden.shape
     if num_tokens == 0:
         return
-    rows = torch.where(chosen != 0, target_column, -1)
-    sorted_rows, order = torch.sort(rows, stable=True)
-    grid = (num_tokens, triton.cdiv(hidden_size, BLOCK_H))
-    first_row = 0
-    for part in grad_weight_parts:
-        add_chosen_rows_kernel[grid](
-            sorted_rows, order, chosen, hidden, hidden.stride(0), part, part.stride(0), first_row, part.shape[0],
-            num_tokens, hidden_size, BLOCK_H=BLOCK_H,
-        )  # fmt: skip
-        first_row += part.shape[0]
+    first, following = (torch.empty(num_tokens, dtype=torch.int32, device=hidden.device) for _ in range(2))
+    chosen_links_kernel[(triton.cdiv(num_tokens, LINK_BLOCK),)](
+        target_column, first, following, num_tokens, BLOCK=LINK_BLOCK, num_warps=8
+    )
+    part, *rest = grad_weight_parts
+    second = rest[0] if rest else part
+    add_chosen_rows_kernel[(num_tokens, triton.cdiv(hidden_size, BLOCK_H))](
+        target_column, first, following, chosen, hidden, hidden.stride(0), part, part.stride(0), second,
+        second.stride(0), part.shape[0], part.shape[0] + (second.shape[0] if rest else 0), hidden_size,
+        BLOCK_H=BLOCK_H,
+    )  # fmt: skip

@@ -1,6 +1,7 @@
-"""Triton functions the kernels share: the walk over output tiles and hidden steps, the rows'
-temperatures and kept columns, the per-row inputs of a gradient epilogue, and the logits' gradient itself (``softmax.logit_grad``, compiled
-from the same source the torch code runs)."""
+"""Triton functions the kernels share: the walk over output tiles and hidden steps (and the walk
+along a vocabulary split, which gives every launch over the splits the same logits tiles), the
+rows' temperatures and kept columns, the per-row inputs of a gradient epilogue, and the logits'
+gradient itself (``softmax.logit_grad``, compiled from the same source the torch code runs)."""
 
 import types
 
@@ -42,11 +43,60 @@ def product_step(hidden_desc, weight_desc, row0, col0, k_step, acc, BLOCK_K: tl.
     return tl.dot(hidden_tile, weight_tile.T, acc, input_precision=DOT_PRECISION)
 
 
+@triton.jit
+def split_walk(
+    num_tokens, vocab, hidden_size, tiles_per_split, num_splits, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """Where this program of a launch over (token tile, vocabulary split) starts: ``(row0, split,
+    col0, k_step, k_steps, num_steps)``, its token tile's first row and its split of
+    ``tiles_per_split`` column tiles (``grouped_tile`` order), ``split_step``'s state before the
+    first step (``col0`` a tile before the split's first, ``k_step`` a tile's last hidden step), the
+    hidden steps per tile, and the steps of its flat loop over (column tile, hidden step)."""
+    num_row_tiles = tl.cdiv(num_tokens, BLOCK_M)
+    row_tile, split = grouped_tile(tl.program_id(0), num_row_tiles, num_splits, GROUP_M)
+    first_col_tile = split * tiles_per_split
+    num_col_tiles = tl.minimum(tl.cdiv(vocab, BLOCK_N) - first_col_tile, tiles_per_split)
+    k_steps = tl.cdiv(hidden_size, BLOCK_K)
+    return row_tile * BLOCK_M, split, (first_col_tile - 1) * BLOCK_N, k_steps - 1, k_steps, num_col_tiles * k_steps
+
+
+@triton.jit
+def split_step(
+    hidden_desc, weight_desc, row0, col0, k_step, k_steps, acc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``(col0, k_step, acc)`` after the next step of a program's walk along its split (``split_walk``):
+    the next hidden step (0: the next column tile, ``col0`` advanced) added into ``acc``. The tile
+    ``[row0:, col0:]`` is finished where ``k_step == k_steps - 1``."""
+    k_step = next_k_step(k_step, k_steps)
+    if k_step == 0:
+        col0 += BLOCK_N
+    return col0, k_step, product_step(hidden_desc, weight_desc, row0, col0, k_step, acc, BLOCK_K, DOT_PRECISION)
+
+
+@triton.jit
+def split_logits(
+    acc, inv_temperature, vocab, col0, rows, row_valid, kept_ptr, stride_kept_row, kept_words,
+    HAS_KEPT: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """``(logits, col_valid)`` of a finished tile ``acc [BLOCK_M, BLOCK_N]`` of a split's walk: the
+    float32 logits divided by the temperature, -inf on the columns past ``vocab`` and those the
+    rows do not keep (``kept_tile``), which ``col_valid`` (bool, ``[1 or BLOCK_M, BLOCK_N]``) names.
+    Every launch over the splits computes its logits here, so those of one tile are the same bits
+    in all of them."""
+    # Offsets within the tile against scalars: no per-element column indices (registers).
+    col_valid = (tl.arange(0, BLOCK_N) < vocab - col0)[None, :]
+    if HAS_KEPT:
+        col_valid = col_valid & kept_tile(kept_ptr, stride_kept_row, kept_words, rows, row_valid, col0, BLOCK_N)
+    return tl.where(col_valid, acc * inv_temperature, float("-inf")), col_valid
+
+
 def temperature_arguments(temperature) -> tuple:
     """The launch arguments ``inverse_temperature`` reads: the rows' temperatures ``[n]`` (float32)
     and whether every row shares one, which the ops give as a stride-0 tensor for a number: the
-    kernels then scale by one scalar, not by a per-row vector beside the accumulator (a few percent
-    of the forward kernel's time on an H100)."""
+    kernels then scale by one scalar, not by a per-row vector beside the accumulator (what that
+    costs: docs/benchmarks/features.md, temperature)."""
     uniform = temperature.stride(0) == 0 or temperature.numel() <= 1
     return (temperature if uniform else temperature.contiguous()), dict(UNIFORM_TEMPERATURE=uniform)
 
@@ -75,8 +125,8 @@ def kept_tile(kept_ptr, stride_kept_row, kept_words, rows, row_valid, first_col,
     """``[BLOCK_M, BLOCK_N]`` bool: which of the columns ``first_col + [0, BLOCK_N)`` (``first_col``
     a multiple of 32) each of the ``rows`` keeps (its bit in the row's mask words; the words past the
     shard read as none). The tile's ``BLOCK_N / 32`` words per row are loaded as one small tile and
-    spread over the columns in registers: a load per element made the forward kernel 1.4 to 1.6
-    times slower than this (docs/benchmarks/constants.md, kept-token masks). The spread is a ``tl.gather`` on 16-bit tiles
+    spread over the columns in registers, faster than a load per element (docs/benchmarks/constants.md,
+    kept-token masks). The spread is a ``tl.gather`` on 16-bit tiles
     (128 columns or more), a reshape of the words' bits on the 64-column float32 tiles, for which
     Triton 3.6 cannot compile the gather (``TritonGPUOptimizeThreadLocality`` fails)."""
     tl.static_assert(BLOCK_N % 32 == 0, "a tile's columns must be whole mask words")
@@ -92,33 +142,6 @@ def kept_tile(kept_ptr, stride_kept_row, kept_words, rows, row_valid, first_col,
         bits = (words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
         kept = tl.reshape(bits.to(tl.int8), [rows.shape[0], BLOCK_N]) != 0
     return kept
-
-
-@triton.jit
-def pick_candidates(
-    logits, threshold, count, row_slots, row_valid, first_col, candidates_ptr, candidate_columns_ptr, slots,
-    PICKS: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """``count [BLOCK_M]`` (int32) after keeping each row's logits of a ``[BLOCK_M, BLOCK_N]`` tile
-    (first column ``first_col``) at or above its ``threshold``, largest first (of equal ones the
-    lower column), in the row's slots from ``row_slots + count`` (below ``slots``): up to ``PICKS``
-    a tile, each found by a row maximum, so that no atomics, scans or block-wide reductions stall
-    the loop. A row with a logit left without a slot gets ``slots + 1``, for good."""
-    columns = tl.arange(0, BLOCK_N)[None, :]
-    above = logits >= threshold[:, None]
-    hits = tl.sum(above.to(tl.int32), axis=1)
-    remaining = tl.where(above, logits, float("-inf"))
-    taken = tl.zeros_like(hits)
-    for _ in tl.static_range(PICKS):
-        value = tl.max(remaining, axis=1)
-        column = tl.min(tl.where(remaining == value[:, None], columns, BLOCK_N), axis=1)
-        take = (taken < hits) & (count < slots)
-        tl.store(candidates_ptr + row_slots + count, value, mask=take & row_valid)
-        tl.store(candidate_columns_ptr + row_slots + count, first_col + column, mask=take & row_valid)
-        count += take.to(tl.int32)
-        taken += take.to(tl.int32)
-        remaining = tl.where(columns == column[:, None], float("-inf"), remaining)
-    return tl.where(taken < hits, slots + 1, count)
 
 
 def row_upstream_arguments(target_column, saved, upstream) -> tuple[tuple, dict]:

@@ -1,9 +1,13 @@
 """``out (+)= left @ right`` accumulated in float32 with tiles fixed by the dtype alone: each output
 row is summed over the inner dimension in the same order whatever the number of rows, which
 cuBLAS does not promise (it picks an algorithm, split-K included, from the shape). The hidden
-gradient's product under ``batch_invariant=True`` (``docs/DESIGN.md``, "Batch invariance")."""
+gradient's product under ``batch_invariant=True`` (``docs/DESIGN.md``, "Batch invariance"); and,
+behind a gate on the device, the weight gradient's product of a correction that may not run
+(``left`` read transposed), which cuBLAS cannot skip without the host reading the gate."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -23,7 +27,10 @@ def rows_product_kernel(
     inner,
     columns,
     stride_out,
+    gate_ptr,
     ACCUMULATE: tl.constexpr,
+    LEFT_TRANSPOSED: tl.constexpr,
+    GATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -35,36 +42,58 @@ def rows_product_kernel(
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = col0 + tl.arange(0, BLOCK_N)
     valid = (rows < num_rows)[:, None] & (cols < columns)[None, :]
+    k_steps = tl.cdiv(inner, BLOCK_K)
+    if GATED:  # a closed gate: no steps, no reads or writes
+        is_open = tl.load(gate_ptr) != 0
+        valid = valid & is_open
+        k_steps = tl.where(is_open, k_steps, 0)
     out = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
     if ACCUMULATE:
         acc = tl.load(out, mask=valid, other=0.0)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k_step in range(0, tl.cdiv(inner, BLOCK_K)):
+    for k_step in range(0, k_steps):
         # The descriptors read zeros past the edges: a partial step adds nothing there.
-        left = left_desc.load([row0, k_step * BLOCK_K])
+        if LEFT_TRANSPOSED:
+            left = tl.trans(left_desc.load([k_step * BLOCK_K, row0]))
+        else:
+            left = left_desc.load([row0, k_step * BLOCK_K])
         right = right_desc.load([k_step * BLOCK_K, col0])
         acc = tl.dot(left, right, acc, input_precision=DOT_PRECISION)
     tl.store(out, acc, mask=valid)
 
 
-def rows_product(out: torch.Tensor, left: torch.Tensor, right: torch.Tensor, accumulate: bool, tiles: Tiles) -> None:
+def rows_product(
+    out: torch.Tensor,
+    left: torch.Tensor,
+    right: torch.Tensor,
+    accumulate: bool,
+    tiles: Tiles,
+    gate: Optional[torch.Tensor] = None,
+) -> None:
     """``out = left @ right`` (``+ out`` when ``accumulate``): ``out [m, n]`` float32 with a unit
-    last stride, ``left [m, k]`` and ``right [k, n]`` of one dtype (copied where a descriptor cannot
-    address them); ``tiles`` as ``TritonTuning.backward_tiles_for`` gives them."""
+    last stride, ``left [m, k]`` (or its transpose, ``left.t()`` of a ``[k, m]`` tensor) and
+    ``right [k, n]`` of one dtype (copied where a descriptor cannot address them); ``tiles`` as
+    ``TritonTuning.backward_tiles_for`` gives them. With a ``gate`` (a 0-dim tensor on the
+    device) nothing is read or written where it is 0."""
     num_rows, inner = left.shape
     columns = right.shape[1]
     if num_rows == 0 or columns == 0:
         return
+    transposed = left.stride(0) == 1 and left.stride(1) != 1
+    stored = addressable(left.t() if transposed else left)
     grid = (triton.cdiv(num_rows, tiles.block_m) * triton.cdiv(columns, tiles.block_n),)
     rows_product_kernel[grid](
-        descriptor(addressable(left), [tiles.block_m, tiles.block_k]),
+        descriptor(stored, [tiles.block_k, tiles.block_m] if transposed else [tiles.block_m, tiles.block_k]),
         descriptor(addressable(right), [tiles.block_k, tiles.block_n]),
         out,
         num_rows,
         inner,
         columns,
         out.stride(0),
+        gate,
         ACCUMULATE=accumulate,
+        LEFT_TRANSPOSED=transposed,
+        GATED=gate is not None,
         **tiles.launch_options(),
     )

@@ -3,14 +3,14 @@ and, for the loss-in-forward path, the logits kept in a stored block (``triton_r
 
 A program owns one tile of ``block_m`` tokens and one vocabulary split of ``tiles_per_split``
 column tiles; it folds each finished logits tile into running per-token statistics (``softmax``
-order) and writes one ``[block_m, 4]`` slice of ``parts [num_splits, n, 4]``. With ``STORE_BLOCK``
-it also stores the tile through a descriptor: ``exp(z - reference)``, or with ``STORE_OFFSETS``
-float16 ``z - m`` and the tile's maximum ``m`` into ``reference [n, column tiles]``; ``REFRESH``
-launches rewrite the row tiles that hold a row whose reference proved stale. For top-k
-(``backends.triton_topk``), ``TILE_MAXIMA`` stores each tile's row maxima without a block, and
-``COLLECT`` launches compute no statistics: they keep each row's logits at or above its threshold
-in the row's slots of their split. ``docs/DESIGN.md`` says why splits ("The Triton backend") and
-why each form ("The stored block").
+order) and writes one ``[block_m, 4]`` slice of ``parts [num_splits, n, 4]``. ``STORE_TILE_MAXIMA``
+stores each row's maximum ``m`` of each tile into ``reference [n, column tiles]`` (top-k's
+thresholds, ``backends.triton_topk``); with ``STORE_BLOCK`` the kernel also stores the tile through
+a descriptor: float16 ``z - m`` beside those maxima, else ``exp(z - reference)``, and ``REFRESH``
+launches rewrite the row tiles that hold a row whose reference proved stale. ``topk_kernel`` walks
+the same splits through the same ``epilogue`` functions (``split_walk``, ``split_step``,
+``split_logits``), so its logits are this kernel's, bit for bit. ``docs/DESIGN.md`` says why splits
+("The Triton backend") and why each form ("The stored block").
 """
 
 from __future__ import annotations
@@ -24,13 +24,11 @@ import triton.language as tl
 from ..softmax import NUM_STATISTICS
 from .descriptors import addressable, descriptor
 from .epilogue import (
-    grouped_tile,
     inverse_temperature,
     kept_arguments,
-    kept_tile,
-    next_k_step,
-    pick_candidates,
-    product_step,
+    split_logits,
+    split_step,
+    split_walk,
     temperature_arguments,
 )
 from .tiles import Tiles
@@ -67,18 +65,12 @@ def softmax_stats_kernel(
     kept_ptr,
     stride_kept_row,
     kept_words,
-    threshold_ptr,
-    candidates_ptr,
-    candidate_columns_ptr,
-    slot_count_ptr,
-    slots,
+    gate_ptr,
     HAS_KEPT: tl.constexpr,
-    TILE_MAXIMA: tl.constexpr,
-    COLLECT: tl.constexpr,
-    PICKS: tl.constexpr,
+    STORE_TILE_MAXIMA: tl.constexpr,
     STORE_BLOCK: tl.constexpr,
-    STORE_OFFSETS: tl.constexpr,
     REFRESH: tl.constexpr,
+    GATED: tl.constexpr,
     UNIFORM_TEMPERATURE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -86,106 +78,77 @@ def softmax_stats_kernel(
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    num_row_tiles = tl.cdiv(num_tokens, BLOCK_M)
-    row_tile, split = grouped_tile(tl.program_id(0), num_row_tiles, num_splits, GROUP_M)
-    row0 = row_tile * BLOCK_M
-    first_col_tile = split * tiles_per_split
-    num_col_tiles = tl.minimum(tl.cdiv(vocab, BLOCK_N) - first_col_tile, tiles_per_split)
-    k_steps = tl.cdiv(hidden_size, BLOCK_K)
-
+    row0, split, col0, k_step, k_steps, num_steps = split_walk(
+        num_tokens, vocab, hidden_size, tiles_per_split, num_splits, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M
+    )
     rows = row0 + tl.arange(0, BLOCK_M)
     row_valid = rows < num_tokens
     target_column = tl.load(target_column_ptr + rows, mask=row_valid, other=-1)  # -1: another shard's
     inv_temperature = inverse_temperature(temperature_ptr, rows, row_valid, UNIFORM_TEMPERATURE)
-    if STORE_BLOCK and not STORE_OFFSETS:
+    if STORE_BLOCK and not STORE_TILE_MAXIMA:
         reference = tl.load(reference_ptr + rows, mask=row_valid, other=0.0)
-    if COLLECT:
-        threshold = tl.load(threshold_ptr + rows, mask=row_valid, other=float("inf"))
-        row_slots = (rows.to(tl.int64) * num_splits + split) * slots
-        count = tl.zeros([BLOCK_M], tl.int32)
-    num_steps = num_col_tiles * k_steps
     if REFRESH:
         # Only the row tiles with a row to rewrite walk their split; the others have no steps.
         refresh = tl.load(refresh_ptr + rows, mask=row_valid, other=0)
         num_steps = tl.where(tl.max(refresh, axis=0) > 0, num_steps, 0)
+    if GATED:  # a closed gate: no steps (a correcting pass that may not run, decided on the device)
+        num_steps = tl.where(tl.load(gate_ptr) != 0, num_steps, 0)
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     sumexp = tl.zeros([BLOCK_M], tl.float32)
     sumexp_z = tl.zeros([BLOCK_M], tl.float32)
     target_logit = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    col0 = (first_col_tile - 1) * BLOCK_N
-    k_step = k_steps - 1
     for _ in range(0, num_steps):
-        k_step = next_k_step(k_step, k_steps)
-        if k_step == 0:
-            col0 += BLOCK_N
-        acc = product_step(hidden_desc, weight_desc, row0, col0, k_step, acc, BLOCK_K, DOT_PRECISION)
-
+        col0, k_step, acc = split_step(
+            hidden_desc, weight_desc, row0, col0, k_step, k_steps, acc, BLOCK_N, BLOCK_K, DOT_PRECISION
+        )
         if k_step == k_steps - 1:
-            # Offsets within the tile against scalars: no per-element column indices (registers).
-            col_valid = (tl.arange(0, BLOCK_N) < vocab - col0)[None, :]
-            if HAS_KEPT:
-                col_valid = col_valid & kept_tile(kept_ptr, stride_kept_row, kept_words, rows, row_valid, col0, BLOCK_N)
-            logits = tl.where(col_valid, acc * inv_temperature, float("-inf"))
-            if COLLECT:
-                count = pick_candidates(
-                    logits,
-                    threshold,
-                    count,
-                    row_slots,
-                    row_valid,
-                    col0,
-                    candidates_ptr,
-                    candidate_columns_ptr,
-                    slots,
-                    PICKS,
-                    BLOCK_N,
-                )
+            logits, col_valid = split_logits(
+                acc, inv_temperature, vocab, col0, rows, row_valid, kept_ptr, stride_kept_row, kept_words, HAS_KEPT,
+                BLOCK_N,
+            )  # fmt: skip
+            tile_max = tl.max(logits, axis=1)
+            new_max = tl.maximum(running_max, tile_max)
+            # First tile: nothing to rescale (and -inf - new_max must not meet sumexp = 0).
+            shift = tl.where(running_max == float("-inf"), 0.0, running_max - new_max)
+            rescale = tl.exp(shift)
+            if HAS_KEPT:  # a row that has kept nothing yet has new_max = -inf: its shifted logits stay -inf
+                shifted = logits - tl.where(new_max == float("-inf"), 0.0, new_max)[:, None]
             else:
-                tile_max = tl.max(logits, axis=1)
-                new_max = tl.maximum(running_max, tile_max)
-                # First tile: nothing to rescale (and -inf - new_max must not meet sumexp = 0).
-                shift = tl.where(running_max == float("-inf"), 0.0, running_max - new_max)
-                rescale = tl.exp(shift)
-                if HAS_KEPT:  # a row that has kept nothing yet has new_max = -inf: its shifted logits stay -inf
-                    shifted = logits - tl.where(new_max == float("-inf"), 0.0, new_max)[:, None]
+                shifted = logits - new_max[:, None]  # -inf on padding columns
+            weights = tl.exp(shifted)  # 0 on padding columns
+            sumexp_z = rescale * (sumexp_z + sumexp * shift) + tl.sum(
+                weights * tl.where(col_valid, shifted, 0.0), axis=1
+            )
+            sumexp = rescale * sumexp + tl.sum(weights, axis=1)
+            running_max = new_max
+            is_target = tl.arange(0, BLOCK_N)[None, :] == (target_column - col0)[:, None]
+            target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)
+            if STORE_BLOCK:
+                if STORE_TILE_MAXIMA:
+                    if HAS_KEPT:  # a row keeping none of the tile's columns: every offset LOWEST_OFFSET
+                        tile_max = tl.where(tile_max == float("-inf"), 0.0, tile_max)
+                    # The tile's maximum is exact, so a row's largest logits come back exactly.
+                    stored = tl.maximum(logits - tile_max[:, None], LOWEST_OFFSET).to(block_desc.dtype)
                 else:
-                    shifted = logits - new_max[:, None]  # -inf on padding columns
-                weights = tl.exp(shifted)  # 0 on padding columns
-                sumexp_z = rescale * (sumexp_z + sumexp * shift) + tl.sum(
-                    weights * tl.where(col_valid, shifted, 0.0), axis=1
-                )
-                sumexp = rescale * sumexp + tl.sum(weights, axis=1)
-                running_max = new_max
-                is_target = tl.arange(0, BLOCK_N)[None, :] == (target_column - col0)[:, None]
-                target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)
-                if STORE_BLOCK:
-                    if STORE_OFFSETS:
-                        if HAS_KEPT:  # a row keeping none of the tile's columns: every offset LOWEST_OFFSET
-                            tile_max = tl.where(tile_max == float("-inf"), 0.0, tile_max)
-                        # The tile's maximum is exact, so a row's largest logits come back exactly.
-                        stored = tl.maximum(logits - tile_max[:, None], LOWEST_OFFSET).to(block_desc.dtype)
-                        where = reference_ptr + rows.to(tl.int64) * stride_reference_row + col0 // BLOCK_N
-                        tl.store(where, tile_max, mask=row_valid)
-                    else:
-                        # exp(z - reference) from the tile's exponentials: one exp per row, not per
-                        # element. Where the maximum lies far above the reference this overflows; those
-                        # rows are refreshed against their maximum, which this product stores exactly.
-                        rebase = tl.exp(new_max - reference)
-                        stored = (weights * rebase[:, None]).to(block_desc.dtype)
-                    # Stored as two half-width tiles: half the staging shared memory, which leaves the
-                    # operands a deeper pipeline or wider tiles (triton_tuning).
-                    left, right = tl.split(tl.permute(tl.reshape(stored, [BLOCK_M, 2, BLOCK_N // 2]), [0, 2, 1]))
-                    block_desc.store([row0, col0], left)
-                    block_desc.store([row0, col0 + BLOCK_N // 2], right)
-                elif TILE_MAXIMA:
-                    where = reference_ptr + rows.to(tl.int64) * stride_reference_row + col0 // BLOCK_N
-                    tl.store(where, tile_max, mask=row_valid)
+                    # exp(z - reference) from the tile's exponentials: one exp per row, not per
+                    # element. Where the maximum lies far above the reference this overflows; those
+                    # rows are refreshed against their maximum, which this product stores exactly.
+                    # The chosen token's element is 0: its term is added in float32 apart.
+                    rebase = tl.exp(new_max - reference)
+                    stored = tl.where(is_target, 0.0, weights * rebase[:, None]).to(block_desc.dtype)
+            if STORE_TILE_MAXIMA:
+                where = reference_ptr + rows.to(tl.int64) * stride_reference_row + col0 // BLOCK_N
+                tl.store(where, tile_max, mask=row_valid)
+            if STORE_BLOCK:
+                # Stored as two half-width tiles: half the staging shared memory, which leaves the
+                # operands a deeper pipeline or wider tiles (triton_tuning).
+                left, right = tl.split(tl.permute(tl.reshape(stored, [BLOCK_M, 2, BLOCK_N // 2]), [0, 2, 1]))
+                block_desc.store([row0, col0], left)
+                block_desc.store([row0, col0 + BLOCK_N // 2], right)
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
 
-    if COLLECT:
-        tl.store(slot_count_ptr + rows.to(tl.int64) * num_splits + split, count, mask=row_valid)
-    elif not REFRESH:
+    if not REFRESH:
         out = parts_ptr + split.to(tl.int64) * stride_parts_split + rows.to(tl.int64) * stride_parts_token
         tl.store(out + 0, running_max, mask=row_valid)
         tl.store(out + 1, sumexp, mask=row_valid)
@@ -204,6 +167,7 @@ def split_statistics(
     block: Optional[torch.Tensor] = None,
     reference: Optional[torch.Tensor] = None,
     tile_maxima: Optional[torch.Tensor] = None,
+    gate: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Statistics ``[num_splits, n, 4]`` (float32) of each vocabulary split.
 
@@ -215,52 +179,29 @@ def split_statistics(
 
     With a ``block [n, V]`` (unit last stride, 16-byte aligned rows) the kernel also stores every
     logit: a bfloat16 or float32 block as ``exp(z - reference[row])`` (``reference [n]`` float32,
-    contiguous); a float16 block as ``z - m`` with ``m``, the maximum of its row's column tile of
+    contiguous), the target's element 0 (the loss-in-forward pass adds its term in float32 apart);
+    a float16 block as ``z - m`` with ``m``, the maximum of its row's column tile of
     ``tiles.block_n`` columns, written to ``reference [n, ceil(V / block_n)]`` (float32, unit last
     stride). Without a block, ``tile_maxima [n, ceil(V / block_n)]`` (float32, unit last stride)
-    takes each row's maximum of each column tile where given (``collect_candidates``' thresholds).
+    takes each row's maximum of each column tile where given (top-k's thresholds,
+    ``topk_kernel.collect_candidates``). With a ``gate`` (a 0-dim tensor on the device) the launch
+    does nothing where it is 0 (the statistics are then not written).
     """
     num_splits = triton.cdiv(triton.cdiv(weight.shape[0], tiles.block_n), tiles_per_split)
     parts = torch.empty(num_splits, hidden.shape[0], NUM_STATISTICS, dtype=torch.float32, device=hidden.device)
+    offsets = block is not None and stores_offsets(block.dtype)
     _launch(
         hidden, weight, target_column, temperature, kept_mask, tiles, tiles_per_split, parts, block,
-        tile_maxima if tile_maxima is not None else reference, tile_maxima=tile_maxima is not None,
+        reference if tile_maxima is None else tile_maxima, store_tile_maxima=offsets or tile_maxima is not None,
+        gate=gate,
     )  # fmt: skip
     return parts
-
-
-def collect_candidates(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    temperature: torch.Tensor,
-    tiles: Tiles,
-    tiles_per_split: int,
-    threshold: torch.Tensor,
-    candidates: torch.Tensor,
-    candidate_columns: torch.Tensor,
-    picks: int,
-) -> torch.Tensor:
-    """Each row's logits at or above its ``threshold [n]`` (float32) and their columns, into the
-    row's slots of each split, ``candidates [n, num_splits, slots]`` (float32) and
-    ``candidate_columns`` (int32, the same shape), the largest first within a tile: returns
-    ``slot_count [n, num_splits]`` (int32), how many of a split's slots the row filled, ``slots + 1``
-    where one of its logits found no room (more than ``picks`` in one column tile, or more than
-    ``slots`` in the split). Arguments as for ``split_statistics``, with the same tiles: the logits
-    are those the statistics came from, bit for bit."""
-    slot_count = torch.empty(candidates.shape[:2], dtype=torch.int32, device=hidden.device)
-    no_targets = torch.full(threshold.shape, -1, dtype=torch.int64, device=hidden.device)
-    unwritten_parts = threshold.new_empty(1, 1, NUM_STATISTICS)  # collecting writes no statistics
-    every = torch.empty(0, dtype=torch.int32, device=hidden.device)
-    _launch(
-        hidden, weight, no_targets, temperature, every, tiles, tiles_per_split, unwritten_parts, None, None,
-        collect=(threshold, candidates, candidate_columns, slot_count, candidates.shape[2]), picks=picks,
-    )  # fmt: skip
-    return slot_count
 
 
 def refresh_exponentials(
     hidden: torch.Tensor,
     weight: torch.Tensor,
+    target_column: torch.Tensor,
     temperature: torch.Tensor,
     kept_mask: torch.Tensor,
     tiles: Tiles,
@@ -272,17 +213,16 @@ def refresh_exponentials(
     """Rewrite an exponentials ``block`` as ``exp(z - reference[row])`` in every token tile that holds a row
     with ``refresh`` set (``[n]`` int8); other tiles are left alone, so no host synchronization is
     needed to find the rows. Arguments as for ``split_statistics``, with the same tiles."""
-    no_targets = torch.full_like(reference, -1, dtype=torch.int64)
     unwritten_parts = reference.new_empty(1, 1, NUM_STATISTICS)  # refresh mode writes no statistics
     _launch(
-        hidden, weight, no_targets, temperature, kept_mask, tiles, tiles_per_split, unwritten_parts, block,
+        hidden, weight, target_column, temperature, kept_mask, tiles, tiles_per_split, unwritten_parts, block,
         reference, refresh,
     )  # fmt: skip
 
 
 def _launch(
     hidden, weight, target_column, temperature, kept_mask, tiles, tiles_per_split, parts, block, reference,
-    refresh=None, tile_maxima=False, collect=None, picks=1,
+    refresh=None, store_tile_maxima=False, gate=None,
 ):  # fmt: skip
     num_tokens, hidden_size = hidden.shape
     vocab = weight.shape[0]
@@ -308,14 +248,12 @@ def _launch(
         reference.stride(0) if reference is not None else 0,
         refresh,
         *kept_pointers,
-        *(collect or (None, None, None, None, 0)),
+        gate,
         **kept_flag,
-        TILE_MAXIMA=tile_maxima,
-        COLLECT=collect is not None,
-        PICKS=picks,
+        STORE_TILE_MAXIMA=store_tile_maxima,
         STORE_BLOCK=block is not None,
-        STORE_OFFSETS=block is not None and stores_offsets(block.dtype),
         REFRESH=refresh is not None,
+        GATED=gate is not None,
         **temperature_flag,
         **tiles.with_kept_columns(kept_flag["HAS_KEPT"] and block is not None).launch_options(),
     )

@@ -39,6 +39,6 @@ class Tiles(NamedTuple):
         """These tiles, one pipeline stage fewer where the forward kernel reads a kept-columns mask
         (``epilogue.kept_tile``) beside the block it stores: the store's staging and the
         mask's spread take shared memory the deepest pipelines fill (Hopper, bf16: 245792 bytes of
-        232448). Without a store the tuned depth fits, and one stage fewer costs the forward 40 to 70 %
+        232448). Without a store the tuned depth fits and is kept: one stage fewer slows the forward
         (docs/benchmarks/constants.md, kept-token masks)."""
         return self._replace(num_stages=self.num_stages - 1) if has_kept and self.num_stages > 2 else self

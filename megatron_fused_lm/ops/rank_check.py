@@ -1,0 +1,128 @@
+"""The raw ops' check that the ranks of a tensor-parallel group agree before their first collective.
+
+Under tensor parallelism every rank must pass the same rows (shapes, targets, mask, temperatures,
+kept sets) and its own shard of the vocabulary. A mistake there either gives numbers (a whole weight
+on every rank: each log-prob off by log P; targets or temperatures that differ) or aborts inside a
+collective (a mask that selects other rows). So the first call of an op for each group, weight
+shape and dtype gathers a digest of its inputs from every rank (one all-gather of a few int64, one
+read on the host) and raises a ``ValueError`` naming what differs. Later calls with the same
+signature take no collective and no read. Skipped where values are not available (meta and fake
+tensors, compiled graphs, CUDA-graph capture) and turned off for the process with
+``check_ranks_agree(False)``. The head's route passes the model's own group, shard and batch, so these
+mistakes cannot arise there.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .distributed import all_gather_stacked, group_name, group_size
+from .inputs import has_values
+
+_lock = threading.Lock()
+_checked: set = set()
+_enabled = [True]
+
+# Vocabulary rows sampled for the shard's digest: enough to tell shards apart, a read of a few KiB.
+SAMPLED_WEIGHT_ROWS = 16
+
+
+def check_ranks_agree(enabled: bool) -> None:
+    """Turn the first-call check across tensor-parallel ranks on (the default) or off for this
+    process (``megatron_fused_lm.ops.rank_check`` says what it costs)."""
+    _enabled[0] = bool(enabled)
+
+
+class _Inputs(NamedTuple):
+    """What the ranks must agree on, in the order of the digest's entries after the shapes."""
+
+    targets: Optional[torch.Tensor]
+    mask: Optional[torch.Tensor]
+    temperature: Optional[torch.Tensor]
+    kept_tokens: Optional[Tuple[torch.Tensor, torch.Tensor]]
+
+
+NAMES = ("the rows' shape", "the hidden size", "the shard's vocabulary rows", "targets", "mask", "temperature",
+         "kept_tokens")  # fmt: skip
+DIGEST_SIZE = len(NAMES) + 2  # and the shard's sampled rows: their digest, whether they differ
+
+
+def check_across_ranks(
+    op: str,
+    tp_group: Optional[dist.ProcessGroup],
+    hidden: torch.Tensor,
+    shard: Optional[torch.Tensor],
+    targets: Optional[torch.Tensor] = None,
+    mask: Optional[torch.Tensor] = None,
+    temperature=1.0,
+    kept_tokens=None,
+) -> None:
+    """``ValueError`` where the ranks of ``tp_group`` disagree on ``op``'s inputs: ``hidden [..., H]``
+    and ``shard [V / P, H]`` the rank's weight shard, or a logits shard ``[..., V / P]`` and ``None``
+    (its columns are the vocabulary rows); the rest as the op takes them. Once per op, group, shard
+    size, row width, dtypes and device, whatever the number of rows; nothing else on later calls."""
+    if not _enabled[0] or group_size(tp_group) == 1 or not has_values(hidden):
+        return
+    vocab_shard, shard_dtype = (hidden.shape[-1], hidden.dtype) if shard is None else (shard.shape[0], shard.dtype)
+    signature = (op, group_name(tp_group), vocab_shard, hidden.shape[-1], shard_dtype, hidden.dtype, hidden.device)
+    with _lock:
+        if signature in _checked:
+            return
+        _checked.add(signature)
+    temperature = temperature if isinstance(temperature, torch.Tensor) else torch.tensor(float(temperature))
+    inputs = _Inputs(targets, mask, temperature, kept_tokens)
+    if shard is None:  # the logits' columns as rows, built on the first call only
+        shard = hidden.reshape(-1, vocab_shard).t()
+    local = torch.tensor([hidden.shape[:-1].numel(), hidden.shape[-1], vocab_shard], device=hidden.device)
+    digest = torch.cat([local, _digests(inputs, hidden.device), _shard_digest(shard)])
+    gathered = all_gather_stacked(digest[None], tp_group)[:, 0].cpu()  # the one read on the host
+    differing = [
+        NAMES[index] for index in range(len(NAMES)) if not bool((gathered[:, index] == gathered[0, index]).all())
+    ]
+    if differing:
+        raise ValueError(
+            f"{op}: the ranks of tp_group disagree on {', '.join(differing)}; under tensor parallelism every rank "
+            "passes the same rows, targets, mask, temperatures and kept sets, and its own shard of the vocabulary"
+        )
+    sampled, rows_vary = gathered[:, -2], gathered[:, -1]
+    if bool((sampled == sampled[0]).all()) and bool(rows_vary.all()):
+        raise ValueError(
+            f"{op}: every rank of tp_group holds the same weight rows; pass each rank its shard of the vocabulary "
+            f"(rows [r V / P, (r + 1) V / P) on rank r of P = {group_size(tp_group)}), or the whole weight without "
+            "tp_group"
+        )
+
+
+def _digests(inputs: _Inputs, device: torch.device) -> torch.Tensor:
+    """One int64 per input: a position-weighted sum of its values (wrapping, exact), -1 where absent."""
+    values = []
+    for name, value in zip(_Inputs._fields, inputs, strict=True):
+        if value is None:
+            values.append(torch.tensor(-1, device=device))
+        elif name == "kept_tokens":
+            values.append(_digest(value[0]) * 1_000_003 + _digest(value[1]))
+        else:
+            values.append(_digest(value))
+    return torch.stack([value.to(device) for value in values])
+
+
+def _digest(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values and shape as one int64, the same on every rank exactly when they are."""
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype.is_floating_point:  # the float32 bits, so that equal values give equal digests
+        flat = flat.float().view(torch.int32)
+    weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64) * 2_654_435_761
+    return (flat.long() * weights).sum() + flat.numel()
+
+
+def _shard_digest(shard: torch.Tensor) -> torch.Tensor:
+    """``[digest of a few evenly spaced vocabulary rows, whether those rows differ]`` (a constant
+    weight, such as a zero initialization, is the same on every rank by design)."""
+    step = max(shard.shape[0] // SAMPLED_WEIGHT_ROWS, 1)
+    sample = shard.detach()[::step][:SAMPLED_WEIGHT_ROWS]
+    rows_vary = (sample != sample[:1]).any().long()
+    return torch.stack([_digest(sample), rows_vary])

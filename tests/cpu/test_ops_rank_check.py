@@ -1,0 +1,82 @@
+"""The raw ops under tensor parallelism refuse ranks that disagree (two gloo ranks): a whole weight
+on every rank, rows, targets, temperatures, a mask or kept sets that differ between ranks, each
+named, on the first call of a signature, with one all-gather that later calls of the signature do
+not repeat; ``check_ranks_agree(False)`` turns it off. Without the check each of these mistakes
+gives numbers (the whole weight: every log-prob off by log 2) or aborts inside a collective."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from devkit.collectives import recorded_collectives
+from devkit.oracle import make_case
+from devkit.spawn import run_ranks
+from megatron_fused_lm import check_ranks_agree, fused_linear_logprob, fused_linear_loss, logits_logprob, losses
+
+H, V, TOKENS = 16, 41, 12
+
+
+def case(vocab_shard, seed=0):
+    """Hidden states, the whole weight of two shards and targets, the same on both ranks."""
+    return make_case((TOKENS,), H, 2 * vocab_shard, torch.float32, peaky=False, seed=seed)
+
+
+def shard_of(weight, rank):
+    half = weight.shape[0] // 2
+    return weight[rank * half : (rank + 1) * half]
+
+
+def check_refusals(rank, world_size):
+    group = dist.new_group([0, 1])
+    hidden, weight, targets = case(V)
+    shard = shard_of(weight, rank)
+    # Agreeing ranks: one all-gather of the digest on the first call, none on a later call of the
+    # signature (fewer rows, another temperature).
+    with recorded_collectives(rank_check=True) as calls:
+        fused_linear_logprob(hidden, shard, targets, tp_group=group)
+        fused_linear_logprob(hidden[:5], shard, targets[:5], tp_group=group, temperature=0.5)
+    assert [name for name, _ in calls].count("rank_check") == 1, calls
+
+    # Each mistake on a signature of its own (a shard size of its own).
+    def refused(vocab_shard, words, call):
+        hidden, weight, targets = case(vocab_shard, seed=vocab_shard)
+        with pytest.raises(ValueError, match=words):
+            call(hidden, shard_of(weight, rank), weight, targets)
+
+    refused(V + 1, "every rank of tp_group holds the same weight rows", lambda h, s, w, t: fused_linear_logprob(
+        h, w, t % (V + 1), tp_group=group))  # fmt: skip
+    refused(V + 2, "disagree on targets", lambda h, s, w, t: fused_linear_logprob(h, s, (t + rank) % V, tp_group=group))
+    refused(V + 3, "disagree on temperature", lambda h, s, w, t: fused_linear_logprob(
+        h, s, t, tp_group=group, temperature=torch.full((TOKENS,), 0.7 + 0.1 * rank)))  # fmt: skip
+    refused(V + 4, "disagree on mask", lambda h, s, w, t: fused_linear_logprob(
+        h, s, t, tp_group=group, mask=torch.arange(TOKENS) % 2 == rank))  # fmt: skip
+    refused(V + 5, "disagree on the rows' shape", lambda h, s, w, t: fused_linear_logprob(
+        h[: TOKENS - rank], s, t[: TOKENS - rank], tp_group=group))  # fmt: skip
+
+    def kept_sets(targets, extra):  # each row keeps its target and `extra`
+        ids = torch.stack([targets, torch.full_like(targets, extra)], -1)
+        ids[ids[:, 0] == extra, 1] = (extra + 1) % (2 * (V + 6))
+        return torch.arange(TOKENS + 1) * 2, ids.reshape(-1)
+
+    refused(V + 6, "disagree on kept_tokens", lambda h, s, w, t: fused_linear_logprob(
+        h, s, t, tp_group=group, kept_tokens=kept_sets(t, 3 + rank)))  # fmt: skip
+    refused(V + 7, "disagree on targets", lambda h, s, w, t: fused_linear_loss(
+        h, s, (t + rank) % V, losses.cross_entropy, loss_inputs={"weight": torch.ones(TOKENS)}, tp_group=group))  # fmt: skip
+    refused(V + 8, "every rank of tp_group holds the same weight rows", lambda h, s, w, t: logits_logprob(
+        h @ w[: V + 8].t(), t % (V + 8), tp_group=group))  # fmt: skip
+
+    # Turned off: the whole weight on both ranks gives numbers, each log-prob off by log 2.
+    check_ranks_agree(False)
+    try:
+        hidden, weight, targets = case(V + 9, seed=9)
+        doubled = fused_linear_logprob(hidden, weight, targets, tp_group=group)
+        alone = fused_linear_logprob(hidden, weight, targets)
+        torch.testing.assert_close(alone - doubled, torch.full_like(alone, math.log(2)), rtol=0, atol=1e-5)
+    finally:
+        check_ranks_agree(True)
+
+
+def test_ranks_that_disagree_are_refused_by_name():
+    run_ranks(check_refusals, 2)

@@ -385,9 +385,15 @@ class FusedLMHead:
         tensor have none), that of the forward whose output shares its storage, ``fallback``, or
         the one live forward that could have made it."""
         self._check_attached()
-        self._check_hidden(output, caller)
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"{caller} expected the wrapped model's output, a tensor; got {type(output).__name__}")
+        # Where it comes from first: a per-token loss or logits is named as such whatever its shape.
         marks = provenance.graph_marks(output) if output.grad_fn is not None else set()
         self._refuse_other_returns({mark.returned for mark in marks}, output, caller)
+        mark = provenance.storage_mark(output)
+        if mark is not None:
+            self._refuse_other_returns({mark.returned}, output, caller)
+        self._check_hidden(output, caller)
         traced = {mark.origin for mark in marks}
         if len(traced) > 1:
             raise RuntimeError(
@@ -396,9 +402,6 @@ class FusedLMHead:
             )
         if traced:
             return self._own(traced.pop(), caller).call
-        mark = provenance.storage_mark(output)
-        if mark is not None:
-            self._refuse_other_returns({mark.returned}, output, caller)
         origin = (mark.origin if mark is not None else None) or fallback or self._only_candidate(output, caller)
         return self._own(origin, caller).call.without_graph()
 
@@ -435,8 +438,6 @@ class FusedLMHead:
 
     def _check_hidden(self, output: torch.Tensor, caller: str) -> None:
         """``output`` has the last dimension of the hidden states, or an error naming what it has."""
-        if not isinstance(output, torch.Tensor):
-            raise TypeError(f"{caller} expected the wrapped model's output, a tensor; got {type(output).__name__}")
         layer = self._stock_layers[-1][1]
         if output.dim() > 0 and output.shape[-1] == layer.input_size:
             return

@@ -296,6 +296,8 @@ def not_hidden_states_worker() -> None:
     assert loss.shape[-1] == SQUARE.hidden  # the shape alone would pass for hidden states
     named = ("per-token loss", "labels=")
     expect_error(ValueError, named, head.logprobs, loss, targets)
+    # Named by where it comes from whatever its shape, not told that its last dimension is off.
+    expect_error(ValueError, named, head.logprobs, loss[:, :5], targets[:, :5])
     expect_error(
         ValueError, named, head.loss, 2 * loss, targets, losses.cross_entropy, loss_inputs={"weight": loss.detach()}
     )
@@ -303,6 +305,7 @@ def not_hidden_states_worker() -> None:
         quiet = harness.forward(model, batch, labels=targets)
     expect_error(ValueError, named, head.logprobs, quiet, targets)
     expect_error(ValueError, named, head.logprobs, quiet.detach()[:1], targets[:1])
+    expect_error(ValueError, named, head.logprobs, quiet[:, :5], targets[:, :5])
     with head.stock_logits():
         logits = harness.forward(model, batch)
     assert logits.shape[-1] == SQUARE.hidden

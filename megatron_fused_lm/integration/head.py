@@ -411,10 +411,13 @@ class FusedLMHead:
         instead of hidden states."""
         others = sorted(returned - {provenance.HIDDEN_STATES})
         if others:
+            from_logits = (
+                "; megatron_fused_lm.logits_logprob computes from logits" if provenance.STOCK_LOGITS in others else ""
+            )
             raise ValueError(
                 f"{caller} expected the hidden states that the wrapped model returns with the fused head on; got a "
                 f"tensor of shape {tuple(output.shape)} made from {' and '.join(others)}. Run the forward without "
-                "labels= (and outside head.stock_logits()) for the hidden states"
+                f"labels= (and outside head.stock_logits()) for the hidden states{from_logits}"
             )
 
     def _own(self, origin: provenance.Origin, caller: str) -> provenance.Origin:

@@ -226,7 +226,7 @@ def check_refusals(model, batches, label):
     # The stock logits handed to the fused head.
     with policy_head.stock_logits():
         logits = harness.forward(model, b)
-    expect_error(ValueError, ("looks like logits", "logits_logprob"), policy_head.logprobs, logits, targets)
+    expect_error(ValueError, ("stock logits", "logits_logprob"), policy_head.logprobs, logits, targets)
 
     # Freed outputs leave nothing behind: a model dropped with its head is gone at the next
     # collection, with no other forward run since, even while an output of its no_grad forward is

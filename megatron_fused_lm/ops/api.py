@@ -337,7 +337,7 @@ def fused_linear_loss(
     inputs = check_loss_inputs(loss_fn, loss_inputs, hidden.shape[:-1], hidden.device)
     several = _several_targets(targets, hidden.shape[:-1], "error", batch_invariant)
     check_declared_inputs(loss_fn, targets, inputs, mask, hidden.shape[:-1])
-    check_across_ranks("fused_linear_loss", tp_group, hidden, weight, targets, mask, temperature, kept_tokens)
+    check_across_ranks("fused_linear_loss", tp_group, hidden, weight, targets, mask, temperature, kept_tokens, inputs)
     entropy_grad = has_entropy_term(loss_fn, inputs, tuple(targets.shape[-1:]) if several else ())
     options, selection, problem = _fused_rows(
         hidden, weight, targets, mask, max_rows, tp_group, temperature, kept_tokens, "error", several,
@@ -414,7 +414,10 @@ def fused_linear_cross_entropy(
         the rest: as for ``fused_linear_loss``. There is no ``batch_invariant``; the four-GEMM
             ``fused_linear_logprob(..., batch_invariant=True)`` gives the same loss's gradients.
     """
-    check_across_ranks("fused_linear_cross_entropy", tp_group, hidden, weight, targets, temperature=temperature)
+    check_across_ranks(
+        "fused_linear_cross_entropy", tp_group, hidden, weight, targets, temperature=temperature,
+        loss_inputs={"declared_weights": declared_weights},
+    )  # fmt: skip
     options, selection, problem = _fused_rows(
         hidden, weight, targets, None, None, tp_group, temperature, None, out_of_vocab, token_chunk=token_chunk,
         backend=backend, entropy_grad=False, reduce_hidden_grad=reduce_hidden_grad,
@@ -443,11 +446,12 @@ def logits_loss(
     """``fused_linear_loss`` on a materialized logits shard: the same loss, the same contract for
     ``loss_fn`` and ``loss_inputs`` (``max_rows`` checked as there), the gradient (to ``logits``) by
     the usual backward; with ``mask`` the number of selected rows is read on the host."""
+    inputs = check_loss_inputs(loss_fn, loss_inputs, logits.shape[:-1], logits.device)
+    check_across_ranks("logits_loss", tp_group, logits, None, targets, mask, temperature, kept_tokens, inputs)
     logprob, entropy = logits_logprob(
         logits, targets, tp_group=tp_group, temperature=temperature, return_entropy=True,
         token_chunk=token_chunk, mask=mask, max_rows=max_rows, kept_tokens=kept_tokens,
     )  # fmt: skip
-    inputs = check_loss_inputs(loss_fn, loss_inputs, logits.shape[:-1], logits.device)
     check_declared_inputs(loss_fn, targets, inputs, mask, logits.shape[:-1])
     logprob_rows = logprob.reshape(entropy.numel(), *logprob.shape[entropy.dim() :])  # [rows] or [rows, k]
     entropy_rows = entropy.reshape(-1)

@@ -1,7 +1,7 @@
 """The raw ops' check that the ranks of a tensor-parallel group agree before their first collective.
 
 Under tensor parallelism every rank must pass the same rows (shapes, targets, mask, temperatures,
-kept sets) and its own shard of the vocabulary. A mistake there either gives numbers (a whole weight
+kept sets, a loss's per-token inputs) and its own shard of the vocabulary. A mistake there either gives numbers (a whole weight
 on every rank: each log-prob off by log P; targets or temperatures that differ) or aborts inside a
 collective (a mask that selects other rows). So the first call of an op for each group, weight
 shape and dtype gathers a digest of its inputs from every rank (one all-gather of a few int64, one
@@ -15,7 +15,7 @@ mistakes cannot arise there.
 from __future__ import annotations
 
 import threading
-from typing import NamedTuple, Optional, Tuple
+from typing import Mapping, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -44,10 +44,11 @@ class _Inputs(NamedTuple):
     mask: Optional[torch.Tensor]
     temperature: Optional[torch.Tensor]
     kept_tokens: Optional[Tuple[torch.Tensor, torch.Tensor]]
+    loss_inputs: Optional[Mapping[str, torch.Tensor]]
 
 
 NAMES = ("the rows' shape", "the hidden size", "the shard's vocabulary rows", "targets", "mask", "temperature",
-         "kept_tokens")  # fmt: skip
+         "kept_tokens", "loss_inputs")  # fmt: skip
 DIGEST_SIZE = len(NAMES) + 2  # and the shard's sampled rows: their digest, whether they differ
 
 
@@ -60,10 +61,12 @@ def check_across_ranks(
     mask: Optional[torch.Tensor] = None,
     temperature=1.0,
     kept_tokens=None,
+    loss_inputs: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> None:
     """``ValueError`` where the ranks of ``tp_group`` disagree on ``op``'s inputs: ``hidden [..., H]``
     and ``shard [V / P, H]`` the rank's weight shard, or a logits shard ``[..., V / P]`` and ``None``
-    (its columns are the vocabulary rows); the rest as the op takes them. Once per op, group, shard
+    (its columns are the vocabulary rows); the rest as the op takes them (``loss_inputs`` a loss's
+    per-token tensors by name, or ``{"declared_weights": ...}``). Once per op, group, shard
     size, row width, dtypes and device, whatever the number of rows; nothing else on later calls."""
     if not _enabled[0] or group_size(tp_group) == 1 or not has_values(hidden):
         return
@@ -72,9 +75,8 @@ def check_across_ranks(
     with _lock:
         if signature in _checked:
             return
-        _checked.add(signature)
     temperature = temperature if isinstance(temperature, torch.Tensor) else torch.tensor(float(temperature))
-    inputs = _Inputs(targets, mask, temperature, kept_tokens)
+    inputs = _Inputs(targets, mask, temperature, kept_tokens, loss_inputs)
     if shard is None:  # the logits' columns as rows, built on the first call only
         shard = hidden.reshape(-1, vocab_shard).t()
     local = torch.tensor([hidden.shape[:-1].numel(), hidden.shape[-1], vocab_shard], device=hidden.device)
@@ -86,7 +88,8 @@ def check_across_ranks(
     if differing:
         raise ValueError(
             f"{op}: the ranks of tp_group disagree on {', '.join(differing)}; under tensor parallelism every rank "
-            "passes the same rows, targets, mask, temperatures and kept sets, and its own shard of the vocabulary"
+            "passes the same rows, targets, mask, temperatures, kept sets and loss inputs, and its own shard of the "
+            "vocabulary"
         )
     sampled, rows_vary = gathered[:, -2], gathered[:, -1]
     if bool((sampled == sampled[0]).all()) and bool(rows_vary.all()):
@@ -95,6 +98,10 @@ def check_across_ranks(
             f"(rows [r V / P, (r + 1) V / P) on rank r of P = {group_size(tp_group)}), or the whole weight without "
             "tp_group"
         )
+    # Only once the ranks agree (every rank reads the same gathered digest, so all decide alike): a
+    # refused call, caught and repeated, is checked again.
+    with _lock:
+        _checked.add(signature)
 
 
 def _digests(inputs: _Inputs, device: torch.device) -> torch.Tensor:
@@ -105,6 +112,9 @@ def _digests(inputs: _Inputs, device: torch.device) -> torch.Tensor:
             values.append(torch.tensor(-1, device=device))
         elif name == "kept_tokens":
             values.append(_digest(value[0]) * 1_000_003 + _digest(value[1]))
+        elif name == "loss_inputs":  # by name: the same tensors under other names are other inputs
+            values.append(sum((_digest(value[key]) + _digest(_name_codes(key))) * (index + 1)
+                              for index, key in enumerate(sorted(value))) + len(value))  # fmt: skip
         else:
             values.append(_digest(value))
     return torch.stack([value.to(device) for value in values])
@@ -117,6 +127,10 @@ def _digest(tensor: torch.Tensor) -> torch.Tensor:
         flat = flat.float().view(torch.int32)
     weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64) * 2_654_435_761
     return (flat.long() * weights).sum() + flat.numel()
+
+
+def _name_codes(name: str) -> torch.Tensor:
+    return torch.tensor(list(name.encode()), dtype=torch.int64)
 
 
 def _shard_digest(shard: torch.Tensor) -> torch.Tensor:

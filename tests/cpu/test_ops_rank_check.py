@@ -13,7 +13,16 @@ import torch.distributed as dist
 from devkit.collectives import recorded_collectives
 from devkit.oracle import make_case
 from devkit.spawn import run_ranks
-from megatron_fused_lm import check_ranks_agree, fused_linear_logprob, fused_linear_loss, logits_logprob, losses
+from megatron_fused_lm import (
+    check_ranks_agree,
+    fused_linear_cross_entropy,
+    fused_linear_logprob,
+    fused_linear_loss,
+    fused_linear_topk,
+    logits_logprob,
+    logits_loss,
+    losses,
+)
 
 H, V, TOKENS = 16, 41, 12
 
@@ -66,6 +75,20 @@ def check_refusals(rank, world_size):
         h, s, (t + rank) % V, losses.cross_entropy, loss_inputs={"weight": torch.ones(TOKENS)}, tp_group=group))  # fmt: skip
     refused(V + 8, "every rank of tp_group holds the same weight rows", lambda h, s, w, t: logits_logprob(
         h @ w[: V + 8].t(), t % (V + 8), tp_group=group))  # fmt: skip
+    # A loss's per-token inputs and the declared weights: each rank's own gives another gradient.
+    weights = torch.linspace(0.5, 1.5, TOKENS)
+    refused(V + 10, "disagree on loss_inputs", lambda h, s, w, t: fused_linear_loss(
+        h, s, t, losses.cross_entropy, loss_inputs={"weight": weights + rank}, tp_group=group))  # fmt: skip
+    refused(V + 11, "disagree on loss_inputs", lambda h, s, w, t: logits_loss(
+        h @ s.t(), t, losses.cross_entropy, loss_inputs={"weight": weights * (1 + rank)}, tp_group=group))  # fmt: skip
+    refused(V + 12, "disagree on loss_inputs", lambda h, s, w, t: fused_linear_cross_entropy(
+        h, s, t, weights.roll(rank), tp_group=group))  # fmt: skip
+    refused(V + 13, "every rank of tp_group holds the same weight rows", lambda h, s, w, t: fused_linear_topk(
+        h, w, 3, tp_group=group))  # fmt: skip
+    # A refused call is refused again when repeated: the check stays on until the ranks agree.
+    for _ in range(2):
+        refused(V + 14, "disagree on targets", lambda h, s, w, t: fused_linear_logprob(
+            h, s, (t + rank) % V, tp_group=group))  # fmt: skip
 
     # Turned off: the whole weight on both ranks gives numbers, each log-prob off by log 2.
     check_ranks_agree(False)

@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
+from gradient_audit import HeadLoss, audit_point, masked_loss
 
 from devkit import distributed, measure
 from devkit.megatron_gpt import GPTShape, build_bf16_gpt, gather_vocabulary, padded_vocab_size
@@ -133,8 +134,8 @@ CORPUS_WAIT_S = 600  # --corpus: how long to wait for the other launcher's corpu
 FINAL_ROLLOUTS = 4  # the final reward: the mean of the last rollouts' (one rollout's is 128 samples)
 CONTROL_FACTOR = 10.0  # the warm-up gate with a control: an order of magnitude past one rounding's effect
 # The warm-up gate's window, at most: in every GPU run measured, runs that differ in rounding alone
-# stay within 1e-2 of each other's SFT loss for their first 17 (TP=2, 15 warm-up steps) to 65
-# steps (TP=1, 120), then decorrelate.
+# stay within 1e-2 of each other's SFT loss for their first 17 (TP=2, 15 warm-up steps) to 43
+# steps (the TP=1 control; the TP=1 fused runs 65; 120 warm-up steps), then decorrelate.
 EARLY_STEPS = 15
 CONFIDENT_SHARE = 0.30  # the GPU size's target: held-out tokens above probability 0.9 before RL
 # The curves the criterion covers, per phase.
@@ -161,6 +162,7 @@ class Size:
     corpus: str  # site-packages | stdlib
     max_files: Optional[int]  # training files read (None: all)
     tokenizer_share: int  # the tokenizer trains on the training files whose path hash is 1 mod this
+    audit_every: Optional[int] = None  # --audit-every: SFT steps between gradient audits (and every RL update)
 
 
 SIZES = {
@@ -445,8 +447,16 @@ class Training:
         }
 
     def exact_logprobs(self, batch: Dict) -> torch.Tensor:
-        """``[b, s]`` log-probs of the batch's labels from the output layer's input (captured by a
-        hook: the head's own result, bf16 logits on a stock run, is not used)."""
+        """``[b, s]`` log-probs of the batch's labels from the output layer's input (the head's own
+        result, bf16 logits on a stock run, is not used)."""
+        hidden, group = self.output_layer_input(batch)
+        return fused_linear_logprob(hidden, self.gpt.output_layer.weight, batch["labels"], tp_group=group,
+                                    backend=self.backend)  # fmt: skip
+
+    @torch.no_grad()
+    def output_layer_input(self, batch: Dict) -> tuple[torch.Tensor, Optional[torch.distributed.ProcessGroup]]:
+        """The output layer's input ``[b, s, h]`` for ``batch`` (whole on every rank, captured by a
+        hook on the current weights) and the tensor-parallel group (``None`` at TP=1)."""
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
@@ -462,26 +472,31 @@ class Training:
         if self.tensor_parallel > 1:
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
             group = parallel_state.get_tensor_model_parallel_group()
-        return fused_linear_logprob(
-            hidden.transpose(0, 1), layer.weight, batch["labels"], tp_group=group, backend=self.backend
-        )
+        return hidden.transpose(0, 1), group
+
+    def audit(self, batch: Dict, phase: str) -> dict:
+        """The gradient audit (``gradient_audit``) of ``phase``'s loss on ``batch`` and the current
+        weights: ``{path: {part: {metric: value}}}``."""
+        hidden, group = self.output_layer_input(batch)
+        if phase == "sft":  # sft_loss: the masked mean token loss
+            weight = batch["loss_mask"] / batch["loss_mask"].sum()
+            loss = HeadLoss(losses.cross_entropy, {"weight": weight}, None, weight, declared=weight)
+        else:
+            inputs = self.policy_inputs(batch)
+            loss = HeadLoss(POLICY_LOSS, inputs, batch["loss_mask"].bool(), inputs["weight"])
+        return audit_point(hidden, self.gpt.output_layer.weight, batch["labels"], loss, group, self.backend)
 
     # RL
     def rl_forward_step(self, iterator, model):
         batch = next(iterator)
         output = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"])
         response = batch["loss_mask"].bool()
-        inputs = {
-            "old_logprob": batch["old_logprob"],
-            "ref_logprob": batch["ref_logprob"],
-            "advantages": batch["advantages"],
-            "weight": losses.token_mean_weights(response),
-        }
+        inputs = self.policy_inputs(batch)
         if self.loss_path == "recompute":  # four GEMMs: the log-probs, then the loss by hand
             logprob, entropy = self.head.logprobs(
                 output, batch["labels"], return_entropy=True, mask=response, entropy_grad=True
             )
-            loss = response_policy_loss(logprob, entropy, inputs, response)
+            loss = masked_loss(POLICY_LOSS, logprob, entropy, inputs, response)
         else:  # head.loss: three GEMMs when fused, the logits' loss when stock
             result = self.head.loss(
                 output, batch["labels"], POLICY_LOSS, loss_inputs=inputs, mask=response,
@@ -498,6 +513,17 @@ class Training:
             "clipped_fraction": clipped.float().mean(),
         }
         return loss, lambda output_tensor: (output_tensor, reported)
+
+    @staticmethod
+    def policy_inputs(batch: Dict) -> Dict[str, torch.Tensor]:
+        """``POLICY_LOSS``'s per-token inputs ``[b, s]`` for an RL micro-batch: the token mean over
+        the response."""
+        return {
+            "old_logprob": batch["old_logprob"],
+            "ref_logprob": batch["ref_logprob"],
+            "advantages": batch["advantages"],
+            "weight": losses.token_mean_weights(batch["loss_mask"].bool()),
+        }
 
     @torch.no_grad()
     def logprobs(self, head, model, batch: Dict) -> torch.Tensor:
@@ -523,13 +549,6 @@ class Training:
                 tokens = torch.cat([tokens, next_token], dim=1)
                 assert tokens.shape[1] == length + 1
         return tokens
-
-
-def response_policy_loss(logprob, entropy, inputs: Dict[str, torch.Tensor], response) -> torch.Tensor:
-    """The recompute path's RL loss by hand: ``POLICY_LOSS`` summed over the response rows of the
-    ``[b, s]`` log-probs, entropy and per-token inputs."""
-    rows = {name: value[response] for name, value in inputs.items()}
-    return POLICY_LOSS(logprob[response], entropy[response], **rows).sum()
 
 
 def longest_common_prefix(first: str, second: str) -> int:
@@ -600,9 +619,10 @@ def run_sft(
     held_out = held_out_batches(corpus, size, device)
     curves: Dict[str, list] = {}
     evaluations: Dict[str, list] = {"step": []}
+    audits: List[dict] = []
     first = 0
     if on_every_rank(resume.exists(), device):
-        first, curves, evaluations, earlier = load_resume(resume, training, run, size, device)
+        first, curves, evaluations, audits, earlier = load_resume(resume, training, run, size, device)
         warnings.extend(earlier)
         distributed.log(f"sft {run.name}: resumed at step {first}")
     start = time.perf_counter()
@@ -611,6 +631,8 @@ def run_sft(
         set_learning_rate(training.optimizer, learning_rate)
         rows = torch.arange(step * per_step, (step + 1) * per_step) % windows.shape[0]
         batches = [micro_batches(part, device) for part in windows[rows].split(size.shape.micro_batch)]
+        if size.audit_every and step % size.audit_every == 0:  # the step's weights, its first micro-batch
+            audits.append(audit_entry(training, batches[0], "sft", run, step))
         for key, value in training.step(training.sft_forward_step, batches).items():
             curves.setdefault(key, []).append(value)
         if step % size.eval_every == 0 or step == size.sft_steps - 1:
@@ -623,11 +645,12 @@ def run_sft(
                 f"{curves['step_ms'][-1]:.0f} ms"
             )
         if step + 1 < size.sft_steps and past(start, pause_after_s, device):
-            save_resume(resume, training, run, size, step + 1, curves, evaluations, warnings)
+            save_resume(resume, training, run, size, step + 1, curves, evaluations, audits, warnings)
             distributed.log(f"sft {run.name}: paused after step {step}")
             return None
     record = phase_record(curves)
     record["eval"] = evaluations
+    record["audit"] = audits if size.audit_every else None
     record["head_ms"] = head_ms(training, run.loss_path, size, device, "sft")
     record["head_share"] = (
         None if record["head_ms"] is None else record["head_ms"] * size.micro_batches / record["median_step_ms"]
@@ -668,10 +691,12 @@ def on_every_rank(found: bool, device: torch.device) -> bool:
     return somewhere
 
 
-def save_resume(path: Path, training: Training, run: Run, size: Size, step: int, curves, evaluations, warnings) -> None:
+def save_resume(
+    path: Path, training: Training, run: Run, size: Size, step: int, curves, evaluations, audits, warnings
+) -> None:
     """This rank's SFT state before ``step``: the weights, the optimizer (its float32 weights and
-    Adam's moments), the curves and the package's warnings so far; written under another name,
-    then renamed."""
+    Adam's moments), the curves, the gradient audits and the package's warnings so far; written
+    under another name, then renamed."""
     partial = path.with_name(path.name + ".partial")
     torch.save(
         {
@@ -680,6 +705,7 @@ def save_resume(path: Path, training: Training, run: Run, size: Size, step: int,
             "step": step,
             "curves": curves,
             "evaluations": evaluations,
+            "audits": audits,
             "model": training.gpt.state_dict(),
             "optimizer": training.optimizer.state_dict(),
             "warnings": list(warnings),
@@ -691,7 +717,7 @@ def save_resume(path: Path, training: Training, run: Run, size: Size, step: int,
 
 
 def load_resume(path: Path, training: Training, run: Run, size: Size, device: torch.device):
-    """``(step, curves, evaluations, warnings)`` of the state ``save_resume`` wrote, loaded into ``training``;
+    """``(step, curves, evaluations, audits, warnings)`` of the state ``save_resume`` wrote, loaded into ``training``;
     ``ValueError`` for another run's or size's state."""
     # On the CPU: load_state_dict moves each tensor where its parameter lives, and keeps Adam's step
     # counts on the host as a fresh optimizer does.
@@ -703,7 +729,7 @@ def load_resume(path: Path, training: Training, run: Run, size: Size, device: to
         raise ValueError(f"the ranks' saved SFT states are of different steps; remove {run.name}'s .resume*.pt files")
     training.gpt.load_state_dict(saved["model"])
     training.optimizer.load_state_dict(saved["optimizer"])
-    return saved["step"], saved["curves"], saved["evaluations"], saved["warnings"]
+    return saved["step"], saved["curves"], saved["evaluations"], saved["audits"], saved["warnings"]
 
 
 def run_rl(run: Run, size: Size, corpus: Corpus, device: torch.device, state: dict) -> dict:
@@ -715,6 +741,7 @@ def run_rl(run: Run, size: Size, corpus: Corpus, device: torch.device, state: di
     reference_head = wrap_model(reference_gpt, FusedLMConfig(enabled=run.fused, backend=training.backend))
     vocab = corpus.stats["tokenizer_vocab"]
     curves: Dict[str, list] = {}
+    audits: List[dict] = []
     batches: List[Dict] = []
     reward = torch.zeros(())
     prompts, truths = prompt_set(corpus, size)
@@ -733,6 +760,8 @@ def run_rl(run: Run, size: Size, corpus: Corpus, device: torch.device, state: di
             rollout_ms = (time.perf_counter() - start) * 1e3
             rollout_peak = measure.peak_memory_bytes(device)
             sampled = torch.cat([batch["old_logprob"][batch["loss_mask"].bool()] for batch in batches]).exp()
+        if size.audit_every:
+            audits.append(audit_entry(training, batches[0], "rl", run, step))
         values = training.step(training.rl_forward_step, batches)
         values["reward"] = reward.mean().item()
         for threshold in (0.9, 0.999):  # how peaked the policy is on what it samples
@@ -742,6 +771,7 @@ def run_rl(run: Run, size: Size, corpus: Corpus, device: torch.device, state: di
         for key, value in values.items():
             curves.setdefault(key, []).append(value)
     record = phase_record(curves)
+    record["audit"] = audits if size.audit_every else None
     record["head_ms"] = head_ms(training, run.loss_path, size, device, "rl")
     record["head_share"] = (
         None if record["head_ms"] is None else record["head_ms"] * len(batches) / record["median_step_ms"]
@@ -751,6 +781,14 @@ def run_rl(run: Run, size: Size, corpus: Corpus, device: torch.device, state: di
         f"{curves['entropy'][0]:.3f} -> {curves['entropy'][-1]:.3f}, {record['median_step_ms']:.1f} ms/update"
     )
     return record
+
+
+def audit_entry(training: Training, batch: Dict, phase: str, run: Run, step: int) -> dict:
+    """One audit point's record, logged with each path's relative error of the whole gradient."""
+    paths = training.audit(batch, phase)
+    errors = ", ".join(f"{path} {paths[path]['both']['relative_error']:.3g}" for path in paths)
+    distributed.log(f"audit {phase} {run.name} step {step}: relative error {errors}")
+    return {"step": step, "paths": paths}
 
 
 def rollout_batches(training, reference_gpt, reference_head, completions, advantages, size, device) -> List[Dict]:
@@ -840,7 +878,7 @@ def head_ms(training: Training, loss_path: str, size: Size, device: torch.device
             logprob, entropy = fused_linear_logprob(
                 hidden, weight, targets, return_entropy=True, mask=response, backend=training.backend
             )
-            loss = response_policy_loss(logprob, entropy, inputs, response)
+            loss = masked_loss(POLICY_LOSS, logprob, entropy, inputs, response)
         loss.backward()
 
     for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
@@ -1331,13 +1369,24 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, help="override the size's")
     parser.add_argument("--rl-steps", type=int, help="override the size's")
     parser.add_argument(
+        "--audit-every", type=int, help="audit the head's gradients every this many SFT steps and every RL update"
+    )
+    parser.add_argument(
         "--pause-after-s",
         type=float,
         help="each run pauses its SFT after this many seconds; the same command resumes it",
     )
     parser.add_argument("--worker", choices=RUNS, help=argparse.SUPPRESS)  # one run, started by --out
     args = parser.parse_args()
-    overrides = {key: value for key, value in (("sft_steps", args.sft_steps), ("rl_steps", args.rl_steps)) if value}
+    overrides = {
+        key: value
+        for key, value in (
+            ("sft_steps", args.sft_steps),
+            ("rl_steps", args.rl_steps),
+            ("audit_every", args.audit_every),
+        )
+        if value
+    }
     size = dataclasses.replace(SIZES[args.size], **overrides)
     if args.worker:
         worker(RUNS[args.worker], args.size, size, Path(args.out), args.pause_after_s)

@@ -59,9 +59,11 @@ def test_a_paused_run_resumes_bit_for_bit(tmp_path):
     ``--compare`` counts a paused run as unfinished; the same command resumes on the corpus kept in
     the folder, and the curves equal an uninterrupted run's bit for bit (the optimizer's moments
     and the step count came back); once finished, the command leaves the runs as they are. A TP=2
-    run: two ranks' states saved and resumed (a TP=1 run is the one-rank case of the same code)."""
+    run: two ranks' states saved and resumed (a TP=1 run is the one-rank case of the same code),
+    with the gradient audit on (``--audit-every 4``: SFT steps 0 and 4, the second after the
+    resume, and both RL updates), whose records resume bit for bit too."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    runs = ["--size", "cpu", "--runs", "tp2_three_gemm", "--sft-steps", "8", "--rl-steps", "2"]
+    runs = ["--size", "cpu", "--runs", "tp2_three_gemm", "--sft-steps", "8", "--rl-steps", "2", "--audit-every", "4"]
     script = [sys.executable, str(ROOT / "benchmarks" / "real_training.py"), *runs]
 
     def launch(*extra, status=0):
@@ -91,6 +93,16 @@ def test_a_paused_run_resumes_bit_for_bit(tmp_path):
         assert "resumed at step 1" in (paused / f"{name}.log").read_text()
         expected, resumed = (json.loads((folder / f"{name}.json").read_text()) for folder in (whole, paused))
         assert resumed["sft"]["eval"] == expected["sft"]["eval"], name
+        assert [entry["step"] for entry in expected["sft"]["audit"]] == [0, 4]
+        assert [entry["step"] for entry in expected["rl"]["audit"]] == [0, 1]
+        for phase in ("sft", "rl"):
+            assert resumed[phase]["audit"] == expected[phase]["audit"], (name, phase)
+            for entry in expected[phase]["audit"]:
+                for path in ("three_gemm", "main_grad", "recompute"):
+                    # bf16 gradients against float64: the result's rounding, 2^-9 of each entry at
+                    # most, with room for the bf16 hidden states the fused ops take as given.
+                    error = entry["paths"][path]["both"]["relative_error"]
+                    assert error <= 2**-8, (phase, entry["step"], path, error)
         for phase in ("sft", "rl"):
             for curve, values in expected[phase]["curves"].items():
                 if not curve.endswith("_ms") and "bytes" not in curve:

@@ -106,3 +106,19 @@ def audited_ranks():
 
 def test_every_path_within_float32_rounding_at_tp1_and_on_two_ranks():
     harness.spawn(audited_ranks, 2)
+
+
+def test_the_report_tabulates_each_phase_and_path():
+    # report_audit.py's table of a record of two audit points per phase (RL cases both: the stock
+    # SFT path needs Megatron's groups): a row per phase and path, fused paths counted against stock.
+    import report_audit
+
+    points = [{"step": step, "paths": audit_point(*rl_case(seed=step), None, "torch")} for step in (0, 1)]
+    rows = report_audit.table({"sft": {"audit": points}, "rl": {"audit": points}}).splitlines()[2:]
+    assert [row.split(" | ")[:2] for row in rows] == [
+        [f"| {phase}", path] for phase in ("sft", "rl") for path in gradient_audit.PATHS
+    ]
+    # Stock's cell empty; each fused path's count over the two points (in float32 stock's logits are
+    # as exact as the fused paths', so either may be the closer).
+    counts = [row.split(" | ")[4] for row in rows]
+    assert counts[0] == counts[4] == "" and all(count in ("0 of 2", "1 of 2", "2 of 2") for count in counts[1:4])

@@ -72,9 +72,22 @@ def check_across_ranks(
         return
     vocab_shard, shard_dtype = (hidden.shape[-1], hidden.dtype) if shard is None else (shard.shape[0], shard.dtype)
     signature = (op, group_name(tp_group), vocab_shard, hidden.shape[-1], shard_dtype, hidden.dtype, hidden.device)
-    with _lock:
+    with _lock:  # claimed before the collective: one thread of a rank runs it
         if signature in _checked:
             return
+        _checked.add(signature)
+    try:
+        _check(op, tp_group, hidden, shard, vocab_shard, targets, mask, temperature, kept_tokens, loss_inputs)
+    except BaseException:
+        # Every rank reads the same gathered digest, so all refuse alike: a refused call, caught and
+        # repeated, is checked again.
+        with _lock:
+            _checked.discard(signature)
+        raise
+
+
+def _check(op, tp_group, hidden, shard, vocab_shard, targets, mask, temperature, kept_tokens, loss_inputs) -> None:
+    """The digest's all-gather and the comparison of ``check_across_ranks``."""
     temperature = temperature if isinstance(temperature, torch.Tensor) else torch.tensor(float(temperature))
     inputs = _Inputs(targets, mask, temperature, kept_tokens, loss_inputs)
     if shard is None:  # the logits' columns as rows, built on the first call only
@@ -98,16 +111,14 @@ def check_across_ranks(
             f"(rows [r V / P, (r + 1) V / P) on rank r of P = {group_size(tp_group)}), or the whole weight without "
             "tp_group"
         )
-    # Only once the ranks agree (every rank reads the same gathered digest, so all decide alike): a
-    # refused call, caught and repeated, is checked again.
-    with _lock:
-        _checked.add(signature)
 
 
 def _digests(inputs: _Inputs, device: torch.device) -> torch.Tensor:
     """One int64 per input: a position-weighted sum of its values (wrapping, exact), -1 where absent."""
     values = []
     for name, value in zip(_Inputs._fields, inputs, strict=True):
+        if name == "loss_inputs" and value is not None:  # tensors only: the op names a wrong value later
+            value = {key: tensor for key, tensor in value.items() if isinstance(tensor, torch.Tensor)} or None
         if value is None:
             values.append(torch.tensor(-1, device=device))
         elif name == "kept_tokens":

@@ -48,6 +48,13 @@ def check_refusals(rank, world_size):
         fused_linear_logprob(hidden[:5], shard, targets[:5], tp_group=group, temperature=0.5)
     assert [name for name, _ in calls].count("rank_check") == 1, calls
 
+    # A loss without per-token inputs digests as none (it crashed the check's first call).
+    def no_inputs(logprob, entropy):
+        return -logprob
+
+    fused_linear_loss(hidden, shard, targets, no_inputs, tp_group=group)
+    logits_loss(hidden @ shard.t(), targets, no_inputs, tp_group=group)
+
     # Each mistake on a signature of its own (a shard size of its own).
     def refused(vocab_shard, words, call):
         hidden, weight, targets = case(vocab_shard, seed=vocab_shard)

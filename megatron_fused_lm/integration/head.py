@@ -390,7 +390,7 @@ class FusedLMHead:
         # Where it comes from first: a per-token loss or logits is named as such whatever its shape.
         marks = provenance.graph_marks(output) if output.grad_fn is not None else set()
         self._refuse_other_returns({mark.returned for mark in marks}, output, caller)
-        mark = provenance.storage_mark(output)
+        mark = None if marks else provenance.storage_mark(output)  # a graph that names its forward decides
         if mark is not None:
             self._refuse_other_returns({mark.returned}, output, caller)
         self._check_hidden(output, caller)

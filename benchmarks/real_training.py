@@ -18,7 +18,8 @@ spread between stock runs of different initial seeds as the noise band.
    rows (a multiple of 128, as Megatron pads).
 3. Runs, each in its own processes on its own GPUs (``--out`` starts them side by side as torchrun
    jobs, the corpus built once; on the CPU each run's gloo ranks are forked from one server that
-   imported this script once, since a rank's imports take about as long as a CPU run trains):
+   imported torch, Megatron and the package once, since a rank's imports take about as long as a CPU
+   run trains):
    ``stock_seed<k>``, stock heads from initial seed k, the band; ``three_gemm``,
    ``recompute``, ``main_grad``: fused heads from seed 0 (the labels path with
    ``declare_loss_weights``; the fused head without a declaration, four GEMMs; three GEMMs with the
@@ -772,6 +773,7 @@ def run_rl(run: Run, size: Size, corpus: Corpus, device: torch.device, state: di
             curves.setdefault(key, []).append(value)
     record = phase_record(curves)
     record["audit"] = audits if size.audit_every else None
+    record["entropy_coef"] = POLICY_LOSS.entropy_coef  # what the audit's shifts are read against
     record["head_ms"] = head_ms(training, run.loss_path, size, device, "rl")
     record["head_share"] = (
         None if record["head_ms"] is None else record["head_ms"] * len(batches) / record["median_step_ms"]
@@ -1222,8 +1224,8 @@ def finished(out: Path, run: Run, size: Size) -> bool:
 
 
 class ForkedRanks:
-    """A CPU run's gloo ranks, forked from a server process that imported this script (and so torch,
-    Megatron and the package) once; each rank writes to the run's log. ``poll()`` as
+    """A CPU run's gloo ranks, forked from a server process that imported torch, Megatron and the
+    package once (each rank then imports this script alone); each rank writes to the run's log. ``poll()`` as
     ``subprocess.Popen``'s: ``None`` while a rank runs, then the first non-zero exit code, or 0.
     A rank that fails ends the others, as torchrun does (they would wait in a collective)."""
 

@@ -109,16 +109,24 @@ def test_every_path_within_float32_rounding_at_tp1_and_on_two_ranks():
 
 
 def test_the_report_tabulates_each_phase_and_path():
-    # report_audit.py's table of a record of two audit points per phase (RL cases both: the stock
-    # SFT path needs Megatron's groups): a row per phase and path, fused paths counted against stock.
+    # report_audit.py's table of a record with known metrics: two points per phase, three_gemm worse
+    # than stock at one of them, shifts of 1e-5 and 3e-5 (mean 2e-5, stdev 1.41e-5, 95 % half-width
+    # 1.96 * stdev / sqrt(2) = 1.96e-5), against the record's coefficient 0.001.
     import report_audit
 
-    points = [{"step": step, "paths": audit_point(*rl_case(seed=step), None, "torch")} for step in (0, 1)]
-    rows = report_audit.table({"sft": {"audit": points}, "rl": {"audit": points}}).splitlines()[2:]
+    def point(step, stock_error, shift):
+        metrics = {"relative_error": 1e-3, "projection": 0.0, "entropy_coef_shift": shift}
+        paths = {path: {part: dict(metrics) for part in gradient_audit.PARTS} for path in gradient_audit.PATHS}
+        paths["stock"]["weight"]["relative_error"] = stock_error
+        return {"step": step, "paths": paths}
+
+    points = [point(0, 2e-3, 1e-5), point(1, 5e-4, 3e-5)]
+    record = {"sft": {"audit": points}, "rl": {"audit": points, "entropy_coef": 0.001}}
+    rows = report_audit.table(record).splitlines()[2:]
     assert [row.split(" | ")[:2] for row in rows] == [
         [f"| {phase}", path] for phase in ("sft", "rl") for path in gradient_audit.PATHS
     ]
-    # Stock's cell empty; each fused path's count over the two points (in float32 stock's logits are
-    # as exact as the fused paths', so either may be the closer).
-    counts = [row.split(" | ")[4] for row in rows]
-    assert counts[0] == counts[4] == "" and all(count in ("0 of 2", "1 of 2", "2 of 2") for count in counts[1:4])
+    three_gemm = rows[5].split(" | ")
+    assert three_gemm[4] == "1 of 2"
+    assert three_gemm[5] == "+2.0e-05 [+4.0e-07, +4.0e-05] (4.0 % of 0.001)"
+    assert three_gemm[6] == "3.0e-05 |"

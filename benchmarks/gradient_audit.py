@@ -62,8 +62,7 @@ class HeadLoss:
 def masked_loss(loss_fn: Callable, logprob, entropy, inputs: Dict[str, torch.Tensor], mask) -> torch.Tensor:
     """``loss_fn`` summed over the rows ``mask`` selects (all without one) of ``[b, s]`` log-probs,
     entropies and per-token inputs: a loss computed by hand from the log-probs."""
-    if mask is None:
-        return loss_fn(logprob.flatten(), entropy.flatten(), **{k: v.flatten() for k, v in inputs.items()}).sum()
+    mask = torch.ones_like(entropy, dtype=torch.bool) if mask is None else mask
     return loss_fn(logprob[mask], entropy[mask], **{name: value[mask] for name, value in inputs.items()}).sum()
 
 
@@ -92,8 +91,10 @@ def path_gradients(path, hidden, shard, targets, loss: HeadLoss, tp_group, backe
     """``path``'s ``(grad_hidden [b, s, H], grad_shard [V / P, H])`` of ``loss``."""
     leaf_hidden = hidden.detach().requires_grad_()
     leaf_shard = shard.detach().requires_grad_()
-    weight_grad_into = torch.zeros(shard.shape, dtype=torch.float32, device=shard.device)
-    into = dict(weight_grad_into=weight_grad_into, weight_grad_scale=1.0) if path == "main_grad" else {}
+    into = {}
+    if path == "main_grad":  # Megatron's float32 main_grad, which the forward adds into
+        into = dict(weight_grad_into=torch.zeros(shard.shape, dtype=torch.float32, device=shard.device),
+                    weight_grad_scale=1.0)  # fmt: skip
     common = dict(tp_group=tp_group, backend=backend)
     if path == "stock":
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -120,7 +121,7 @@ def path_gradients(path, hidden, shard, targets, loss: HeadLoss, tp_group, backe
     grad_hidden = leaf_hidden.grad
     if path == "stock" and tp_group is not None:  # each rank's product holds its shard's part
         dist.all_reduce(grad_hidden, group=tp_group)
-    grad_shard = weight_grad_into if path == "main_grad" else leaf_shard.grad
+    grad_shard = into["weight_grad_into"] if into else leaf_shard.grad
     return grad_hidden, grad_shard
 
 

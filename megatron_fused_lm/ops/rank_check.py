@@ -1,9 +1,9 @@
 """The raw ops' check that the ranks of a tensor-parallel group agree before their first collective.
 
 Under tensor parallelism every rank must pass the same rows (shapes, targets, mask, temperatures,
-kept sets, a loss's per-token inputs) and its own shard of the vocabulary. A mistake there either gives numbers (a whole weight
-on every rank: each log-prob off by log P; targets or temperatures that differ) or aborts inside a
-collective (a mask that selects other rows). So the first call of an op for each group, weight
+kept sets, a loss's per-token inputs) and its own shard of the vocabulary. A mistake there either
+gives numbers (a whole weight on every rank: each log-prob off by log P; targets or temperatures
+that differ) or aborts inside a collective (a mask that selects other rows). So the first call of an op for each group, weight
 shape and dtype gathers a digest of its inputs from every rank (one all-gather of a few int64, one
 read on the host) and raises a ``ValueError`` naming what differs. Later calls with the same
 signature take no collective and no read. Skipped where values are not available (meta and fake
@@ -15,6 +15,7 @@ mistakes cannot arise there.
 from __future__ import annotations
 
 import threading
+import zlib
 from typing import Mapping, NamedTuple, Optional, Tuple
 
 import torch
@@ -124,7 +125,7 @@ def _digests(inputs: _Inputs, device: torch.device) -> torch.Tensor:
         elif name == "kept_tokens":
             values.append(_digest(value[0]) * 1_000_003 + _digest(value[1]))
         elif name == "loss_inputs":  # by name: the same tensors under other names are other inputs
-            values.append(sum((_digest(value[key]) + _digest(_name_codes(key))) * (index + 1)
+            values.append(sum((_digest(value[key]) + zlib.crc32(key.encode())) * (index + 1)
                               for index, key in enumerate(sorted(value))) + len(value))  # fmt: skip
         else:
             values.append(_digest(value))
@@ -138,10 +139,6 @@ def _digest(tensor: torch.Tensor) -> torch.Tensor:
         flat = flat.float().view(torch.int32)
     weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64) * 2_654_435_761
     return (flat.long() * weights).sum() + flat.numel()
-
-
-def _name_codes(name: str) -> torch.Tensor:
-    return torch.tensor(list(name.encode()), dtype=torch.int64)
 
 
 def _shard_digest(shard: torch.Tensor) -> torch.Tensor:

@@ -10,10 +10,13 @@ Paths, each through the ops the real runs call (the Triton kernels on a GPU):
 - ``three_gemm``: the gradients finished in the forward (SFT ``fused_linear_cross_entropy`` with the
   loss's declared weights, RL ``fused_linear_loss``);
 - ``main_grad``: the same with the weight's gradient added into a float32 buffer in the forward;
-- ``recompute``: ``fused_linear_logprob`` (log-prob and entropy), the loss by hand, four GEMMs.
+- ``recompute``: ``fused_linear_logprob`` (log-prob and entropy), the loss by hand, four GEMMs;
+- ``bf16_reference``: the reference itself rounded to bf16, the floor of any path whose gradients
+  are bf16 tensors (all but the main_grad route's weight gradient).
 
 The reference: float64 logits over the whole vocabulary (the shards gathered), in chunks of rows,
-and autograd's gradients of the loss and of its entropy term.
+and autograd's gradients of the loss and of its entropy term. ``exact_head_loss`` is the same
+reference as an autograd op, the head of the paired replay's ``exact`` path (``paired_replay``).
 
 Per path and part (``hidden``, ``weight``, and ``both`` concatenated), with ``g`` the reference
 gradient and ``e`` the path's minus ``g``:
@@ -32,7 +35,7 @@ gradient and ``e`` the path's minus ``g``:
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,6 +44,7 @@ from devkit.oracle import logprob_entropy
 from megatron_fused_lm import fused_linear_cross_entropy, fused_linear_logprob, fused_linear_loss, logits_loss
 
 PATHS = ("stock", "three_gemm", "main_grad", "recompute")
+FLOOR = "bf16_reference"
 PARTS = ("hidden", "weight", "both")
 REFERENCE_CHUNK_ELEMENTS = 2**26  # float64 logits per reference chunk of rows: 512 MiB
 
@@ -50,13 +54,16 @@ class HeadLoss:
     """A micro-batch's loss at the head: ``sum`` over the rows ``mask [b, s]`` selects of
     ``loss_fn(logprob, entropy, **inputs)``; ``entropy_weight [b, s]`` the weights ``w_t`` of its
     entropy term's ``sum_t w_t H_t`` (the token weights; the term itself may be absent, as in SFT).
-    ``declared`` (SFT): the cross-entropy's per-token weights, for the three-GEMM op, else None."""
+    ``declared`` (SFT): the cross-entropy's per-token weights, for the three-GEMM op, else None.
+    ``stock_inputs``: the stock path's inputs where a stock run's differ (RL: its old log-probs come
+    from bf16 logits too), else None."""
 
     loss_fn: Callable
     inputs: Dict[str, torch.Tensor]
     mask: Optional[torch.Tensor]
     entropy_weight: torch.Tensor
     declared: Optional[torch.Tensor] = None
+    stock_inputs: Optional[Dict[str, torch.Tensor]] = None
 
 
 def masked_loss(loss_fn: Callable, logprob, entropy, inputs: Dict[str, torch.Tensor], mask) -> torch.Tensor:
@@ -76,14 +83,16 @@ def audit_point(
 ) -> Dict[str, Dict[str, Dict[str, float]]]:
     """``{path: {part: {metric: value}}}`` (the module's docstring) for ``hidden [b, s, H]`` (the
     output layer's input, whole on every rank), ``shard [V / P, H]`` this rank's output weight,
-    ``targets [b, s]``; the same on every rank."""
+    ``targets [b, s]``; the same on every rank. Its paths are ``PATHS`` and ``FLOOR``."""
     weight = gather_rows(shard, tp_group)
-    reference, entropy_gradient = float64_gradients(hidden, weight, targets, loss)
+    _, reference, entropy_gradient = float64_gradients(hidden, weight, targets, loss)
     results = {}
     for path in PATHS:
         grad_hidden, grad_shard = path_gradients(path, hidden, shard, targets, loss, tp_group, backend)
         gradient = (grad_hidden.double(), gather_rows(grad_shard.double(), tp_group))
         results[path] = compare(gradient, reference, entropy_gradient)
+    rounded = tuple(part.to(torch.bfloat16).double() for part in reference)
+    results[FLOOR] = compare(rounded, reference, entropy_gradient)
     return results
 
 
@@ -103,7 +112,8 @@ def path_gradients(path, hidden, shard, targets, loss: HeadLoss, tp_group, backe
         if loss.declared is not None:  # Megatron's SFT loss on the stock logits
             value = (vocab_parallel_cross_entropy(logits.float(), targets) * loss.declared).sum()
         else:
-            value = logits_loss(logits, targets, loss.loss_fn, loss_inputs=loss.inputs, mask=loss.mask,
+            inputs = loss.inputs if loss.stock_inputs is None else loss.stock_inputs
+            value = logits_loss(logits, targets, loss.loss_fn, loss_inputs=inputs, mask=loss.mask,
                                 tp_group=tp_group).loss  # fmt: skip
     elif path == "recompute":
         logprob, entropy = fused_linear_logprob(
@@ -125,9 +135,11 @@ def path_gradients(path, hidden, shard, targets, loss: HeadLoss, tp_group, backe
     return grad_hidden, grad_shard
 
 
-def float64_gradients(hidden, weight, targets, loss: HeadLoss):
-    """The float64 gradients ``(hidden, weight)`` of ``loss`` and of ``sum_t w_t H_t`` over the
-    selected rows, from float64 logits over the whole ``weight [V, H]``, in chunks of rows."""
+def reference_chunks(hidden, weight, targets, loss: HeadLoss) -> Iterator[tuple]:
+    """Per chunk of rows of ``hidden [..., H]`` against the whole ``weight [V, H]``: ``(rows,
+    leaf_hidden, leaf_weight, value, entropy_sum)``, the chunk's rows, its float64 leaves (one
+    weight leaf for all chunks), the loss summed over its selected rows and ``sum_t w_t H_t``
+    there, from float64 logits."""
     rows_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat = {name: value.reshape(rows_hidden.shape[0], *value.shape[hidden.dim() - 1 :]) for name, value in
             loss.inputs.items()}  # fmt: skip
@@ -135,8 +147,6 @@ def float64_gradients(hidden, weight, targets, loss: HeadLoss):
     if loss.mask is not None:
         selected = loss.mask.reshape(-1).bool()
     leaf_weight = weight.detach().double().requires_grad_()
-    grads = [torch.zeros_like(rows_hidden, dtype=torch.float64), torch.zeros_like(leaf_weight)]
-    entropy_grads = [torch.zeros_like(grads[0]), torch.zeros_like(grads[1])]
     step = max(1, REFERENCE_CHUNK_ELEMENTS // weight.shape[0])
     for start in range(0, rows_hidden.shape[0], step):
         rows = slice(start, start + step)
@@ -146,12 +156,57 @@ def float64_gradients(hidden, weight, targets, loss: HeadLoss):
         inputs = {name: value[rows][chosen].double() for name, value in flat.items()}
         value = loss.loss_fn(logprob[chosen], entropy[chosen], **inputs).sum()
         entropy_sum = (loss.entropy_weight.reshape(-1)[rows][chosen].double() * entropy[chosen]).sum()
-        for total, term in ((grads, value), (entropy_grads, entropy_sum)):
+        yield rows, leaf_hidden, leaf_weight, value, entropy_sum
+
+
+def float64_gradients(hidden, weight, targets, loss: HeadLoss, entropy: bool = True):
+    """``(value, (grad_hidden, grad_weight), entropy_gradients)``: the float64 loss over the
+    selected rows of ``hidden [..., H]`` and ``weight [V, H]`` (the whole vocabulary), its
+    gradients, and those of ``sum_t w_t H_t`` (``None`` unless ``entropy``)."""
+    grads = [torch.zeros(hidden.shape, dtype=torch.float64, device=hidden.device).reshape(-1, hidden.shape[-1]),
+             torch.zeros(weight.shape, dtype=torch.float64, device=weight.device)]  # fmt: skip
+    entropy_grads = [torch.zeros_like(grads[0]), torch.zeros_like(grads[1])] if entropy else None
+    total = torch.zeros((), dtype=torch.float64, device=hidden.device)
+    for rows, leaf_hidden, leaf_weight, value, entropy_sum in reference_chunks(hidden, weight, targets, loss):
+        total += value.detach()
+        terms = ((grads, value), (entropy_grads, entropy_sum)) if entropy else ((grads, value),)
+        for into, term in terms:
             chunk_hidden, chunk_weight = torch.autograd.grad(term, (leaf_hidden, leaf_weight), retain_graph=True)
-            total[0][rows] += chunk_hidden
-            total[1] += chunk_weight
-    shape = hidden.shape
-    return (grads[0].reshape(shape), grads[1]), (entropy_grads[0].reshape(shape), entropy_grads[1])
+            into[0][rows] += chunk_hidden
+            into[1] += chunk_weight
+    unflat = lambda pair: (pair[0].reshape(hidden.shape), pair[1])  # noqa: E731
+    return total, unflat(grads), unflat(entropy_grads) if entropy else None
+
+
+@torch.no_grad()
+def float64_value(hidden, weight, targets, loss: HeadLoss) -> float:
+    """The float64 loss alone, as ``float64_gradients`` sums it."""
+    return float(sum(chunk[3] for chunk in reference_chunks(hidden, weight, targets, loss)))
+
+
+class ExactHead(torch.autograd.Function):
+    """``exact_head_loss``: the gradients computed with the loss, in the forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, loss):
+        with torch.enable_grad():
+            value, (grad_hidden, grad_weight), _ = float64_gradients(hidden, weight, targets, loss, entropy=False)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.dtypes = hidden.dtype, weight.dtype
+        return value.float()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        scale = grad_output.double()
+        return (grad_hidden * scale).to(ctx.dtypes[0]), (grad_weight * scale).to(ctx.dtypes[1]), None, None
+
+
+def exact_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, loss: HeadLoss) -> torch.Tensor:
+    """``loss`` (a float32 scalar) of ``hidden [b, s, H]`` and the whole ``weight [V, H]`` from
+    float64 logits, its gradients float64 rounded once to the inputs' dtypes (bf16 in a run): the
+    exact head a bf16 model can have. One rank only (TP=1)."""
+    return ExactHead.apply(hidden, weight, targets, loss)
 
 
 def compare(gradient, reference, entropy_gradient) -> Dict[str, Dict[str, float]]:

@@ -4,6 +4,7 @@ direction and size, and every path's gradient as the audit gathers it (shards, t
 hidden all-reduce, the main_grad buffer) within float32 rounding of the reference, at TP=1 and on two
 gloo ranks. The end-to-end audit along a run is ``test_real_training.py``'s resume test."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -48,13 +49,51 @@ def test_the_chunked_reference_is_the_oracles(case, monkeypatch):
     # gradients and those of its weighted entropy, to float64 rounding.
     monkeypatch.setattr(gradient_audit, "REFERENCE_CHUNK_ELEMENTS", 5 * V)
     hidden, weight, targets, loss = case()
-    (grad_hidden, grad_weight), (entropy_hidden, entropy_weight) = float64_gradients(hidden, weight, targets, loss)
+    value, (grad_hidden, grad_weight), (entropy_hidden, entropy_weight) = float64_gradients(
+        hidden, weight, targets, loss
+    )
     want = loss_reference(hidden, weight, targets, loss.loss_fn, loss.inputs, mask=loss.mask)
+    assert float(value) == pytest.approx(float(want.loss), rel=1e-12)
+    assert gradient_audit.float64_value(hidden, weight, targets, loss) == pytest.approx(float(want.loss), rel=1e-12)
     entropy = loss_reference(hidden, weight, targets, lambda lp, ent, w: w * ent, {"w": loss.entropy_weight},
                              mask=loss.mask)  # fmt: skip
     for got, expected in ((grad_hidden, want.grad_hidden), (grad_weight, want.grad_weight),
                           (entropy_hidden, entropy.grad_hidden), (entropy_weight, entropy.grad_weight)):  # fmt: skip
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("case", [rl_case, sft_case], ids=["rl", "sft"])
+def test_the_exact_head_is_the_oracle_rounded_once(case):
+    # The replay's exact head, through autograd with an upstream gradient of 3 (a schedule's scale):
+    # its loss and 3 x the oracle's gradients, each rounded once to the inputs' dtype (float16
+    # here: 2^-11 of an entry, so a float32 intermediate or a missed scale would show).
+    hidden, weight, targets, loss = case()
+    want = loss_reference(hidden, weight, targets, loss.loss_fn, loss.inputs, mask=loss.mask)
+    leaf_hidden, leaf_weight = (tensor.half().requires_grad_() for tensor in (hidden, weight))
+    value = gradient_audit.exact_head_loss(leaf_hidden, leaf_weight, targets, loss)
+    (3 * value).backward()
+    assert value.dtype == torch.float32
+    half_inputs = loss_reference(leaf_hidden.detach(), leaf_weight.detach(), targets, loss.loss_fn, loss.inputs,
+                                 mask=loss.mask)  # fmt: skip
+    assert float(value.detach()) == pytest.approx(float(half_inputs.loss), rel=1e-6)
+    for got, exact in ((leaf_hidden.grad, half_inputs.grad_hidden), (leaf_weight.grad, half_inputs.grad_weight)):
+        assert got.dtype == torch.float16
+        assert torch.equal(got, (3 * exact).half())
+    assert float(want.loss) != float(half_inputs.loss)  # the inputs' rounding is the caller's
+
+
+def test_the_floor_and_the_stock_paths_own_inputs():
+    # The bf16 floor: the reference rounded to bf16, 2^-9 of an entry at most, a few 1e-3 in norm.
+    # RL's stock path takes its own old log-probs where given: an advantage-free change to them
+    # changes only its gradient (the ratio's), by O(1) when they are 0.5 off.
+    hidden, weight, targets, loss = rl_case()
+    results = audit_point(hidden, weight, targets, loss, None, "torch")
+    assert 1e-4 < results[gradient_audit.FLOOR]["both"]["relative_error"] <= 2**-9
+    moved = dict(loss.inputs, old_logprob=loss.inputs["old_logprob"] - 0.5)
+    changed = audit_point(hidden, weight, targets, dataclasses.replace(loss, stock_inputs=moved), None, "torch")
+    assert changed["stock"]["both"]["relative_error"] > 0.1
+    for path in ("three_gemm", "main_grad", "recompute", gradient_audit.FLOOR):
+        assert changed[path] == results[path], path
 
 
 def test_metrics_of_errors_of_known_direction():
@@ -85,8 +124,10 @@ def check_every_path(tp_group, rank, world):
         hidden, weight, targets, loss = case()
         shard = weight[rank * V // world : (rank + 1) * V // world]
         results = audit_point(hidden, shard, targets, loss, tp_group, "torch")
-        assert set(results) == set(gradient_audit.PATHS)
+        assert set(results) == {*gradient_audit.PATHS, gradient_audit.FLOOR}
         for path, parts in results.items():
+            if path == gradient_audit.FLOOR:  # bf16 rounding, tested above
+                continue
             for part, metrics in parts.items():
                 assert metrics["relative_error"] <= FLOAT32_BOUND, (case.__name__, path, part, metrics)
                 assert abs(metrics["projection"]) <= FLOAT32_BOUND, (case.__name__, path, part, metrics)
@@ -110,23 +151,72 @@ def test_every_path_within_float32_rounding_at_tp1_and_on_two_ranks():
 
 def test_the_report_tabulates_each_phase_and_path():
     # report_audit.py's table of a record with known metrics: two points per phase, three_gemm worse
-    # than stock at one of them, shifts of 1e-5 and 3e-5 (mean 2e-5, stdev 1.41e-5, 95 % half-width
-    # 1.96 * stdev / sqrt(2) = 1.96e-5), against the record's coefficient 0.001.
+    # than stock at one of them and 1.5 x the floor at the other, shifts of 1e-5 and 3e-5 (mean
+    # 2e-5, stdev 1.41e-5, 95 % half-width 1.96 * stdev / sqrt(2) = 1.96e-5), against the record's
+    # coefficient 0.001.
     import report_audit
 
-    def point(step, stock_error, shift):
+    def point(step, stock_error, shift, floor):
         metrics = {"relative_error": 1e-3, "projection": 0.0, "entropy_coef_shift": shift}
-        paths = {path: {part: dict(metrics) for part in gradient_audit.PARTS} for path in gradient_audit.PATHS}
+        paths = {path: {part: dict(metrics) for part in gradient_audit.PARTS}
+                 for path in (*gradient_audit.PATHS, gradient_audit.FLOOR)}  # fmt: skip
         paths["stock"]["weight"]["relative_error"] = stock_error
+        paths[gradient_audit.FLOOR]["both"]["relative_error"] = floor
         return {"step": step, "paths": paths}
 
-    points = [point(0, 2e-3, 1e-5), point(1, 5e-4, 3e-5)]
+    points = [point(0, 2e-3, 1e-5, 1e-3), point(1, 5e-4, 3e-5, 1e-3 / 1.5)]
     record = {"sft": {"audit": points}, "rl": {"audit": points, "entropy_coef": 0.001}}
     rows = report_audit.table(record).splitlines()[2:]
     assert [row.split(" | ")[:2] for row in rows] == [
-        [f"| {phase}", path] for phase in ("sft", "rl") for path in gradient_audit.PATHS
+        [f"| {phase}", path] for phase in ("sft", "rl") for path in (*gradient_audit.PATHS, gradient_audit.FLOOR)
     ]
-    three_gemm = rows[5].split(" | ")
-    assert three_gemm[4] == "1 of 2"
-    assert three_gemm[5] == "+2.0e-05 [+4.0e-07, +4.0e-05] (4.0 % of 0.001)"
-    assert three_gemm[6] == "3.0e-05 |"
+    three_gemm = rows[6].split(" | ")
+    assert three_gemm[1] == "three_gemm"
+    assert three_gemm[4] == "1.50"
+    assert three_gemm[5] == "1 of 2"
+    assert three_gemm[6] == "+2.0e-05 [+4.0e-07, +4.0e-05] (4.0 % of 0.001)"
+    assert three_gemm[7] == "3.0e-05 |"
+
+
+def test_the_replay_report_pairs_each_state():
+    # Three states whose path differences from exact are known: stock +1, +2, +3 (x 1e-4; mean 2e-4,
+    # stdev 1e-4, t(2) from the series 4.17, half-width 4.17e-4 / sqrt(3)), three_gemm +5e-4 at
+    # each (an interval of zero width that excludes 0, at 5e-4 past stock's rms 2.16e-4: not met),
+    # the others 0; the same read from log lines.
+    import paired_replay
+    import report_audit
+
+    def state(index):
+        before = dict.fromkeys(paired_replay.METRICS, 1.0)
+        exact = dict(before, loss=0.0, held_out_loss=0.9)
+        shifted = {"stock": (index + 1) * 1e-4, "three_gemm": 5e-4}
+        paths = {path: [dict(exact, held_out_loss=0.9 + shifted.get(path, 0.0))] * paired_replay.REPLAY_UPDATES
+                 for path in paired_replay.PATHS}  # fmt: skip
+        return {"step": index, "before": before, "paths": paths}
+
+    points = [state(index) for index in range(3)]
+    stock = paired_replay.paired_differences(points, "stock", 0, "held_out_loss")
+    half = paired_replay.t_quantile(2) * 1e-4 / 3**0.5
+    assert stock["mean"] == pytest.approx(2e-4) and stock["change"] == pytest.approx(0.1)
+    assert (stock["low"], stock["high"]) == (pytest.approx(2e-4 - half), pytest.approx(2e-4 + half))
+    assert stock["rms"] == pytest.approx((14 / 3) ** 0.5 * 1e-4)
+    rows = report_audit.replay_table({"sft": {"replay": points}, "rl": None}).splitlines()[2:]
+    held_out = [row for row in rows if " held_out_loss | " in row]
+    assert len(held_out) == paired_replay.REPLAY_UPDATES
+    assert held_out[0].endswith("| not met: three_gemm |")
+    assert all(row.endswith("| met |") for row in rows if row not in held_out)
+    logged = [
+        f"[rank 0] replay rl three_gemm step {2 * index}: held-out loss against exact: stock +{index + 1}.00e-04, "
+        "three_gemm +0.00e+00, main_grad -1.00e-05, recompute +1.00e-05"
+        for index in range(3)
+    ]
+    row = report_audit.replay_table({"sft": {"replay": None}, "rl": None}, logged).splitlines()[2]
+    assert row.startswith("| rl (log) | 3 | held_out_loss | ") and row.endswith("| met |")
+    assert f"+2.0e-04 [{2e-4 - half:+.1e}, {2e-4 + half:+.1e}]" in row
+
+
+def test_the_t_quantile_against_the_table():
+    import paired_replay
+
+    for degrees, table in ((5, 2.5706), (8, 2.3060), (10, 2.2281), (20, 2.0860), (30, 2.0423)):
+        assert paired_replay.t_quantile(degrees) == pytest.approx(table, abs=3e-3 if degrees == 5 else 1e-3)

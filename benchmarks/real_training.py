@@ -67,10 +67,12 @@ import sysconfig
 import time
 import zlib
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
-from gradient_audit import HeadLoss, audit_point, masked_loss
+from gradient_audit import HeadLoss, audit_point, exact_head_loss, float64_value, gather_rows, masked_loss
+from paired_replay import PATHS as REPLAY_PATHS
+from paired_replay import REPLAY_HELD_OUT, REPLAY_UPDATES, replay_point
 
 from devkit import distributed, measure
 from devkit.megatron_gpt import GPTShape, build_bf16_gpt, gather_vocabulary, padded_vocab_size
@@ -86,6 +88,7 @@ from megatron_fused_lm import (
     fused_linear_cross_entropy,
     fused_linear_logprob,
     fused_linear_loss,
+    logits_logprob,
     logits_loss,
     losses,
     weight_grad_corrections,
@@ -164,6 +167,7 @@ class Size:
     max_files: Optional[int]  # training files read (None: all)
     tokenizer_share: int  # the tokenizer trains on the training files whose path hash is 1 mod this
     audit_every: Optional[int] = None  # --audit-every: SFT steps between gradient audits (and every RL update)
+    replay_every: Optional[int] = None  # --replay-every: SFT steps between replayed states (and every RL rollout)
 
 
 SIZES = {
@@ -370,6 +374,8 @@ class Training:
         self.size, self.device, self.loss_path = size, device, loss_path
         self.num_microbatches = 1
         self.tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
+        if loss_path == "exact" and self.tensor_parallel > 1:
+            raise ValueError("the exact path (a float64 head, the paired replay's) runs at TP=1 only")
         self.gpt = build_model(size, device, seed)
         if state is not None:
             self.gpt.load_state_dict(state)
@@ -427,6 +433,10 @@ class Training:
     # SFT
     def sft_forward_step(self, iterator, model):
         batch = next(iterator)
+        if self.loss_path == "exact":  # sft_loss's mean token loss from a float64 head
+            hidden = self.output_layer_input_graph(batch).transpose(0, 1)
+            loss = exact_head_loss(hidden, self.gpt.output_layer.weight, batch["labels"], self.sft_head_loss(batch))
+            return loss, reported_loss
         if self.loss_path in ("three-gemm", "main-grad"):
             # sft_loss's sum over the token count, which the schedule divides by the micro-batches.
             scale = 1.0 / (self.num_microbatches * batch["tokens"])
@@ -447,49 +457,81 @@ class Training:
             "p_over_0.999": (probability > 0.999).float().mean().item(),
         }
 
-    def exact_logprobs(self, batch: Dict) -> torch.Tensor:
-        """``[b, s]`` log-probs of the batch's labels from the output layer's input (the head's own
-        result, bf16 logits on a stock run, is not used)."""
+    def exact_logprobs(self, batch: Dict, return_entropy: bool = False):
+        """``[b, s]`` log-probs of the batch's labels (and entropies) from the output layer's input
+        (the head's own result, bf16 logits on a stock run, is not used)."""
         hidden, group = self.output_layer_input(batch)
         return fused_linear_logprob(hidden, self.gpt.output_layer.weight, batch["labels"], tp_group=group,
-                                    backend=self.backend)  # fmt: skip
+                                    return_entropy=return_entropy, backend=self.backend)  # fmt: skip
 
     @torch.no_grad()
-    def output_layer_input(self, batch: Dict) -> tuple[torch.Tensor, Optional[torch.distributed.ProcessGroup]]:
-        """The output layer's input ``[b, s, h]`` for ``batch`` (whole on every rank, captured by a
-        hook on the current weights) and the tensor-parallel group (``None`` at TP=1)."""
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+    def stock_logprobs(self, head, model, batch: Dict) -> torch.Tensor:
+        """``[b, s]`` forward-only log-probs of the batch's labels as a stock ``head`` computes them
+        (bf16 logits), 0 off the loss mask."""
+        with head.stock_logits():
+            logits = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"])
+        return logits_logprob(logits, batch["labels"], mask=batch["loss_mask"].bool(), tp_group=self.tp_group())
 
+    def tp_group(self) -> Optional[torch.distributed.ProcessGroup]:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_group() if self.tensor_parallel > 1 else None
+
+    def output_layer_input_graph(self, batch: Dict) -> torch.Tensor:
+        """The output layer's input for ``batch`` as the model computes it, captured by a hook:
+        ``[s, b, h]`` (``[s / TP, b, h]`` under sequence parallelism), with its graph where
+        gradients are on (the output layer's own product is left unused)."""
         captured = []
-        layer = self.gpt.output_layer
-        hook = layer.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+        hook = self.gpt.output_layer.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
         try:
             self.model(batch["input_ids"], batch["position_ids"], batch["attention_mask"])
         finally:
             hook.remove()
-        hidden = captured[0]  # [s, b, h]; [s / TP, b, h] under sequence parallelism
-        group = None
+        return captured[0]
+
+    @torch.no_grad()
+    def output_layer_input(self, batch: Dict) -> tuple[torch.Tensor, Optional[torch.distributed.ProcessGroup]]:
+        """The output layer's input ``[b, s, h]`` for ``batch`` on the current weights (whole on
+        every rank) and the tensor-parallel group (``None`` at TP=1)."""
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        hidden = self.output_layer_input_graph(batch)
         if self.tensor_parallel > 1:
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
-            group = parallel_state.get_tensor_model_parallel_group()
-        return hidden.transpose(0, 1), group
+        return hidden.transpose(0, 1), self.tp_group()
+
+    @staticmethod
+    def sft_head_loss(batch: Dict) -> HeadLoss:
+        """sft_loss at the head: the cross-entropy's mean over the loss mask."""
+        weight = batch["loss_mask"] / batch["loss_mask"].sum()
+        return HeadLoss(losses.cross_entropy, {"weight": weight}, None, weight, declared=weight)
+
+    def rl_head_loss(self, batch: Dict, stock_inputs: Optional[Dict[str, torch.Tensor]] = None) -> HeadLoss:
+        """POLICY_LOSS at the head over the response."""
+        inputs = self.policy_inputs(batch)
+        return HeadLoss(POLICY_LOSS, inputs, batch["loss_mask"].bool(), inputs["weight"], stock_inputs=stock_inputs)
 
     def audit(self, batch: Dict, phase: str) -> dict:
         """The gradient audit (``gradient_audit``) of ``phase``'s loss on ``batch`` and the current
         weights: ``{path: {part: {metric: value}}}``."""
         hidden, group = self.output_layer_input(batch)
-        if phase == "sft":  # sft_loss: the masked mean token loss
-            weight = batch["loss_mask"] / batch["loss_mask"].sum()
-            loss = HeadLoss(losses.cross_entropy, {"weight": weight}, None, weight, declared=weight)
-        else:
-            inputs = self.policy_inputs(batch)
-            loss = HeadLoss(POLICY_LOSS, inputs, batch["loss_mask"].bool(), inputs["weight"])
+        if phase == "sft":
+            loss = self.sft_head_loss(batch)
+        else:  # a fused run's stock path gets the old and reference log-probs a stock run would have
+            stock_inputs = None
+            if "stock_old_logprob" in batch:
+                stock_inputs = dict(self.policy_inputs(batch), old_logprob=batch["stock_old_logprob"],
+                                    ref_logprob=batch["stock_ref_logprob"])  # fmt: skip
+            loss = self.rl_head_loss(batch, stock_inputs)
         return audit_point(hidden, self.gpt.output_layer.weight, batch["labels"], loss, group, self.backend)
 
     # RL
     def rl_forward_step(self, iterator, model):
         batch = next(iterator)
+        if self.loss_path == "exact":  # the policy loss from a float64 head
+            hidden = self.output_layer_input_graph(batch).transpose(0, 1)
+            loss = exact_head_loss(hidden, self.gpt.output_layer.weight, batch["labels"], self.rl_head_loss(batch))
+            return loss, reported_loss
         output = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"])
         response = batch["loss_mask"].bool()
         inputs = self.policy_inputs(batch)
@@ -552,6 +594,12 @@ class Training:
         return tokens
 
 
+def reported_loss(output: torch.Tensor):
+    """The exact path's loss function: its loss and a copy reported (the schedule divides the loss
+    in place)."""
+    return output, {"loss": output.detach().clone()}
+
+
 def longest_common_prefix(first: str, second: str) -> int:
     count = 0
     for left, right in zip(first, second, strict=False):
@@ -607,35 +655,44 @@ def run_sft(
     resume: Path,
     pause_after_s: Optional[float],
     warnings: List[str],
+    replay_paths: Optional[Dict[str, "Training"]],
 ) -> Optional[tuple[dict, dict]]:
     """One SFT run: its record, and its final weights (this rank's shard, on the CPU). It starts
     from ``resume`` where that file exists; past ``pause_after_s`` seconds it saves its state there
     at the end of a step and returns ``None`` (a later call resumes; the steps are the same). The
     package's ``warnings`` so far travel in the same file. The clock starts at the first step: leave
     the call room for start-up, RL, and runs queued behind others. The file stays until the run's
-    record is written (``worker``), so a call cut short in RL resumes from it."""
+    record is written (``worker``), so a call cut short in RL resumes from it. ``replay_paths``: the
+    paired replay's trainings (``--replay-every``), else None."""
     training = Training(size, device, run.fused, run.loss_path, seed=run.seed, moved=run.moved)
     windows = sequences(corpus.train, size.shape.seq, seed=0)
-    per_step = size.micro_batches * size.shape.micro_batch
     held_out = held_out_batches(corpus, size, device)
     curves: Dict[str, list] = {}
     evaluations: Dict[str, list] = {"step": []}
-    audits: List[dict] = []
+    trace = {"audit": [], "replay": [], "excursion": None}
     first = 0
     if on_every_rank(resume.exists(), device):
-        first, curves, evaluations, audits, earlier = load_resume(resume, training, run, size, device)
+        first, curves, evaluations, trace, earlier = load_resume(resume, training, run, size, device)
         warnings.extend(earlier)
         distributed.log(f"sft {run.name}: resumed at step {first}")
+    excursion = Excursion(training, trace) if size.audit_every else None
     start = time.perf_counter()
     for step in range(first, size.sft_steps):
         learning_rate = cosine(step, size.sft_steps, size.sft_learning_rate)
         set_learning_rate(training.optimizer, learning_rate)
-        rows = torch.arange(step * per_step, (step + 1) * per_step) % windows.shape[0]
-        batches = [micro_batches(part, device) for part in windows[rows].split(size.shape.micro_batch)]
+        batches = sft_batches(windows, step, size, device)
         if size.audit_every and step % size.audit_every == 0:  # the step's weights, its first micro-batch
-            audits.append(audit_entry(training, batches[0], "sft", run, step))
+            trace["audit"].append(audit_entry(training, batches[0], "sft", run, step))
+        if replay_paths and step % size.replay_every == 0 and step + REPLAY_UPDATES <= size.sft_steps:
+            updates = [(sft_batches(windows, later, size, device), cosine(later, size.sft_steps, size.sft_learning_rate))
+                       for later in range(step, step + REPLAY_UPDATES)]  # fmt: skip
+            trace["replay"].append(replay_entry(training, replay_paths, "sft", updates, held_out, run, step))
+        if excursion:
+            excursion.keep()
         for key, value in training.step(training.sft_forward_step, batches).items():
             curves.setdefault(key, []).append(value)
+        if excursion:
+            excursion.consider(training, step, curves["loss"], batches, held_out, run)
         if step % size.eval_every == 0 or step == size.sft_steps - 1:
             evaluations["step"].append(step)
             for key, value in training.evaluate(held_out).items():
@@ -646,12 +703,14 @@ def run_sft(
                 f"{curves['step_ms'][-1]:.0f} ms"
             )
         if step + 1 < size.sft_steps and past(start, pause_after_s, device):
-            save_resume(resume, training, run, size, step + 1, curves, evaluations, audits, warnings)
+            save_resume(resume, training, run, size, step + 1, curves, evaluations, trace, warnings)
             distributed.log(f"sft {run.name}: paused after step {step}")
             return None
     record = phase_record(curves)
     record["eval"] = evaluations
-    record["audit"] = audits if size.audit_every else None
+    record["audit"] = trace["audit"] if size.audit_every else None
+    record["replay"] = trace["replay"] if replay_paths else None
+    record["excursion"] = trace["excursion"]
     record["head_ms"] = head_ms(training, run.loss_path, size, device, "sft")
     record["head_share"] = (
         None if record["head_ms"] is None else record["head_ms"] * size.micro_batches / record["median_step_ms"]
@@ -693,11 +752,11 @@ def on_every_rank(found: bool, device: torch.device) -> bool:
 
 
 def save_resume(
-    path: Path, training: Training, run: Run, size: Size, step: int, curves, evaluations, audits, warnings
+    path: Path, training: Training, run: Run, size: Size, step: int, curves, evaluations, trace, warnings
 ) -> None:
     """This rank's SFT state before ``step``: the weights, the optimizer (its float32 weights and
-    Adam's moments), the curves, the gradient audits and the package's warnings so far; written
-    under another name, then renamed."""
+    Adam's moments), the curves, the trace (gradient audits, replays, the excursion) and the
+    package's warnings so far; written under another name, then renamed."""
     partial = path.with_name(path.name + ".partial")
     torch.save(
         {
@@ -706,7 +765,7 @@ def save_resume(
             "step": step,
             "curves": curves,
             "evaluations": evaluations,
-            "audits": audits,
+            "trace": trace,
             "model": training.gpt.state_dict(),
             "optimizer": training.optimizer.state_dict(),
             "warnings": list(warnings),
@@ -718,8 +777,8 @@ def save_resume(
 
 
 def load_resume(path: Path, training: Training, run: Run, size: Size, device: torch.device):
-    """``(step, curves, evaluations, audits, warnings)`` of the state ``save_resume`` wrote, loaded into ``training``;
-    ``ValueError`` for another run's or size's state."""
+    """``(step, curves, evaluations, trace, warnings)`` of the state ``save_resume`` wrote, loaded
+    into ``training``; ``ValueError`` for another run's or size's state."""
     # On the CPU: load_state_dict moves each tensor where its parameter lives, and keeps Adam's step
     # counts on the host as a fresh optimizer does.
     saved = torch.load(path, map_location="cpu", weights_only=False)
@@ -730,11 +789,21 @@ def load_resume(path: Path, training: Training, run: Run, size: Size, device: to
         raise ValueError(f"the ranks' saved SFT states are of different steps; remove {run.name}'s .resume*.pt files")
     training.gpt.load_state_dict(saved["model"])
     training.optimizer.load_state_dict(saved["optimizer"])
-    return saved["step"], saved["curves"], saved["evaluations"], saved["audits"], saved["warnings"]
+    return saved["step"], saved["curves"], saved["evaluations"], saved["trace"], saved["warnings"]
 
 
-def run_rl(run: Run, size: Size, corpus: Corpus, device: torch.device, state: dict) -> dict:
-    """One RL run from the SFT weights ``state``, the KL term against them."""
+def run_rl(
+    run: Run,
+    size: Size,
+    corpus: Corpus,
+    device: torch.device,
+    state: dict,
+    replay_paths: Optional[Dict[str, "Training"]],
+    so_far: Callable[[dict], None],
+) -> dict:
+    """One RL run from the SFT weights ``state``, the KL term against them; ``replay_paths`` as for
+    ``run_sft``, each rollout a replayed state. After each update ``so_far`` is given the curves,
+    audits and replays until then."""
     training = Training(size, device, run.fused, run.loss_path, state=state, seed=run.seed)
     set_learning_rate(training.optimizer, size.rl_learning_rate)
     reference_gpt = build_model(size, device, run.seed)
@@ -743,6 +812,8 @@ def run_rl(run: Run, size: Size, corpus: Corpus, device: torch.device, state: di
     vocab = corpus.stats["tokenizer_vocab"]
     curves: Dict[str, list] = {}
     audits: List[dict] = []
+    replays: List[dict] = []
+    held_out = held_out_batches(corpus, size, device) if replay_paths else None
     batches: List[Dict] = []
     reward = torch.zeros(())
     prompts, truths = prompt_set(corpus, size)
@@ -757,6 +828,9 @@ def run_rl(run: Run, size: Size, corpus: Corpus, device: torch.device, state: di
             grouped = reward.view(size.prompts, size.samples)
             advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
             batches = rollout_batches(training, reference_gpt, reference_head, completions, advantages, size, device)
+            if replay_paths:
+                updates = [(batches, size.rl_learning_rate)] * REPLAY_UPDATES
+                replays.append(replay_entry(training, replay_paths, "rl", updates, held_out, run, step))
             measure.synchronize(device)
             rollout_ms = (time.perf_counter() - start) * 1e3
             rollout_peak = measure.peak_memory_bytes(device)
@@ -771,8 +845,10 @@ def run_rl(run: Run, size: Size, corpus: Corpus, device: torch.device, state: di
         values["rollout_peak_bytes"] = rollout_peak if rollout else None
         for key, value in values.items():
             curves.setdefault(key, []).append(value)
+        so_far({"curves": curves, "audit": audits, "replay": replays})
     record = phase_record(curves)
     record["audit"] = audits if size.audit_every else None
+    record["replay"] = replays if replay_paths else None
     record["entropy_coef"] = POLICY_LOSS.entropy_coef  # what the audit's shifts are read against
     record["head_ms"] = head_ms(training, run.loss_path, size, device, "rl")
     record["head_share"] = (
@@ -793,6 +869,110 @@ def audit_entry(training: Training, batch: Dict, phase: str, run: Run, step: int
     return {"step": step, "paths": paths}
 
 
+def replay_entry(training: Training, paths, phase: str, updates, held_out, run: Run, step: int) -> dict:
+    """One replayed state's record (``paired_replay``), logged with each path's held-out loss after
+    the last update less the exact path's."""
+    forward_step = (lambda path: path.sft_forward_step) if phase == "sft" else (lambda path: path.rl_forward_step)
+    point = replay_point(training, paths, forward_step, updates, held_out[: replay_held_out_batches(training.size)])
+    after = {name: values[-1]["held_out_loss"] for name, values in point["paths"].items()}
+    differences = ", ".join(f"{name} {after[name] - after['exact']:+.2e}" for name in after if name != "exact")
+    distributed.log(f"replay {phase} {run.name} step {step}: held-out loss against exact: {differences}")
+    return dict(step=step, **point)
+
+
+def replay_held_out_batches(size: Size) -> int:
+    return max(1, REPLAY_HELD_OUT // size.shape.micro_batch)
+
+
+def replay_trainings(size: Size, device: torch.device, run: Run) -> Dict[str, Training]:
+    """The paired replay's trainings, one per path of ``paired_replay.PATHS`` (weights and optimizer
+    state are loaded into them at each replayed state); ``ValueError`` under tensor parallelism."""
+    fused = {"exact": False, "stock": False}
+    return {name: Training(size, device, fused.get(name, True), loss_path, seed=run.seed)
+            for name, loss_path in REPLAY_PATHS.items()}  # fmt: skip
+
+
+def sft_batches(windows: torch.Tensor, step: int, size: Size, device: torch.device) -> List[Dict]:
+    """SFT step ``step``'s micro-batches: the next windows of the shuffled training stream."""
+    per_step = size.micro_batches * size.shape.micro_batch
+    rows = torch.arange(step * per_step, (step + 1) * per_step) % windows.shape[0]
+    return [micro_batches(part, device) for part in windows[rows].split(size.shape.micro_batch)]
+
+
+EXCURSION_WINDOW = 20  # steps: an excursion is a loss above the median of this many before it
+
+
+class Excursion:
+    """The SFT step whose loss lies furthest above (or least below) the median of the
+    ``EXCURSION_WINDOW`` steps before it, evaluated on its own weights (kept before each step) and micro-batches: the step's
+    reported loss beside the stock head's (bf16 logits), the fused ops' (``fused_linear_cross_entropy``,
+    the labels path's; ``fused_linear_logprob``, recompute's) and float64's, each the mean over the
+    micro-batches of the mean token loss, and the held-out loss there. It says whether a loss that
+    jumps is the head's arithmetic (float64 disagrees) or the weights' (it agrees). Kept in
+    ``trace["excursion"]``, the largest so far."""
+
+    def __init__(self, training: Training, trace: dict):
+        self.parameters = list(training.gpt.parameters())
+        self.before = [parameter.detach().clone() for parameter in self.parameters]
+        self.trace = trace
+
+    @torch.no_grad()
+    def keep(self) -> None:
+        for kept, parameter in zip(self.before, self.parameters, strict=True):
+            kept.copy_(parameter)
+
+    @torch.no_grad()
+    def consider(self, training: Training, step: int, losses_so_far: List[float], batches, held_out, run: Run) -> None:
+        if len(losses_so_far) <= EXCURSION_WINDOW:
+            return
+        median = statistics.median(losses_so_far[-EXCURSION_WINDOW - 1 : -1])
+        excess = losses_so_far[-1] - median
+        largest = self.trace["excursion"]
+        if largest is not None and excess <= largest["excess"]:
+            return
+        after = [parameter.detach().clone() for parameter in self.parameters]
+        self.swap_in(self.before)
+        try:
+            evaluated = excursion_losses(training, batches)
+            held_out_loss = training.evaluate(held_out)["held_out_loss"]
+        finally:
+            self.swap_in(after)
+        self.trace["excursion"] = dict(step=step, reported=losses_so_far[-1], median_before=median, excess=excess,
+                                       held_out_loss=held_out_loss, **evaluated)  # fmt: skip
+        distributed.log(
+            f"excursion {run.name} step {step}: loss {losses_so_far[-1]:.4f}, {excess:+.4f} over the median before; "
+            + ", ".join(f"{name} {value:.4f}" for name, value in evaluated.items())
+        )
+
+    def swap_in(self, values: List[torch.Tensor]) -> None:
+        for value, parameter in zip(values, self.parameters, strict=True):
+            parameter.copy_(value)
+
+
+def excursion_losses(training: Training, batches: List[Dict]) -> Dict[str, float]:
+    """``Excursion``'s losses of ``batches`` on ``training``'s current weights."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    totals = {"stock": 0.0, "fused_cross_entropy": 0.0, "fused_logprob": 0.0, "float64": 0.0}
+    shard = training.gpt.output_layer.weight
+    for batch in batches:
+        hidden, group = training.output_layer_input(batch)
+        loss = training.sft_head_loss(batch)
+        weight, targets = loss.entropy_weight, batch["labels"]
+        common = dict(tp_group=group, backend=training.backend)
+        values = {
+            "stock": (vocab_parallel_cross_entropy((hidden @ shard.t()).float(), targets) * weight).sum(),
+            "fused_cross_entropy": (
+                fused_linear_cross_entropy(hidden, shard, targets, weight, **common) * weight
+            ).sum(),
+            "fused_logprob": -(fused_linear_logprob(hidden, shard, targets, **common) * weight).sum(),
+            "float64": float64_value(hidden, gather_rows(shard, group), targets, loss),
+        }
+        for name, value in values.items():
+            totals[name] += float(value) / len(batches)
+    return totals
+
+
 def rollout_batches(training, reference_gpt, reference_head, completions, advantages, size, device) -> List[Dict]:
     """The update's micro-batches: the completions as inputs, the completion tokens as the
     response, the old log-probs (the policy before the updates) and the SFT weights' log-probs,
@@ -803,6 +983,9 @@ def rollout_batches(training, reference_gpt, reference_head, completions, advant
     for rows in torch.arange(completions.shape[0]).split(size.prompts * size.samples // size.micro_batches):
         batch = micro_batches(completions[rows], device, response[rows])
         batch["old_logprob"] = training.logprobs(training.head, training.model, batch)
+        if size.audit_every and training.head.fused:  # the audit's stock path: a stock run's log-probs
+            batch["stock_old_logprob"] = training.stock_logprobs(training.head, training.model, batch)
+            batch["stock_ref_logprob"] = training.stock_logprobs(reference_head, reference_gpt, batch)
         batch["ref_logprob"] = training.logprobs(reference_head, reference_gpt, batch)
         batch["advantages"] = advantages[rows].to(device).unsqueeze(1).expand_as(batch["labels"]).float()
         batches.append(batch)
@@ -1183,7 +1366,8 @@ def worker(run: Run, size_name: str, size: Size, out: Path, pause_after_s: Optio
     try:
         corpus = load_corpus(out / "corpus.pt")
         resume = resume_path(out, run, torch.distributed.get_rank())
-        done = run_sft(run, size, corpus, device, resume, pause_after_s, recompute.messages)
+        replay_paths = replay_trainings(size, device, run) if size.replay_every else None
+        done = run_sft(run, size, corpus, device, resume, pause_after_s, recompute.messages, replay_paths)
         if done is None:
             return
         sft, state = done
@@ -1193,12 +1377,19 @@ def worker(run: Run, size_name: str, size: Size, out: Path, pause_after_s: Optio
             "corpus": corpus.stats,
             "sft": sft,
             "rl": None,  # what SFT measured is kept should RL not finish
+            "rl_so_far": None,  # and RL's updates so far (a call cut short keeps them)
             "package_warnings": recompute.messages,
             "environment": dict(distributed.environment(device), code_revision=code_revision()),
         }
         distributed.write_json(str(path), record)
         measure.release_memory()
-        record["rl"] = run_rl(run, size, corpus, device, state)
+
+        def rl_so_far(partial: dict) -> None:
+            record["rl_so_far"] = partial
+            distributed.write_json(str(path), record)
+
+        record["rl"] = run_rl(run, size, corpus, device, state, replay_paths, rl_so_far)
+        record["rl_so_far"] = None
         # Every rank's: a warning on one rank alone (a fallback, a correction) counts too.
         record["package_warnings"] = sorted(
             {m for ms in distributed.gather_to_rank0(recompute.messages) or [] for m in ms}
@@ -1374,6 +1565,11 @@ def main() -> None:
         "--audit-every", type=int, help="audit the head's gradients every this many SFT steps and every RL update"
     )
     parser.add_argument(
+        "--replay-every",
+        type=int,
+        help="replay each path's updates (paired_replay) from the state every this many SFT steps and every RL rollout",
+    )
+    parser.add_argument(
         "--pause-after-s",
         type=float,
         help="each run pauses its SFT after this many seconds; the same command resumes it",
@@ -1386,6 +1582,7 @@ def main() -> None:
             ("sft_steps", args.sft_steps),
             ("rl_steps", args.rl_steps),
             ("audit_every", args.audit_every),
+            ("replay_every", args.replay_every),
         )
         if value
     }

@@ -8,6 +8,7 @@ when one fails; here the JSON is checked to say what was measured."""
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -107,3 +108,68 @@ def test_a_paused_run_resumes_bit_for_bit(tmp_path):
             for curve, values in expected[phase]["curves"].items():
                 if not curve.endswith("_ms") and "bytes" not in curve:
                     assert resumed[phase]["curves"][curve] == values, (name, phase, curve)
+
+
+def test_the_paired_replay_and_the_excursion(tmp_path):
+    """A 24-step TP=1 three_gemm run with ``--replay-every 12 --audit-every 12``: the paired replay
+    from SFT steps 0 and 12 and from the RL rollout, each path from the same state; the excursion
+    evaluated on its own weights; the audit's bf16 floor and a stock run's RL inputs."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import paired_replay
+    from gradient_audit import FLOOR
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "real_training.py"), "--size", "cpu", "--runs", "three_gemm",
+        "--sft-steps", "24", "--rl-steps", "2", "--audit-every", "12", "--replay-every", "12", "--out", str(tmp_path),
+    ]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    record = json.loads((tmp_path / "three_gemm.json").read_text())
+    updates = paired_replay.REPLAY_UPDATES
+    for phase, steps in (("sft", [0, 12]), ("rl", [0])):
+        points, curve = record[phase]["replay"], record[phase]["curves"]["loss"]
+        assert [point["step"] for point in points] == steps
+        for point in points:
+            assert set(point["paths"]) == set(paired_replay.PATHS)
+            # The run's own path, third of five, replays the run's next updates bit for bit: the
+            # state, batches and learning rates are the run's, and the paths before it left the
+            # saved state as it was (the optimizer's moments are copied, not shared).
+            own = [entry["loss"] for entry in point["paths"]["three_gemm"]]
+            assert own == curve[point["step"] : point["step"] + updates], (phase, point["step"])
+            exact = point["paths"]["exact"]
+            for path, entries in point["paths"].items():
+                assert len(entries) == updates
+                for entry, reference in zip(entries, exact, strict=True):
+                    for metric in paired_replay.METRICS:
+                        change = abs(reference[metric] - point["before"][metric])
+                        # SFT: a step changes each metric by 1e-2 to 1e-1 here, and the paths agree
+                        # to 0.4 % of it (bf16 gradients); a path updated from another state or on
+                        # other batches would differ by the change itself. RL (no reward here, the
+                        # change is the entropy bonus's, 1e-4): within 1.4e-4 measured.
+                        bound = 0.05 * change if phase == "sft" else 5e-4
+                        assert abs(entry[metric] - reference[metric]) <= bound, (phase, path, metric, entry, reference)
+    losses = record["sft"]["curves"]["loss"]
+    excursion = record["sft"]["excursion"]
+    step = excursion["step"]
+    assert 20 <= step < 24  # the first with 20 steps before it
+    assert excursion["reported"] == losses[step]
+    assert excursion["excess"] == losses[step] - statistics.median(losses[step - 20 : step])
+    # Evaluated on the weights the step's loss came from (after the step, the loss of its batch is
+    # 1e-2 lower): the labels path's op gives the reported loss again, float64 agrees to float32
+    # rounding, stock's bf16 logits to 1e-4.
+    assert abs(excursion["fused_cross_entropy"] - excursion["reported"]) <= 1e-5 * excursion["reported"]
+    for name in ("fused_logprob", "float64"):
+        assert abs(excursion[name] - excursion["fused_cross_entropy"]) <= 1e-5 * excursion["reported"], name
+    assert abs(excursion["stock"] - excursion["float64"]) <= 1e-3
+    for phase in ("sft", "rl"):
+        for point in record[phase]["audit"]:
+            floor = point["paths"][FLOOR]["both"]["relative_error"]
+            assert 1e-4 < floor <= 2**-9
+            # Three GEMMs: the bf16 result's rounding and no more (the float32 products add 1e-6).
+            assert point["paths"]["three_gemm"]["both"]["relative_error"] <= 1.05 * floor, (phase, point["step"])
+    # At a rollout's first update a stock run's ratio is 1 and its KL 0 exactly (its old and
+    # reference log-probs come from bf16 logits too): its error is bf16's, not the 0.16 it showed
+    # when given the fused head's log-probs.
+    first = record["rl"]["audit"][0]["paths"]
+    assert first["stock"]["both"]["relative_error"] <= 4 * first[FLOOR]["both"]["relative_error"]

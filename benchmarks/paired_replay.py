@@ -101,11 +101,12 @@ def t_quantile(degrees: int) -> float:
 
 def paired_differences(points: List[dict], path: str, update: int, metric: str, against: str = "exact") -> dict:
     """Over the replay ``points``: ``path``'s metric after update ``update`` (0-based) minus
-    ``against``'s at each state, summarized by ``summarize``, with ``change``: the mean absolute
-    change ``against`` made."""
+    ``against``'s at each state, summarized by ``summarize``, with ``change``: the median absolute
+    change ``against`` made (a median: the first state's change, from the initial weights, is tens
+    of times the others')."""
     differences = [p["paths"][path][update][metric] - p["paths"][against][update][metric] for p in points]
     changes = [abs(p["paths"][against][update][metric] - p["before"][metric]) for p in points]
-    return dict(summarize(differences), change=statistics.mean(changes))
+    return dict(summarize(differences), change=statistics.median(changes))
 
 
 def summarize(differences: List[float]) -> dict:

@@ -153,7 +153,7 @@ def criterion(summaries: Dict[str, dict]) -> str:
 def replay_table(record: dict, log_lines: Optional[List[str]] = None) -> str:
     compared = [path for path in paired_replay.PATHS if path != "exact"]
     rows = [
-        "| phase | states | metric | after update | exact's change (mean abs) | "
+        "| phase | states | metric | after update | exact's change (median abs) | "
         + " | ".join(f"{path} - exact: mean [95 %], rms" for path in compared)
         + " | interval contains 0 or within stock's rms |",
         "|---|---|---|---|---|" + "---|" * len(compared) + "---|",

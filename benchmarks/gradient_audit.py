@@ -105,24 +105,19 @@ def path_gradients(path, hidden, shard, targets, loss: HeadLoss, tp_group, backe
         into = dict(weight_grad_into=torch.zeros(shard.shape, dtype=torch.float32, device=shard.device),
                     weight_grad_scale=1.0)  # fmt: skip
     common = dict(tp_group=tp_group, backend=backend)
-    if path == "stock":
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-        logits = leaf_hidden @ leaf_shard.t()  # bf16, as the output layer returns them
-        if loss.declared is not None:  # Megatron's SFT loss on the stock logits
-            value = (vocab_parallel_cross_entropy(logits.float(), targets) * loss.declared).sum()
-        else:
-            inputs = loss.inputs if loss.stock_inputs is None else loss.stock_inputs
-            value = logits_loss(logits, targets, loss.loss_fn, loss_inputs=inputs, mask=loss.mask,
-                                tp_group=tp_group).loss  # fmt: skip
+    if path == "stock" and loss.declared is not None:
+        value = stock_sft_loss(leaf_hidden, leaf_shard, targets, loss.declared)
+    elif path == "stock":
+        inputs = loss.inputs if loss.stock_inputs is None else loss.stock_inputs
+        value = logits_loss(leaf_hidden @ leaf_shard.t(), targets, loss.loss_fn, loss_inputs=inputs, mask=loss.mask,
+                            tp_group=tp_group).loss  # fmt: skip
     elif path == "recompute":
         logprob, entropy = fused_linear_logprob(
             leaf_hidden, leaf_shard, targets, return_entropy=True, mask=loss.mask, entropy_grad=True, **common
         )
         value = masked_loss(loss.loss_fn, logprob, entropy, loss.inputs, loss.mask)
-    elif loss.declared is not None:  # SFT: the labels path's op, the loss's weights declared
-        per_token = fused_linear_cross_entropy(leaf_hidden, leaf_shard, targets, loss.declared, **common, **into)
-        value = (per_token * loss.declared).sum()
+    elif loss.declared is not None:
+        value = fused_sft_loss(leaf_hidden, leaf_shard, targets, loss.declared, **common, **into)
     else:
         value = fused_linear_loss(
             leaf_hidden, leaf_shard, targets, loss.loss_fn, loss_inputs=loss.inputs, mask=loss.mask, **common, **into
@@ -133,6 +128,20 @@ def path_gradients(path, hidden, shard, targets, loss: HeadLoss, tp_group, backe
         dist.all_reduce(grad_hidden, group=tp_group)
     grad_shard = into["weight_grad_into"] if into else leaf_shard.grad
     return grad_hidden, grad_shard
+
+
+def stock_sft_loss(hidden, shard, targets, declared) -> torch.Tensor:
+    """Megatron's SFT loss ``sum(declared * loss)`` on the stock logits (bf16, as the output layer
+    returns them) of ``hidden [b, s, H]`` and ``shard [V / P, H]``."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    return (vocab_parallel_cross_entropy((hidden @ shard.t()).float(), targets) * declared).sum()
+
+
+def fused_sft_loss(hidden, shard, targets, declared, **options) -> torch.Tensor:
+    """The same by the labels path's op, ``declared`` the loss's weights (three GEMMs); ``options``
+    for ``fused_linear_cross_entropy``."""
+    return (fused_linear_cross_entropy(hidden, shard, targets, declared, **options) * declared).sum()
 
 
 def reference_chunks(hidden, weight, targets, loss: HeadLoss) -> Iterator[tuple]:

@@ -4,16 +4,17 @@ the same micro-batches, learning rates and optimizer state, and what each path's
 
 1. At a state, the run's weights and optimizer state are copied (``snapshot``).
 2. For each path of ``PATHS`` in turn (each its own model, optimizer and head, built once), the copy
-   is loaded into it (``restore``) and it takes the updates: SFT, the run's next steps' batches at
-   their learning rates; RL, the rollout's micro-batches as many times (its old and reference
-   log-probs the run's).
+   is loaded into it (``restore``) and it takes the updates: SFT, the run's next ``REPLAY_UPDATES``
+   steps' batches at their learning rates; RL, the rollout's micro-batches as many times as the
+   run takes them, with the old and reference log-probs a run of the path's kind computes (stock's
+   from bf16 logits, the others' exact), so that each path's first ratio is 1 as in its own run.
 3. After each update, ``METRICS`` are measured alike for every path (exact log-probs, float32
    accumulation, of the output layer's input and weight): the held-out loss on the first
    ``REPLAY_HELD_OUT`` held-out sequences, the mean log-prob and the mean entropy of the first
    update's trained tokens (the loss mask).
-4. ``paired_differences`` (``report_audit.py``): per path and update, the difference of its metric
-   from the ``exact`` path's at each state, the same as the difference of the changes the two made,
-   and the mean's 95 % t-interval over the states.
+4. ``paired_differences``: per path and update, the difference of its metric from the ``exact``
+   path's at each state, the same as the difference of the changes the two made, and the mean's
+   95 % t-interval over the states (``report_audit.py`` tabulates them).
 
 ``exact`` is the stock model with a float64 head (``gradient_audit.exact_head_loss``), its
 gradients rounded once to bf16: what a path can at best give the rest of the model. Its own
@@ -33,7 +34,7 @@ from devkit.megatron_training import set_learning_rate
 
 PATHS = {"exact": "exact", "stock": "stock", "three_gemm": "three-gemm", "main_grad": "main-grad",
          "recompute": "recompute"}  # fmt: skip
-REPLAY_UPDATES = 2
+REPLAY_UPDATES = 2  # from an SFT state (an RL state: the run's updates per rollout)
 REPLAY_HELD_OUT = 16  # sequences
 METRICS = ("held_out_loss", "logprob", "entropy")
 
@@ -70,21 +71,22 @@ def replay_point(
     trajectory,
     paths: Dict[str, object],
     forward_step: Callable,
-    updates: List[tuple],
+    updates: Callable[[str], List[tuple]],
     held_out: Sequence[Dict],
 ) -> dict:
     """One state's replay: ``{"before": metrics, "paths": {path: [{"loss": the update's reported
     loss, **metrics after it}, ...]}}``. ``trajectory``: the run's ``Training`` at the state;
     ``paths``: a ``Training`` per path; ``forward_step(training)``: the phase's forward step of a
-    training; ``updates``: ``(micro-batches, learning rate)`` per update, the first update's
+    training; ``updates(path)``: ``(micro-batches, learning rate)`` per update of that path (the
+    same batches for every path, each with its own kind's RL inputs), the first update's
     micro-batches the trained tokens measured."""
     state = snapshot(trajectory)
-    trained = updates[0][0]
+    trained = updates("exact")[0][0]
     record = {"before": measure_state(trajectory, trained, held_out), "paths": {}}
     for name, training in paths.items():
         restore(training, state)
         record["paths"][name] = []
-        for batches, learning_rate in updates:
+        for batches, learning_rate in updates(name):
             set_learning_rate(training.optimizer, learning_rate)
             values = training.step(forward_step(training), batches)
             record["paths"][name].append(dict(loss=values["loss"], **measure_state(training, trained, held_out)))
@@ -101,12 +103,15 @@ def t_quantile(degrees: int) -> float:
 
 def paired_differences(points: List[dict], path: str, update: int, metric: str, against: str = "exact") -> dict:
     """Over the replay ``points``: ``path``'s metric after update ``update`` (0-based) minus
-    ``against``'s at each state, summarized by ``summarize``, with ``change``: the median absolute
-    change ``against`` made (a median: the first state's change, from the initial weights, is tens
-    of times the others')."""
-    differences = [p["paths"][path][update][metric] - p["paths"][against][update][metric] for p in points]
-    changes = [abs(p["paths"][against][update][metric] - p["before"][metric]) for p in points]
-    return dict(summarize(differences), change=statistics.median(changes))
+    ``against``'s at each state, summarized by ``summarize``."""
+    return summarize([p["paths"][path][update][metric] - p["paths"][against][update][metric] for p in points])
+
+
+def median_change(points: List[dict], path: str, update: int, metric: str) -> float:
+    """The median over ``points`` of the absolute change in ``metric`` that ``path``'s updates up to
+    ``update`` made (a median: the first state's change, from the initial weights, is tens of times
+    the others')."""
+    return statistics.median(abs(p["paths"][path][update][metric] - p["before"][metric]) for p in points)
 
 
 def summarize(differences: List[float]) -> dict:

@@ -70,7 +70,16 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 import torch
-from gradient_audit import HeadLoss, audit_point, exact_head_loss, float64_value, gather_rows, masked_loss
+from gradient_audit import (
+    HeadLoss,
+    audit_point,
+    exact_head_loss,
+    float64_value,
+    fused_sft_loss,
+    gather_rows,
+    masked_loss,
+    stock_sft_loss,
+)
 from paired_replay import PATHS as REPLAY_PATHS
 from paired_replay import REPLAY_HELD_OUT, REPLAY_UPDATES, replay_point
 
@@ -168,6 +177,7 @@ class Size:
     tokenizer_share: int  # the tokenizer trains on the training files whose path hash is 1 mod this
     audit_every: Optional[int] = None  # --audit-every: SFT steps between gradient audits (and every RL update)
     replay_every: Optional[int] = None  # --replay-every: SFT steps between replayed states (and every RL rollout)
+    evaluate_steps: tuple = ()  # --evaluate-steps: SFT steps evaluated in float64 on their own weights (Excursion)
 
 
 SIZES = {
@@ -457,11 +467,14 @@ class Training:
             "p_over_0.999": (probability > 0.999).float().mean().item(),
         }
 
-    def exact_logprobs(self, batch: Dict, return_entropy: bool = False):
+    @torch.no_grad()
+    def exact_logprobs(self, batch: Dict, return_entropy: bool = False, gpt=None, model=None):
         """``[b, s]`` log-probs of the batch's labels (and entropies) from the output layer's input
-        (the head's own result, bf16 logits on a stock run, is not used)."""
-        hidden, group = self.output_layer_input(batch)
-        return fused_linear_logprob(hidden, self.gpt.output_layer.weight, batch["labels"], tp_group=group,
+        and weight of ``gpt`` called as ``model`` (the run's own by default): the head's own result,
+        bf16 logits on a stock run, is not used."""
+        gpt = self.gpt if gpt is None else gpt
+        hidden, group = self.output_layer_input(batch, gpt, model)
+        return fused_linear_logprob(hidden, gpt.output_layer.weight, batch["labels"], tp_group=group,
                                     return_entropy=return_entropy, backend=self.backend)  # fmt: skip
 
     @torch.no_grad()
@@ -477,25 +490,29 @@ class Training:
 
         return parallel_state.get_tensor_model_parallel_group() if self.tensor_parallel > 1 else None
 
-    def output_layer_input_graph(self, batch: Dict) -> torch.Tensor:
-        """The output layer's input for ``batch`` as the model computes it, captured by a hook:
-        ``[s, b, h]`` (``[s / TP, b, h]`` under sequence parallelism), with its graph where
-        gradients are on (the output layer's own product is left unused)."""
+    def output_layer_input_graph(self, batch: Dict, gpt=None, model=None) -> torch.Tensor:
+        """The output layer's input for ``batch`` as ``gpt`` called as ``model`` computes it (the
+        run's own by default), captured by a hook: ``[s, b, h]`` (``[s / TP, b, h]`` under
+        sequence parallelism), with its graph where gradients are on (the output layer's own
+        product is left unused)."""
+        gpt, model = (self.gpt, self.model) if gpt is None else (gpt, model or gpt)
         captured = []
-        hook = self.gpt.output_layer.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+        hook = gpt.output_layer.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
         try:
-            self.model(batch["input_ids"], batch["position_ids"], batch["attention_mask"])
+            model(batch["input_ids"], batch["position_ids"], batch["attention_mask"])
         finally:
             hook.remove()
         return captured[0]
 
     @torch.no_grad()
-    def output_layer_input(self, batch: Dict) -> tuple[torch.Tensor, Optional[torch.distributed.ProcessGroup]]:
-        """The output layer's input ``[b, s, h]`` for ``batch`` on the current weights (whole on
-        every rank) and the tensor-parallel group (``None`` at TP=1)."""
+    def output_layer_input(
+        self, batch: Dict, gpt=None, model=None
+    ) -> tuple[torch.Tensor, Optional[torch.distributed.ProcessGroup]]:
+        """The output layer's input ``[b, s, h]`` for ``batch`` (``output_layer_input_graph``'s,
+        whole on every rank) and the tensor-parallel group (``None`` at TP=1)."""
         from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-        hidden = self.output_layer_input_graph(batch)
+        hidden = self.output_layer_input_graph(batch, gpt, model)
         if self.tensor_parallel > 1:
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return hidden.transpose(0, 1), self.tp_group()
@@ -517,12 +534,9 @@ class Training:
         hidden, group = self.output_layer_input(batch)
         if phase == "sft":
             loss = self.sft_head_loss(batch)
-        else:  # a fused run's stock path gets the old and reference log-probs a stock run would have
-            stock_inputs = None
-            if "stock_old_logprob" in batch:
-                stock_inputs = dict(self.policy_inputs(batch), old_logprob=batch["stock_old_logprob"],
-                                    ref_logprob=batch["stock_ref_logprob"])  # fmt: skip
-            loss = self.rl_head_loss(batch, stock_inputs)
+        else:  # each path given the old and reference log-probs a run of its kind would have
+            stock_inputs = self.policy_inputs(with_logprobs(batch, "stock"))
+            loss = self.rl_head_loss(with_logprobs(batch, "exact"), stock_inputs)
         return audit_point(hidden, self.gpt.output_layer.weight, batch["labels"], loss, group, self.backend)
 
     # RL
@@ -669,13 +683,13 @@ def run_sft(
     held_out = held_out_batches(corpus, size, device)
     curves: Dict[str, list] = {}
     evaluations: Dict[str, list] = {"step": []}
-    trace = {"audit": [], "replay": [], "excursion": None}
+    trace = {"audit": [], "replay": [], "excursion": None, "evaluated": []}
     first = 0
     if on_every_rank(resume.exists(), device):
         first, curves, evaluations, trace, earlier = load_resume(resume, training, run, size, device)
         warnings.extend(earlier)
         distributed.log(f"sft {run.name}: resumed at step {first}")
-    excursion = Excursion(training, trace) if size.audit_every else None
+    excursion = Excursion(training, trace) if size.audit_every or size.replay_every or size.evaluate_steps else None
     start = time.perf_counter()
     for step in range(first, size.sft_steps):
         learning_rate = cosine(step, size.sft_steps, size.sft_learning_rate)
@@ -686,7 +700,9 @@ def run_sft(
         if replay_paths and step % size.replay_every == 0 and step + REPLAY_UPDATES <= size.sft_steps:
             updates = [(sft_batches(windows, later, size, device), cosine(later, size.sft_steps, size.sft_learning_rate))
                        for later in range(step, step + REPLAY_UPDATES)]  # fmt: skip
-            trace["replay"].append(replay_entry(training, replay_paths, "sft", updates, held_out, run, step))
+            trace["replay"].append(
+                replay_entry(training, replay_paths, "sft", lambda path: updates, held_out, run, step)
+            )
         if excursion:
             excursion.keep()
         for key, value in training.step(training.sft_forward_step, batches).items():
@@ -711,6 +727,7 @@ def run_sft(
     record["audit"] = trace["audit"] if size.audit_every else None
     record["replay"] = trace["replay"] if replay_paths else None
     record["excursion"] = trace["excursion"]
+    record["evaluated"] = trace["evaluated"]
     record["head_ms"] = head_ms(training, run.loss_path, size, device, "sft")
     record["head_share"] = (
         None if record["head_ms"] is None else record["head_ms"] * size.micro_batches / record["median_step_ms"]
@@ -828,13 +845,13 @@ def run_rl(
             grouped = reward.view(size.prompts, size.samples)
             advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
             batches = rollout_batches(training, reference_gpt, reference_head, completions, advantages, size, device)
-            if replay_paths:
-                updates = [(batches, size.rl_learning_rate)] * REPLAY_UPDATES
-                replays.append(replay_entry(training, replay_paths, "rl", updates, held_out, run, step))
             measure.synchronize(device)
             rollout_ms = (time.perf_counter() - start) * 1e3
             rollout_peak = measure.peak_memory_bytes(device)
             sampled = torch.cat([batch["old_logprob"][batch["loss_mask"].bool()] for batch in batches]).exp()
+            if replay_paths:  # the rollout's updates, each path with its own kind's log-probs
+                updates = functools.partial(rl_replay_updates, batches, size)
+                replays.append(replay_entry(training, replay_paths, "rl", updates, held_out, run, step))
         if size.audit_every:
             audits.append(audit_entry(training, batches[0], "rl", run, step))
         values = training.step(training.rl_forward_step, batches)
@@ -881,7 +898,15 @@ def replay_entry(training: Training, paths, phase: str, updates, held_out, run: 
 
 
 def replay_held_out_batches(size: Size) -> int:
+    """How many of the held-out micro-batches the replay measures: ``REPLAY_HELD_OUT`` sequences."""
     return max(1, REPLAY_HELD_OUT // size.shape.micro_batch)
+
+
+def rl_replay_updates(batches: List[Dict], size: Size, path: str) -> List[tuple]:
+    """A rollout's updates for the replay's ``path``: its micro-batches, as the run takes them, with
+    the log-probs a run of the path's kind computes."""
+    kind = "stock" if path == "stock" else "exact"
+    return [([with_logprobs(batch, kind) for batch in batches], size.rl_learning_rate)] * size.updates_per_rollout
 
 
 def replay_trainings(size: Size, device: torch.device, run: Run) -> Dict[str, Training]:
@@ -903,13 +928,15 @@ EXCURSION_WINDOW = 20  # steps: an excursion is a loss above the median of this 
 
 
 class Excursion:
-    """The SFT step whose loss lies furthest above (or least below) the median of the
-    ``EXCURSION_WINDOW`` steps before it, evaluated on its own weights (kept before each step) and micro-batches: the step's
-    reported loss beside the stock head's (bf16 logits), the fused ops' (``fused_linear_cross_entropy``,
-    the labels path's; ``fused_linear_logprob``, recompute's) and float64's, each the mean over the
-    micro-batches of the mean token loss, and the held-out loss there. It says whether a loss that
-    jumps is the head's arithmetic (float64 disagrees) or the weights' (it agrees). Kept in
-    ``trace["excursion"]``, the largest so far."""
+    """SFT steps evaluated on their own weights (kept before each step) and micro-batches: the step
+    whose loss lies furthest above (or least below) the median of the ``EXCURSION_WINDOW`` steps
+    before it (``trace["excursion"]``, the largest so far), and the steps ``size.evaluate_steps``
+    names (``trace["evaluated"]``: where a fused run lay far from a stock one, say). For each: the
+    reported loss beside the stock head's (bf16 logits), the fused ops'
+    (``fused_linear_cross_entropy``, the labels path's; ``fused_linear_logprob``, recompute's) and
+    float64's, each the mean over the micro-batches of the mean token loss, and the held-out loss
+    there. Float64 agreeing with the reported loss says the loss is the weights', not the head's
+    arithmetic."""
 
     def __init__(self, training: Training, trace: dict):
         self.parameters = list(training.gpt.parameters())
@@ -923,6 +950,10 @@ class Excursion:
 
     @torch.no_grad()
     def consider(self, training: Training, step: int, losses_so_far: List[float], batches, held_out, run: Run) -> None:
+        if step in training.size.evaluate_steps:
+            entry = dict(step=step, reported=losses_so_far[-1], **self.evaluate(training, batches, held_out))
+            self.trace["evaluated"].append(entry)
+            self.log(run, "evaluated", entry)
         if len(losses_so_far) <= EXCURSION_WINDOW:
             return
         median = statistics.median(losses_so_far[-EXCURSION_WINDOW - 1 : -1])
@@ -930,19 +961,22 @@ class Excursion:
         largest = self.trace["excursion"]
         if largest is not None and excess <= largest["excess"]:
             return
+        self.trace["excursion"] = dict(step=step, reported=losses_so_far[-1], median_before=median, excess=excess,
+                                       **self.evaluate(training, batches, held_out))  # fmt: skip
+        self.log(run, f"excursion ({excess:+.4f} over the median before)", self.trace["excursion"])
+
+    def evaluate(self, training: Training, batches, held_out) -> Dict[str, float]:
         after = [parameter.detach().clone() for parameter in self.parameters]
         self.swap_in(self.before)
         try:
-            evaluated = excursion_losses(training, batches)
-            held_out_loss = training.evaluate(held_out)["held_out_loss"]
+            return dict(excursion_losses(training, batches), held_out_loss=training.evaluate(held_out)["held_out_loss"])
         finally:
             self.swap_in(after)
-        self.trace["excursion"] = dict(step=step, reported=losses_so_far[-1], median_before=median, excess=excess,
-                                       held_out_loss=held_out_loss, **evaluated)  # fmt: skip
-        distributed.log(
-            f"excursion {run.name} step {step}: loss {losses_so_far[-1]:.4f}, {excess:+.4f} over the median before; "
-            + ", ".join(f"{name} {value:.4f}" for name, value in evaluated.items())
-        )
+
+    @staticmethod
+    def log(run: Run, what: str, entry: dict) -> None:
+        losses = ", ".join(f"{name} {entry[name]:.6f}" for name in ("stock", "fused_cross_entropy", "float64"))
+        distributed.log(f"{what} {run.name} step {entry['step']}: loss {entry['reported']:.6f}; {losses}")
 
     def swap_in(self, values: List[torch.Tensor]) -> None:
         for value, parameter in zip(values, self.parameters, strict=True):
@@ -951,21 +985,17 @@ class Excursion:
 
 def excursion_losses(training: Training, batches: List[Dict]) -> Dict[str, float]:
     """``Excursion``'s losses of ``batches`` on ``training``'s current weights."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
     totals = {"stock": 0.0, "fused_cross_entropy": 0.0, "fused_logprob": 0.0, "float64": 0.0}
     shard = training.gpt.output_layer.weight
     for batch in batches:
         hidden, group = training.output_layer_input(batch)
         loss = training.sft_head_loss(batch)
-        weight, targets = loss.entropy_weight, batch["labels"]
+        declared, targets = loss.declared, batch["labels"]
         common = dict(tp_group=group, backend=training.backend)
         values = {
-            "stock": (vocab_parallel_cross_entropy((hidden @ shard.t()).float(), targets) * weight).sum(),
-            "fused_cross_entropy": (
-                fused_linear_cross_entropy(hidden, shard, targets, weight, **common) * weight
-            ).sum(),
-            "fused_logprob": -(fused_linear_logprob(hidden, shard, targets, **common) * weight).sum(),
+            "stock": stock_sft_loss(hidden, shard, targets, declared),
+            "fused_cross_entropy": fused_sft_loss(hidden, shard, targets, declared, **common),
+            "fused_logprob": -(fused_linear_logprob(hidden, shard, targets, **common) * declared).sum(),
             "float64": float64_value(hidden, gather_rows(shard, group), targets, loss),
         }
         for name, value in values.items():
@@ -983,13 +1013,25 @@ def rollout_batches(training, reference_gpt, reference_head, completions, advant
     for rows in torch.arange(completions.shape[0]).split(size.prompts * size.samples // size.micro_batches):
         batch = micro_batches(completions[rows], device, response[rows])
         batch["old_logprob"] = training.logprobs(training.head, training.model, batch)
-        if size.audit_every and training.head.fused:  # the audit's stock path: a stock run's log-probs
-            batch["stock_old_logprob"] = training.stock_logprobs(training.head, training.model, batch)
-            batch["stock_ref_logprob"] = training.stock_logprobs(reference_head, reference_gpt, batch)
         batch["ref_logprob"] = training.logprobs(reference_head, reference_gpt, batch)
+        if size.audit_every or size.replay_every:  # the log-probs of both kinds of run (with_logprobs)
+            if training.head.fused:
+                batch["exact_old_logprob"], batch["exact_ref_logprob"] = batch["old_logprob"], batch["ref_logprob"]
+                batch["stock_old_logprob"] = training.stock_logprobs(training.head, training.model, batch)
+                batch["stock_ref_logprob"] = training.stock_logprobs(reference_head, reference_gpt, batch)
+            else:
+                batch["stock_old_logprob"], batch["stock_ref_logprob"] = batch["old_logprob"], batch["ref_logprob"]
+                batch["exact_old_logprob"] = training.exact_logprobs(batch) * batch["loss_mask"]
+                batch["exact_ref_logprob"] = training.exact_logprobs(batch, gpt=reference_gpt) * batch["loss_mask"]
         batch["advantages"] = advantages[rows].to(device).unsqueeze(1).expand_as(batch["labels"]).float()
         batches.append(batch)
     return batches
+
+
+def with_logprobs(batch: Dict, kind: str) -> Dict:
+    """``batch`` with the old and reference log-probs a run of ``kind`` computes: ``stock`` (bf16
+    logits) or ``exact`` (a fused head's, float32 accumulation), from ``rollout_batches``."""
+    return dict(batch, old_logprob=batch[f"{kind}_old_logprob"], ref_logprob=batch[f"{kind}_ref_logprob"])
 
 
 def phase_record(curves: Dict[str, list]) -> dict:
@@ -1570,6 +1612,11 @@ def main() -> None:
         help="replay each path's updates (paired_replay) from the state every this many SFT steps and every RL rollout",
     )
     parser.add_argument(
+        "--evaluate-steps",
+        type=lambda text: tuple(int(step) for step in text.split(",")),
+        help="comma-separated SFT steps to evaluate in float64 on their own weights and batches",
+    )
+    parser.add_argument(
         "--pause-after-s",
         type=float,
         help="each run pauses its SFT after this many seconds; the same command resumes it",
@@ -1583,6 +1630,7 @@ def main() -> None:
             ("rl_steps", args.rl_steps),
             ("audit_every", args.audit_every),
             ("replay_every", args.replay_every),
+            ("evaluate_steps", args.evaluate_steps),
         )
         if value
     }
@@ -1599,7 +1647,14 @@ def main() -> None:
         unknown = set(args.runs.split(",")) - set(RUNS)
         if unknown:
             parser.error(f"--runs: unknown {', '.join(sorted(unknown))}")
-        forwarded = [item for key, value in overrides.items() for item in (f"--{key.replace('_', '-')}", str(value))]
+        forwarded = [
+            item
+            for key, value in overrides.items()
+            for item in (
+                f"--{key.replace('_', '-')}",
+                ",".join(map(str, value)) if isinstance(value, tuple) else str(value),
+            )
+        ]
         runs = [RUNS[name] for name in args.runs.split(",")]
         failed, paused = launch(runs, args.size, size, Path(args.out), forwarded, args.corpus, args.pause_after_s)
         failures += failed

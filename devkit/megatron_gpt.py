@@ -505,9 +505,14 @@ def finalized_parameter_grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]
     rank's part of the sequence, so its gradients are summed over the tensor-parallel group. A loss
     on some positions only (a response) leaves such a partial gradient all zero on a rank whose part
     holds none of them."""
+    return sum_sequence_parallel(parameter_grads(model), model)
+
+
+def sum_sequence_parallel(grads: Dict[str, torch.Tensor], model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """``grads`` (by parameter name) with each sequence-parallel parameter's summed over the
+    tensor-parallel group in place, as ``finalize_model_grads`` does."""
     from megatron.core import parallel_state
 
-    grads = parameter_grads(model)
     for name, parameter in model.named_parameters():
         if getattr(parameter, "sequence_parallel", False) and tp_size() > 1:
             torch.distributed.all_reduce(grads[name], group=parallel_state.get_tensor_model_parallel_group())

@@ -1,6 +1,7 @@
-"""The CPU dry run of ``tests/gpu/pipeline_training.py``: each two-rank layout, and the eight-rank
-``tp2_pp2_dp2``, on gloo ranks at the script's tiny CPU size, 5 SFT and 4 RL steps (4 and 4 on
-eight ranks; the script's medians skip 3 warm-up steps). The ranks run the script as torchrun
+"""The CPU dry run of ``tests/gpu/pipeline_training.py``: each two-rank layout, the four-rank
+``tp2_pp2`` and ``tp2_dp2`` and the eight-rank ``tp2_pp2_dp2``, on gloo ranks at the script's tiny
+CPU size, 5 SFT and 4 RL steps (4 and 4 on four and eight ranks; the script's medians skip 3
+warm-up steps). The ranks run the script as torchrun
 would start it, forked from a server that imported torch and Megatron once
 (``devkit.spawn.run_script_on_ranks``), and one launch per layout runs each of its loss paths in
 turn: about 20 s a two-rank layout alone on two cores (60 s on eight ranks).
@@ -17,6 +18,9 @@ and stock curves within the noise of the perturbed reference run):
   optimizer with the parameter all-gather overlapped (asynchronous gloo all-gathers that
   Megatron's forward pre-hooks wait for, the untied output weight in a bucket of its own), four
   micro-batches of gradient accumulation;
+- ``tp2_pp2`` and ``tp2_dp2``: the four-GPU layouts, tensor parallelism with sequence parallelism
+  under a pipeline (1F1B, tied embeddings, the distributed optimizer) and under data parallelism
+  (untied, both overlaps), on the three-GEMM and main-grad paths;
 - ``tp2_pp2_dp2``: TP=2 x PP=2 x DP=2 at once, with sequence parallelism, tied embeddings and
   both overlaps;
 - the loss paths: ``head.logprobs`` with the policy loss by hand, the three-GEMM path
@@ -29,9 +33,7 @@ and stock curves within the noise of the perturbed reference run):
 Only the GPU run covers: NCCL, and the overlapped collectives running concurrently with CUDA
 compute; the Triton backend (the CPU runs the torch backend); Megatron's gradient clipping (it
 asserts CUDA gradients); the real sizes (hidden 1024, vocabulary 151936, sequence 2048, 30 + 30
-steps), where bf16 noise, step time and peak memory mean something. The four-rank ``tp2_pp2``
-layout is the eight-rank one without data parallelism; its dry run runs by hand
-(``torchrun --nproc-per-node 4 tests/gpu/pipeline_training.py --sft-steps 6 --rl-steps 6``).
+steps), where bf16 noise, step time and peak memory mean something.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ LAYOUTS = {
     "pp2_tied": (2, 5, 4, EVERY_PATH, {"pp": 2, "vpp": 1, "dp": 1, "tied": True}),
     "pp2_vpp2_tied": (2, 5, 4, EVERY_PATH, {"pp": 2, "vpp": 2, "dp": 1, "tied": True}),
     "dp2_overlap": (2, 5, 4, EVERY_PATH, {"pp": 1, "vpp": 1, "dp": 2, "overlap_param_gather": True, "tied": False}),
+    "tp2_pp2": (4, 4, 4, ("three-gemm", "main-grad"), {"tp": 2, "pp": 2, "dp": 1, "sequence_parallel": True}),
+    "tp2_dp2": (
+        4, 4, 4, ("three-gemm", "main-grad"), {"tp": 2, "pp": 1, "dp": 2, "sequence_parallel": True, "tied": False}
+    ),
     "tp2_pp2_dp2": (
         8, 4, 4, ("three-gemm",), {"tp": 2, "pp": 2, "dp": 2, "sequence_parallel": True, "overlap_param_gather": True}
     ),

@@ -11,7 +11,10 @@ parallel = world size / (TP x PP); sequence parallelism is on by default exactly
 
 - ``tp2_pp2`` (4 GPUs, the default): TP=2 x PP=2, sequence parallel, tied embeddings, 1F1B, the
   distributed optimizer;
-- ``tp2_pp2_dp2`` (8 GPUs): the same with DP=2, the gradient reduction and the parameter
+- ``tp2_dp2`` (4 GPUs): TP=2 x DP=2, sequence parallel, untied, the gradient reduction and the
+  parameter all-gather overlapped as in ``dp2_overlap``: the head's shard and its all-reduces
+  under a data-parallel reduction of the main_grad route's buffers;
+- ``tp2_pp2_dp2`` (8 GPUs): ``tp2_pp2`` with DP=2, the gradient reduction and the parameter
   all-gather overlapped as in ``dp2_overlap``: all three parallelisms at once;
 - ``pp2_tied`` (2 GPUs): PP=2, tied embeddings, 1F1B, Megatron's mixed-precision optimizer;
 - ``pp2_vpp2_tied`` (2 GPUs): PP=2 with two virtual chunks per stage (``vp_stage``), Megatron's
@@ -164,6 +167,9 @@ LAYOUTS = {
     layout.name: layout
     for layout in (
         Layout("tp2_pp2", tp=2, pp=2, distributed_optimizer=True),
+        Layout(
+            "tp2_dp2", tp=2, tied=False, overlap_grad_reduce=True, distributed_optimizer=True, overlap_param_gather=True
+        ),
         Layout(
             "tp2_pp2_dp2", tp=2, pp=2, overlap_grad_reduce=True, distributed_optimizer=True, overlap_param_gather=True
         ),

@@ -4,15 +4,18 @@
 #   tests/gpu/run_multi_gpu.sh [OUTPUT_DIR] [PART ...]
 #
 # PARTs (default: every one that the visible GPUs allow), each run on the first GPUs it needs:
-#   tp_parity          2 GPUs: TP=2 + sequence parallel, bf16 GPTModel, fused vs stock (tests/gpu/tp_parity.py)
+#   tp_parity          2 GPUs: TP=2 + sequence parallel, bf16 GPTModel, every fused path vs stock and float64
+#                      (tests/gpu/tp_parity.py)
+#   tp4_parity         4 GPUs: the same at TP=4
 #   tp_bench           2 GPUs: per-rank time and memory, TP=1 vs TP=2, stock vs fused (benchmarks/bench_tensor_parallel.py;
 #                      extra arguments in TP_BENCH_ARGS, e.g. TP_BENCH_ARGS="--shapes 4096x2048x151936")
 #   pipeline_training  4 GPUs: layout tp2_pp2, TP=2 x PP=2, 1F1B + DDP + distributed optimizer
+#   tp2_dp2            4 GPUs: TP=2 x DP=2, sequence parallel, both overlaps, distributed optimizer
 #   pp2_tied           2 GPUs: PP=2, 1F1B, tied embeddings
 #   pp2_vpp2_tied      2 GPUs: PP=2 x 2 virtual chunks, interleaved schedule, tied embeddings
 #   dp2_overlap        2 GPUs: DP=2, overlap_grad_reduce, distributed optimizer + overlap_param_gather
 #   tp2_pp2_dp2        8 GPUs: TP=2 x PP=2 x DP=2, sequence parallel, tied, both overlaps
-# The last five are tests/gpu/pipeline_training.py --layout NAME (its docstring has the details);
+# The last six are tests/gpu/pipeline_training.py --layout NAME (its docstring has the details);
 # extra arguments in PIPELINE_ARGS, e.g. PIPELINE_ARGS="--loss-path three-gemm --backend triton".
 # Each part writes OUTPUT_DIR/PART.json and OUTPUT_DIR/PART.log (OUTPUT_DIR defaults to $OUT, else
 # multi_gpu_results). The exit status is non-zero when any part failed or could not run.
@@ -35,10 +38,12 @@ visible=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((gpus - 1)))}
 describe() {
     case $1 in
         tp_parity) needed=2; command=(tests/gpu/tp_parity.py) ;;
+        tp4_parity) needed=4; command=(tests/gpu/tp_parity.py) ;;
         tp_bench) needed=2; command=(benchmarks/bench_tensor_parallel.py ${TP_BENCH_ARGS:-}) ;;
         pipeline_training) needed=4; command=(tests/gpu/pipeline_training.py --layout tp2_pp2 ${PIPELINE_ARGS:-}) ;;
         pp2_tied | pp2_vpp2_tied | dp2_overlap)
             needed=2; command=(tests/gpu/pipeline_training.py --layout "$1" ${PIPELINE_ARGS:-}) ;;
+        tp2_dp2) needed=4; command=(tests/gpu/pipeline_training.py --layout tp2_dp2 ${PIPELINE_ARGS:-}) ;;
         tp2_pp2_dp2) needed=8; command=(tests/gpu/pipeline_training.py --layout tp2_pp2_dp2 ${PIPELINE_ARGS:-}) ;;
         *) return 1 ;;
     esac
@@ -46,7 +51,7 @@ describe() {
 
 parts=("$@")
 if [ ${#parts[@]} -eq 0 ]; then
-    for part in tp_parity tp_bench pp2_tied pp2_vpp2_tied dp2_overlap pipeline_training tp2_pp2_dp2; do
+    for part in tp_parity tp4_parity tp_bench pp2_tied pp2_vpp2_tied dp2_overlap pipeline_training tp2_dp2 tp2_pp2_dp2; do
         describe "$part" && [ "$gpus" -ge "$needed" ] && parts+=("$part")
     done
     [ ${#parts[@]} -gt 0 ] || { echo "no part runs on $gpus GPUs" >&2; exit 1; }

@@ -56,10 +56,21 @@ def run_torchrun(script: str, processes: int, json_path, *arguments: str) -> dic
         return json.load(handle)
 
 
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=needs_gpus(4))])
 @needs_gpus(2)
-def test_tensor_parallel_sequence_parallel_parity(tmp_path):
-    record = run_torchrun("tp_parity.py", 2, tmp_path / "tp_parity.json")
+def test_tensor_parallel_sequence_parallel_parity(ranks, tmp_path):
+    record = run_torchrun("tp_parity.py", ranks, tmp_path / "tp_parity.json")
+    assert record["tensor_parallel"] == ranks
     assert {mode["tied"] for mode in record["ranks"][0]["modes"]} == {False, True}
+    for mode in record["ranks"][0]["modes"]:
+        assert set(mode["float64"]) == {"triton", "torch"}
+
+
+@needs_gpus(4)
+def test_tp2_dp2_trains_fused_like_stock(tmp_path):
+    arguments = ("--layout", "tp2_dp2", "--loss-path", "three-gemm", "main-grad")
+    record = run_torchrun("pipeline_training.py", 4, tmp_path / "pipeline_training.json", *arguments)
+    assert record["layout"]["name"] == "tp2_dp2" and list(record["loss_paths"]) == ["three-gemm", "main-grad"]
 
 
 @needs_gpus(4)

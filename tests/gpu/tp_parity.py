@@ -1,5 +1,6 @@
-"""The fused head on a bf16 GPTModel, TP=2 with sequence parallelism, against the stock model:
-tied and untied embeddings, Triton and torch backends. Started by torchrun on two GPUs:
+"""The fused head on a bf16 GPTModel, tensor parallel over every process with sequence
+parallelism, against the stock model: tied and untied embeddings, Triton and torch backends, every
+fused path. Started by torchrun on two GPUs, or four (TP=4):
 
     torchrun --nproc-per-node 2 tests/gpu/tp_parity.py [--json tp_parity.json]
 
@@ -27,27 +28,46 @@ gradient against the stock one is at most 0.15. Measured on gloo CPU ranks at hi
 padded vocabulary: 0.02 to 0.04; with the sequence-parallel hidden gradient reduced twice (the
 fused head's own all-reduce on top of the gather's reduce-scatter): 1.01.
 
-Without CUDA it runs on two gloo CPU ranks at a tiny size (a dry run of the logic).
+Every path against float64 (``check_paths``): the same weights in a float64 GPTModel give each
+parameter's gradient (sequence-parallel ones summed over the group, as Megatron finalizes them: a
+rank whose part of the sequence holds no response would have none) of three losses (the log-prob and entropy sum above; the labels path's
+weighted loss; a clipped policy loss with entropy and KL terms on a response), and each bf16 path's
+relative L2 error per parameter is compared with stock's (bf16 logits): recompute
+(``head.logprobs``, the labels path undeclared), three GEMMs (the labels path with
+``declare_loss_weights``, ``head.loss``) and the main_grad route (the same into a DDP copy's
+float32 ``main_grad``). Both paths carry the layers' own bf16 rounding, so a fused path's error may
+not exceed ``FLOAT64_FACTOR`` times stock's; a wrong reduction, shard or scale errs by O(1).
+Measured on gloo CPU ranks at TP=2: the fused paths' largest ratio 1.33; stock's own largest errors
+0.04 to 0.11 (log-probs, labels) and 0.26 to 0.69 (the policy loss, whose clipped,
+advantage-weighted gradient is small against its terms), so there the check catches an error of
+about 1.5 times stock's and no smaller.
+
+Without CUDA it runs on gloo CPU ranks at a tiny size (a dry run of the logic; the CPU suite runs
+it on two and four).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
 from devkit import distributed, megatron_gpt
 from devkit.megatron_gpt import GPTShape
 from devkit.oracle import logprob_entropy, max_abs_error
+from megatron_fused_lm import losses
 from megatron_fused_lm.integration import FusedLMConfig, unwrap_model, wrap_model
 
-TENSOR_PARALLEL = 2
 GPU_SHAPE = GPTShape(hidden=1024, heads=16, layers=4, vocab=151936, seq=512, micro_batch=2)
 CPU_SHAPE = GPTShape(hidden=64, heads=4, layers=2, vocab=1000, seq=16, micro_batch=2)
 TEMPERATURE = 0.7
 EXACT_ATOL = 2e-3
 GRAD_RELATIVE_L2 = 0.15
 BACKENDS = ("triton", "torch")
+FLOAT64_FACTOR = 1.5
+POLICY = losses.ClippedPolicyLoss(clip_low=0.2, clip_high=0.28, entropy_coef=0.01, kl_coef=0.05, kl_estimator="k3")
+RESPONSE_START = 4  # the policy loss's response: positions from here on
 
 
 def exact_oracle(hidden: torch.Tensor, weight_shard: torch.Tensor, targets: torch.Tensor):
@@ -171,20 +191,129 @@ def check_embedding_mode(shape: GPTShape, device: torch.device, tied: bool) -> d
     return record
 
 
+def float64_copy(model, shape: GPTShape, device: torch.device, tied: bool):
+    """A float64 GPTModel with ``model``'s weights."""
+    copy = megatron_gpt.build_gpt(shape, vocab_size=model.vocab_size, dtype=torch.float64, device=device,
+                                  sequence_parallel=True, tied=tied)  # fmt: skip
+    copy.load_state_dict({name: value.double() if isinstance(value, torch.Tensor) and value.is_floating_point()
+                          else value for name, value in model.state_dict().items()})  # fmt: skip
+    return copy
+
+
+def masked_policy_loss(logprob, entropy, inputs, response) -> torch.Tensor:
+    """``POLICY`` summed over the response from per-token log-probs and entropies ``[b, s]``."""
+    return POLICY(
+        logprob[response], entropy[response], **{name: value[response] for name, value in inputs.items()}
+    ).sum()
+
+
+def check_paths(shape: GPTShape, device: torch.device, tied: bool, backend: str) -> dict:
+    """Every path's per-parameter gradient error against float64 (the module's docstring), for the
+    three losses; asserted here, and returned with the largest ratio to stock's per path."""
+    where = f"tied={tied} backend={backend}"
+    model = megatron_gpt.build_bf16_gpt(shape, device, tied=tied, sequence_parallel=True, seed=1234, peaky=True)
+    batch = megatron_gpt.causal_batch(shape, model.vocab_size, seed=7, device=device)
+    targets = batch[3]
+    response = torch.zeros_like(targets, dtype=torch.bool)
+    response[:, RESPONSE_START:] = True
+    labels_weights = megatron_gpt.random_weights(*targets.shape, seed=12, device=device)
+    reference = float64_copy(model, shape, device, tied)
+    exact_logprob, _ = megatron_gpt.oracle_logprob_entropy(
+        megatron_gpt.forward(reference, batch).detach(), targets, 1.0
+    )
+    inputs = {name: value.to(device) for name, value in megatron_gpt.policy_inputs(exact_logprob, response).items()}
+
+    def logits_losses(logits):  # the three losses from a model's stock logits (float64 math)
+        logprob, entropy = megatron_gpt.oracle_logprob_entropy(logits, targets, TEMPERATURE)
+        plain_logprob, plain_entropy = megatron_gpt.oracle_logprob_entropy(logits, targets, 1.0)
+        return {"logprobs": megatron_gpt.head_loss(logprob, entropy),
+                "policy": masked_policy_loss(plain_logprob, plain_entropy, inputs, response)}  # fmt: skip
+
+    def stock_grads(gpt) -> dict:
+        grads = {}
+        for name, value in logits_losses(megatron_gpt.forward(gpt, batch)).items():
+            value.backward(retain_graph=name == "logprobs")
+            grads[name] = megatron_gpt.finalized_parameter_grads(gpt)
+        (labels_weights * megatron_gpt.forward(gpt, batch, labels=targets)).sum().backward()
+        grads["labels"] = megatron_gpt.finalized_parameter_grads(gpt)
+        return grads
+
+    exact = stock_grads(reference)
+    errors = {f"stock_{name}": grad_errors(grads, exact[name]) for name, grads in stock_grads(model).items()}
+    head = wrap_model(model, FusedLMConfig(enabled=True, backend=backend))
+    assert head.fused and head.fallback_reason is None, where
+    paths = {
+        "recompute_logprobs": lambda: megatron_gpt.head_loss(*head.logprobs(
+            megatron_gpt.forward(model, batch), targets, temperature=TEMPERATURE, return_entropy=True)),
+        "recompute_labels": lambda: (labels_weights * megatron_gpt.forward(model, batch, labels=targets)).sum(),
+        "recompute_policy": lambda: masked_policy_loss(*head.logprobs(
+            megatron_gpt.forward(model, batch), targets, return_entropy=True, mask=response), inputs, response),
+        "three_gemm_labels": lambda: declared_labels_loss(head, model, batch, labels_weights, None),
+        "three_gemm_policy": lambda: head.loss(megatron_gpt.forward(model, batch), targets, POLICY,
+                                               loss_inputs=inputs, mask=response).loss,
+    }  # fmt: skip
+    for name, loss in paths.items():
+        loss().backward()
+        errors[name] = grad_errors(megatron_gpt.finalized_parameter_grads(model), exact[name.split("_")[-1]])
+    head.declare_loss_weights(None)
+    unwrap_model(model)
+    # The main_grad route: a DDP copy of the same weights, its float32 main_grad written in the forward.
+    ddp = megatron_gpt.megatron_ddp(megatron_gpt.build_bf16_gpt(shape, device, tied=tied, sequence_parallel=True,
+                                                                seed=1234, peaky=True))  # fmt: skip
+    ddp_head = wrap_model(ddp, FusedLMConfig(enabled=True, backend=backend))
+    main_grad_paths = {
+        "main_grad_labels": lambda: declared_labels_loss(ddp_head, ddp, batch, labels_weights, 1.0),
+        "main_grad_policy": lambda: ddp_head.loss(megatron_gpt.forward(ddp, batch), targets, POLICY,
+                                                  loss_inputs=inputs, mask=response, main_grad_scale=1.0).loss,
+    }  # fmt: skip
+    for name, loss in main_grad_paths.items():
+        loss().backward()
+        main_grads = megatron_gpt.sum_sequence_parallel(megatron_gpt.ddp_main_grads(ddp), ddp.module)
+        errors[name] = grad_errors(main_grads, exact[name.split("_")[-1]])
+        ddp.zero_grad_buffer()
+    assert not ddp_head.main_grad_outstanding(), where
+    unwrap_model(ddp)
+    record = {}
+    for name, per_parameter in errors.items():
+        if name.startswith("stock_"):
+            continue
+        stock = errors["stock_" + name.split("_")[-1]]
+        ratio = max(per_parameter[key] / stock[key] for key in stock)
+        record[name] = {"largest_error": max(per_parameter.values()), "largest_ratio_to_stock": ratio}
+        assert ratio <= FLOAT64_FACTOR, f"{where} {name}: a gradient {ratio:.3g} x stock's error against float64"
+    record["stock_largest_error"] = {name: max(values.values()) for name, values in errors.items() if
+                                     name.startswith("stock_")}  # fmt: skip
+    distributed.log(f"{where} against float64: {record}")
+    return record
+
+
+def declared_labels_loss(head, model, batch, weights, main_grad_scale):
+    """The labels path's ``sum(weights * loss)`` with ``weights`` declared (three GEMMs)."""
+    head.declare_loss_weights(weights, main_grad_scale=main_grad_scale)
+    return (weights * megatron_gpt.forward(model, batch, labels=batch[3])).sum()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="where rank 0 writes the measured errors")
     args = parser.parse_args()
-    device = distributed.init_distributed(TENSOR_PARALLEL)
+    tensor_parallel = int(os.environ["WORLD_SIZE"])  # one tensor-parallel group over every process
+    device = distributed.init_distributed(tensor_parallel)
     shape = GPU_SHAPE if device.type == "cuda" else CPU_SHAPE
     try:
-        records = [check_embedding_mode(shape, device, tied) for tied in (False, True)]
+        records = []
+        for tied in (False, True):
+            record = check_embedding_mode(shape, device, tied)
+            # The Triton kernels where they compile; the CPU dry run checks the logic once, by torch.
+            backends = BACKENDS if device.type == "cuda" else ("torch",)
+            record["float64"] = {backend: check_paths(shape, device, tied, backend) for backend in backends}
+            records.append(record)
         ranks = distributed.gather_to_rank0({"rank": torch.distributed.get_rank(), "modes": records})
         distributed.write_json(
             args.json,
             {
                 "shape": distributed.shape_record(shape),
-                "tensor_parallel": TENSOR_PARALLEL,
+                "tensor_parallel": tensor_parallel,
                 "sequence_parallel": True,
                 "temperature": TEMPERATURE,
                 "ranks": ranks,

@@ -326,11 +326,12 @@ def policy_inputs(oracle_logprob: torch.Tensor, response: torch.Tensor) -> Dict[
     weights over ``response``; the same on every rank."""
     from megatron_fused_lm import losses
 
-    noise = random_weights(2, *oracle_logprob.shape, seed=21) * 0.3
+    device = oracle_logprob.device
+    noise = random_weights(2, *oracle_logprob.shape, seed=21, device=device) * 0.3
     return {
         "old_logprob": (oracle_logprob + noise[0]).float(),
         "ref_logprob": (oracle_logprob + noise[1]).float(),
-        "advantages": random_weights(*oracle_logprob.shape, seed=22),
+        "advantages": random_weights(*oracle_logprob.shape, seed=22, device=device),
         "weight": losses.token_mean_weights(response),
     }
 

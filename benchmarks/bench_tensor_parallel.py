@@ -136,9 +136,11 @@ def benchmark_shape(shape, args, device, tp_group) -> list:
 
 
 def print_table(rows) -> None:
-    """Per shape and method: each rank's ms / peak GiB at TP=1 and TP=N, and the TP=N / TP=1 ratios."""
+    """Per shape and method: each rank's ms / peak GiB at TP=1 and TP=N, the TP=N / TP=1 ratios,
+    and the per-rank time against the ideal ``TP=1 ms / N`` (``vs ideal``: 1 is perfect scaling;
+    issue 52's targets are 1.15 at TP=4 and 1.25 at TP=8)."""
     print(
-        f"{'shape':>22} {'method':>7} {'rank':>4} {'TP=1 ms':>9} {'TP=N ms':>9} {'ratio':>6} "
+        f"{'shape':>22} {'method':>7} {'rank':>4} {'TP=1 ms':>9} {'TP=N ms':>9} {'ratio':>6} {'vs ideal':>8} "
         f"{'TP=1 GiB':>9} {'TP=N GiB':>9} {'ratio':>6} {'lp err TP=N':>11}"
     )
     keyed = {(row["shape"], row["method"], row["rank"], row["tp"]): row for row in rows}
@@ -154,6 +156,7 @@ def print_table(rows) -> None:
         )
         print(
             f"{shape:>22} {method:>7} {rank:>4} {single['ms']:9.2f} {row['ms']:9.2f} {row['ms'] / single['ms']:6.3f} "
+            f"{tp * row['ms'] / single['ms']:8.3f} "
             f"{memory_text} {row.get('logprob_max_error', float('nan')):11.2e}"
             + (f"  all-gathers {row['all_gather_ms']:.2f} ms" if "all_gather_ms" in row else "")
         )

@@ -77,4 +77,5 @@ def rank_environment(rank: int, world_size: int, port: int) -> dict:
 def _script_entry(rank, script, argv, world_size, port, env):
     os.environ.update(env, **rank_environment(rank, world_size, port))
     sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script` puts its folder first
     runpy.run_path(script, run_name="__main__")

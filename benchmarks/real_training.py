@@ -46,6 +46,12 @@ spread between stock runs of different initial seeds as the noise band.
    gates catch gross errors only (docs/benchmarks/real_training.md says why the band criterion is
    not one). Runs named twice (a replay in another call) are reported bitwise.
 
+7. Checks along a run (docs/benchmarks/real_training.md): ``--audit-every N``, the head's gradients
+   against float64 every N SFT steps and every RL update (``gradient_audit``); ``--replay-every
+   N``, each path's updates from the run's state every N SFT steps and after every RL rollout
+   (``paired_replay``); with either, and for the steps ``--evaluate-steps`` names, ``Excursion``'s
+   float64 evaluation of a step's loss on its own weights.
+
 The CPU size runs the same logic at a tiny size (``tests/cpu/test_real_training.py``, in CI).
 """
 

@@ -6,6 +6,7 @@ here; the GPU run's are issue 52's table."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from devkit.spawn import run_script_on_ranks
@@ -14,7 +15,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_tensor_para
 RANKS = 4
 
 
-def test_every_method_at_tp1_and_tp4(tmp_path, capfd):
+def test_every_method_at_tp1_and_tp4(tmp_path):
     json_path = tmp_path / "tp_bench.json"
     arguments = ["--shapes", "64x32x512", "--warmup", "0", "--repeats", "1", "--sample", "16", "--json", str(json_path)]
     run_script_on_ranks(SCRIPT, RANKS, arguments, env={"CUDA_VISIBLE_DEVICES": ""})
@@ -32,4 +33,18 @@ def test_every_method_at_tp1_and_tp4(tmp_path, capfd):
         # stock rounds its logits to bf16 (2^-8 of the largest |logit| a token has, a few here).
         bound = 0.1 if row["method"] == "stock" else 1e-4
         assert row["logprob_max_error"] < bound, row
-    assert "vs ideal" in capfd.readouterr().out
+
+
+def test_the_table_reads_each_rank_against_the_ideal(capsys):
+    # 10 ms alone, 3 ms at TP=4: 0.3 of the TP=1 time, 1.2 times the ideal 2.5 ms.
+    sys.path.insert(0, str(SCRIPT.parent))
+    import bench_tensor_parallel
+
+    rows = [
+        dict(shape="8x4x16", method="loss", rank=0, tp=tp, ms=ms, peak_extra_bytes=None)
+        for tp, ms in ((1, 10.0), (4, 3.0))
+    ]
+    bench_tensor_parallel.print_table(rows)
+    header, line = capsys.readouterr().out.splitlines()
+    assert header.split()[8:10] == ["vs", "ideal"]
+    assert line.split()[3:7] == ["10.00", "3.00", "0.300", "1.200"]

@@ -40,6 +40,7 @@ from typing import Callable, Dict, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from devkit.megatron_gpt import masked_loss
 from devkit.oracle import logprob_entropy
 from megatron_fused_lm import fused_linear_cross_entropy, fused_linear_logprob, fused_linear_loss, logits_loss
 
@@ -64,13 +65,6 @@ class HeadLoss:
     entropy_weight: torch.Tensor
     declared: Optional[torch.Tensor] = None
     stock_inputs: Optional[Dict[str, torch.Tensor]] = None
-
-
-def masked_loss(loss_fn: Callable, logprob, entropy, inputs: Dict[str, torch.Tensor], mask) -> torch.Tensor:
-    """``loss_fn`` summed over the rows ``mask`` selects (all without one) of ``[b, s]`` log-probs,
-    entropies and per-token inputs: a loss computed by hand from the log-probs."""
-    mask = torch.ones_like(entropy, dtype=torch.bool) if mask is None else mask
-    return loss_fn(logprob[mask], entropy[mask], **{name: value[mask] for name, value in inputs.items()}).sum()
 
 
 def audit_point(

@@ -83,14 +83,13 @@ from gradient_audit import (
     float64_value,
     fused_sft_loss,
     gather_rows,
-    masked_loss,
     stock_sft_loss,
 )
 from paired_replay import PATHS as REPLAY_PATHS
 from paired_replay import REPLAY_HELD_OUT, REPLAY_UPDATES, replay_point
 
 from devkit import distributed, measure
-from devkit.megatron_gpt import GPTShape, build_bf16_gpt, gather_vocabulary, padded_vocab_size
+from devkit.megatron_gpt import GPTShape, build_bf16_gpt, gather_vocabulary, masked_loss, padded_vocab_size
 from devkit.megatron_training import (
     RecomputeCounter,
     megatron_training,

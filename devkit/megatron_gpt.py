@@ -336,6 +336,13 @@ def policy_inputs(oracle_logprob: torch.Tensor, response: torch.Tensor) -> Dict[
     }
 
 
+def masked_loss(loss_fn: Callable, logprob, entropy, inputs: Dict[str, torch.Tensor], mask) -> torch.Tensor:
+    """``loss_fn`` summed over the rows ``mask`` selects (all without one) of ``[b, s]`` log-probs,
+    entropies and per-token inputs: a loss computed by hand from the log-probs."""
+    mask = torch.ones_like(entropy, dtype=torch.bool) if mask is None else mask
+    return loss_fn(logprob[mask], entropy[mask], **{name: value[mask] for name, value in inputs.items()}).sum()
+
+
 def build_bf16_gpt(
     shape: GPTShape,
     device: torch.device,

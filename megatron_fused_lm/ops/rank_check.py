@@ -3,13 +3,13 @@
 Under tensor parallelism every rank must pass the same rows (shapes, targets, mask, temperatures,
 kept sets, a loss's per-token inputs) and its own shard of the vocabulary. A mistake there either
 gives numbers (a whole weight on every rank: each log-prob off by log P; targets or temperatures
-that differ) or aborts inside a collective (a mask that selects other rows). So the first call of an op for each group, weight
-shape and dtype gathers a digest of its inputs from every rank (one all-gather of a few int64, one
-read on the host) and raises a ``ValueError`` naming what differs. Later calls with the same
-signature take no collective and no read. Skipped where values are not available (meta and fake
-tensors, compiled graphs, CUDA-graph capture) and turned off for the process with
-``check_ranks_agree(False)``. The head's route passes the model's own group, shard and batch, so these
-mistakes cannot arise there.
+that differ) or aborts inside a collective (a mask that selects other rows). So the first call of an
+op for each group, weight shape and dtype gathers a digest of its inputs from every rank (one
+all-gather of a few int64, one read on the host) and raises a ``ValueError`` naming what differs.
+Later calls with the same signature take no collective and no read. Skipped where values are not
+available (meta and fake tensors, compiled graphs, CUDA-graph capture) and turned off for the
+process with ``check_ranks_agree(False)``. The head's route passes the model's own group, shard and
+batch, so these mistakes cannot arise there.
 """
 
 from __future__ import annotations

@@ -204,13 +204,6 @@ def float64_copy(model, shape: GPTShape, device: torch.device, tied: bool):
     return copy
 
 
-def masked_policy_loss(logprob, entropy, inputs, response) -> torch.Tensor:
-    """``POLICY`` summed over the response from per-token log-probs and entropies ``[b, s]``."""
-    return POLICY(
-        logprob[response], entropy[response], **{name: value[response] for name, value in inputs.items()}
-    ).sum()
-
-
 def check_paths(shape: GPTShape, device: torch.device, tied: bool, backend: str) -> dict:
     """Every path's per-parameter gradient error against float64 (the module's docstring), for the
     three losses; asserted here, and returned with the largest ratio to stock's per path."""
@@ -231,7 +224,7 @@ def check_paths(shape: GPTShape, device: torch.device, tied: bool, backend: str)
         logprob, entropy = megatron_gpt.oracle_logprob_entropy(logits, targets, TEMPERATURE)
         plain_logprob, plain_entropy = megatron_gpt.oracle_logprob_entropy(logits, targets, 1.0)
         return {"logprobs": megatron_gpt.head_loss(logprob, entropy),
-                "policy": masked_policy_loss(plain_logprob, plain_entropy, inputs, response)}  # fmt: skip
+                "policy": megatron_gpt.masked_loss(POLICY, plain_logprob, plain_entropy, inputs, response)}  # fmt: skip
 
     def stock_grads(gpt) -> dict:
         grads = {}
@@ -250,7 +243,7 @@ def check_paths(shape: GPTShape, device: torch.device, tied: bool, backend: str)
         "recompute_logprobs": lambda: megatron_gpt.head_loss(*head.logprobs(
             megatron_gpt.forward(model, batch), targets, temperature=TEMPERATURE, return_entropy=True)),
         "recompute_labels": lambda: (labels_weights * megatron_gpt.forward(model, batch, labels=targets)).sum(),
-        "recompute_policy": lambda: masked_policy_loss(*head.logprobs(
+        "recompute_policy": lambda: megatron_gpt.masked_loss(POLICY, *head.logprobs(
             megatron_gpt.forward(model, batch), targets, return_entropy=True, mask=response), inputs, response),
         "three_gemm_labels": lambda: declared_labels_loss(head, model, batch, labels_weights, None),
         "three_gemm_policy": lambda: head.loss(megatron_gpt.forward(model, batch), targets, POLICY,

@@ -33,7 +33,7 @@ class FusedLMConfig:
 
     Attributes:
         enabled: fuse the head (``True``) or leave the model stock (``False``, the default).
-        backend: ``"torch"``, ``"triton"`` or ``"auto"``, passed to ``fused_linear_logprob``.
+        backend: ``"torch"``, ``"triton"``, ``"cute"`` or ``"auto"``, passed to ``fused_linear_logprob``.
         token_chunk: tokens per chunk of the softmax work, a positive int, or ``None`` (the
             default) for the ops' own choice, which on the Triton backend is tuned per shape: a
             smaller chunk trades time for memory (``docs/benchmarks/features.md``, chunk size).

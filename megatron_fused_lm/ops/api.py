@@ -129,8 +129,10 @@ def fused_linear_logprob(
             a GPU, a device-side assertion).
         return_entropy: also return the entropy of the distribution.
         entropy_grad: with ``False`` the entropy is a metric: no graph, no backward term.
-        backend: ``"torch"``, ``"triton"`` or ``"auto"`` (Triton on CUDA when available; otherwise
-            the torch backend, with one logged warning), or a backend object
+        backend: ``"torch"``, ``"triton"``, ``"cute"`` or ``"auto"`` (Triton on CUDA when available;
+            otherwise the torch backend, with one logged warning; ``"cute"``: Triton's with the
+            forward statistics of a CuTe DSL kernel on Hopper, where the ``cute`` extra is installed,
+            else Triton's, with one logged warning), or a backend object
             (``backends.triton.TritonBackend(TritonTuning(...))``: the Triton kernels with launch
             choices of its own).
         token_chunk: rows per chunk, which bounds the ``[token_chunk, vocab_shard]`` working set

@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from .._logging import warn_once
 from .distributed import group_by_name, group_name
-from .triton_support import triton_unavailable_reason
+from .triton_support import cute_unavailable_reason, triton_unavailable_reason
 
-BACKENDS = ("torch", "triton", "auto")
+BACKENDS = ("torch", "triton", "cute", "auto")
 
 
 def check_backend(backend: str) -> str:
@@ -67,14 +67,21 @@ def check_weight_grad_scale(weight_grad_scale: float) -> float:
 
 def resolved_backend(backend: str, device: torch.device) -> str:
     """The kind of backend a call runs, chosen once per call: ``"triton"`` where ``backend`` is
-    ``"triton"`` or ``"auto"`` and Triton can run on ``device``; otherwise ``"torch"`` (one logged
-    warning when ``"triton"`` or ``"auto"`` falls back)."""
+    ``"triton"`` or ``"auto"`` and Triton can run on ``device``; ``"cute"`` where it is ``"cute"``
+    and the CuTe kernels can run there too (else ``"triton"``); otherwise ``"torch"``. Each fallback
+    logs one warning. ``"auto"`` does not pick ``"cute"``: it is not yet faster at every shape
+    (docs/benchmarks/cute.md)."""
     if check_backend(backend) == "torch":
         return "torch"
     reason = _triton_unavailable_reason(device)
     if reason is not None:
         warn_once(f"backend={backend!r} runs the torch backend instead: {reason}")
         return "torch"
+    if backend == "cute":
+        reason = _cute_unavailable_reason(device)
+        if reason is None:
+            return "cute"
+        warn_once(f"backend='cute' runs the triton backend instead: {reason}")
     return "triton"
 
 
@@ -82,6 +89,11 @@ def resolved_backend(backend: str, device: torch.device) -> str:
 def _triton_unavailable_reason(device: torch.device) -> Optional[str]:
     # A fact of the device and the installation: a compiled graph evaluates it once, when traced.
     return triton_unavailable_reason(device)
+
+
+@torch.compiler.assume_constant_result
+def _cute_unavailable_reason(device: torch.device) -> Optional[str]:
+    return cute_unavailable_reason(device)
 
 
 _SCHEMA_TYPES = {

@@ -1,7 +1,9 @@
-"""Whether the Triton kernels can run on a device (a leaf: the backends and the held gradients ask)."""
+"""Whether the Triton kernels, and the CuTe kernels, can run on a device (a leaf: the backends and the
+held gradients ask)."""
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Optional
 
@@ -18,4 +20,20 @@ def triton_unavailable_reason(device: torch.device) -> Optional[str]:
         import triton  # noqa: F401
     except ImportError:
         return "triton is not installed"
+    return None
+
+
+def cute_unavailable_reason(device: torch.device) -> Optional[str]:
+    """Why the CuTe kernels cannot run on ``device``, or ``None`` if they can: a Hopper GPU (compute
+    capability 9.0) with the ``cute`` extra installed (``nvidia-cutlass-dsl`` and TVM-FFI)."""
+    if device.type != "cuda":
+        return f"it needs a CUDA device, got {device.type}"
+    capability = torch.cuda.get_device_capability(device)
+    if capability != (9, 0):
+        return f"its kernels are for compute capability 9.0 (Hopper), this device has {capability[0]}.{capability[1]}"
+    for module, extra in (("cutlass", "nvidia-cutlass-dsl"), ("tvm_ffi", "apache-tvm-ffi")):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            return f"{extra} is not installed (pip install 'megatron-fused-lm[cute]')"
     return None

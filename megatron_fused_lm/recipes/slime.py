@@ -43,7 +43,7 @@ def add_fused_lm_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     (slime's own ``--log-probs-chunk-size`` chunks its logits path and is not read;
     ``--fused-linear-logprob-token-chunk`` is the fused head's tokens per chunk, best left unset.)"""
     parser.add_argument("--fused-linear-logprob", action="store_true", help="fuse the LM head (megatron-fused-lm)")
-    parser.add_argument("--fused-linear-logprob-backend", choices=["torch", "triton", "auto"], default="torch")
+    parser.add_argument("--fused-linear-logprob-backend", choices=["torch", "triton", "cute", "auto"], default="torch")
     parser.add_argument(
         "--fused-linear-logprob-token-chunk", type=int, default=None, help="tokens per chunk of the fused head"
     )

@@ -200,7 +200,7 @@ def test_never_allocates_tokens_by_vocab(dtype):
     assert recorder.largest() >= 32 * vocab  # the recorder saw the chunk blocks
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton", "auto"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cute", "auto"])
 def test_batch_invariant_is_refused_where_the_torch_backend_runs(backend):
     # Its products are cuBLAS's (or the CPU's BLAS): a row's gradient could change with the call's
     # rows, so the option is an error rather than a promise the backend does not keep.
@@ -215,7 +215,7 @@ def test_batch_invariant_is_refused_where_the_torch_backend_runs(backend):
             call()
 
 
-@pytest.mark.parametrize("backend", ["triton", "auto"])
+@pytest.mark.parametrize("backend", ["triton", "cute", "auto"])
 def test_triton_and_auto_fall_back_on_the_cpu_with_one_warning(backend, package_warnings):
     hidden, weight, targets = make_case((9,), HIDDEN, 97, torch.float32, peaky=False)
     first = fused_linear_logprob(hidden, weight, targets, backend=backend)

@@ -41,7 +41,7 @@ def logits_call(**overrides):
         (dict(temperature=0.0), ValueError, "temperature"),
         (dict(temperature=-1.0), ValueError, "temperature"),
         (dict(temperature=float("nan")), ValueError, "temperature"),
-        (dict(backend="cuda"), ValueError, "'torch', 'triton', 'auto'"),
+        (dict(backend="cuda"), ValueError, "'torch', 'triton', 'cute', 'auto'"),
     ],
 )
 def test_fused_rejects(overrides, error, message):

@@ -101,3 +101,18 @@ def test_the_integration_names_are_the_package_names():
     assert set(integration.__all__) <= set(megatron_fused_lm.__all__)
     for name in integration.__all__:
         assert getattr(megatron_fused_lm, name) is getattr(integration, name), name
+
+
+def test_only_the_cute_backend_reaches_the_cute_kernels():
+    # The CuTe kernels need the optional cute extra: the other backends must run without it (the
+    # backends package reaches every backend, lazily, by design).
+    edges = graph()
+    for start in ("megatron_fused_lm.ops.backends.triton", "megatron_fused_lm.ops.backends.torch_loss",
+                  "megatron_fused_lm.ops.backends.torch_recompute"):  # fmt: skip
+        reached, stack = set(), [start]
+        while stack:
+            for target in edges[stack.pop()] - reached:
+                reached.add(target)
+                stack.append(target)
+        assert not {name for name in reached if name.startswith("megatron_fused_lm.ops.cute_kernels")}, (start, reached)
+    assert "megatron_fused_lm.ops.cute_kernels.statistics_kernel" in edges["megatron_fused_lm.ops.backends.cute"]

@@ -1,7 +1,8 @@
-"""The implementations behind ``backend=``: ``TorchBackend``, chunked PyTorch code on any device, and
-``triton.TritonBackend``, the Triton kernels on CUDA. Each is one object for both paths
-(``contract`` says what a path asks of it), resolved once per call (``resolve``) and named in the
-options (``by_name``); the Triton modules are imported only when a call runs it."""
+"""The implementations behind ``backend=``: ``TorchBackend``, chunked PyTorch code on any device,
+``triton.TritonBackend``, the Triton kernels on CUDA, and ``cute.CuteBackend``, Triton's with the
+forward statistics of a CuTe DSL kernel on Hopper. Each is one object for both paths (``contract``
+says what a path asks of it), resolved once per call (``resolve``) and named in the options
+(``by_name``); the Triton and CuTe modules are imported only when a call runs them."""
 
 from __future__ import annotations
 
@@ -36,22 +37,28 @@ _by_name: Dict[str, object] = {"torch": TorchBackend()}
 
 
 def by_name(name: str):
-    """The backend registered under ``name`` (``"torch"``, ``"triton"``, or a resolved backend's)."""
+    """The backend registered under ``name`` (``"torch"``, ``"triton"``, ``"cute"``, or a resolved
+    backend's)."""
     if name == "triton" and name not in _by_name:
         from .triton import TritonBackend
 
         _by_name[name] = TritonBackend()
+    if name == "cute" and name not in _by_name:
+        from .cute import CuteBackend
+
+        _by_name[name] = CuteBackend()
     return _by_name[name]
 
 
 def resolve(backend: Union[str, object], device: torch.device):
-    """The backend a call on tensors of ``device`` runs, chosen once: ``"torch"``, ``"triton"`` or
-    ``"auto"`` (``options.resolved_backend``), or a backend object (``triton.TritonBackend`` with its
-    own tuning), which runs as the torch backend where Triton cannot (one logged warning)."""
+    """The backend a call on tensors of ``device`` runs, chosen once: ``"torch"``, ``"triton"``,
+    ``"cute"`` or ``"auto"`` (``options.resolved_backend``), or a backend object
+    (``triton.TritonBackend`` with its own tuning), which runs as the torch backend where Triton
+    cannot (one logged warning)."""
     if isinstance(backend, str):
         return by_name(resolved_backend(backend, device))
     if not callable(getattr(backend, "local_statistics", None)) or not isinstance(getattr(backend, "name", None), str):
-        raise TypeError(f"backend must be 'torch', 'triton', 'auto' or a backend object, got {backend!r}")
+        raise TypeError(f"backend must be 'torch', 'triton', 'cute', 'auto' or a backend object, got {backend!r}")
     if backend.name != "torch" and resolved_backend("triton", device) == "torch":
         return by_name("torch")
     return _by_name.setdefault(backend.name, backend)

@@ -1,0 +1,62 @@
+"""The CuTe backend: the Triton backend with its forward statistics computed by a CuTe DSL kernel
+on Hopper (``cute_kernels.statistics_kernel``). Every other pass, and a forward the CuTe kernel does
+not take (``statistics_unsupported``), runs Triton's kernels, with one logged reason per kind."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..._logging import warn_once
+from ..contract import ShardProblem
+from ..kernels.merge_kernel import merge_parts
+from ..options import HeadOptions
+from ..softmax import NUM_STATISTICS
+from .triton import TritonBackend
+
+# Column tiles (of 128) per vocabulary split: a function of the vocabulary alone, so a row's
+# statistics do not depend on the other rows of the call (docs/DESIGN.md, "Batch invariance").
+TILES_PER_SPLIT = 8
+
+
+def statistics_unsupported(problem: ShardProblem) -> Optional[str]:
+    """Why the CuTe statistics kernel does not take ``problem``, or ``None`` where it does."""
+    hidden, weight = problem.hidden, problem.weight
+    if hidden.dtype not in (torch.bfloat16, torch.float16):
+        return f"it takes bfloat16 or float16 operands, got {hidden.dtype}"
+    if problem.kept_mask.numel():
+        return "kept_tokens is not in the CuTe kernel yet"
+    if problem.target_column.dim() != 1:
+        return "several targets per row are not in the CuTe kernel yet"
+    if hidden.shape[1] % 8 or hidden.stride(1) != 1 or weight.stride(1) != 1:
+        return "its TMA loads need unit-stride rows of a multiple of 8 elements"
+    if any(tensor.stride(0) % 8 or tensor.data_ptr() % 16 for tensor in (hidden, weight)):
+        return "its TMA loads need 16-byte-aligned rows"
+    return None
+
+
+@dataclass(frozen=True)
+class CuteBackend(TritonBackend):
+    """Triton's backend with the forward statistics of the CuTe kernel (``backend="cute"``)."""
+
+    @property
+    def name(self) -> str:
+        return "cute"
+
+    def local_statistics(self, problem: ShardProblem, options: HeadOptions) -> torch.Tensor:
+        """This shard's statistics ``[n, 4]`` (float32): the CuTe kernel's splits, merged by Triton's
+        ``merge_parts`` (its order fixed by the number of parts)."""
+        if problem.hidden.shape[0] == 0:
+            return problem.hidden.new_empty(0, NUM_STATISTICS, dtype=torch.float32)
+        reason = statistics_unsupported(problem)
+        if reason is not None:
+            warn_once(f"backend='cute' computes these forward statistics with Triton: {reason}")
+            return super().local_statistics(problem, options)
+        from ..cute_kernels.statistics_kernel import split_statistics
+
+        parts = split_statistics(
+            problem.hidden, problem.weight, problem.target_column, problem.temperature, TILES_PER_SPLIT
+        )
+        return merge_parts(parts)

@@ -15,6 +15,7 @@ from ..kernels.merge_kernel import merge_parts
 from ..options import HeadOptions
 from ..softmax import NUM_STATISTICS
 from .triton import TritonBackend
+from .triton_tuning import TritonTuning
 
 # Column tiles (of 128) per vocabulary split: a function of the vocabulary alone, so a row's
 # statistics do not depend on the other rows of the call (docs/DESIGN.md, "Batch invariance").
@@ -43,7 +44,8 @@ class CuteBackend(TritonBackend):
 
     @property
     def name(self) -> str:
-        return "cute"
+        """``"cute"``, or with a Triton tuning of its own a name of that tuning."""
+        return "cute" if self.tuning == TritonTuning() else f"cute:{self.tuning!r}"
 
     def local_statistics(self, problem: ShardProblem, options: HeadOptions) -> torch.Tensor:
         """This shard's statistics ``[n, 4]`` (float32): the CuTe kernel's splits, merged by Triton's

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 from harness import REFERENCE_SHAPES, make_inputs, parse_shapes
 
-from devkit.measure import elapsed_ms
+from devkit.measure import median_ms
 from megatron_fused_lm.ops.backends.cute import CuteBackend
 from megatron_fused_lm.ops.backends.triton import TritonBackend
 from megatron_fused_lm.ops.contract import ShardProblem
@@ -24,12 +23,6 @@ from megatron_fused_lm.ops.kernels.merge_kernel import merge_parts
 from megatron_fused_lm.ops.softmax import summarize
 
 CHECK_SHAPES = "300x256x1000,1000x2048x5003,4096x4096x151936,2500x3072x32000"
-
-
-def median_ms(step, device, warmup, repeats):
-    for _ in range(warmup):
-        step()
-    return statistics.median(elapsed_ms(step, device) for _ in range(repeats))
 
 
 def problem_of(inputs, temperature):

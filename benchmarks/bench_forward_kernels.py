@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from functools import partial
 
 import pingpong_forward as hopper
 import torch
 from harness import make_inputs, parse_shapes
 
-from devkit.measure import elapsed_ms
+from devkit.measure import median_ms
 from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
 from megatron_fused_lm.ops.kernels.softmax_stats_kernel import split_statistics
 from megatron_fused_lm.ops.kernels.tiles import Tiles
@@ -28,12 +27,6 @@ HOPPER_TILES = Tiles(hopper.BLOCK_M, hopper.BLOCK_N, hopper.BLOCK_K, hopper.GROU
 
 def clone(tensor):
     return None if tensor is None else tensor.clone()
-
-
-def median_ms(step, device, warmup, repeats):
-    for _ in range(warmup):
-        step()
-    return statistics.median(elapsed_ms(step, device) for _ in range(repeats))
 
 
 def run_shape(shape, stores, warmup, repeats):

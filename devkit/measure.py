@@ -8,6 +8,7 @@ import datetime
 import gc
 import importlib.metadata
 import platform
+import statistics
 import time
 from typing import Callable, Optional
 
@@ -41,6 +42,13 @@ def elapsed_ms(step: Callable[[], object], device: torch.device) -> float:
     begin = time.perf_counter()
     step()
     return (time.perf_counter() - begin) * 1e3
+
+
+def median_ms(step: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
+    """The median of ``repeats`` timings of ``step()`` (``elapsed_ms``) after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        step()
+    return statistics.median(elapsed_ms(step, device) for _ in range(repeats))
 
 
 def reset_peak_memory(device: torch.device) -> Optional[int]:

@@ -16,9 +16,9 @@ from megatron_fused_lm.ops.options import resolved_backend
 from megatron_fused_lm.ops.triton_support import cute_unavailable_reason
 
 
-def problem(dtype=torch.bfloat16, hidden_size=64, kept_words=0, targets_per_row=None):
+def problem(dtype=torch.bfloat16, hidden_size=64, kept_words=0, targets_per_row=None, weight_dtype=None):
     hidden = torch.zeros(5, hidden_size, dtype=dtype)
-    weight = torch.zeros(40, hidden_size, dtype=dtype)
+    weight = torch.zeros(40, hidden_size, dtype=weight_dtype or dtype)
     shape = (5,) if targets_per_row is None else (5, targets_per_row)
     kept = torch.zeros(5, kept_words, dtype=torch.int32) if kept_words else torch.empty(0, dtype=torch.int32)
     return ShardProblem(hidden, weight, torch.zeros(shape, dtype=torch.int64), torch.ones(5), kept)
@@ -49,6 +49,7 @@ def test_the_registry_names_the_cute_backend_without_importing_cutlass():
     "case, reason",
     [
         (dict(dtype=torch.float32), "bfloat16 or float16"),
+        (dict(weight_dtype=torch.float16), "of one dtype"),
         (dict(kept_words=2), "kept_tokens"),
         (dict(targets_per_row=3), "several targets"),
         (dict(hidden_size=60), "multiple of 8"),

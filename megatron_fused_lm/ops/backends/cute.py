@@ -25,8 +25,8 @@ TILES_PER_SPLIT = 8
 def statistics_unsupported(problem: ShardProblem) -> Optional[str]:
     """Why the CuTe statistics kernel does not take ``problem``, or ``None`` where it does."""
     hidden, weight = problem.hidden, problem.weight
-    if hidden.dtype not in (torch.bfloat16, torch.float16):
-        return f"it takes bfloat16 or float16 operands, got {hidden.dtype}"
+    if hidden.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != hidden.dtype:
+        return f"it takes bfloat16 or float16 operands of one dtype, got {hidden.dtype} and {weight.dtype}"
     if problem.kept_mask.numel():
         return "kept_tokens is not in the CuTe kernel yet"
     if problem.target_column.dim() != 1:

@@ -443,7 +443,7 @@ def split_statistics(
     16-byte aligned rows (H a multiple of 8); ``target_column [n]`` int64 (negative: another
     shard's); ``temperature [n]`` float32 (stride 0: one for all rows). One compilation per
     configuration and dtype serves every shape (the shapes are dynamic); it is called through
-    TVM-FFI on the current stream, which keeps the host's share of a call to a few microseconds.
+    TVM-FFI on the current stream, with torch tensors (no DLPack wrappers built per call).
     """
     import torch
 

@@ -34,7 +34,6 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,7 @@ from real_training import SIZES, Training, head_ms, micro_batches
 
 from devkit import distributed, measure
 from devkit.megatron_gpt import GPTShape
+from devkit.spawn import rank_environment, rendezvous_store
 
 RUNS = (
     ("stock", False, "stock"),
@@ -65,12 +65,6 @@ def step_size(tokens: int, seq: int, layers: int, hidden: int, heads: int, micro
         SIZES["gpu"], shape=shape, micro_batches=micro_batches, prompts=rows * micro_batches, samples=1,
         prompt_tokens=seq // 2, completion_tokens=seq - seq // 2 + 1,
     )  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def measure_run(
@@ -215,10 +209,9 @@ def run_command(command, env, timeout: Optional[float], case: dict) -> dict:
 def run_case(tokens: int, name: str, args) -> Optional[dict]:
     """One run's record, on rank 0 (``None`` on the others), in this process or, under tensor
     parallelism, in this torchrun job (Megatron's groups set up and torn down here)."""
-    for key, value in dict(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
-    ).items():
-        os.environ.setdefault(key, value)
+    if "RANK" not in os.environ:  # not a torchrun rank: a job of one, on a store held until we return
+        store = rendezvous_store()
+        os.environ.update(rank_environment(0, 1, store.port))
     device = distributed.init_distributed(args.tensor_parallel)
     try:
         fused, loss_path = {run: (fused, path) for run, fused, path in RUNS}[name]

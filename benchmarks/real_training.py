@@ -97,7 +97,7 @@ from devkit.megatron_training import (
     set_learning_rate,
     sft_loss,
 )
-from devkit.spawn import PRELOADED, free_port, rank_environment
+from devkit.spawn import PRELOADED, rank_environment, rendezvous_store
 from megatron_fused_lm import (
     fused_linear_cross_entropy,
     fused_linear_logprob,
@@ -1473,8 +1473,8 @@ class ForkedRanks:
         # path under a key its server does not read), so each rank imported the script, torch and
         # Megatron anew, about 5 s per run; a rank still imports this script, but finds the rest.
         context.set_forkserver_preload([*PRELOADED, "devkit.megatron_training"])
-        port = free_port()
-        arguments = (run, size_name, size, out, pause_after_s, log, port)
+        self.store = rendezvous_store()  # held while the ranks run: they join it as clients
+        arguments = (run, size_name, size, out, pause_after_s, log, self.store.port)
         self.ranks = [
             context.Process(target=forked_rank, args=(rank, *arguments)) for rank in range(run.tensor_parallel)
         ]

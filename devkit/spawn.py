@@ -4,7 +4,6 @@ that imported torch and Megatron once (CPU tests of tensor and pipeline parallel
 import multiprocessing
 import os
 import runpy
-import socket
 import sys
 import time
 
@@ -12,14 +11,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (for a gloo rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def rendezvous_store() -> dist.TCPStore:
+    """A TCP store listening on 127.0.0.1 at a port of the OS's choosing (``.port``), for ranks
+    given ``rank_environment(..., store.port)`` to join as clients, as torchrun's ranks join its
+    agent's store; keep a reference while they run. It holds its port from the start: picking a
+    free port and leaving rank 0 to bind it later lost the port to another test process now and
+    then (EADDRINUSE)."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 def _rank_entry(rank, worker, world_size, port, args):
+    os.environ.update(rank_environment(rank, world_size, port))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         worker(rank, world_size, *args)
@@ -36,12 +38,9 @@ def run_ranks(worker, world_size: int, *args) -> None:
     """Call ``worker(rank, world_size, *args)`` on ``world_size`` gloo ranks; an exception on any
     rank fails the caller. ``worker`` must be a module-level function (it is pickled)."""
     multiprocessing.set_forkserver_preload(PRELOADED)
+    store = rendezvous_store()
     mp.start_processes(
-        _rank_entry,
-        args=(worker, world_size, free_port(), args),
-        nprocs=world_size,
-        join=True,
-        start_method="forkserver",
+        _rank_entry, args=(worker, world_size, store.port, args), nprocs=world_size, join=True, start_method="forkserver"
     )
 
 
@@ -51,9 +50,10 @@ def run_script_on_ranks(script, world_size: int, argv, env=None, timeout_s: floa
     dry run whose ranks skip the imports. A failure on any rank fails the caller (with the rank's
     traceback), and so do ranks still running after ``timeout_s``."""
     multiprocessing.set_forkserver_preload(PRELOADED)
+    store = rendezvous_store()
     context = mp.start_processes(
         _script_entry,
-        args=(str(script), list(argv), world_size, free_port(), dict(env or {})),
+        args=(str(script), list(argv), world_size, store.port, dict(env or {})),
         nprocs=world_size,
         join=False,
         start_method="forkserver",
@@ -67,10 +67,11 @@ def run_script_on_ranks(script, world_size: int, argv, env=None, timeout_s: floa
 
 
 def rank_environment(rank: int, world_size: int, port: int) -> dict:
-    """What torchrun sets for ``rank`` of a one-host job whose rendezvous is 127.0.0.1:``port``."""
+    """What torchrun sets for ``rank`` of a one-host job whose store (``rendezvous_store``) listens on
+    127.0.0.1:``port``; every rank, rank 0 too, joins that store as a client."""
     return dict(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
     )  # fmt: skip
 
 

@@ -26,13 +26,14 @@ every warning shown (``-W always``); after it, the same advice and any other war
 
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+
+from devkit.spawn import rank_environment, rendezvous_store
 
 VOCAB, HIDDEN, HEADS, SEQ, BATCH = 211, 32, 4, 12, 2  # a prime vocabulary: no tile multiples
 WORLD_SIZE = 2
@@ -160,7 +161,7 @@ def check_release(settings: dict) -> None:
 
 
 def rank_entry(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))
+    os.environ.update(rank_environment(rank, WORLD_SIZE, port))
     torch.set_num_threads(1)
     from megatron_fused_lm.integration.cpu import megatron_on_cpu
 
@@ -170,12 +171,10 @@ def rank_entry(rank: int, port: int) -> None:
 
 
 def test_megatron_ddp_finishes_its_reduction_on_the_cpu_and_the_fused_main_grad_matches_stock():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    store = rendezvous_store()
     # Forked from a server that imported these once (as devkit.spawn's ranks are).
     multiprocessing.set_forkserver_preload(["torch", "megatron.core", "megatron_fused_lm.integration"])
-    mp.start_processes(rank_entry, args=(port,), nprocs=WORLD_SIZE, join=True, start_method="forkserver")
+    mp.start_processes(rank_entry, args=(store.port,), nprocs=WORLD_SIZE, join=True, start_method="forkserver")
 
 
 QUIET = """

@@ -8,7 +8,6 @@ not depend on the rows beside it), and not the default op's."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -26,11 +25,10 @@ def one_rank():
     import torch.distributed as dist
 
     from devkit import distributed
+    from devkit.spawn import rank_environment, rendezvous_store
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    store = rendezvous_store()  # held until the module's tests end
+    os.environ.update(rank_environment(0, 1, store.port))
     device = distributed.init_distributed(1)
     yield device
     from megatron.core import parallel_state

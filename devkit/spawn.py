@@ -40,7 +40,11 @@ def run_ranks(worker, world_size: int, *args) -> None:
     multiprocessing.set_forkserver_preload(PRELOADED)
     store = rendezvous_store()
     mp.start_processes(
-        _rank_entry, args=(worker, world_size, store.port, args), nprocs=world_size, join=True, start_method="forkserver"
+        _rank_entry,
+        args=(worker, world_size, store.port, args),
+        nprocs=world_size,
+        join=True,
+        start_method="forkserver",
     )
 
 

@@ -4,14 +4,15 @@ Every method runs in one process on identical inputs (bf16 by default, logits wi
 deviation about 4). Sections (``--sections``):
 
 - ``rl``: per-token log-prob + entropy with random upstream gradients, at each ``--temperatures``:
-  ``stock`` (materialized bf16 logits, float32 softmax), our ``torch`` and ``triton`` backends,
+  ``stock`` (materialized bf16 logits, float32 softmax), our ``torch``, ``triton`` and ``cute``
+  backends (``cute``: Triton's with its forward statistics by the CuTe DSL kernel, Hopper only),
   ``liger_flsce`` (liger-kernel's CuTe fused linear scaled cross-entropy, SM90; see
   ``../shared/tools/gpu-cutedsl.sh`` for what a GPU host needs), ``liger_native`` (the same op by
   liger-kernel's native CUTLASS + NVSHMEM kernels, liger-cute-kernels' Hopper core, as a
   tensor-parallel group of one; ``devkit/gpu-liger-native.sh`` packs it, ``liger_native.py`` sets
   it up and records its workspace, which PyTorch's allocator does not see, as
   ``native_workspace_bytes``) and ``floor`` (the four cuBLAS GEMMs of any exact recompute method);
-- ``forward``: the same without gradients (old and reference log-probs): ``triton``,
+- ``forward``: the same without gradients (old and reference log-probs): ``triton``, ``cute``,
   ``liger_flsce``, ``liger_native`` and ``floor1`` (the logits GEMM);
 - ``sft``: mean cross-entropy: ``stock``, ``ours`` (``fused_linear_loss`` with
   ``losses.cross_entropy``: the gradients finished in the forward, three GEMMs), ``recompute`` (the

@@ -14,12 +14,13 @@ from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, logits_lo
 FUSED_BACKEND = "triton"
 
 # Per-token log-prob + entropy (the RL use); "floor" is the four GEMMs of any exact recompute method;
+# "cute" is our CuTe backend (its forward statistics by the CuTe DSL kernel, the rest Triton's);
 # "liger_flsce" is liger-kernel's CuTe fused linear scaled cross-entropy (SM90), "liger_native" the
 # same op by its native CUTLASS + NVSHMEM kernels (liger-cute-kernels; liger_native.py), the peers.
 PEERS = ("liger_flsce", "liger_native")  # each (hidden, weight, targets, temperature) -> (logprob, entropy)
-RL_METHODS = ("floor", "stock", "torch", "triton", *PEERS)
+RL_METHODS = ("floor", "stock", "torch", "triton", "cute", *PEERS)
 # Log-prob + entropy without gradients (old and reference log-probs); "floor1" is the logits GEMM.
-FORWARD_METHODS = ("floor1", "triton", *PEERS)
+FORWARD_METHODS = ("floor1", "triton", "cute", *PEERS)
 # Mean cross-entropy (the SFT use); "floor" is the three GEMMs (logits, grad_hidden, grad_weight).
 # "ours" finishes the gradients in the forward (fused_linear_loss: three GEMMs), "recompute" is the
 # mean of the per-token op's log-probs (fused_linear_logprob: the logits again in the backward, four).

@@ -34,6 +34,7 @@ METHOD_STYLES = {
     "liger": ("liger-kernel", "tab:purple", "^"),
     "liger_flsce": ("liger-kernel CuTe (fused linear scaled CE)", "tab:pink", "P"),
     "liger_native": ("liger-kernel native CUTLASS + NVSHMEM (fused linear scaled CE, TP=1)", "tab:olive", "*"),
+    "cute": ("ours (CuTe DSL forward statistics)", "tab:cyan", "h"),
     "cce": ("cut-cross-entropy", "tab:brown", "D"),
     "recompute": ("recompute (our per-token op, then the loss: 4 GEMMs)", "tab:green", "v"),
     "ours_main_grad": ("ours, weight gradient into Megatron's main_grad", "tab:red", "X"),
@@ -142,22 +143,36 @@ def floor_table(rows, section, methods, header, ratios=None, floor="floor", grad
     return "\n".join(lines)
 
 
-def rl_table(rows, temperature):
+# The per-token methods of the RL and forward tables, in column order, with their column titles.
+PER_TOKEN_COLUMNS = {
+    "stock": "stock",
+    "liger_flsce": "liger-kernel CuTe",
+    "liger_native": "liger-kernel native",
+    "triton": "ours (Triton)",
+    "cute": "ours (CuTe)",
+}
+
+
+def per_token_table(rows, section, floor, floor_title, **filters):
+    """``floor_table`` of the per-token methods this run measured in ``section``: each one's cell,
+    its time over the floor's, and the log-prob errors."""
+    methods = [method for method in PER_TOKEN_COLUMNS if select(rows, section=section, method=method, **filters)]
+    ratios = [method for method in methods if method != "stock"]
+    titles = [PER_TOKEN_COLUMNS[method] for method in methods]
     header = (
-        "| tokens x hidden x vocab | floor (4 GEMMs) | stock | liger-kernel CuTe | ours (Triton) "
-        "| liger CuTe / floor | ours / floor | log-prob err stock / liger CuTe / ours |"
+        f"| tokens x hidden x vocab | floor ({floor_title}) | "
+        + " | ".join(titles + [f"{PER_TOKEN_COLUMNS[method]} / floor" for method in ratios])
+        + f" | log-prob err {' / '.join(titles)} |"
     )
-    methods = ("stock", "liger_flsce", "triton")
-    return floor_table(rows, "rl", methods, header, ratios=("liger_flsce", "triton"), temperature=temperature)
+    return floor_table(rows, section, tuple(methods), header, ratios=ratios, floor=floor, **filters)
+
+
+def rl_table(rows, temperature):
+    return per_token_table(rows, "rl", "floor", "4 GEMMs", temperature=temperature)
 
 
 def forward_table(rows):
-    header = (
-        "| tokens x hidden x vocab | floor (1 GEMM) | liger-kernel CuTe | ours (Triton) | liger CuTe / floor "
-        "| ours / floor | log-prob err liger CuTe / ours |"
-    )
-    methods = ("liger_flsce", "triton")
-    return floor_table(rows, "forward", methods, header, ratios=methods, floor="floor1")
+    return per_token_table(rows, "forward", "floor1", "1 GEMM")
 
 
 def sft_table(rows):

@@ -126,7 +126,7 @@ def floor_table(rows, section, methods, header, ratios=None, floor="floor", grad
     """One row per shape: the floor, each method's cell, the ``ratios`` methods (default: the last
     one, ours) against the floor, the log-prob errors and, with ``grad_errors``, the hidden
     gradient's errors."""
-    ratios = ratios or methods[-1:]
+    ratios = methods[-1:] if ratios is None else ratios
     columns = len(methods) + len(ratios) + 3 + bool(grad_errors)
     lines = [header, "|" + "---|" * columns]
     for shape in shapes_of(rows, section):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import warnings
 
 # torch.distributed's notices about its own API's future: nothing to act on in an example.
@@ -53,15 +52,19 @@ def main() -> None:
     world_size = min(torch.cuda.device_count(), 2) if use_cuda else 2
     transport = f"NCCL on {world_size} GPU(s)" if use_cuda else "gloo on the CPU, about 30 s in all"
     say(f"Starting {world_size} tensor-parallel rank(s) ({transport})...")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(run, args=(world_size, port, use_cuda), nprocs=world_size, join=True)
+    # The ranks' rendezvous, as torchrun's agent holds it: listening from the start on a port the
+    # OS picked, so no other process can take that port before the ranks come.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    mp.spawn(run, args=(world_size, store.port, use_cuda), nprocs=world_size, join=True)
 
 
 def run(rank: int, world_size: int, port: int, use_cuda: bool) -> None:
-    # What torchrun would set; megatron_on_cpu and megatron_on_gpus read it.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    # What torchrun would set; megatron_on_cpu and megatron_on_gpus read it. Every rank joins the
+    # launcher's store as a client.
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )  # fmt: skip
     # What a trainer config would hold (see examples/trainer_config.yaml).
     trainer_config = {"fused_linear_logprob": True, "fused_linear_logprob_backend": "auto" if use_cuda else "torch"}
     fused_config = FusedLMConfig.from_trainer_config(trainer_config)
@@ -98,9 +101,14 @@ def single_process_megatron():
         with megatron_on_cpu() as device:
             yield device, "torch"
         return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]), RANK="0", WORLD_SIZE="1")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # held while Megatron runs
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store.port),
+        RANK="0",
+        WORLD_SIZE="1",
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
     with megatron_on_gpus(1) as device:
         yield device, "auto"
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import socket
 import warnings
 from typing import Iterator
 
@@ -139,7 +138,7 @@ def megatron_on_cpu(tensor_parallel_size: int = 1) -> Iterator[torch.device]:
     """Megatron-Core's process groups over gloo on the CPU; yields ``torch.device("cpu")`` and takes
     them down on exit.
 
-    One process, on a free local port, unless ``torchrun`` started this one (``RANK`` set: its
+    One process, on an in-process store, unless ``torchrun`` started this one (``RANK`` set: its
     ``WORLD_SIZE`` ranks join). ``tensor_parallel_size`` (Megatron's
     ``tensor_model_parallel_size``) must divide the number of processes. Patches Megatron for the
     CPU first (``patch_megatron_for_cpu``: process-wide, so not for a process that also uses a GPU).
@@ -150,20 +149,10 @@ def megatron_on_cpu(tensor_parallel_size: int = 1) -> Iterator[torch.device]:
     from megatron.core import parallel_state
 
     patch_megatron_for_cpu()
-    saved = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    if "RANK" not in os.environ:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    try:
+    if "RANK" in os.environ:
         dist.init_process_group("gloo")
-    finally:
-        for name, value in saved.items():  # read by now: the environment goes back as it was
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    else:  # a group of one on an in-process store: no port to pick, none another process can take
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         if dist.get_world_size() % tensor_parallel_size:
             raise ValueError(

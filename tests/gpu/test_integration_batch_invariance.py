@@ -28,13 +28,20 @@ def one_rank():
     from devkit.spawn import rank_environment, rendezvous_store
 
     store = rendezvous_store()  # held until the module's tests end
-    os.environ.update(rank_environment(0, 1, store.port))
+    environment = rank_environment(0, 1, store.port)
+    saved = {name: os.environ.get(name) for name in environment}
+    os.environ.update(environment)
     device = distributed.init_distributed(1)
     yield device
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+    for name, value in saved.items():  # a later init in this process must not look for this store
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def test_the_labels_path_runs_the_batch_invariant_op(one_rank):

@@ -8,10 +8,11 @@ passes does, on liger's own inputs, with the TFLOP/s on both conventions.
   NLL, log-sum-exp and entropy); ``core_backward``: its backward on that forward's saved
   log-sum-exp and entropy (the logits again, then both gradients), with random upstream gradients
   of the NLL and the entropy; ``wrapper``: forward + backward through liger-kernel's autograd
-  Function (``liger_native.NativeScaledCrossEntropy``), as bench_logprob.py times it.
-- Floors, the bare bf16 cuBLAS products into buffers allocated beforehand: ``floor1`` the logits
-  (what the forward does), ``floor3`` the logits, ``grad_hidden`` and ``grad_weight`` (the
-  backward), ``floor4`` all four (the forward + backward).
+  Function (``liger_native.NativeScaledCrossEntropy``), as bench_logprob.py times it (its
+  ``rl_step`` and ``harness.measure``).
+- Floors, bench_logprob's bare bf16 cuBLAS products: ``floor1`` the logits (what the forward
+  does), ``floor3`` the logits, ``grad_hidden`` and ``grad_weight`` (the backward), ``floor4`` all
+  four (the forward + backward).
 - Conventions: liger counts 2 N H V for its forward and 6 N H V for its backward
   (``*_tflops_liger``); our pages count 6 N H V for a loss's forward + backward, what a three-product
   method does (``wrapper_tflops_ours``). Each time is also given over the floor of the products it
@@ -26,10 +27,11 @@ from __future__ import annotations
 import json
 
 import torch
-from harness import parse_shapes, shape_name, timing_parser
+from harness import BenchInputs, measure, parse_shapes, shape_name, timing_parser
 from liger_native import IGNORE_INDEX, NativeScaledCrossEntropy
+from methods import floor_step, forward_step, rl_step
 
-from devkit import measure
+from devkit.measure import environment, release_memory
 
 # liger's TP benchmark script's inputs: scale of hidden and weight, temperature and seeds.
 INPUT_SCALE, TEMPERATURE, SEEDS = 0.05, 0.8, (2027, 3100)
@@ -38,43 +40,23 @@ OUR_SHAPES = "4096x2048x151936,8192x4096x151936,16384x5120x152064,16384x3072x262
 
 
 def liger_inputs(shape, device):
+    """``harness.BenchInputs`` as liger's script makes them, with random upstream gradients."""
     tokens, hidden_size, vocab = shape
-    hidden = torch.randn(
-        tokens, hidden_size, generator=torch.Generator(device=device).manual_seed(SEEDS[0]), device=device
-    )
-    weight = torch.randn(
-        vocab, hidden_size, generator=torch.Generator(device=device).manual_seed(SEEDS[1]), device=device
-    )
-    targets = torch.arange(tokens, device=device) % vocab
-    gradients = torch.randn(2, tokens, generator=torch.Generator(device=device).manual_seed(0), device=device)
-    return (hidden * INPUT_SCALE).bfloat16(), (weight * INPUT_SCALE).bfloat16(), targets, gradients
-
-
-def floor_steps(hidden, weight):
-    """The bare cuBLAS products: ``floor1`` (logits), ``floor3`` (logits, grad_hidden,
-    grad_weight) and ``floor4`` (the logits twice, then both gradients)."""
-    logits = hidden.new_empty(hidden.shape[0], weight.shape[0])
-    grad_hidden, grad_weight = torch.empty_like(hidden), torch.empty_like(weight)
-
-    def floor1():
-        torch.mm(hidden, weight.t(), out=logits)
-
-    def floor3():
-        torch.mm(hidden, weight.t(), out=logits)
-        torch.mm(logits, weight, out=grad_hidden)
-        torch.mm(logits.t(), hidden, out=grad_weight)
-
-    def floor4():
-        floor1()
-        floor3()
-
-    return dict(floor1=floor1, floor3=floor3, floor4=floor4)
+    seeded = [torch.Generator(device=device).manual_seed(seed) for seed in (*SEEDS, 0)]
+    hidden = torch.randn(tokens, hidden_size, generator=seeded[0], device=device) * INPUT_SCALE
+    weight = torch.randn(vocab, hidden_size, generator=seeded[1], device=device) * INPUT_SCALE
+    grad_logprob, grad_entropy = torch.randn(2, tokens, generator=seeded[2], device=device)
+    return BenchInputs(
+        hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_(),
+        torch.arange(tokens, device=device) % vocab, grad_logprob, grad_entropy,
+    )  # fmt: skip
 
 
 def calibrate(op, shape, device, warmup, repeats):
     """One shape's record: each step's median ms, TFLOP/s and ratio to its floor."""
     tokens, hidden_size, vocab = shape
-    hidden, weight, targets, (grad_nll, grad_entropy) = liger_inputs(shape, device)
+    inputs = liger_inputs(shape, device)
+    hidden, weight, targets = inputs.hidden.detach(), inputs.weight.detach(), inputs.targets
     lck, team, inverse_temperature = op.lck, op.team, 1.0 / TEMPERATURE
     if not op.fits(shape):
         op.configure(shape)
@@ -85,22 +67,23 @@ def calibrate(op, shape, device, warmup, repeats):
         )
 
     _, lse, entropy = core_forward()
+    grad_nll = -inputs.grad_logprob  # the core's output is the NLL, minus the log-prob
 
     def core_backward():
         return lck.fused_linear_scaled_cross_entropy_backward(
-            grad_nll, grad_entropy, hidden, weight, targets, lse, entropy, 0, IGNORE_INDEX, inverse_temperature,
-            team, 1, True,
+            grad_nll, inputs.grad_entropy, hidden, weight, targets, lse, entropy, 0, IGNORE_INDEX,
+            inverse_temperature, team, 1, True,
         )  # fmt: skip
 
-    leaf_hidden, leaf_weight = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
-
-    def wrapper():
-        leaf_hidden.grad = leaf_weight.grad = None
-        logprob, entropy = op(leaf_hidden, leaf_weight, targets, TEMPERATURE)
-        torch.autograd.backward([logprob, entropy], [-grad_nll, grad_entropy])
-
-    steps = dict(core_forward=core_forward, core_backward=core_backward, wrapper=wrapper, **floor_steps(hidden, weight))
-    ms = {name: measure.median_ms(step, device, warmup, repeats) for name, step in steps.items()}
+    steps = dict(
+        core_forward=core_forward,
+        core_backward=core_backward,
+        wrapper=rl_step("liger_native", inputs, TEMPERATURE, competitors={"liger_native": op}),
+        floor1=forward_step("floor1", inputs),
+        floor3=floor_step(inputs, recompute=False),  # the logits, grad_hidden and grad_weight
+        floor4=floor_step(inputs, recompute=True),  # the logits twice, then both gradients
+    )
+    ms = {name: measure(step, inputs, warmup, repeats).ms for name, step in steps.items()}
     nhv = tokens * hidden_size * vocab
     tflops = lambda flops, milliseconds: flops / (milliseconds * 1e9)  # noqa: E731
     return dict(
@@ -125,14 +108,14 @@ def main():
     args = timing_parser(__doc__.splitlines()[0], f"{LIGER_SHAPES},{OUR_SHAPES}", warmup=3, repeats=10).parse_args()
     shapes, device = parse_shapes(args.shapes), torch.device("cuda")
     op = NativeScaledCrossEntropy(shapes, device)
-    result = dict(meta=dict(measure.environment(device, torch.bfloat16), temperature=TEMPERATURE), rows=[])
+    result = dict(meta=dict(environment(device, torch.bfloat16), temperature=TEMPERATURE), rows=[])
     for shape in shapes:
         result["rows"].append(calibrate(op, shape, device, args.warmup, args.repeats))
         print(json.dumps(result["rows"][-1]), flush=True)
         if args.json:
             with open(args.json, "w") as handle:
                 json.dump(result, handle, indent=1)
-        measure.release_memory()
+        release_memory()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ not depend on the rows beside it), and not the default op's."""
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -28,20 +29,14 @@ def one_rank():
     from devkit.spawn import rank_environment, rendezvous_store
 
     store = rendezvous_store()  # held until the module's tests end
-    environment = rank_environment(0, 1, store.port)
-    saved = {name: os.environ.get(name) for name in environment}
-    os.environ.update(environment)
-    device = distributed.init_distributed(1)
-    yield device
-    from megatron.core import parallel_state
+    # The environment goes back afterwards: a later init in this process must not look for this store.
+    with mock.patch.dict(os.environ, rank_environment(0, 1, store.port)):
+        device = distributed.init_distributed(1)
+        yield device
+        from megatron.core import parallel_state
 
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-    for name, value in saved.items():  # a later init in this process must not look for this store
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
 
 
 def test_the_labels_path_runs_the_batch_invariant_op(one_rank):

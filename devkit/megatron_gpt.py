@@ -297,13 +297,14 @@ def check_head(
 
 
 class RecordedWarnings(logging.Handler):
-    """The package logger's warnings while in ``with RecordedWarnings() as recorded:``, as
-    ``recorded.messages`` (spawned ranks have no pytest capture). Entering forgets what the
-    package warned before, as tests/cpu/conftest.py does for each test: a warn-once warning is
-    recorded in every block whose code logs it, whatever the rank ran before."""
+    """The package logger's warnings (or, with ``level=logging.INFO``, its INFO lines too) while in
+    ``with RecordedWarnings() as recorded:``, as ``recorded.messages`` (spawned ranks have no pytest
+    capture). Entering forgets what the package logged before, as tests/cpu/conftest.py does for
+    each test: a log-once message is recorded in every block whose code logs it, whatever the rank
+    ran before."""
 
-    def __init__(self):
-        super().__init__(logging.WARNING)
+    def __init__(self, level: int = logging.WARNING):
+        super().__init__(level)
         self.messages: List[str] = []
 
     def emit(self, record):
@@ -313,11 +314,16 @@ class RecordedWarnings(logging.Handler):
         from megatron_fused_lm import _logging
 
         _logging._already_warned.clear()
-        logging.getLogger("megatron_fused_lm").addHandler(self)
+        logger = logging.getLogger("megatron_fused_lm")
+        self.previous_level = logger.level
+        logger.setLevel(min(self.level, logger.getEffectiveLevel()))
+        logger.addHandler(self)
         return self
 
     def __exit__(self, *exception) -> None:
-        logging.getLogger("megatron_fused_lm").removeHandler(self)
+        logger = logging.getLogger("megatron_fused_lm")
+        logger.removeHandler(self)
+        logger.setLevel(self.previous_level)
 
 
 def policy_inputs(oracle_logprob: torch.Tensor, response: torch.Tensor) -> Dict[str, torch.Tensor]:

@@ -1,25 +1,33 @@
 """Patching a Megatron-Core language model so that its LM head never builds the logits, and the
 ``FusedLMHead`` that turns what the model returns into per-token log-probs and entropy.
 
-While a model is wrapped, its output layer returns ``(hidden [s, b, h], None)`` (``_Patch.
-output_layer_forward``), so the model returns ``hidden [b, s, h]`` where the stock model returns
-``logits [b, s, vocab/TP]``; ``model(..., labels=labels)`` still returns the stock per-token loss
-(``_Patch.compute_language_model_loss``). Both patches are instance attributes, which
-``unwrap_model`` deletes; ``copy.deepcopy`` of a patched module gives a stock copy.
+While a model is wrapped, its output layer returns ``(hidden [s, b, h], None)`` in the model's own
+forward (``_Patch.output_layer_forward``), so the model returns ``hidden [b, s, h]`` where the stock
+model returns ``logits [b, s, vocab/TP]``; ``model(..., labels=labels)`` still returns the stock
+per-token loss (``_Patch.compute_language_model_loss``). Every other use of the output layer gets
+what the stock layer returns (``_Patch.stock_reason``): a call from outside the model's forward
+(an MTP adapter, a trainer's probe), an inference forward (a generation engine's), a forward with
+an ``output_processor`` of the caller's, and ``head.stock_logits()``. The patches are instance
+attributes, which ``unwrap_model`` deletes; ``copy.deepcopy`` of a patched module gives a stock copy.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
+import inspect
+import logging
+import os
+import sys
 import threading
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Union
 
 import torch
 
-from .._logging import warn_once
+from .._logging import log_once, warn_once
 from ..ops import FusedLoss, KeptTokens, LossFn
 from . import provenance
 from .calls import (
@@ -44,6 +52,7 @@ from .megatron_compat import (
     module_chains,
     output_layer_of,
     output_layers,
+    stock_logits_reason,
     tensor_parallel_group,
 )
 
@@ -51,6 +60,13 @@ from .megatron_compat import (
 # `_Patch` that owns them.
 PATCH_ATTRIBUTE = "_megatron_fused_lm_patch"
 _NOT_SET = object()
+# Why the output layer returns the stock logits to a caller that is not the model's forward.
+OUTSIDE_FORWARD = "a call from outside the model's forward"
+# The keyword arguments of Megatron's LinearCrossEntropyModule (its dev branch's output layer under
+# cross_entropy_fusion_impl="linear") and their stock defaults: the labels path in the output layer.
+LINEAR_CROSS_ENTROPY_OPTIONS = {"output_cross_entropy_loss": False, "labels": None, "reduction": "none", "ignore_index": -100}
+# Where the frames between the output layer and whoever called it come from: torch's module call.
+_TORCH_MODULES = os.path.join("torch", "nn", "modules", "")
 
 
 class _Patch:
@@ -88,6 +104,12 @@ class _Patch:
                 module.register_forward_hook(self.after_module, always_call=True),
             )
         ]
+        # Which forward of the chunk is running, and whether its output layer returns hidden states.
+        self.forward_signature = inspect.signature(self.chunk.forward)
+        self.hooks += [
+            self.chunk.register_forward_pre_hook(self.enter_chunk, with_kwargs=True),
+            self.chunk.register_forward_hook(self.leave_chunk, always_call=True),
+        ]
 
     def remove(self) -> None:
         for owner, name, previous in self.replaced:
@@ -118,7 +140,9 @@ class _Patch:
                 if previous is not _NOT_SET:
                     state[name] = previous
         ours = {hook.id for hook in self.hooks}
-        for name in ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called"):
+        for name in (
+            "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_always_called",
+        ):  # fmt: skip
             if name in state:
                 state[name] = type(state[name])((key, value) for key, value in state[name].items() if key not in ours)
         clone = type(owner).__new__(type(owner))
@@ -126,28 +150,98 @@ class _Patch:
         clone.__setstate__(copy.deepcopy(state, memo))
         return clone
 
+    def stock_reason(self) -> Optional[str]:
+        """Why this call of the output layer gets what the stock layer returns, as a phrase; ``None``
+        where it returns the hidden states, which the fused head consumes: inside the chunk's own
+        forward (``enter_chunk``), unless that is an inference forward or one with a caller's
+        ``output_processor``, and outside ``head.stock_logits()``."""
+        if self.head._stock_logits_on():
+            return "head.stock_logits()"
+        calls = getattr(self.head._thread, "chunk_calls", None)
+        if not calls or calls[-1][0] is not self.chunk:
+            return OUTSIDE_FORWARD
+        return calls[-1][1]
+
     def output_layer_forward(
-        self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None, runtime_gather_output: Optional[bool] = None
+        self,
+        input_: torch.Tensor,
+        weight: Optional[torch.Tensor] = None,
+        runtime_gather_output: Optional[bool] = None,
+        **options: Any,
     ) -> Tuple[torch.Tensor, None]:
-        """``input_ [s/TP if sequence parallel else s, b, h]`` -> ``(hidden [s, b, h], None)``.
+        """``input_ [s/TP if sequence parallel else s, b, h]`` -> ``(hidden [s, b, h], None)`` in the
+        chunk's own forward; elsewhere the stock layer's result (``stock_reason``), bitwise.
 
         ``runtime_gather_output`` has nothing to gather: the hidden is the same on every rank.
-        Inside ``head.stock_logits()``: the stock forward, ``(logits [s, b, vocab/TP], bias)``.
+        ``options``: those of Megatron's ``LinearCrossEntropyModule``; with
+        ``output_cross_entropy_loss=True`` and ``labels [b, s]`` the layer returns the labels path's
+        per-token loss ``[b, s]`` float32 (``reduction="none"``, ``ignore_index`` scoring 0).
         """
-        if self.head._stock_logits_on():
-            logits, bias = self.stock(self.layer, "forward")(
-                input_, weight=weight, runtime_gather_output=runtime_gather_output
-            )
-            # Marked (and what the model makes of them on the way out), so that the head refuses them as
-            # hidden states whatever their shape.
-            origin = provenance.Origin(weakref.ref(self.head), self.head.name, None, input_.shape[-1], logits.device)
-            self.head._thread.origin, self.head._thread.returned = origin, provenance.STOCK_LOGITS
-            provenance.register(logits, origin, provenance.STOCK_LOGITS)
-            return logits, bias
+        reason = self.stock_reason()
+        if reason is not None:
+            return self.stock_output(reason, input_, weight, runtime_gather_output, options)
+        unknown = sorted(set(options) - set(LINEAR_CROSS_ENTROPY_OPTIONS))
+        if unknown:
+            raise TypeError(f"the fused head's output layer takes no {', '.join(unknown)}")
+        options = {**LINEAR_CROSS_ENTROPY_OPTIONS, **options}
         hidden, call = project_input(self.layer, self.tp_group, input_, weight, self.head.name)
+        if options["output_cross_entropy_loss"]:
+            return self.linear_cross_entropy(hidden, call, options)
         origin = provenance.Origin(weakref.ref(self.head), self.head.name, call, hidden.shape[-1], hidden.device)
         self.head._thread.origin, self.head._thread.returned = origin, provenance.HIDDEN_STATES
         return provenance.traced(hidden, call.weight, origin), None
+
+    def stock_output(
+        self, reason: str, input_: torch.Tensor, weight: Optional[torch.Tensor], runtime_gather_output: Optional[bool],
+        options: Dict[str, Any],
+    ) -> Any:  # fmt: skip
+        """The stock layer's result for a call that ``stock_reason`` gives to it, marked (and what the
+        model makes of it on the way out), so that the head refuses it as hidden states whatever its
+        shape."""
+        output = self.stock(self.layer, "forward")(
+            input_, weight=weight, runtime_gather_output=runtime_gather_output, **options
+        )
+        tensor = output[0] if isinstance(output, tuple) else output
+        returned = provenance.PER_TOKEN_LOSS if options.get("output_cross_entropy_loss") else provenance.STOCK_LOGITS
+        origin = provenance.Origin(weakref.ref(self.head), self.head.name, None, input_.shape[-1], tensor.device)
+        provenance.register(tensor, origin, returned)
+        if reason == OUTSIDE_FORWARD:
+            log_once(
+                logging.INFO,
+                f"megatron_fused_lm: {_caller_site()} called the output layer of {self.head.name} outside the "
+                "model's forward; it gets the stock logits (the fused head computes from what the model's own "
+                "forward returns).",
+            )
+        else:
+            self.head._thread.origin, self.head._thread.returned = origin, returned
+        return output
+
+    def linear_cross_entropy(self, hidden: torch.Tensor, call: HeadCall, options: Dict[str, Any]) -> torch.Tensor:
+        """``LinearCrossEntropyModule``'s ``output_cross_entropy_loss=True``: the labels path's loss
+        of ``options["labels"] [b, s]`` on ``hidden [s, b, h]``, a label ``ignore_index`` scoring 0
+        with no gradient, as that module's fused cross-entropy scores it."""
+        if options["labels"] is None:
+            raise ValueError("output_cross_entropy_loss=True needs labels=")
+        if options["reduction"] != "none":
+            raise NotImplementedError(
+                f"the fused head's output layer computes output_cross_entropy_loss with reduction='none' only, "
+                f"got reduction={options['reduction']!r}: reduce the per-token loss it returns"
+            )
+        call = dataclasses.replace(call, labels_ignore_index=options["ignore_index"])
+        return self.labels_loss(options["labels"], hidden, call)
+
+    def labels_loss(self, labels: torch.Tensor, hidden: torch.Tensor, call: HeadCall) -> torch.Tensor:
+        """``labels [b, s]``, ``hidden [s, b, h]`` -> the per-token cross-entropy ``[b, s]`` float32 by
+        the fused op for ``call`` (with the declared loss weights), marked as the labels path's loss,
+        so that the head refuses it as hidden states even where ``s`` equals the hidden size."""
+        head, declared = self.head, self.head._declared_weights
+        check_labels(labels, hidden, declared)
+        losses = call_labels_loss(
+            call, head.config, hidden, labels.transpose(0, 1), None if declared is None else declared.transpose(0, 1),
+            head._declared_main_grad_scale,
+        )  # fmt: skip
+        origin = provenance.Origin(weakref.ref(head), head.name, call, hidden.shape[-1], hidden.device)
+        return provenance.traced(losses.transpose(0, 1).contiguous(), call.weight, origin, provenance.PER_TOKEN_LOSS)
 
     # The two hooks around the forward of each module on the call's way out: what it returns is tied
     # to the fused forward that ran inside it, if one did (the model's own copies of the hidden
@@ -166,27 +260,39 @@ class _Patch:
         if origin is not None and origin is not before:
             provenance.register(output, origin, thread.returned)
 
+    # The two hooks around the chunk's own forward: while it runs, its output layer returns hidden
+    # states unless the call needs the stock logits (``stock_logits_reason``).
+
+    @torch.compiler.disable
+    def enter_chunk(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        calls = self.head._thread.__dict__.setdefault("chunk_calls", [])
+        calls.append((self.chunk, stock_logits_reason(self.forward_signature, args, kwargs)))
+
+    @torch.compiler.disable
+    def leave_chunk(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        self.head._thread.chunk_calls.pop()
+
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """``labels [b, s]`` global ids, ``logits``: what the patched output layer returned,
         ``hidden [s, b, h]`` (possibly scaled by MuP) -> per-token cross-entropy ``[b, s]`` float32.
-        Inside ``head.stock_logits()`` the output layer returned the stock logits: the stock loss.
+        Where the output layer returned the stock logits (``stock_reason``): the stock loss.
 
         The model calls this right after its output layer: where nothing establishes the origin
         of ``logits`` (MuP's scaling under ``no_grad`` copies them), this thread's latest call made
         them."""
-        if self.head._stock_logits_on():
+        if self.stock_reason() is not None:
             return self.stock(self.chunk, "compute_language_model_loss")(labels, logits)
-        head, declared = self.head, self.head._declared_weights
-        check_labels(labels, logits, declared)
+        head = self.head
         latest, head._thread.origin = getattr(head._thread, "origin", None), None
-        call = head._call_for(logits, "the labels path", fallback=latest)
-        losses = call_labels_loss(
-            call, head.config, logits, labels.transpose(0, 1), None if declared is None else declared.transpose(0, 1),
-            head._declared_main_grad_scale,
-        )  # fmt: skip
-        # Marked, so that the head refuses the loss as hidden states even where s equals the hidden size.
-        origin = provenance.Origin(weakref.ref(head), head.name, call, logits.shape[-1], logits.device)
-        return provenance.traced(losses.transpose(0, 1).contiguous(), call.weight, origin, provenance.PER_TOKEN_LOSS)
+        return self.labels_loss(labels, logits, head._call_for(logits, "the labels path", fallback=latest))
+
+
+def _caller_site() -> str:
+    """``file:line (function)`` of the code that called the output layer, past torch's module call."""
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename == __file__ or _TORCH_MODULES in frame.f_code.co_filename):
+        frame = frame.f_back
+    return "an unknown caller" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
 
 
 class FusedLMHead:

@@ -4,6 +4,7 @@ provably exact for a chunk (or why not)."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, List, Optional, Tuple
 
@@ -182,6 +183,42 @@ def _scale_logits_is_stock(chunk: torch.nn.Module) -> bool:
         return False
     method = getattr(type(chunk), "_scale_logits", None)
     return method is None or method is getattr(LanguageModule, "_scale_logits", None)
+
+
+# The arguments of a language model's forward that make it an inference forward (a generation
+# engine's, with its KV cache), whose output layer must produce the logits the engine samples from.
+INFERENCE_ARGUMENTS = ("inference_context", "inference_params")
+
+
+def stock_logits_reason(forward: inspect.Signature, args: tuple, kwargs: dict) -> Optional[str]:
+    """Why a forward of a language model, called with ``args`` and ``kwargs`` (its ``self`` not
+    among them) and ``forward`` its signature, needs the stock logits from its output layer, as a
+    phrase; ``None`` where what the forward returns is for the fused head."""
+    positions = [name for name in forward.parameters if name != "self"]
+    given = {**{name: value for name, value in zip(positions, args, strict=False)}, **kwargs}
+    for name in INFERENCE_ARGUMENTS:
+        if given.get(name) is not None:
+            return f"an inference forward ({name}=)"
+    if given.get("output_processor") is not None:
+        return "a forward with output_processor= (the processor owns the output layer)"
+    if _inference_mode_active():
+        return "an inference forward (megatron.core's InferenceMode is active)"
+    return None
+
+
+def _inference_mode_active() -> bool:
+    mode = _inference_mode()
+    return mode is not None and mode.is_active()
+
+
+@functools.lru_cache(maxsize=None)
+def _inference_mode() -> Optional[type]:
+    # megatron-core 0.20 marks a running inference engine process-wide; older releases have no mark.
+    try:
+        from megatron.core.inference.utils import InferenceMode
+    except ImportError:
+        return None
+    return InferenceMode
 
 
 def derives_mtp_metrics_from_logits(chunk: torch.nn.Module) -> bool:

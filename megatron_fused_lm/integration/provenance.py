@@ -11,7 +11,7 @@ calls. Each fused forward's ``Origin`` is attached two ways:
   ``.detach()``) that shares it is recognized too.
 
 What a forward returns instead of hidden states (the labels path's per-token loss, the stock
-logits inside ``head.stock_logits()``) is marked the same two ways with what it is, so that the head
+logits inside ``head.stock_logits()`` or an inference forward) is marked the same two ways with what it is, so that the head
 refuses it, and what derives from it, by where it comes from rather than by its shape (a loss
 ``[b, s]`` has the hidden states' last dimension wherever ``s`` equals the hidden size).
 
@@ -54,7 +54,10 @@ class Origin:
 
 HIDDEN_STATES = "hidden states"
 PER_TOKEN_LOSS = "the per-token loss that the forward returned for labels= (the labels path)"
-STOCK_LOGITS = "the stock logits that the forward returned inside head.stock_logits()"
+STOCK_LOGITS = (
+    "the stock logits (which the output layer returns inside head.stock_logits(), to an inference forward and to "
+    "a caller outside the model's forward)"
+)
 
 
 class Mark(NamedTuple):

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
+from .._logging import logger
 from ..ops import (
     KeptTokens,
     LossFn,
@@ -25,8 +26,9 @@ from ..ops import (
     name_weight_grad_into,
     outstanding_weight_grads,
 )
+from ..ops.options import resolved_backend
 from .config import FusedLMConfig
-from .megatron_compat import MainGradWritten, float32_main_grad, labels_ignore_index
+from .megatron_compat import MainGradWritten, float32_main_grad, labels_ignore_index, tensor_parallel_group
 
 
 @dataclass(frozen=True)
@@ -260,3 +262,35 @@ def call_labels_loss(
         weight, accumulation = main_grad_route(call.weight, main_grad_scale, call.owner)
         losses = fused_linear_cross_entropy(hidden, weight, targets, declared, **accumulation, **arguments)
     return losses if kept is None else losses * kept
+
+
+def running_backend(config: FusedLMConfig, layers: List[Tuple[torch.nn.Module, torch.nn.Module]]) -> str:
+    """The backend the fused ops run for the output weight of ``layers`` (``(chunk, output layer)``
+    pairs): ``config.backend`` resolved for the weight's device, as each op call resolves it (so
+    ``"torch"`` where ``"triton"`` or ``"auto"`` cannot run there)."""
+    chunk, layer = layers[-1]
+    weight = layer.weight if layer.weight is not None else chunk.shared_embedding_or_output_weight()
+    return resolved_backend(config.backend, weight.device)
+
+
+def log_route(
+    owner: str, route: str, config: FusedLMConfig, layers: List[Tuple[torch.nn.Module, torch.nn.Module]],
+    fallback_reason: Optional[str],
+) -> None:  # fmt: skip
+    """One INFO line saying whether the fused head computes for ``owner`` (a model's name) through
+    ``route``, and why not, or with which backend at which tensor-parallel size."""
+    if not config.enabled:
+        outcome = "stays stock: the config leaves the fused head off (fused_linear_logprob, FusedLMConfig.enabled)"
+    elif not layers:
+        outcome = "stays stock: no output layer on this pipeline stage"
+    elif fallback_reason is not None:
+        outcome = f"stays stock: {fallback_reason}"
+    else:
+        chunk, layer = layers[-1]
+        group = tensor_parallel_group(chunk, layer)
+        size = dist.get_world_size(group) if group is not None else 1
+        outcome = (
+            f"computes with the fused head: backend {running_backend(config, layers)!r} (asked: {config.backend!r}), "
+            f"TP={size}, {len(layers)} chunk{'s' if len(layers) > 1 else ''}"
+        )
+    logger.info(f"megatron_fused_lm: {owner}, {route}, {outcome}.")

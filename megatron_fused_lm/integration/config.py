@@ -24,6 +24,11 @@ TRAINER_KEYS = {
     "fused_linear_logprob_batch_invariant": "batch_invariant",
 }
 
+# Trainers' own settings whose names resemble the keys: not misspellings of them.
+TRAINERS_OWN_KEYS = (
+    "fused_lm_head_logprob",  # SkyRL's fused path (trainer section)
+    "use_fused_linear_logprobs",  # NeMo-RL's Linear-CE fusion (policy.megatron_cfg)
+)
 _ABSENT = object()
 
 
@@ -75,15 +80,20 @@ class FusedLMConfig:
                 ``"actor_rollout_ref.actor.megatron"`` (verl's actor engine section, which its engine
                 hands to the recipe). The keys are then read there only; a ``None`` (null) section
                 reads as empty, and a path that does not lead to a section raises ``ValueError``.
-                A section that sets none of the keys while a section below it does is read as
-                empty with one warning naming that section.
+                Where the section leaves the head off while the config sets a key elsewhere (above
+                the section, beside it or below it), one warning names where, and the ``section=``
+                that reads it.
 
         Without ``section``, each key is looked up at the top level and under ``trainer``; an
         absent or ``None`` key takes the default; a key given in both places with different
         values, an unknown backend or a wrong type raises. A key set only in a deeper section is
         ignored with one warning naming its dotted path and the ``section=`` that reads it (a config
         may hold keys for several models: verl's actor, its reference, a critic). A name that looks
-        like a misspelt key (``fused_linear_logprobs``) is ignored with one warning naming the key.
+        like a misspelt key (``fused_linear_logprobs``, ``fused_logprob``) is ignored with one
+        warning naming the key; keys that tune the head without ``fused_linear_logprob``, which
+        turns it on, warn once too. The trainers' own similar names (SkyRL's
+        ``fused_lm_head_logprob``, NeMo-RL's ``use_fused_linear_logprobs``) are theirs, not
+        misspellings.
         """
         if trainer_config is None:
             raise TypeError("trainer_config must be a mapping or an object with attributes, got None")
@@ -92,13 +102,12 @@ class FusedLMConfig:
             read = _read_keys(chosen)
             config = cls(**{TRAINER_KEYS[key]: value for key, value in read.items()})
             _warn_of_misspellings([(f"{section}.", chosen)], config)
-            below = [path for path, _ in _set_keys_below(chosen, f"{section}.")]
-            if not read and below:
-                warn_once(
-                    f"megatron_fused_lm: FusedLMConfig.from_trainer_config read section={section!r}, which sets none "
-                    f"of its keys, and ignored {', '.join(below)}: the config reads as {config}. To read them, pass "
-                    f"section={below[0].rpartition('.')[0]!r}."
-                )
+            if not config.enabled:  # what was meant to turn it on may sit above, beside or below the section
+                elsewhere = [
+                    path for path, key in _set_keys_below(trainer_config) if path.rpartition(".")[0] != section
+                ]
+                _warn_of_keys_elsewhere(f"read section={section!r}", elsewhere, config)
+                _warn_without_the_switch([f"{section}.{key}" for key in read], config)
             return config
         top_level = _read_keys(trainer_config)
         nested = _lookup(trainer_config, "trainer")
@@ -116,13 +125,32 @@ class FusedLMConfig:
         _warn_of_misspellings([("", trainer_config), ("trainer.", None if nested is _ABSENT else nested)], config)
         missing = {key for key in TRAINER_KEYS if key not in top_level and key not in under_trainer}
         elsewhere = [path for path, key in _set_keys_below(trainer_config) if key in missing]
-        if elsewhere:
-            warn_once(
-                "megatron_fused_lm: FusedLMConfig.from_trainer_config reads its keys at the top level and under "
-                f"'trainer', and ignored {', '.join(elsewhere)}: the config reads as {config}. To read them, pass "
-                f"section={elsewhere[0].rpartition('.')[0]!r} (the dotted path of the section that holds them)."
-            )
+        _warn_of_keys_elsewhere("reads its keys at the top level and under 'trainer'", elsewhere, config)
+        if not config.enabled:
+            _warn_without_the_switch([*top_level, *(f"trainer.{key}" for key in under_trainer)], config)
         return config
+
+
+def _warn_of_keys_elsewhere(where: str, elsewhere: List[str], config: FusedLMConfig) -> None:
+    """One warning naming the dotted paths of the keys set where ``from_trainer_config`` did not
+    read (``where`` says where it did), and the ``section=`` that reads the first."""
+    if elsewhere:
+        warn_once(
+            f"megatron_fused_lm: FusedLMConfig.from_trainer_config {where}, and ignored {', '.join(elsewhere)}: the "
+            f"config reads as {config}. To read them, pass section={elsewhere[0].rpartition('.')[0]!r} (the dotted "
+            "path of the section that holds them)."
+        )
+
+
+def _warn_without_the_switch(paths: List[str], config: FusedLMConfig) -> None:
+    """One warning where the keys read (their dotted ``paths``) tune the fused head but none turns
+    it on."""
+    if paths:
+        warn_once(
+            f"megatron_fused_lm: FusedLMConfig.from_trainer_config read {', '.join(paths)} but no "
+            f"fused_linear_logprob, which turns the fused head on: the config reads as {config}, and wrap_model "
+            "leaves the model stock."
+        )
 
 
 def _warn_of_misspellings(sections: List[Tuple[str, Any]], config: FusedLMConfig) -> None:
@@ -133,7 +161,9 @@ def _warn_of_misspellings(sections: List[Tuple[str, Any]], config: FusedLMConfig
         for name in _names(section) or ():
             if not isinstance(name, str) or name in TRAINER_KEYS:
                 continue
-            close = difflib.get_close_matches(name.lower().replace("-", "_"), TRAINER_KEYS, n=1, cutoff=0.8)
+            if name in TRAINERS_OWN_KEYS:
+                continue
+            close = difflib.get_close_matches(name.lower().replace("-", "_"), TRAINER_KEYS, n=1, cutoff=0.75)
             if close:
                 suspects.append(f"{prefix}{name} (did you mean {close[0]}?)")
     if suspects:

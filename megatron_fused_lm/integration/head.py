@@ -40,8 +40,10 @@ from .calls import (
     answer_from_logits,
     call_labels_loss,
     check_labels,
+    log_route,
     outstanding_main_grads,
     project_input,
+    running_backend,
 )
 from .config import FusedLMConfig
 from .megatron_compat import (
@@ -64,7 +66,12 @@ _NOT_SET = object()
 OUTSIDE_FORWARD = "a call from outside the model's forward"
 # The keyword arguments of Megatron's LinearCrossEntropyModule (its dev branch's output layer under
 # cross_entropy_fusion_impl="linear") and their stock defaults: the labels path in the output layer.
-LINEAR_CROSS_ENTROPY_OPTIONS = {"output_cross_entropy_loss": False, "labels": None, "reduction": "none", "ignore_index": -100}
+LINEAR_CROSS_ENTROPY_OPTIONS = {
+    "output_cross_entropy_loss": False,
+    "labels": None,
+    "reduction": "none",
+    "ignore_index": -100,
+}
 # Where the frames between the output layer and whoever called it come from: torch's module call.
 _TORCH_MODULES = os.path.join("torch", "nn", "modules", "")
 
@@ -292,7 +299,11 @@ def _caller_site() -> str:
     frame = sys._getframe(1)
     while frame is not None and (frame.f_code.co_filename == __file__ or _TORCH_MODULES in frame.f_code.co_filename):
         frame = frame.f_back
-    return "an unknown caller" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+    return (
+        "an unknown caller"
+        if frame is None
+        else f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+    )
 
 
 class FusedLMHead:
@@ -304,6 +315,7 @@ class FusedLMHead:
             on this pipeline stage) and returns logits.
         fallback_reason: ``None``, or the sentence saying why the fused path was not taken.
         name: the model, as messages name it (its class and ``id``).
+        backend: the backend that computes (``config.backend`` as resolved for the model's device).
 
     When fused, the head computes each output with the forward that made it, whatever ran since
     (``provenance``), and refuses an output it cannot trace to one forward of its own model.
@@ -470,6 +482,13 @@ class FusedLMHead:
         finally:
             state.depth -= 1
 
+    @property
+    def backend(self) -> Optional[str]:
+        """The backend the fused ops run for this model: ``config.backend`` resolved for the output
+        weight's device (``"torch"`` where the Triton one cannot run there; ``"auto"`` made
+        ``"triton"`` or ``"torch"``); ``None`` when the head is not fused (the stock logits path)."""
+        return running_backend(self.config, self._stock_layers) if self.fused else None
+
     def _stock_logits_on(self) -> bool:
         return getattr(self._thread, "depth", 0) > 0
 
@@ -607,9 +626,11 @@ def wrap_model(model: Any, config: FusedLMConfig) -> FusedLMHead:
     chains = [chain for chain in module_chains(model) if output_layer_of(chain[-1]) is not None]
     head = FusedLMHead(config, name=model_name(model_chunks(model)))
     head._stock_layers = output_layers(chains)
+    if config.enabled and chains:
+        head.fallback_reason = fallback_reason(head._stock_layers)
+    log_route(head.name, "wrap_model (the patched output layer)", config, head._stock_layers, head.fallback_reason)
     if not config.enabled or not chains:
         return head
-    head.fallback_reason = fallback_reason(head._stock_layers)
     if head.fallback_reason is not None:
         warn_once(f"megatron_fused_lm: the fused LM head falls back to the stock logits path: {head.fallback_reason}.")
         return head

@@ -108,6 +108,11 @@ def _chunk_fallback_reason(chunk: torch.nn.Module, layer: torch.nn.Module) -> Op
     configs = (getattr(layer, "config", None), getattr(chunk, "config", None))
     if any(getattr(config, "defer_embedding_wgrad_compute", False) for config in configs):
         return "defer_embedding_wgrad_compute is on (the embedding weight gradient is computed at pipeline flush)"
+    if getattr(layer, "gather_output", False) and (getattr(layer, "output_size", 0) != layer.output_size_per_partition):
+        return (
+            "the output layer gathers the vocabulary on every rank (GPTModel(parallel_output=False)): its logits are "
+            "not a vocabulary shard"
+        )
     if getattr(layer, "gtp_remat_size", 1) > 1:
         return "the output weight is sharded over a GTP rematerialization group"
     if not callable(getattr(chunk, "compute_language_model_loss", None)):

@@ -35,6 +35,7 @@ from .calls import (
     answer_from_logits,
     call_labels_loss,
     check_labels,
+    log_route,
     outstanding_main_grads,
     project_input,
 )
@@ -108,6 +109,7 @@ class FusedOutputProcessor:
         self._layers = output_layers(module_chains(model))
         self._groups = {id(layer): tensor_parallel_group(chunk, layer) for chunk, layer in self._layers}
         self.fallback_reason = fallback_reason(self._layers) if config.enabled else None
+        log_route(self.name, "output_processor", config, self._layers, self.fallback_reason)
         if self.fallback_reason is not None:
             warn_once(
                 f"megatron_fused_lm: the fused output processor computes from the stock logits: {self.fallback_reason}."

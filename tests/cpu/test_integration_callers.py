@@ -90,7 +90,8 @@ def check_callers(sequence_parallel: bool, tied: bool, label: str) -> None:
     assert head.fused, label
     with harness.RecordedWarnings(logging.INFO) as recorded:
         for _ in range(2):  # the line is logged once
-            for ours, theirs, name in zip(direct_call(model, x, tied_weight), stock, ("logits", "d x", "d weight")):
+            calls = zip(direct_call(model, x, tied_weight), stock, ("logits", "d x", "d weight"), strict=True)
+            for ours, theirs, name in calls:
                 assert torch.equal(ours, theirs), f"{label}: a direct call's {name} differ from stock's"
     here = [message for message in recorded.messages if f"{__file__}:" in message and "direct_call" in message]
     assert len(here) == 1 and "stock logits" in here[0], f"{label}: {recorded.messages}"

@@ -188,9 +188,15 @@ def test_no_warning_when_nothing_is_elsewhere(trainer_config, package_warnings):
 def test_section_reads_the_keys_there(build, package_warnings):
     config = build(VERL_LIKE)
     assert FusedLMConfig.from_trainer_config(config, section="actor_rollout_ref.actor") == EXPECTED
+    assert package_warnings() == []  # a section that turns the head on silences the search
     ref = FusedLMConfig.from_trainer_config(config, section="actor_rollout_ref.ref")
     assert ref == FusedLMConfig(token_chunk=64)
-    assert package_warnings() == []  # pointing at a section silences the search
+    # It tunes the head without turning it on, while the actor's section turns it on: both said.
+    elsewhere, switch = package_warnings()
+    assert "ignored actor_rollout_ref.actor.fused_linear_logprob," in elsewhere
+    assert "section='actor_rollout_ref.actor'" in elsewhere
+    assert "read actor_rollout_ref.ref.fused_linear_logprob_token_chunk but no" in switch
+    assert "wrap_model leaves the model stock" in switch
 
 
 @pytest.mark.parametrize("build", [dict, namespaces], ids=["dict", "namespace"])
@@ -275,7 +281,8 @@ def test_the_misspelling_warning_lists_every_suspect_and_ignores_other_keys(pack
         "entropy_coeff": 0.0,
     }
     assert FusedLMConfig.from_trainer_config(config) == FusedLMConfig(backend="auto")
-    [warning] = package_warnings()
+    warning, switch = package_warnings()  # the second: a backend set, the switch misspelt
+    assert "read fused_linear_logprob_backend but no fused_linear_logprob" in switch
     assert "fused_linear_logprobs (did you mean fused_linear_logprob?)" in warning
     assert "trainer.fused_linear_logprob_token_chunks (did you mean fused_linear_logprob_token_chunk?)" in warning
     for other in ("log_prob_micro_batch_size", "use_fused_kernels", "entropy_coeff", "fused_linear_logprob_backend ("):
@@ -289,4 +296,49 @@ def test_a_trainers_own_chunk_size_is_not_read(build, package_warnings):
     config = build({"trainer": {"fused_linear_logprob": True, "logprobs_chunk_size": 1024}})
     assert FusedLMConfig.from_trainer_config(config) == FusedLMConfig(enabled=True)
     assert FusedLMConfig.from_trainer_config(config, section="trainer") == FusedLMConfig(enabled=True)
+    assert package_warnings() == []
+
+
+@pytest.mark.parametrize("build", [dict, namespaces], ids=["dict", "namespace"])
+@pytest.mark.parametrize(
+    "settings, section, where",
+    [
+        # One level above the section read (verl's engine section is actor_rollout_ref.actor.megatron).
+        ({"actor_rollout_ref": {"actor": {**SETTINGS, "megatron": {"seed": 1}}}}, "actor_rollout_ref.actor.megatron",
+         "actor_rollout_ref.actor.fused_linear_logprob,"),
+        # Beside it.
+        ({"policy": {"megatron_cfg": {}}, "generation": dict(SETTINGS)}, "policy", "generation.fused_linear_logprob,"),
+        # At the top, reading a section.
+        ({**SETTINGS, "policy": {"seed": 1}}, "policy", "ignored fused_linear_logprob,"),
+    ],
+    ids=["above", "beside", "top"],
+)  # fmt: skip
+def test_keys_outside_the_section_read_warn_where_the_head_stays_off(build, settings, section, where, package_warnings):
+    assert FusedLMConfig.from_trainer_config(build(settings), section=section) == FusedLMConfig()
+    [warning] = package_warnings()
+    assert where in warning and "enabled=False" in warning, warning
+
+
+@pytest.mark.parametrize("section", [None, "trainer"])
+def test_tuning_keys_without_the_switch_warn(section, package_warnings):
+    config = {"trainer": {"fused_linear_logprob_backend": "triton"}}
+    assert FusedLMConfig.from_trainer_config(config, section=section) == FusedLMConfig(backend="triton")
+    [warning] = package_warnings()
+    assert "read trainer.fused_linear_logprob_backend but no" in warning and "fused_linear_logprob, which" in warning
+
+
+@pytest.mark.parametrize("name", ["fused_logprob", "fused_logprobs", "fused_linear"])
+def test_a_near_miss_of_the_switch_warns(name, package_warnings):
+    assert FusedLMConfig.from_trainer_config({"trainer": {name: True}}) == FusedLMConfig()
+    [warning] = package_warnings()
+    assert f"trainer.{name} (did you mean fused_linear_logprob?)" in warning
+
+
+def test_the_trainers_own_fused_keys_are_not_misspellings(package_warnings):
+    # SkyRL's trainer section has fused_lm_head_logprob, NeMo-RL's policy.megatron_cfg has
+    # use_fused_linear_logprobs: their own fused paths, set off in every default config.
+    config = {"trainer": {"fused_linear_logprob": True, "fused_lm_head_logprob": False}}
+    assert FusedLMConfig.from_trainer_config(config) == FusedLMConfig(enabled=True)
+    policy = {"fused_linear_logprob": True, "use_fused_linear_logprobs": False}
+    assert FusedLMConfig.from_trainer_config({"policy": policy}, section="policy") == FusedLMConfig(enabled=True)
     assert package_warnings() == []

@@ -9,11 +9,14 @@ errors about 2e-6).
 """
 
 import copy
+import functools
 import importlib.metadata
+import logging
 
 import torch
 
 from devkit import megatron_gpt as harness
+from devkit.oracle import logprob_entropy
 from megatron_fused_lm.integration import FusedLMConfig, unwrap_model, wrap_model
 
 TEMPERATURE = 0.7
@@ -110,6 +113,41 @@ def fallback_cases(warnings) -> None:
 
     model = harness.build_gpt(model_class=SoftCappedGPT)
     _check_fallback(model, batch, ["_scale_logits"], warnings, "_scale_logits override")
+
+    # The stock model returns the whole vocabulary's logits on every rank, which the head computes from.
+    model = harness.build_gpt(model_class=functools.partial(GPTModel, parallel_output=False))
+    head = wrap_model(model, FUSED)
+    assert not head.fused and "parallel_output=False" in head.fallback_reason, head.fallback_reason
+    assert head.fallback_reason in warnings.messages[-1]
+    logits, targets = harness.forward(model, batch), batch[3]
+    assert logits.shape[-1] == harness.VOCAB_SHARD * harness.tp_size(), tuple(logits.shape)
+    expected = logprob_entropy(logits.detach(), targets, TEMPERATURE)
+    actual = head.logprobs(logits, targets, temperature=TEMPERATURE, return_entropy=True)
+    for ours, theirs, name in zip(actual, expected, ("logprob", "entropy"), strict=True):
+        harness.assert_max_error(ours, theirs, VALUE_ATOL, f"parallel_output=False {name}")
+
+
+def route_line_cases() -> None:
+    """``wrap_model`` logs one INFO line: fused or not and why, the backend that runs, TP."""
+    batch = harness.make_batch()
+    model = harness.build_gpt()
+    for config, words, backend in (
+        (FusedLMConfig(enabled=True, backend="auto"), "fused head: backend 'torch' (asked: 'auto'), TP=2, 1 chunk", "torch"),
+        (FusedLMConfig(enabled=True, backend="triton"), "fused head: backend 'torch' (asked: 'triton')", "torch"),
+        (FusedLMConfig(), "stays stock: the config leaves the fused head off", None),
+    ):  # fmt: skip
+        with harness.RecordedWarnings(logging.INFO) as recorded:
+            head = wrap_model(model, config)
+        [line] = [message for message in recorded.messages if "wrap_model (the patched output layer)" in message]
+        assert words in line and head.name in line, line
+        assert head.backend == backend, f"{config}: head.backend is {head.backend!r}"
+        harness.forward(model, batch)
+    model.output_layer.bias = torch.nn.Parameter(harness.random_weights(harness.VOCAB_SHARD, seed=3))
+    with harness.RecordedWarnings(logging.INFO) as recorded:
+        wrap_model(model, FUSED)
+    assert any("stays stock: the output layer has a bias" in message for message in recorded.messages), (
+        recorded.messages
+    )
 
 
 def wrapping_cases() -> None:
@@ -291,6 +329,7 @@ def worker() -> None:
     harness.tensor_parallel(2)
     with harness.RecordedWarnings() as warnings:
         fallback_cases(warnings)
+    route_line_cases()
     wrapping_cases()
     with harness.RecordedWarnings() as warnings:
         mtp_and_mup_cases(warnings)

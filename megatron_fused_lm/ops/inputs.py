@@ -236,12 +236,26 @@ def target_columns(
     return column
 
 
+def per_sequence_broadcast(value: torch.Tensor, lead_shape: torch.Size) -> torch.Tensor:
+    """``value`` expanded to ``lead_shape`` where it holds one value per sequence, as trainers pass a
+    GRPO advantage or a sampling temperature: its shape is a prefix of ``lead_shape`` padded with
+    1s (``[b]`` or ``[b, 1]`` for rows ``[b, s]``), and the trainers' own code broadcasts it over
+    the positions. Any other shape is returned as it is, for the caller's own check."""
+    if not 0 < value.dim() <= len(lead_shape) or value.shape == lead_shape:
+        return value
+    padded = (*value.shape, *(1,) * (len(lead_shape) - value.dim()))
+    if padded[0] != lead_shape[0] or any(got not in (1, want) for got, want in zip(padded, lead_shape, strict=True)):
+        return value
+    return value.reshape(padded).expand(lead_shape)
+
+
 def row_temperatures(
     temperature: Union[float, torch.Tensor], selection: RowSelection, device: torch.device
 ) -> torch.Tensor:
     """The selected rows' temperatures, float32 ``[k]`` on ``device`` (stride 0 where they share one),
     from ``temperature``: a positive finite number (a 0-dim CPU tensor counts as one), or a float
-    tensor on ``device``, shaped like the rows (``selection.lead_shape``) or 0-dim, that needs no
+    tensor on ``device``, shaped like the rows (``selection.lead_shape``), one per sequence
+    (``per_sequence_broadcast``: ``[b]`` or ``[b, 1]`` for rows ``[b, s]``) or 0-dim, that needs no
     gradient. ``TypeError`` / ``ValueError`` otherwise; a tensor's values are checked by
     ``check_on_device`` (no host synchronization on a GPU), those of rows the selection leaves out
     (``max_rows`` padding included) not at all. Always a copy: the caller's tensor may change, or
@@ -263,12 +277,13 @@ def row_temperatures(
         raise ValueError("temperature takes no gradient: pass it detached")
     if temperature.device != device:
         raise ValueError(f"temperature must be on {device} (or be a number), got {temperature.device}")
+    temperature = per_sequence_broadcast(temperature, selection.lead_shape)
     if temperature.dim() == 0:
         rows = temperature.to(torch.float32, copy=True).reshape(1)
     elif temperature.shape != selection.lead_shape:
         raise ValueError(
             f"temperature.shape {tuple(temperature.shape)} must equal the rows' shape {tuple(selection.lead_shape)} "
-            "(one per row), or be 0-dim"
+            "(one per row), hold one per sequence ([b] or [b, 1] for rows [b, s]), or be 0-dim"
         )
     else:
         rows = selection.take_rows(temperature).to(torch.float32, copy=True)

@@ -11,7 +11,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from .contract import UpstreamGrads
-from .inputs import check_on_device, has_values
+from .inputs import check_on_device, has_values, per_sequence_broadcast
 
 Tensor = torch.Tensor
 LossFn = Callable[..., Tensor]
@@ -40,16 +40,25 @@ def check_per_token(
 ) -> Tensor:
     """``value`` flattened to ``[rows]`` (``trailing``: ``[*lead_shape, ...]`` to ``[rows, ...]``, a
     teacher's ``k`` log-probs per row, say), after checking it is a tensor of that shape on
-    ``device`` that needs no gradient (errors name it ``name``)."""
+    ``device`` that needs no gradient (errors name it ``name``). One value per sequence (``[b]`` or
+    ``[b, 1]`` for rows ``[b, s]``, a GRPO advantage) is broadcast over the positions; a float
+    tensor of another precision (a float64 rollout buffer's) is taken as float32, the precision the
+    losses are computed in."""
     if not isinstance(value, Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
+    value = per_sequence_broadcast(value, lead_shape)
     if (value.shape[: len(lead_shape)] if trailing else value.shape) != lead_shape:
         expected = f"{tuple(lead_shape)}{' (then any trailing dimensions)' if trailing else ''}"
-        raise ValueError(f"{name} has shape {tuple(value.shape)}; expected {expected}")
+        raise ValueError(
+            f"{name} has shape {tuple(value.shape)}; expected {expected}, or one value per sequence ([b] or [b, 1] "
+            "for rows [b, s])"
+        )
     if value.device != device:
         raise ValueError(f"{name} is on {value.device}; expected {device}")
     if value.requires_grad:
         raise ValueError(f"{name} requires grad, but no gradient flows into loss inputs; detach it")
+    if value.dtype.is_floating_point and value.dtype != torch.float32:
+        value = value.float()
     return value.reshape(lead_shape.numel(), *value.shape[len(lead_shape) :])
 
 

@@ -27,6 +27,7 @@ from ..ops import (
     outstanding_weight_grads,
 )
 from ..ops.options import resolved_backend
+from ..ops.rank_check import RanksDisagree
 from .config import FusedLMConfig
 from .megatron_compat import MainGradWritten, float32_main_grad, labels_ignore_index, tensor_parallel_group
 
@@ -254,14 +255,34 @@ def call_labels_loss(
         targets = torch.where(kept, targets, 0)  # any id: its loss is multiplied by 0 below
         declared = None if declared is None else declared * kept
     arguments = dict(_op_arguments(call, config), out_of_vocab=out_of_vocab)
-    if declared is None or config.batch_invariant:
-        losses = -fused_linear_logprob(
-            hidden, call.weight, targets, batch_invariant=config.batch_invariant, **arguments
-        )
-    else:
-        weight, accumulation = main_grad_route(call.weight, main_grad_scale, call.owner)
-        losses = fused_linear_cross_entropy(hidden, weight, targets, declared, **accumulation, **arguments)
+    try:
+        if declared is None or config.batch_invariant:
+            losses = -fused_linear_logprob(
+                hidden, call.weight, targets, batch_invariant=config.batch_invariant, **arguments
+            )
+        else:
+            weight, accumulation = main_grad_route(call.weight, main_grad_scale, call.owner)
+            losses = fused_linear_cross_entropy(hidden, weight, targets, declared, **accumulation, **arguments)
+    except RanksDisagree as error:
+        if not error.differing:
+            raise
+        # The op names its own arguments; what the trainer gave differently is the labels path's batch.
+        given = sorted({LABELS_PATH_INPUTS.get(name, name) for name in error.differing})
+        raise RanksDisagree(
+            f"model(..., labels=) (the labels path of {call.owner}): the ranks of its tensor-parallel group were "
+            f"given different {', '.join(given)}; every rank of the group must get the same labels [b, s] (and "
+            "declared loss weights)",
+            error.differing,
+        ) from None
     return losses if kept is None else losses * kept
+
+
+# What the labels path's op inputs are to its caller, by the rank check's names (``rank_check.NAMES``).
+LABELS_PATH_INPUTS = {
+    "targets": "labels",
+    "the rows' shape": "batch shapes",
+    "loss_inputs": "declared loss weights (declare_loss_weights)",
+}
 
 
 def running_backend(config: FusedLMConfig, layers: List[Tuple[torch.nn.Module, torch.nn.Module]]) -> str:

@@ -365,7 +365,7 @@ class FusedLMHead:
                 head's cost follows the number of selected positions.
             max_rows: with ``mask``, an upper bound on the positions it selects, for a static
                 shape (no host synchronization; see ``fused_linear_logprob``).
-            kept_tokens: ``(offsets [rows + 1], token_ids [nnz])`` int64, each computed position's
+            kept_tokens: ``(offsets [rows + 1], token_ids [nnz])`` integer (int32 or int64), each computed position's
                 kept set (the ids the rollout's top-k / top-p sampler kept), the positions in
                 ``[b, s]`` order (with ``mask``, the selected ones): log-prob and entropy over the
                 set, renormalized (``fused_linear_logprob``). Its target must be in it.
@@ -504,6 +504,9 @@ class FusedLMHead:
         is skipped or the buffers zeroed)."""
         return outstanding_main_grads(self._stock_layers, forget_released)
 
+    # Eager under torch.compile (one graph break): it walks the output's autograd graph, which Dynamo
+    # cannot trace.
+    @torch.compiler.disable
     def _call_for(self, output: torch.Tensor, caller: str, fallback: Optional[provenance.Origin] = None) -> HeadCall:
         """The output-layer call to compute ``output`` with (``provenance``): that of the forward its
         graph leads back to; else, without gradients into the weight (the stock logits of such a

@@ -165,7 +165,7 @@ def fused_linear_logprob(
             for tensor-parallel groups of more than two ranks (their sums' order follows the
             message size); ``fused_linear_loss`` also refuses float32 weights.
         kept_tokens: optional ``(offsets, token_ids)``, each row's kept set (the ids a top-k /
-            top-p / min-p sampler kept): ``offsets [rows + 1]`` and ``token_ids [nnz]`` int64 on
+            top-p / min-p sampler kept): ``offsets [rows + 1]`` and ``token_ids [nnz]`` integer (int32 or int64) on
             hidden's device, row ``i``'s global ids ``token_ids[offsets[i]:offsets[i + 1]]``, the
             rows those computed, in the order of ``targets`` flattened (with ``mask=``, the selected
             rows; the same on every rank of ``tp_group``). Each row's log-prob and entropy are then

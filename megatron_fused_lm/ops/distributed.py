@@ -39,7 +39,7 @@ def all_reduce_sum(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> 
 
 
 # The groups the ops were called with, by name: a custom operator carries a group's name, and the
-# operator's body looks the group up here (torch resolves names only through a private function).
+# operator's body looks the group up here.
 _groups_by_name: Dict[str, dist.ProcessGroup] = {}
 
 
@@ -52,8 +52,14 @@ def group_name(group: Optional[dist.ProcessGroup]) -> Optional[str]:
 
 
 def group_by_name(name: Optional[str]) -> Optional[dist.ProcessGroup]:
-    """The process group ``group_name`` gave ``name``; ``None`` for ``None``."""
-    return None if name is None else _groups_by_name[name]
+    """The process group ``group_name`` gave ``name``; ``None`` for ``None``. A compiled graph runs
+    its operators before Dynamo replays the registration it traced, so a name not registered yet is
+    resolved by torch's own (private) lookup, and registered."""
+    if name is None:
+        return None
+    if name not in _groups_by_name:
+        _groups_by_name[name] = dist.distributed_c10d._resolve_process_group(name)
+    return _groups_by_name[name]
 
 
 def merge_across_group(stats: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:

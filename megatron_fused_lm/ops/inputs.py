@@ -102,7 +102,8 @@ class RowSelection(NamedTuple):
 
     lead_shape: torch.Size
     rows: Optional[torch.Tensor]  # [k] int64 indices into the flattened lead_shape; None: every row
-    slots: Optional[torch.Tensor]  # [k] int64 where each result goes; lead_shape.numel(): nowhere (padding)
+    slots: Optional[torch.Tensor]  # [k] int64 where each result goes; lead_shape.numel(): nowhere (padding);
+    # ``rows`` itself where there is no max_rows padding
     target_column: torch.Tensor  # [k] int64 of the selected rows, -1 where another shard owns the target
 
     def take(self, values: torch.Tensor) -> torch.Tensor:
@@ -119,7 +120,7 @@ class RowSelection(NamedTuple):
     def padding(self) -> Optional[torch.Tensor]:
         """``[k]`` bool: the ``max_rows`` padding rows, which compute a real row whose inputs are
         not read and whose results go nowhere; ``None`` without ``max_rows``."""
-        return None if self.slots is None else self.slots == self.lead_shape.numel()
+        return None if self.slots is None or self.slots is self.rows else self.slots == self.lead_shape.numel()
 
     def place(self, values: torch.Tensor) -> torch.Tensor:
         """Per-row results ``[k, ...]`` back in ``[*lead_shape, ...]``, 0 on unselected rows

@@ -22,7 +22,7 @@ from .distributed import group_rank, group_size
 from .inputs import RowSelection, check_on_device, checked_at_once
 
 Tensor = torch.Tensor
-KeptTokens = Tuple[Tensor, Tensor]  # (offsets [rows + 1], token_ids [nnz]), int64
+KeptTokens = Tuple[Tensor, Tensor]  # (offsets [rows + 1], token_ids [nnz]), int32 or int64
 WORD_BITS = 32
 
 
@@ -63,7 +63,7 @@ def checked_sets(
     lead_shape]``): ``TypeError`` / ``ValueError`` for a wrong type, shape or count of sets (with
     ``max_rows``, the count the mask selects is checked by ``check_on_device``)."""
     if not isinstance(kept_tokens, (tuple, list)) or len(kept_tokens) != 2:
-        raise TypeError("kept_tokens must be a pair (offsets [rows + 1], token_ids [nnz]) of int64 tensors")
+        raise TypeError("kept_tokens must be a pair (offsets [rows + 1], token_ids [nnz]) of integer tensors")
     offsets, token_ids = kept_tokens
     for name, tensor in (("offsets", offsets), ("token_ids", token_ids)):
         if not isinstance(tensor, Tensor) or tensor.dtype.is_floating_point or tensor.dtype == torch.bool:
@@ -76,7 +76,8 @@ def checked_sets(
     num_rows = selection.lead_shape.numel() if selection.rows is None else selection.rows.shape[0]
     if selection.padding is None and num_sets != num_rows:
         raise ValueError(
-            f"kept_tokens' offsets hold {num_sets} sets for {num_rows} rows: one set per computed row (with mask=, "
+            f"kept_tokens' offsets hold {num_sets} sets for the {num_rows} rows "
+            f"{'mask= selects' if selection.rows is not None else 'computed'}: one set per computed row (with mask=, "
             "the selected rows in order), offsets [rows + 1]"
         )
     chosen = selection.take_rows(targets).long()

@@ -6,17 +6,20 @@ gives numbers (a whole weight on every rank: each log-prob off by log P; targets
 that differ) or aborts inside a collective (a mask that selects other rows). So the first call of an
 op for each group, weight shape and dtype gathers a digest of its inputs from every rank (one
 all-gather of a few int64, one read on the host) and raises a ``ValueError`` naming what differs.
-Later calls with the same signature take no collective and no read. Skipped where values are not
-available (meta and fake tensors, compiled graphs, CUDA-graph capture) and turned off for the
-process with ``check_ranks_agree(False)``. The head's route passes the model's own group, shard and
-batch, so these mistakes cannot arise there.
+Later calls with the same signature take no collective and no read, so a mistake that first shows
+in a later call (a mask that selects other rows on one rank in the tenth micro-batch) is not caught
+and the op's own collective fails on it; ``check_ranks_agree("always")`` checks every call instead,
+at one such all-gather and read per call. Skipped where values are not available (meta and fake
+tensors, compiled graphs, CUDA-graph capture) and turned off for the process with
+``check_ranks_agree(False)``. The head's route passes the model's own group and shard; the batch
+(the labels, a mask) is the trainer's, and a disagreement there is named as the labels path's.
 """
 
 from __future__ import annotations
 
 import threading
 import zlib
-from typing import Mapping, NamedTuple, Optional, Tuple
+from typing import List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -26,16 +29,30 @@ from .inputs import has_values
 
 _lock = threading.Lock()
 _checked: set = set()
-_enabled = [True]
+_mode: List[Union[bool, str]] = [True]  # True: each signature's first call; False: never; "always"
 
 # Vocabulary rows sampled for the shard's digest: enough to tell shards apart, a read of a few KiB.
 SAMPLED_WEIGHT_ROWS = 16
 
 
-def check_ranks_agree(enabled: bool) -> None:
-    """Turn the first-call check across tensor-parallel ranks on (the default) or off for this
-    process (``megatron_fused_lm.ops.rank_check`` says what it costs)."""
-    _enabled[0] = bool(enabled)
+def check_ranks_agree(enabled: Union[bool, str]) -> None:
+    """Set for this process when the ops check that the tensor-parallel ranks agree on their inputs:
+    ``True`` (the default) on the first call of each op, group, shard size, row width and dtypes;
+    ``"always"`` on every call (one all-gather of ten int64 and one host read per call: what
+    catches a mistake that first shows in a later call); ``False`` never. Every rank must set the
+    same (``megatron_fused_lm.ops.rank_check`` says what is checked)."""
+    if enabled not in (True, False, "always"):
+        raise ValueError(f"check_ranks_agree takes True, False or 'always', got {enabled!r}")
+    _mode[0] = enabled
+
+
+class RanksDisagree(ValueError):
+    """The ranks of a tensor-parallel group disagree on an op's inputs; ``differing`` names them as
+    ``NAMES`` does (empty where every rank holds the same weight rows)."""
+
+    def __init__(self, message: str, differing: Sequence[str] = ()):
+        super().__init__(message)
+        self.differing = tuple(differing)
 
 
 class _Inputs(NamedTuple):
@@ -69,12 +86,12 @@ def check_across_ranks(
     (its columns are the vocabulary rows); the rest as the op takes them (``loss_inputs`` a loss's
     per-token tensors by name, or ``{"declared_weights": ...}``). Once per op, group, shard
     size, row width, dtypes and device, whatever the number of rows; nothing else on later calls."""
-    if not _enabled[0] or group_size(tp_group) == 1 or not has_values(hidden):
+    if not _mode[0] or group_size(tp_group) == 1 or not has_values(hidden):
         return
     vocab_shard, shard_dtype = (hidden.shape[-1], hidden.dtype) if shard is None else (shard.shape[0], shard.dtype)
     signature = (op, group_name(tp_group), vocab_shard, hidden.shape[-1], shard_dtype, hidden.dtype, hidden.device)
     with _lock:  # claimed before the collective: one thread of a rank runs it
-        if signature in _checked:
+        if signature in _checked and _mode[0] != "always":
             return
         _checked.add(signature)
     try:
@@ -100,14 +117,15 @@ def _check(op, tp_group, hidden, shard, vocab_shard, targets, mask, temperature,
         NAMES[index] for index in range(len(NAMES)) if not bool((gathered[:, index] == gathered[0, index]).all())
     ]
     if differing:
-        raise ValueError(
+        raise RanksDisagree(
             f"{op}: the ranks of tp_group disagree on {', '.join(differing)}; under tensor parallelism every rank "
             "passes the same rows, targets, mask, temperatures, kept sets and loss inputs, and its own shard of the "
-            "vocabulary"
+            "vocabulary",
+            differing,
         )
     sampled, rows_vary = gathered[:, -2], gathered[:, -1]
     if bool((sampled == sampled[0]).all()) and bool(rows_vary.all()):
-        raise ValueError(
+        raise RanksDisagree(
             f"{op}: every rank of tp_group holds the same weight rows; pass each rank its shard of the vocabulary "
             f"(rows [r V / P, (r + 1) V / P) on rank r of P = {group_size(tp_group)}), or the whole weight without "
             "tp_group"

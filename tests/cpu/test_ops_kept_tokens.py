@@ -71,11 +71,13 @@ def largest(hidden, weight):
 
 @pytest.mark.parametrize("peaky", [False, True], ids=["flat", "peaky"])
 @pytest.mark.parametrize("token_chunk", [None, 7])
-def test_fused_linear_logprob(peaky, token_chunk):
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])  # slime's sets come as int32
+def test_fused_linear_logprob(peaky, token_chunk, dtype):
     hidden, weight, targets = make_case(LEAD, H, V, torch.float32, peaky=peaky, seed=1)
     # Peaked rows lose their largest logit: the kept set's softmax differs from the whole one by O(1).
     leave_out = largest(hidden, weight) if peaky else None
     kept_tokens, kept = kept_sets(targets, every_row(LEAD), V, 9, seed=2, leave_out=leave_out)
+    kept_tokens = tuple(tensor.to(dtype) for tensor in kept_tokens)
     temperature = torch.rand(LEAD, generator=torch.Generator().manual_seed(3)) + 0.5
     grad_logprob, grad_entropy = torch.randn(LEAD), torch.randn(LEAD)
     leaf_hidden, leaf_weight = leaves(hidden, weight)
@@ -222,7 +224,7 @@ def test_errors():
     cases = [
         ((offsets, ids[ids != targets[2]]), ValueError, "offsets must start at 0"),  # fewer ids than offsets say
         ((offsets, torch.where(ids == targets[2], (ids + 1) % V, ids)), ValueError, "target is outside"),
-        ((offsets[:-1], ids), ValueError, "4 sets for 5 rows"),
+        ((offsets[:-1], ids), ValueError, "4 sets for the 5 rows computed"),
         ((offsets.flip(0), ids), ValueError, "never decrease"),
         ((offsets, torch.where(ids == ids[0], V, ids)), ValueError, "outside the vocabulary"),
         ((offsets, ids.float()), TypeError, "integer tensor"),
@@ -239,6 +241,10 @@ def test_errors():
     with pytest.raises(ValueError, match="more than max_rows|at most max_rows"):
         mask = torch.tensor([True, True, False, False, False])
         fused_linear_logprob(hidden, weight, targets, mask=mask, max_rows=1, kept_tokens=(offsets[:3], ids))
+    # With a mask alone, the count of sets against the rows it selects, without a word of max_rows.
+    with pytest.raises(ValueError, match="hold 5 sets for the 2 rows mask= selects") as raised:
+        fused_linear_logprob(hidden, weight, targets, mask=torch.arange(5) < 2, kept_tokens=(offsets, ids))
+    assert "max_rows" not in str(raised.value)
     # More sets than the rows max_rows lets the mask select: named as such.
     with pytest.raises(ValueError, match="hold 5 sets, more than the 2 rows that mask= can select"):
         mask = torch.tensor([True, True, False, False, False])

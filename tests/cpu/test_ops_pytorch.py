@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from devkit.oracle import make_case, reference, relative_error
+from devkit.spawn import run_ranks
 from megatron_fused_lm import (
     fused_linear_cross_entropy,
     fused_linear_logprob,
@@ -316,3 +317,36 @@ def test_fullgraph_compile_of_the_loss_path_equals_eager(loss_fn):
             results[name] = (*outputs, loss, *(leaf.grad for leaf in leaves))
         for expected, actual in zip(results["eager"], results["compiled"], strict=True):
             torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+
+
+def compiled_with_a_group(rank, world_size):
+    """Each rank's shard of one weight: the compiled ops equal the eager ones under a tp_group (the
+    operators' bodies look the group up by name while the compiled graph runs)."""
+    import torch.distributed as dist
+
+    group = dist.new_group([0, 1])
+    hidden, weight, targets = make_case((ROWS,), 16, 2 * 23, torch.float32, peaky=True, seed=4)
+    shard = weight[rank * 23 : (rank + 1) * 23]
+    advantages = torch.linspace(-1, 1, ROWS)
+
+    def step(hidden, shard):
+        logprob, entropy = fused_linear_logprob(hidden, shard, targets, tp_group=group, return_entropy=True)
+        result = fused_linear_loss(
+            hidden, shard, targets, user_policy_loss, tp_group=group, token_chunk=7,
+            loss_inputs=dict(old_logprob=logprob.detach() + 0.1, advantages=advantages),
+        )  # fmt: skip
+        return logprob, result.loss + entropy.sum()
+
+    results = {}
+    # Compiled first: no eager call has named the group to the ops before.
+    for name, run in (("compiled", torch.compile(step, fullgraph=True)), ("eager", step)):
+        leaves = hidden.clone().requires_grad_(), shard.clone().requires_grad_()
+        logprob, loss = run(*leaves)
+        loss.backward()
+        results[name] = (logprob, loss, *(leaf.grad for leaf in leaves))
+    for expected, actual in zip(results["eager"], results["compiled"], strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_fullgraph_compile_under_a_tensor_parallel_group_equals_eager():
+    run_ranks(compiled_with_a_group, 2)

@@ -1,7 +1,8 @@
 """The raw ops under tensor parallelism refuse ranks that disagree (two gloo ranks): a whole weight
 on every rank, rows, targets, temperatures, a mask or kept sets that differ between ranks, each
 named, on the first call of a signature, with one all-gather that later calls of the signature do
-not repeat; ``check_ranks_agree(False)`` turns it off. Without the check each of these mistakes
+not repeat (``check_ranks_agree("always")`` checks every call); ``check_ranks_agree(False)`` turns it
+off. Without the check each of these mistakes
 gives numbers (the whole weight: every log-prob off by log 2) or aborts inside a collective."""
 
 import math
@@ -96,6 +97,22 @@ def check_refusals(rank, world_size):
     for _ in range(2):
         refused(V + 14, "disagree on targets", lambda h, s, w, t: fused_linear_logprob(
             h, s, (t + rank) % V, tp_group=group))  # fmt: skip
+
+    # A later call of a checked signature is not checked by default: "always" checks every call, so
+    # a mask that selects other rows on one rank in a later micro-batch is a ValueError on every
+    # rank, not a failed collective.
+    check_ranks_agree("always")
+    try:
+        with recorded_collectives(rank_check=True) as calls:
+            fused_linear_logprob(hidden, shard, targets, tp_group=group)
+            fused_linear_logprob(hidden[:5], shard, targets[:5], tp_group=group)
+        assert [name for name, _ in calls].count("rank_check") == 2, calls
+        with pytest.raises(ValueError, match="disagree on mask"):
+            fused_linear_logprob(hidden, shard, targets, tp_group=group, mask=torch.arange(TOKENS) < 6 + rank)
+    finally:
+        check_ranks_agree(True)
+    with pytest.raises(ValueError, match="True, False or 'always'"):
+        check_ranks_agree("sometimes")
 
     # Turned off: the whole weight on both ranks gives numbers, each log-prob off by log 2.
     check_ranks_agree(False)

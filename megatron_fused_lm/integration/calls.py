@@ -312,6 +312,8 @@ def log_route(
         size = dist.get_world_size(group) if group is not None else 1
         outcome = (
             f"computes with the fused head: backend {running_backend(config, layers)!r} (asked: {config.backend!r}), "
-            f"TP={size}, {len(layers)} chunk{'s' if len(layers) > 1 else ''}"
+            f"TP={size}, {len(layers)} chunk{'s' if len(layers) > 1 else ''}; its forward returns the hidden states "
+            f"[..., {layer.input_size}] where the stock model returns logits: hand them to the head, not to "
+            "log_softmax or a cross-entropy"
         )
     logger.info(f"megatron_fused_lm: {owner}, {route}, {outcome}.")

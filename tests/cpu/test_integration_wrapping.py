@@ -140,6 +140,7 @@ def route_line_cases() -> None:
             head = wrap_model(model, config)
         [line] = [message for message in recorded.messages if "wrap_model (the patched output layer)" in message]
         assert words in line and head.name in line, line
+        assert ("returns the hidden states [..., 32]" in line) == config.enabled, line
         assert head.backend == backend, f"{config}: head.backend is {head.backend!r}"
         harness.forward(model, batch)
     model.output_layer.bias = torch.nn.Parameter(harness.random_weights(harness.VOCAB_SHARD, seed=3))

@@ -16,6 +16,7 @@ from .._logging import logger
 from ..ops import (
     KeptTokens,
     LossFn,
+    RanksDisagree,
     fused_linear_cross_entropy,
     fused_linear_logprob,
     fused_linear_loss,
@@ -25,9 +26,8 @@ from ..ops import (
     logits_topk,
     name_weight_grad_into,
     outstanding_weight_grads,
+    resolved_backend,
 )
-from ..ops.options import resolved_backend
-from ..ops.rank_check import RanksDisagree
 from .config import FusedLMConfig
 from .megatron_compat import MainGradWritten, float32_main_grad, labels_ignore_index, tensor_parallel_group
 

@@ -14,8 +14,8 @@ from .api import (
 )
 from .kept_tokens import KeptTokens
 from .loss_in_forward import LossFn
-from .options import BACKENDS
-from .rank_check import check_ranks_agree
+from .options import BACKENDS, resolved_backend
+from .rank_check import RanksDisagree, check_ranks_agree
 from .topk import fused_linear_topk, logits_topk
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "FusedLoss",
     "KeptTokens",
     "LossFn",
+    "RanksDisagree",
     "check_ranks_agree",
     "fused_linear_cross_entropy",
     "fused_linear_logprob",
@@ -34,5 +35,6 @@ __all__ = [
     "losses",
     "name_weight_grad_into",
     "outstanding_weight_grads",
+    "resolved_backend",
     "weight_grad_corrections",
 ]

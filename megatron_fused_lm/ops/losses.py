@@ -94,6 +94,9 @@ class ClippedPolicyLoss:
 
     Call it as ``loss_fn(logprob, entropy, old_logprob=..., advantages=..., weight=...,
     ref_logprob=...)``: every input ``[rows]``; ``ref_logprob`` is needed when ``kl_coef != 0``.
+    Without ``old_logprob`` the step is on-policy: the old log-probs are the current ones, detached
+    (``r_t = 1`` with ``d r_t / d logprob_t = 1``), as trainers take them when they skip the old
+    log-prob pass for a single update per rollout (slime's reuse of the loss pass's log-probs).
     """
 
     clip_low: float = 0.2
@@ -121,16 +124,16 @@ class ClippedPolicyLoss:
         logprob: Tensor,
         entropy: Tensor,
         *,
-        old_logprob: Tensor,
         advantages: Tensor,
         weight: Tensor,
+        old_logprob: Optional[Tensor] = None,
         ref_logprob: Optional[Tensor] = None,
     ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
         """``(losses, d losses / d logprob, d losses / d entropy or None)`` per token in closed form,
         what the three-GEMM pass takes instead of autograd's (fewer launches). Where a ``max``
         or ``min`` ties, its two sides have the same derivative, but at the dual clip's bound,
         where autograd splits it in halves and this takes the bound's (a set of measure zero)."""
-        raw = logprob - old_logprob
+        raw = torch.zeros_like(logprob) if old_logprob is None else logprob - old_logprob
         ratio = raw.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
         grad_ratio = torch.where(raw.abs() <= LOG_RATIO_LIMIT, ratio, 0.0)  # clamp passes it inside the limits
         low, high = 1 - self.clip_low, 1 + self.clip_high
@@ -159,11 +162,12 @@ class ClippedPolicyLoss:
         logprob: Tensor,
         entropy: Tensor,
         *,
-        old_logprob: Tensor,
         advantages: Tensor,
         weight: Tensor,
+        old_logprob: Optional[Tensor] = None,
         ref_logprob: Optional[Tensor] = None,
     ) -> Tensor:
+        old_logprob = logprob.detach() if old_logprob is None else old_logprob
         log_ratio = (logprob - old_logprob).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
         ratio = log_ratio.exp()
         unclipped = -advantages * ratio

@@ -780,3 +780,21 @@ def test_kl_coef_needs_ref_logprob():
     inputs = dict(inputs, old_logprob=torch.zeros(LEAD), advantages=torch.ones(LEAD))
     with pytest.raises(ValueError, match="ref_logprob"):  # through the op too
         fused_linear_loss(hidden, weight, targets, loss_fn, loss_inputs=inputs)
+
+
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_a_policy_loss_without_old_log_probs_is_on_policy(dual_clip):
+    # A trainer that skips the old log-prob pass (one update per rollout) takes the current log-probs
+    # as the old ones: the same loss and gradients as old_logprob = the float64 oracle's log-probs.
+    # 2e-5 and 5e-5 as the oracle tests: on-policy, the ratio is 1 within the old log-probs' float32
+    # rounding (1e-7), where an old_logprob read as 0 would make it exp(logprob): off by O(1).
+    hidden, weight, targets = make_case(LEAD, 16, 37, torch.float32, peaky=True, seed=8)
+    current, _ = logprob_entropy(hidden.double() @ weight.double().t(), targets)
+    loss_fn = losses.ClippedPolicyLoss(clip_high=0.28, dual_clip=dual_clip, entropy_coef=0.01)
+    inputs = {"advantages": torch.randn(LEAD, generator=generator(9)), "weight": torch.full(LEAD, 0.1)}
+    expected = loss_reference(hidden, weight, targets, loss_fn, {**inputs, "old_logprob": current})
+    for run in (run_fused, run_stock):
+        result, grad_hidden, grad_weight = run(hidden, weight, targets, loss_fn, inputs)
+        assert abs(float(result.loss) - float(expected.loss)) <= 2e-5
+        assert relative_error(grad_hidden, expected.grad_hidden) <= 5e-5
+        assert relative_error(grad_weight, expected.grad_weight) <= 5e-5

@@ -211,7 +211,7 @@ class _Patch:
         tensor = output[0] if isinstance(output, tuple) else output
         returned = provenance.PER_TOKEN_LOSS if options.get("output_cross_entropy_loss") else provenance.STOCK_LOGITS
         origin = provenance.Origin(weakref.ref(self.head), self.head.name, None, input_.shape[-1], tensor.device)
-        provenance.register(tensor, origin, returned)
+        provenance.stock_forward(tensor, origin, returned)
         if reason == OUTSIDE_FORWARD:
             log_once(
                 logging.INFO,
@@ -584,9 +584,19 @@ class FusedLMHead:
         )
 
     def _only_candidate(self, output: torch.Tensor, caller: str) -> provenance.Origin:
-        """A live forward that could have made ``output``, whose origin nothing establishes, where
-        every such forward computes alike without a graph (one model, one output weight)."""
+        """A forward that could have made ``output``, whose origin nothing establishes, where every
+        such forward computes alike without a graph (one model, one output weight): the live
+        forwards of its size and device, or, with none alive (a trainer that copied the output under
+        ``no_grad`` and let it go), this thread's latest forward if it was this model's and returned
+        hidden states of that size."""
         candidates = provenance.live_origins(output.shape[-1], output.device)
+        if not candidates:
+            latest = provenance.latest_forward()
+            if (
+                latest is not None and latest.returned == provenance.HIDDEN_STATES and latest.origin.head is self
+                and (latest.origin.hidden_size, latest.origin.device) == (output.shape[-1], output.device)
+            ):  # fmt: skip
+                return latest.origin
         # The weak reference, not the head: one whose head is gone could still have made the tensor.
         if len({(id(origin.head_ref), *origin.call.key()) for origin in candidates}) == 1:
             return candidates[-1]
@@ -596,7 +606,10 @@ class FusedLMHead:
             "or .contiguous() under no_grad, keeps neither)"
         )
         if not candidates:
-            raise RuntimeError(f"{unlinked}, and no forward's output is alive; pass what the wrapped model returned")
+            raise RuntimeError(
+                f"{unlinked}, no forward's output is alive and this thread's latest forward was not one of this "
+                "model's; pass what the wrapped model returned"
+            )
         names = sorted({origin.head_name for origin in candidates})
         raise RuntimeError(
             f"{unlinked}, and forwards of {', '.join(names)} whose outputs are alive could have made it; pass the "

@@ -48,18 +48,24 @@ def pack(tokens: Sequence[torch.Tensor], cu_seqlens: torch.Tensor) -> torch.Tens
 
 
 def skyrl_batches(tokens: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SkyRL's two layouts of the samples: ``sequences`` int64 ``[B, S]`` with each prompt
-    left-padded into the first ``PROMPT_COLUMNS`` columns and each response right-padded into the
-    last ``ACTIONS``, its bool ``attention_mask [B, S]``, and the packed ``[1, T]`` tokens with their
-    boundaries (each sample padded to an even length)."""
+    """SkyRL's two layouts of the samples: ``sequences`` int64 ``[B, S]`` with each sample (prompt
+    then response) one left-padded block, as SkyRL's ``convert_prompts_responses_to_batch_tensors``
+    lays it out (its response-level tensors ``[B, ACTIONS]`` right-aligned; a short sample's whole
+    block lies in the last ``ACTIONS + 1`` columns), ``S = PROMPT_COLUMNS + ACTIONS`` (even, for
+    sequence parallelism), its bool ``attention_mask [B, S]``, and the packed ``[1, T]`` tokens with
+    their boundaries (each sample padded to an even length)."""
     sequences = torch.zeros(len(tokens), PROMPT_COLUMNS + ACTIONS, dtype=torch.long)
     attention_mask = torch.zeros_like(sequences, dtype=torch.bool)
-    for row, (sample, prompt) in enumerate(zip(tokens, PROMPTS, strict=True)):
-        start = PROMPT_COLUMNS - prompt
-        sequences[row, start : start + sample.numel()] = sample
-        attention_mask[row, start : start + sample.numel()] = True
+    for row, sample in enumerate(tokens):
+        sequences[row, -sample.numel() :] = sample
+        attention_mask[row, -sample.numel() :] = True
     cu_seqlens = padded_cu_seqlens([sample.numel() for sample in tokens])
     return sequences, attention_mask, pack(tokens, cu_seqlens), cu_seqlens
+
+
+def skyrl_loss_mask() -> torch.Tensor:
+    """SkyRL's ``loss_mask [B, ACTIONS]`` float for the samples: each response's slots, right-aligned."""
+    return (torch.arange(ACTIONS) >= ACTIONS - torch.tensor(RESPONSES)[:, None]).float()
 
 
 def run_model(

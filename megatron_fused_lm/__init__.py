@@ -27,6 +27,7 @@ _INTEGRATION_NAMES = (
     "LossRequest",
     "TopkRequest",
     "accepts_output_processor",
+    "fused_head_of",
     "unwrap_model",
     "wrap_model",
 )

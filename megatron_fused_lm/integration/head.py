@@ -626,6 +626,37 @@ class FusedLMHead:
         return answer_from_logits(layer, tensor_parallel_group(chunk, layer), self.config, output, request)
 
 
+def fused_head_of(output: Any) -> Optional[FusedLMHead]:
+    """The fused head whose wrapped model's forward returned ``output`` (its hidden states, or a view
+    or copy of them), or ``None`` for any other tensor: the stock logits, an unwrapped model's output,
+    a loss. What lets a trainer's own log-prob code hand the fused model's output to its head and
+    compute anything else the stock way. Decided as ``FusedLMHead`` decides where an output comes
+    from: its autograd graph, its storage, then, for a copy without either, the one model whose
+    outputs are alive, or with none alive, this thread's latest forward."""
+    if not isinstance(output, torch.Tensor) or output.dim() == 0:
+        return None
+    marks = provenance.graph_marks(output) if output.grad_fn is not None else set()
+    if not marks:
+        mark = provenance.storage_mark(output)
+        marks = set() if mark is None else {mark}
+    if marks:
+        heads = {mark.origin.head for mark in marks}
+        hidden = all(mark.returned == provenance.HIDDEN_STATES for mark in marks)
+        return heads.pop() if hidden and len(heads) == 1 else None
+    if output.grad_fn is not None:  # a graph that leads to no wrapped model's forward
+        return None
+    heads = {origin.head for origin in provenance.live_origins(output.shape[-1], output.device)}
+    if not heads:
+        latest = provenance.latest_forward()
+        if (
+            latest is not None
+            and latest.returned == provenance.HIDDEN_STATES
+            and latest.origin.hidden_size == (output.shape[-1])
+        ):
+            heads = {latest.origin.head}
+    return heads.pop() if len(heads) == 1 else None
+
+
 def wrap_model(model: Any, config: FusedLMConfig) -> FusedLMHead:
     """Patch every output layer of ``model`` for the fused head (when ``config.enabled``) and
     return the head that computes log-probs from the model's outputs.

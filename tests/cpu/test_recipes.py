@@ -37,6 +37,7 @@ from devkit.rollouts import (
     sample_tokens,
     skyrl_algorithm,
     skyrl_batches,
+    skyrl_loss_mask,
     skyrl_policy_oracle,
     slime_args,
     slime_policy_oracle,
@@ -84,7 +85,7 @@ def stock_grads(model, loss: torch.Tensor):
 
 @dataclass
 class SkyRLTrainerSection:
-    """The fields of SkyRL 0.3.0's ``TrainerConfig`` (``skyrl.train.config``) that the recipe reads,
+    """The fields of SkyRL 0.4.0's ``TrainerConfig`` (``skyrl.train.config``) that the recipe reads,
     with SkyRL's defaults, and its nesting under the top-level config's ``trainer``."""
 
     strategy: str = "megatron"
@@ -115,23 +116,33 @@ def check_skyrl(tied: bool) -> None:
         return logprob[:, window], entropy[:, window]
 
     def packed_oracle():
+        # SkyRL's packed mapping, written out: a row's k-th real token, unless its last, scores the next
+        # one in the action slot of its own column, for columns from S - 1 - A on.
         logprob, entropy = stock_rows(model, packed, packed_mask, TEMPERATURE)
         actions = [torch.zeros(len(tokens), ACTIONS, dtype=torch.float64) for _ in range(2)]
-        for row, (start, prompt, response) in enumerate(zip(starts, PROMPTS, RESPONSES, strict=True)):
-            for slot in range(response):
-                for values, found in zip(actions, (logprob, entropy), strict=True):
-                    values[row, slot] = found[0, start + prompt - 1 + slot]
-        return tuple(values.clone() for values in actions)  # [B, A], the slots past a response 0
+        first_slot_column = sequences.shape[1] - 1 - ACTIONS
+        for row, start in enumerate(starts):
+            columns = attention_mask[row].nonzero().squeeze(-1).tolist()
+            for k, column in enumerate(columns[:-1]):
+                if column >= first_slot_column:
+                    for values, found in zip(actions, (logprob, entropy), strict=True):
+                        values[row, column - first_slot_column] = found[0, start + k]
+        return tuple(values.clone() for values in actions)  # [B, A], 0 in slots of no token
 
+    # SkyRL divides the model's output by the temperature in place before the recipe sees it.
     layouts = {
-        "padded": (padded_oracle, lambda: run_model(model, sequences), skyrl.padded_layout(sequences, ACTIONS)),
+        "padded": (
+            padded_oracle,
+            lambda: run_model(model, sequences).div_(TEMPERATURE),
+            skyrl.padded_layout(sequences, ACTIONS),
+        ),
         "packed": (
             packed_oracle,
-            lambda: run_model(model, packed, packed_mask),
+            lambda: run_model(model, packed, packed_mask).div_(TEMPERATURE),
             skyrl.packed_layout(packed, cu_seqlens, attention_mask, ACTIONS),
         ),
     }
-    loss_mask = attention_mask[:, -ACTIONS:].float()
+    loss_mask = skyrl_loss_mask()
     algorithm = skyrl_algorithm()
     correction, scale = 4.0, 1.5  # num_microbatches * dp_size, num_microbatches / num_real_microbatches
     for name, (oracle, forward, layout) in layouts.items():
@@ -149,11 +160,11 @@ def check_skyrl(tied: bool) -> None:
         policy_grads = stock_grads(model, policy_expected)
 
         head = skyrl.wrap_actor_module([model], config)
-        actual = skyrl.action_log_probs(head, forward(), layout, temperature=TEMPERATURE, with_entropy=True)
+        actual = skyrl.action_log_probs(head, forward(), layout, with_entropy=True)
         assert actual[0].shape == (len(tokens), ACTIONS), label
         check_values_and_grads(model, expected, actual, grads, f"{label} action_log_probs")
 
-        result = skyrl.cross_entropy_loss(head, forward(), layout, sft_mask, correction, temperature=TEMPERATURE)
+        result = skyrl.cross_entropy_loss(head, forward(), layout, sft_mask, correction)
         assert_loss_close(result.loss, sft_expected, f"{label} cross_entropy_loss")
         harness.assert_max_error(layout.to_actions(result.logprob), expected_logprob, VALUE_ATOL, label)
         result.loss.backward()
@@ -164,7 +175,7 @@ def check_skyrl(tied: bool) -> None:
         result = skyrl.policy_loss(
             head, forward(), layout, old_log_probs=inputs["old_logprob"], advantages=inputs["advantages"],
             loss_mask=loss_mask, base_log_probs=inputs["ref_logprob"], rollout_log_probs=None, algorithm=algorithm,
-            grad_sum_correction_factor=correction, kl_entropy_microbatch_scale=scale, temperature=TEMPERATURE,
+            grad_sum_correction_factor=correction, kl_entropy_microbatch_scale=scale,
         )  # fmt: skip
         assert_loss_close(result.loss, policy_expected, f"{label} policy_loss")
         result.loss.backward()
@@ -188,7 +199,7 @@ def check_skyrl(tied: bool) -> None:
                     loss_mask=loss_mask, base_log_probs=inputs["ref_logprob"], grad_sum_correction_factor=correction,
                     kl_entropy_microbatch_scale=scale, **refused,
                 )  # fmt: skip
-    with pytest.raises(NotImplementedError, match="use_sequence_packing"):
+    with pytest.raises(NotImplementedError, match="install_fused_heads"):
         skyrl.packed_layout(packed, cu_seqlens, attention_mask, ACTIONS, sub_seq_lengths=[[5, 4]])
     with pytest.raises(ValueError, match="not both"):
         skyrl.wrap_actor_module([model], FusedSkyRLTrainerSection(**SETTINGS, fused_lm_head_logprob=True))

@@ -1,5 +1,5 @@
-"""The fused head's SkyRL recipe (``megatron_fused_lm/recipes/skyrl.py``) against SkyRL 0.3.0's own
-functions, on identical inputs shaped by SkyRL's own code, on a real GPTModel with TP=2 and sequence
+"""The fused head's SkyRL recipe (``megatron_fused_lm/recipes/skyrl.py``), its three-GEMM route, against
+SkyRL 0.4.0's own functions, on identical inputs shaped by SkyRL's own code, on a real GPTModel with TP=2 and sequence
 parallelism (SkyRL turns it on whenever TP > 1), temperature 0.8:
 
 1. padded rows (``remove_left_padding`` / ``recover_left_padding`` around the forward): SkyRL's
@@ -25,21 +25,14 @@ largest entry of SkyRL's, as in test_integration_parity. A row scored one positi
 applied twice or a sequence-parallel gradient reduced twice is off by O(1) or tens of percent.
 
 What is imported from SkyRL: ``skyrl.backends.skyrl_train.distributed.megatron`` (``model_utils`` and
-``megatron_utils``, which need torch, megatron-core and loguru). SkyRL's ``skyrl/backends/__init__.py``
-only re-exports the Tinker engine's ``AbstractBackend``, whose pydantic models do not build on Python
-3.11 and which these helpers never use; ``skyrl_megatron_helpers`` registers ``skyrl.backends`` as a
-bare package over SkyRL's own directory, so every module imported is SkyRL's file, unchanged, and only
-that ``__init__`` does not run. SkyRL's entropy compiles a two-line product-sum with ``torch.compile``;
-the comparison runs it eagerly (``torch._dynamo.config.disable``): the same arithmetic, no C++
-compiler needed on the CI machine.
+``megatron_utils``) through ``devkit.skyrl_release``, which says what it stands in for. SkyRL's entropy
+compiles a two-line product-sum with ``torch.compile``; the comparison runs it eagerly
+(``torch._dynamo.config.disable``): the same arithmetic, no C++ compiler needed on the CI machine. The
+rows are SkyRL's (each sample one left-padded block, ``devkit.rollouts.skyrl_batches``), and SkyRL
+divides the model's output by the temperature in place before either side sees it.
 """
 
-import importlib.metadata
-import importlib.util
-import os
-import sys
-import types
-
+import pytest
 import torch
 from megatron.core import parallel_state
 
@@ -54,13 +47,19 @@ from devkit.rollouts import (
     sample_tokens,
     skyrl_algorithm,
     skyrl_batches,
+    skyrl_loss_mask,
     skyrl_policy_oracle,
     weighted,
 )
+from devkit.skyrl_release import SKYRL_VERSION, skyrl_module, skyrl_version
 from megatron_fused_lm import FusedLMConfig, unwrap_model
 from megatron_fused_lm.recipes import skyrl
 
-SKYRL_VERSION = "0.3.0"
+pytestmark = pytest.mark.skipif(
+    skyrl_version() != SKYRL_VERSION,
+    reason=f"SkyRL {SKYRL_VERSION} is not installed (tests/run_cpu.sh installs it into the trainers' environment)",
+)
+
 TEMPERATURE = 0.8
 VALUE_ATOL = 2e-5
 GRAD_RTOL = 5e-5
@@ -68,15 +67,11 @@ CONFIG = FusedLMConfig(enabled=True, token_chunk=5)
 
 
 def skyrl_megatron_helpers():
-    """SkyRL's ``megatron_utils`` and ``model_utils`` modules (see the module docstring for the one
-    package ``__init__`` that is not run)."""
-    if "skyrl.backends" not in sys.modules:
-        backends = types.ModuleType("skyrl.backends")
-        backends.__path__ = [os.path.join(os.path.dirname(importlib.util.find_spec("skyrl").origin), "backends")]
-        sys.modules["skyrl.backends"] = backends
-    from skyrl.backends.skyrl_train.distributed.megatron import megatron_utils, model_utils
-
-    return megatron_utils, model_utils
+    """SkyRL's ``megatron_utils`` and ``model_utils`` modules."""
+    return (
+        skyrl_module("backends.skyrl_train.distributed.megatron.megatron_utils"),
+        skyrl_module("backends.skyrl_train.distributed.megatron.model_utils"),
+    )
 
 
 def compare(errors, name, ours, theirs, atol=VALUE_ATOL):
@@ -118,7 +113,7 @@ def check_padded(megatron_utils, model_utils, model, errors) -> None:
 
     head = skyrl.wrap_actor_module([model], FusedLMConfigSection())
     layout = skyrl.padded_layout(sequences, ACTIONS)
-    ours = skyrl.action_log_probs(head, forward(), layout, temperature=TEMPERATURE, with_entropy=True)
+    ours = skyrl.action_log_probs(head, forward().div_(TEMPERATURE), layout, with_entropy=True)
     compare(errors, "padded log-prob vs from_parallel_logits_to_logprobs", ours[0], theirs[0])
     compare(errors, "padded entropy vs vocab_parallel_entropy", ours[1], theirs[1])
     weighted(ours, seed=40).backward()
@@ -149,7 +144,7 @@ def check_packed(megatron_utils, model_utils, model, errors) -> None:
     packed_targets = pack(tokens, cu_seqlens)  # what SkyRL's _build_packed_targets lays out
     assert torch.equal(packed, packed_targets), "SkyRL packs the tokens where the recipe expects them"
     mask = harness.packed_attention_mask(cu_seqlens)
-    loss_mask = attention_mask[:, -ACTIONS:].float()
+    loss_mask = skyrl_loss_mask()
 
     group = parallel_state.get_tensor_model_parallel_group()
     logits = run_model(model, packed, mask) / TEMPERATURE
@@ -168,7 +163,7 @@ def check_packed(megatron_utils, model_utils, model, errors) -> None:
     head = skyrl.wrap_actor_module([model], FusedLMConfigSection())
     layout = skyrl.packed_layout(packed_targets, cu_seqlens, attention_mask, ACTIONS)
     logprob, entropy = skyrl.action_log_probs(
-        head, run_model(model, packed, mask), layout, temperature=TEMPERATURE, with_entropy=True
+        head, run_model(model, packed, mask).div_(TEMPERATURE), layout, with_entropy=True
     )
     entropy_mean = (entropy * loss_mask).sum() / loss_mask.sum().clamp(min=1)  # SkyRL's masked_mean
     compare(
@@ -214,7 +209,7 @@ def context_parallel_worker() -> None:
     local_packed, packed_seq_params = megatron_utils.preprocess_packed_seqs(sequences, attention_mask)
     cu_seqlens = packed_seq_params.cu_seqlens_q_padded
     packed_targets = pack(tokens, cu_seqlens)
-    loss_mask = attention_mask[:, -ACTIONS:].float()
+    loss_mask = skyrl_loss_mask()
     # The rows this rank holds, by SkyRL's own index function (the recipe computes its own).
     total = packed_targets.shape[1]
     _, _, sequence, offset, lengths = model_utils._packed_sequence_indices(cu_seqlens, total, "cpu")
@@ -244,7 +239,7 @@ def context_parallel_worker() -> None:
             layout = skyrl.packed_layout(packed_targets, cu_seqlens, attention_mask, ACTIONS, cp_group=cp_group)
             assert torch.equal(layout.rank_rows, rows), "the recipe's rows are SkyRL's"
             logprob, entropy = skyrl.action_log_probs(
-                OpsHead(leaves[1], CONFIG.token_chunk), leaves[0], layout, temperature=TEMPERATURE, with_entropy=True
+                OpsHead(leaves[1], CONFIG.token_chunk), leaves[0] / TEMPERATURE, layout, with_entropy=True
             )
             entropy_mean = entropy_for_loss = (entropy * loss_mask).sum() / loss_mask.sum().clamp(min=1)
         (weighted([logprob * loss_mask], seed=43) + entropy_for_loss).backward()
@@ -269,7 +264,7 @@ def check_context_parallel_losses(
     gathered log-probs: each rank's value (the whole batch's) and its hidden rows' and weight's
     gradients. The policy loss has no entropy term here: SkyRL's packed entropy gives only a masked
     mean, not the per-action values its loss takes."""
-    loss_mask = attention_mask[:, -ACTIONS:].float()
+    loss_mask = skyrl_loss_mask()
     correction, scale = 4.0, 1.5  # num_microbatches * dp_size, num_microbatches / num_real_microbatches
     algorithm = skyrl_algorithm(entropy_loss_coef=0.0)
     sft_mask = loss_mask / loss_mask.sum()
@@ -301,19 +296,14 @@ def check_context_parallel_losses(
                     )
             elif name == "cross_entropy_loss":
                 loss = skyrl.cross_entropy_loss(
-                    OpsHead(leaves[1], CONFIG.token_chunk),
-                    leaves[0],
-                    layout,
-                    sft_mask,
-                    correction,
-                    temperature=TEMPERATURE,
+                    OpsHead(leaves[1], CONFIG.token_chunk), leaves[0] / TEMPERATURE, layout, sft_mask, correction
                 ).loss
             else:
                 loss = skyrl.policy_loss(
-                    OpsHead(leaves[1], CONFIG.token_chunk), leaves[0], layout, old_log_probs=inputs["old_logprob"],
-                    advantages=inputs["advantages"], loss_mask=loss_mask, base_log_probs=inputs["ref_logprob"],
-                    rollout_log_probs=None, algorithm=algorithm, grad_sum_correction_factor=correction,
-                    kl_entropy_microbatch_scale=scale, temperature=TEMPERATURE,
+                    OpsHead(leaves[1], CONFIG.token_chunk), leaves[0] / TEMPERATURE, layout,
+                    old_log_probs=inputs["old_logprob"], advantages=inputs["advantages"], loss_mask=loss_mask,
+                    base_log_probs=inputs["ref_logprob"], rollout_log_probs=None, algorithm=algorithm,
+                    grad_sum_correction_factor=correction, kl_entropy_microbatch_scale=scale,
                 ).loss  # fmt: skip
             loss.backward()
             results[side] = loss.detach().float(), {"hidden": leaves[0].grad, "weight": leaves[1].grad}
@@ -323,10 +313,6 @@ def check_context_parallel_losses(
 
 def test_recipe_under_context_parallelism_matches_skyrls_own():
     harness.spawn(context_parallel_worker, 2)
-
-
-def test_skyrl_is_the_release_compared():
-    assert importlib.metadata.version("skyrl") == SKYRL_VERSION
 
 
 def test_recipe_matches_skyrls_own_logprob_and_entropy():

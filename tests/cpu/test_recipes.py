@@ -422,6 +422,11 @@ def check_slime_top_p(model, packed, mask, tokens, lengths, offsets, batch, redu
 # -------------------------------------------------------------------------------------- NeMo-RL
 
 
+# What prepare_loss_input reads of a LOGPROB loss (NeMo-RL's NLLLossFn): its input_type by name.
+# tests/cpu/test_trainer_nemo_rl.py runs NeMo-RL's own classes.
+NEMO_RL_LOGPROB_LOSS = SimpleNamespace(input_type=SimpleNamespace(name="LOGPROB"))
+
+
 def check_nemo_rl(tied: bool) -> None:
     tokens = sample_tokens(seed=6)
     lengths = [sample.numel() for sample in tokens]
@@ -429,7 +434,6 @@ def check_nemo_rl(tied: bool) -> None:
     input_ids = torch.zeros(len(tokens), width, dtype=torch.long)
     for row, sample in enumerate(tokens):
         input_ids[row, : sample.numel()] = sample
-    cu_seqlens = torch.tensor([0] + lengths).cumsum(0).int()
     cu_seqlens_padded = padded_cu_seqlens(lengths)
     packed = pack(tokens, cu_seqlens_padded)
     mask = harness.packed_attention_mask(cu_seqlens_padded)
@@ -459,12 +463,12 @@ def check_nemo_rl(tied: bool) -> None:
     head = nemo_rl.wrap_policy_model(model, policy_cfg)
     assert head.fused and head.config.token_chunk == 5
     label = f"NeMo-RL tied={tied}"
-    found, same_data = nemo_rl.prepare_loss_input(run_model(model, input_ids), data, None, head=head)
+    found, same_data = nemo_rl.prepare_loss_input(run_model(model, input_ids), data, NEMO_RL_LOGPROB_LOSS, head=head)
     assert same_data is data and found["next_token_logprobs"].shape == (len(tokens), width - 1), label
     check_values_and_grads(model, [expected], [found["next_token_logprobs"]], grads, f"{label} prepare_loss_input")
 
     actual = nemo_rl.packed_next_token_logprobs(
-        head, run_model(model, packed, mask), packed, cu_seqlens, cu_seqlens_padded, width, temperature=1.0
+        head, run_model(model, packed, mask), packed, torch.tensor(lengths), cu_seqlens_padded, width
     )
     check_values_and_grads(model, [packed_expected], [actual], packed_grads, f"{label} packed", seed=31)
 
@@ -475,7 +479,7 @@ def check_nemo_rl(tied: bool) -> None:
         cu_seqlens_padded[:-1].tolist(), cu_seqlens_padded[1:].tolist(), lengths, strict=True
     ):
         sequence = {"input_ids": packed[:, start : start + length]}
-        found, _ = nemo_rl.prepare_loss_input(hidden[:, start:end], sequence, None, head=head)
+        found, _ = nemo_rl.prepare_loss_input(hidden[:, start:end], sequence, NEMO_RL_LOGPROB_LOSS, head=head)
         slices.append(torch.nn.functional.pad(found["next_token_logprobs"], (0, width - length)))
     check_values_and_grads(
         model, [packed_expected], [torch.cat(slices)], packed_grads, f"{label} per sequence", seed=31

@@ -217,11 +217,19 @@ def slime_worker(allgather_cp: bool) -> None:
 NEMO_LENGTHS, NEMO_WIDTH = [5, 9, 4], 10  # padded to 8, 12, 4; unpacked input_ids [3, 10]
 
 
+class NeMoRLLogprobLoss:
+    """What the recipe's prepare_loss_input reads of a LOGPROB loss (NeMo-RL's NLLLossFn): its
+    input_type by name."""
+
+    class input_type:  # LossInputType.LOGPROB
+        name = "LOGPROB"
+
+
 def nemo_rl_worker() -> None:
     rank, group = parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_group()
     tokens, hidden, weight = whole_sequences(NEMO_LENGTHS, seed=21)
     padded = [padded_length(length) for length in NEMO_LENGTHS]
-    cu_seqlens = torch.tensor([0, *NEMO_LENGTHS]).cumsum(0).int()
+    input_lengths = torch.tensor(NEMO_LENGTHS)
     cu_seqlens_padded = torch.tensor([0, *padded]).cumsum(0).int()
     packed_ids = torch.zeros(1, int(cu_seqlens_padded[-1]), dtype=torch.long)
     for ids, start in zip(tokens, cu_seqlens_padded.tolist(), strict=False):
@@ -264,9 +272,9 @@ def nemo_rl_worker() -> None:
         (upstream[rank] * found).sum().backward()
         check_grads(leaves32, leaves64, label)
 
-    # The log-prob pass (LogprobsPostProcessor's packed branch).
+    # The log-prob pass (LogprobsPostProcessor's packed branch), on the output NeMo-RL divided by T.
     run("NeMo-RL CP packed_next_token_logprobs", lambda output, head: nemo_rl.packed_next_token_logprobs(
-        head, output, packed_ids, cu_seqlens, cu_seqlens_padded, NEMO_WIDTH, TEMPERATURE, cp_group=group,
+        head, output / TEMPERATURE, packed_ids, input_lengths, cu_seqlens_padded, NEMO_WIDTH, cp_group=group,
     ))  # fmt: skip
 
     # SequencePackingLossWrapper: prepare_fn on each sequence's rows of this rank, its unpadded ids.
@@ -276,7 +284,7 @@ def nemo_rl_worker() -> None:
             data = {"input_ids": packed_ids[:, start : start + length]}
             sequence_rows = output[:, starts[i] : starts[i + 1]]
             found, same = nemo_rl.prepare_loss_input(
-                sequence_rows, data, None, context_parallel_group=group, head=head, temperature=TEMPERATURE
+                sequence_rows / TEMPERATURE, data, NeMoRLLogprobLoss(), context_parallel_group=group, head=head
             )
             assert same is data and found["next_token_logprobs"].shape == (1, length - 1)
             rows.append(torch.nn.functional.pad(found["next_token_logprobs"], (0, NEMO_WIDTH - length)))
@@ -299,7 +307,7 @@ def nemo_rl_worker() -> None:
         data = {"input_ids": packed_ids[:, start : start + length], "token_mask": token_masks[i],
                 "sample_mask": torch.ones(1)}  # fmt: skip
         sequence_loss, metrics = nemo_rl.nll_loss(
-            head, leaves32[0][:, starts[i] : starts[i + 1]], data, global_valid_toks, TEMPERATURE, cp_group=group
+            head, leaves32[0][:, starts[i] : starts[i + 1]] / TEMPERATURE, data, global_valid_toks, cp_group=group
         )
         assert metrics["num_unmasked_tokens"] == token_masks[i][0, 1:].sum().item()
         loss = loss + sequence_loss
@@ -309,8 +317,9 @@ def nemo_rl_worker() -> None:
 
     with pytest.raises(ValueError, match="cannot hold"):
         nemo_rl.prepare_loss_input(
-            leaves()[0][:, :2], {"input_ids": packed_ids[:, :9]}, None, context_parallel_group=group, head=head
-        )
+            leaves()[0][:, :2], {"input_ids": packed_ids[:, :9]}, NeMoRLLogprobLoss(), context_parallel_group=group,
+            head=head,
+        )  # fmt: skip
     if rank == 0:
         print("NeMo-RL CP=2: gathered log-probs and the SFT loss match the CP=1 oracle", flush=True)
 

@@ -169,7 +169,9 @@ def skyrl_policy_oracle(logprob, entropy, inputs, loss_mask, algorithm, correcti
 
 def slime_args(temperature: float, *flags: str) -> argparse.Namespace:
     """slime's ``args``: the recipe's flags parsed as slime parses them, and the slime settings the
-    recipes read (GRPO with dual clip, KL (k3) and entropy terms)."""
+    recipes read (GRPO with dual clip, KL (k3) and entropy terms); the others slime's own loss code
+    reads (``slime.backends.megatron_utils.loss``) at slime's defaults (``slime/utils/arguments.py``
+    at 624b824): ``--loss-type policy_loss``, no top-p replay, per-sample means, unchunked log-probs."""
     from megatron_fused_lm.recipes import slime
 
     args = slime.add_fused_lm_arguments(argparse.ArgumentParser()).parse_args(list(flags))
@@ -178,6 +180,8 @@ def slime_args(temperature: float, *flags: str) -> argparse.Namespace:
         eps_clip_c=3.0, use_kl_loss=True, kl_loss_coef=0.05, kl_loss_type="k3", use_unbiased_kl=False,
         advantage_estimator="grpo", use_opsm=False, use_tis=False, get_mismatch_metrics=False,
         custom_pg_loss_reducer_function_path=None, use_rollout_logprobs=False,
+        rollout_top_p=1.0, loss_type="policy_loss", custom_loss_function_path=None, calculate_per_token_loss=False,
+        recompute_loss_function=False, log_probs_chunk_size=-1, custom_tis_function_path=None, kl_coef=0.0,
     )  # fmt: skip
     return args
 

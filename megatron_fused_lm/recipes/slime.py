@@ -8,8 +8,13 @@ the model's output ``[1, T, ...]``: the micro-batch's sequences laid end to end 
 and padded at the end; under context parallelism, this rank's two chunks of every sequence. The
 settings are command-line flags (argparse), read from ``args``.
 
-slime loads custom code by module path (``--custom-loss-function-path``), so the head of this process
-is kept here by ``wrap_slime_model`` for the loss functions below to find.
+Each function here takes the arguments and returns the results of the slime function it stands for
+(``log_probs_and_entropy`` for ``get_log_probs_and_entropy``, ``policy_loss`` for
+``policy_loss_function``, ``sft_loss`` for ``sft_loss_function``): the user routes slime's own
+functions to them when the head is fused, keeping ``--loss-type policy_loss`` / ``sft_loss``, so that
+slime's own conditions (its reuse of the loss pass's log-probs among them) hold as without the fused
+head. They also serve as ``--loss-type custom_loss`` functions, whose path slime loads by name, which
+is why ``wrap_slime_model`` keeps this process's head here for them to find.
 """
 
 from __future__ import annotations
@@ -216,6 +221,12 @@ class _SlimeRows:
         return offsets, token_ids
 
 
+def _temperature(args: argparse.Namespace) -> float:
+    """slime's ``--rollout-temperature``, read as ``get_log_probs_and_entropy`` reads it. The head
+    divides the logits by it inside; the hidden states must not be divided."""
+    return getattr(args, "rollout_temperature", 1.0)
+
+
 def log_probs_and_entropy(
     logits: Tensor,
     *,
@@ -228,7 +239,10 @@ def log_probs_and_entropy(
     top_p_token_ids: Any = None,
     top_p_token_offsets: Any = None,
 ) -> Tuple[Tensor, Dict[str, List[Tensor]]]:
-    """``get_log_probs_and_entropy`` with the fused head: the same arguments and results.
+    """``get_log_probs_and_entropy`` with the fused head: the same arguments and results. Route slime's
+    function to it when the head is fused: every log-prob pass (``compute_log_prob``: old, reference,
+    OPD teacher) and slime's own losses then read the fused head. The logits are divided by
+    ``--rollout-temperature`` inside the head, as slime divides them.
 
     Args:
         logits: what the wrapped model returned, hidden states ``[1, T, h]``.
@@ -246,8 +260,9 @@ def log_probs_and_entropy(
         response in slime's order (its first chunk's, then its second's).
     """
     rows = _SlimeRows.of(args, unconcat_tokens, total_lengths, response_lengths, logits.shape[1])
-    options = dict(temperature=args.rollout_temperature, mask=rows.scored)
-    entropy_options = dict(return_entropy=with_entropy, entropy_grad=with_entropy and args.entropy_coef != 0)
+    options = dict(temperature=_temperature(args), mask=rows.scored)
+    entropy_grad = with_entropy and getattr(args, "entropy_coef", 0.0) != 0  # as slime: a metric unless a loss term
+    entropy_options = dict(return_entropy=with_entropy, entropy_grad=entropy_grad)
     if top_p_token_ids is None:
         values = fused_head().logprobs(logits, rows.targets, **options, **entropy_options)
     else:
@@ -276,20 +291,37 @@ def _loss_layout(args, batch, logits, sum_of_sample_mean: Callable[[Tensor], Ten
 
 
 def sft_loss(args, batch, logits, sum_of_sample_mean) -> Tuple[Tensor, Dict[str, Tensor]]:
-    """slime's ``sft_loss_function`` with the gradients finished in the forward: set
+    """slime's ``sft_loss_function`` with the gradients finished in the forward: the same arguments
+    (``logits``: the wrapped model's hidden states ``[1, T, h]``) and results, ``(loss [] float32,
+    {"loss": detached})``, the loss ``-sum_of_sample_mean`` of the response tokens' log-probs at
+    ``--rollout-temperature``. Route ``sft_loss_function`` to it (``--loss-type sft_loss``), or set
     ``--loss-type custom_loss --custom-loss-function-path <this module>.sft_loss``."""
     rows, weights = _loss_layout(args, batch, logits, sum_of_sample_mean)
     result = fused_head().loss(
         logits, rows.targets, losses.cross_entropy, loss_inputs={"weight": weights}, mask=rows.scored,
-        temperature=args.rollout_temperature,
+        temperature=_temperature(args),
     )  # fmt: skip
     return result.loss, {"loss": result.loss.detach()}
 
 
-def policy_loss(args, batch, logits, sum_of_sample_mean) -> Tuple[Tensor, Dict[str, Tensor]]:
+def policy_loss(
+    args, batch, logits, sum_of_sample_mean, capture_log_probs: Optional[Callable[[Dict, List[Tensor]], None]] = None
+) -> Tuple[Tensor, Dict[str, Tensor]]:
     """slime's ``policy_loss_function`` for PPO / GRPO clipping (the default reducer, no TIS, OPSM,
-    GSPO or CISPO) with the gradients finished in the forward: ``--loss-type custom_loss
-    --custom-loss-function-path <this module>.policy_loss``. Returns the loss and slime's metrics.
+    GSPO or CISPO) with the gradients finished in the forward: the same arguments (``logits``: the
+    wrapped model's hidden states ``[1, T, h]``) and results, ``(loss [] float32, metrics)`` with
+    slime's metrics in slime's order (``loss``, ``pg_loss``, ``entropy_loss``, ``pg_clipfrac``,
+    ``ppo_kl``, then ``train_rollout_logprob_abs_diff`` when the batch has rollout log-probs,
+    ``kl_loss`` with ``--use-kl-loss``, ``opd_reverse_kl`` when the batch has it). Route
+    ``policy_loss_function`` to it (``--loss-type policy_loss``), or set ``--loss-type custom_loss
+    --custom-loss-function-path <this module>.policy_loss`` (slime then runs its log-prob pass).
+
+    Without old log-probs in the batch (slime skipped its log-prob pass: ``can_reuse_log_probs_in_loss``)
+    the step is on-policy, as in slime: the old log-probs are the current ones, detached (ratio 1,
+    ``ppo_kl`` and ``pg_clipfrac`` 0). ``capture_log_probs``: slime's ``_maybe_capture_log_probs``,
+    called as slime calls it, with this rank's per-sample log-probs (detached, slime's order), when the
+    batch carries ``partition`` (``--save-debug-train-data``).
+
     With rollout top-p replay the log-probs are over each token's kept set, as slime's; slime's
     entropy stays the whole vocabulary's, which one pass cannot give beside them: the loss then
     takes no entropy term, and the entropy metric comes from a second forward-only pass."""
@@ -304,13 +336,18 @@ def policy_loss(args, batch, logits, sum_of_sample_mean) -> Tuple[Tensor, Dict[s
         "--rollout-top-p with --entropy-coef": top_p_replay and args.entropy_coef != 0,
     }
     if any(unsupported.values()):
-        raise NotImplementedError(f"{[name for name, on in unsupported.items() if on]}: use log_probs_and_entropy")
-    old = batch["rollout_log_probs"] if args.use_rollout_logprobs else batch.get("log_probs")
-    if not old:
-        raise NotImplementedError("the old log-probs must be computed before the step (slime's log-prob pass)")
+        raise NotImplementedError(
+            f"{[name for name, on in unsupported.items() if on]}: the recipe's policy_loss does not express these; "
+            "leave slime's policy_loss_function unrouted, its own loss then runs on log_probs_and_entropy's log-probs"
+        )
+    old = batch.get("rollout_log_probs") if args.use_rollout_logprobs else batch.get("log_probs")
+    if args.use_rollout_logprobs and not old:
+        raise ValueError("--use-rollout-logprobs needs the batch's rollout_log_probs")
     rows, weights = _loss_layout(args, batch, logits, sum_of_sample_mean)
     scored = rows.scored
-    per_token = {"old_logprob": torch.cat(old), "advantages": torch.cat(batch["advantages"])}
+    per_token = {"advantages": torch.cat(batch["advantages"])}
+    if old:  # else on-policy: ClippedPolicyLoss takes the current log-probs, detached
+        per_token["old_logprob"] = torch.cat(old)
     if args.use_kl_loss:
         per_token["ref_logprob"] = torch.cat(batch["ref_log_probs"])
     inputs = {name: rows.to_rows(value.float()) for name, value in per_token.items()}
@@ -326,28 +363,40 @@ def policy_loss(args, batch, logits, sum_of_sample_mean) -> Tuple[Tensor, Dict[s
         )
     result = fused_head().loss(
         logits, rows.targets, loss_fn, loss_inputs={**inputs, "weight": weights}, mask=scored,
-        temperature=args.rollout_temperature, kept_tokens=kept_tokens,
+        temperature=_temperature(args), kept_tokens=kept_tokens,
     )  # fmt: skip
-    # slime's metrics, from the detached per-token results.
+    if capture_log_probs is not None and batch.get("partition"):
+        capture_log_probs(batch, rows.per_sample(result.logprob))
+    # slime's metrics, from the detached per-token results; each a sum of weighted tokens, which is
+    # what slime's (linear) sum_of_sample_mean gives.
     logprob, entropy = result.logprob[scored], result.entropy[scored]
     if top_p_replay:  # the whole vocabulary's, as slime's
         with torch.no_grad():
             entropy = fused_head().logprobs(
-                logits, rows.targets, temperature=args.rollout_temperature, return_entropy=True, mask=scored
+                logits, rows.targets, temperature=_temperature(args), return_entropy=True, mask=scored
             )[1][scored]
-    weight, advantages, old_logprob = weights[scored], inputs["advantages"][scored], inputs["old_logprob"][scored]
+    weight, advantages = weights[scored], inputs["advantages"][scored]
+    old_logprob = inputs["old_logprob"][scored] if old else logprob
     ratio = (logprob - old_logprob).exp()
     clipped = -ratio.clamp(1 - args.eps_clip, 1 + args.eps_clip_high) * advantages > -ratio * advantages
+    entropy_loss = (weight * entropy).sum()
+    extra = -args.entropy_coef * entropy_loss
+    if args.use_kl_loss:
+        kl_loss = (weight * losses.kl_penalty(logprob, inputs["ref_logprob"][scored], kl_estimator)).sum()
+        extra = extra + kl_coef * kl_loss
     metrics = {
         "loss": result.loss.detach(),
-        "entropy_loss": (weight * entropy).sum(),
+        "pg_loss": result.loss.detach() - extra,
+        "entropy_loss": entropy_loss,
         "pg_clipfrac": (weight * clipped.float()).sum(),
         "ppo_kl": (weight * (old_logprob - logprob)).sum(),
     }
-    extra = -args.entropy_coef * metrics["entropy_loss"]
+    if batch.get("rollout_log_probs"):  # as slime: this step's old (or, with them, current) against them
+        rollout = rows.to_rows(torch.cat(batch["rollout_log_probs"]).float())[scored]
+        compared = logprob if args.use_rollout_logprobs else old_logprob
+        metrics["train_rollout_logprob_abs_diff"] = (weight * (compared - rollout).abs()).sum()
     if args.use_kl_loss:
-        kl = losses.kl_penalty(logprob, inputs["ref_logprob"][scored], kl_estimator)
-        metrics["kl_loss"] = (weight * kl).sum()
-        extra = extra + kl_coef * metrics["kl_loss"]
-    metrics["pg_loss"] = metrics["loss"] - extra
+        metrics["kl_loss"] = kl_loss
+    if batch.get("opd_reverse_kl"):  # slime's per-token values in its own order: its own reducer
+        metrics["opd_reverse_kl"] = sum_of_sample_mean(torch.cat(batch["opd_reverse_kl"])).detach()
     return result.loss, metrics

@@ -318,6 +318,10 @@ def check_slime(tied: bool) -> None:
     sft_grads = stock_grads(model, sft_expected)
     policy_expected = slime_policy_oracle(*oracle(), inputs, args, reduce)
     policy_grads = stock_grads(model, policy_expected)
+    # On-policy (slime skipped its log-prob pass: no old log-probs): the current ones, detached.
+    logprob, entropy = oracle()
+    on_policy_expected = slime_policy_oracle(logprob, entropy, dict(inputs, old_logprob=logprob.detach()), args, reduce)
+    on_policy_grads = stock_grads(model, on_policy_expected)
 
     head = slime.wrap_slime_model([model], args)
     assert head.fused and slime.fused_head() is head and head.config.token_chunk == 5
@@ -344,6 +348,18 @@ def check_slime(tied: bool) -> None:
     harness.assert_grads_close(
         harness.finalized_parameter_grads(model), policy_grads, GRAD_RTOL, f"{label} policy_loss"
     )
+    on_policy = {key: value for key, value in batch.items() if key != "log_probs"}
+    loss, metrics = slime.policy_loss(args, on_policy, run_model(model, packed, mask), reduce)
+    assert_loss_close(loss, on_policy_expected, f"{label} on-policy policy_loss")
+    assert metrics["ppo_kl"] == 0 and metrics["pg_clipfrac"] == 0, f"{label} on-policy: ratio 1"
+    assert list(metrics)[:5] == ["loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl"], label  # slime's order
+    loss.backward()
+    harness.assert_grads_close(
+        harness.finalized_parameter_grads(model), on_policy_grads, GRAD_RTOL, f"{label} on-policy policy_loss"
+    )
+    with pytest.raises(ValueError, match="rollout_log_probs"):  # --use-rollout-logprobs without them
+        rollout_old = SimpleNamespace(**{**vars(args), "use_rollout_logprobs": True})
+        slime.policy_loss(rollout_old, batch, run_model(model, packed, mask), reduce)
     for setting in ({"advantage_estimator": "gspo"}, {"use_tis": True}, {"kl_loss_type": "low_var_kl"}):
         refused = slime_args(TEMPERATURE, "--fused-linear-logprob")
         refused.__dict__.update(setting)

@@ -206,6 +206,26 @@ def slime_worker(allgather_cp: bool) -> None:
     loss.backward()
     check_grads(leaves32, leaves64, f"slime CP {layout} policy_loss")
 
+    # On-policy (no old log-probs: slime skipped its log-prob pass): the current ones, detached; the
+    # loss pass's log-probs captured as slime's debug dump takes them, this rank's pieces.
+    on_policy = {key: value for key, value in batch.items() if key != "log_probs"}
+    on_policy["partition"] = list(range(len(SLIME_TOTALS)))
+    responses, leaves64 = oracle()
+    logprob, entropy = (torch.cat(values) for values in zip(*responses, strict=True))
+    expected = slime_policy_oracle(logprob, entropy, dict(inputs, old_logprob=logprob.detach()), args, whole_reduce)
+    expected.backward()
+    leaves32, captured = leaves(), []
+    with mock.patch.object(slime, "_head", OpsHead(leaves32[1], TOKEN_CHUNK)):
+        loss, metrics = slime.policy_loss(
+            args, on_policy, leaves32[0], local_reduce, capture_log_probs=lambda _, pieces: captured.append(pieces)
+        )
+    assert abs(summed_over_ranks(loss).item() - expected.item()) <= VALUE_ATOL, (loss.item(), expected.item())
+    assert metrics["ppo_kl"] == 0 and metrics["pg_clipfrac"] == 0, metrics
+    for i, entries in enumerate(held):
+        harness.assert_max_error(captured[0][i], responses[i][0][entries], VALUE_ATOL, f"slime CP {layout} captured")
+    loss.backward()
+    check_grads(leaves32, leaves64, f"slime CP {layout} on-policy policy_loss")
+
     with pytest.raises(ValueError, match="rows"):
         slime.sft_loss(args, batch, leaves()[0][:, : SLIME_ROWS // 2], local_reduce)
     if rank == 0:

@@ -176,7 +176,10 @@ def _warn_of_misspellings(sections: List[Tuple[str, Any]], config: FusedLMConfig
 
 def _lookup(source: Any, key: str) -> Any:
     if isinstance(source, Mapping):
-        return source[key] if key in source else _ABSENT
+        try:
+            return source[key]
+        except (KeyError, AttributeError):  # verl's BaseConfig answers a missing key with AttributeError
+            return _ABSENT
     return getattr(source, key, _ABSENT)
 
 

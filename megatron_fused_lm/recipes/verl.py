@@ -18,7 +18,7 @@ padding rows); for a padded one (``use_remove_padding: false``) the same as ``[b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Union
+from typing import Any, Dict, Optional, Union
 
 import torch
 
@@ -103,5 +103,15 @@ class FusedLMHeadEngine:
         if asked:
             raise NotImplementedError(f"{', '.join(asked)} need the logits: turn fused_linear_logprob off for them")
         return fused_logits_processor(
-            self.fused_head, logits, label, temperature, calculate_entropy=options["calculate_entropy"]
-        )
+            self.fused_head, logits, label, temperature, calculate_entropy=options["calculate_entropy"],
+            entropy_grad=entropy_is_a_loss_term(options.get("logits_processor_func")),
+        )  # fmt: skip
+
+
+def entropy_is_a_loss_term(loss_function: Any) -> bool:
+    """Whether verl's loss adds the entropy with a weight: ``False`` for its ``ppo_loss`` (and
+    ``distillation_ppo_loss``), a ``functools.partial`` over the actor's config, when that config's
+    ``entropy_coeff`` is 0 (verl then asks for the entropy as a metric, with ``calculate_entropy``);
+    ``True`` for any other loss, which may use it."""
+    config = getattr(loss_function, "keywords", {}).get("config")
+    return getattr(config, "entropy_coeff", None) != 0

@@ -342,3 +342,23 @@ def test_the_trainers_own_fused_keys_are_not_misspellings(package_warnings):
     policy = {"fused_linear_logprob": True, "use_fused_linear_logprobs": False}
     assert FusedLMConfig.from_trainer_config({"policy": policy}, section="policy") == FusedLMConfig(enabled=True)
     assert package_warnings() == []
+
+
+class AttributeMapping(dict):
+    """A mapping that answers a missing key with AttributeError, as verl's BaseConfig (a dataclass
+    that is also a Mapping) does: ``in`` then raises instead of answering False."""
+
+    def __getitem__(self, key):
+        try:
+            return super().__getitem__(key)
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def __contains__(self, key):
+        self[key]
+        return True
+
+
+def test_a_mapping_that_raises_attribute_error_reads_as_verls_config():
+    assert FusedLMConfig.from_trainer_config(AttributeMapping(SETTINGS)) == EXPECTED
+    assert FusedLMConfig.from_trainer_config(AttributeMapping(SETTINGS), section=None) == EXPECTED

@@ -26,7 +26,8 @@ TRAINER_KEYS = {
 
 # Trainers' own settings whose names resemble the keys: not misspellings of them.
 TRAINERS_OWN_KEYS = (
-    "fused_lm_head_logprob",  # SkyRL's fused path (trainer section)
+    "fused_lm_head_logprob",  # SkyRL's fused path (trainer section) and its backend
+    "fused_lm_head_logprob_backend",
     "use_fused_linear_logprobs",  # NeMo-RL's Linear-CE fusion (policy.megatron_cfg)
 )
 _ABSENT = object()

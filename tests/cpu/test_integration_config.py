@@ -337,7 +337,13 @@ def test_a_near_miss_of_the_switch_warns(name, package_warnings):
 def test_the_trainers_own_fused_keys_are_not_misspellings(package_warnings):
     # SkyRL's trainer section has fused_lm_head_logprob, NeMo-RL's policy.megatron_cfg has
     # use_fused_linear_logprobs: their own fused paths, set off in every default config.
-    config = {"trainer": {"fused_linear_logprob": True, "fused_lm_head_logprob": False}}
+    config = {
+        "trainer": {
+            "fused_linear_logprob": True,
+            "fused_lm_head_logprob": False,
+            "fused_lm_head_logprob_backend": "torch",
+        }
+    }
     assert FusedLMConfig.from_trainer_config(config) == FusedLMConfig(enabled=True)
     policy = {"fused_linear_logprob": True, "use_fused_linear_logprobs": False}
     assert FusedLMConfig.from_trainer_config({"policy": policy}, section="policy") == FusedLMConfig(enabled=True)

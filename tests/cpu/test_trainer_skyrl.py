@@ -28,8 +28,8 @@ off, a temperature applied twice or a support set misplaced is off by O(1). The 
 floats (its losses already reduced), compared to 2e-5 relative to their size.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: SkyRL finds a config's nested sections from its fields'
+# types, which that import would turn into strings (docs/trainers/skyrl.md).
 import pytest
 import torch
 
@@ -351,3 +351,39 @@ def skyrl_worker() -> None:
 
 def test_skyrl_own_megatron_code_with_the_recipe_matches_it_on_the_stock_model():
     harness.spawn(skyrl_worker, 2)
+
+
+def test_the_settings_reach_skyrls_workers_from_its_rl_and_sft_configs(caplog):
+    """The page's configs, on SkyRL's own classes: the RL config parsed from the command line as
+    SkyRL's entrypoint parses it, and SFT's config built by SkyRL's ``build_skyrl_config_for_sft``
+    with the trainer section put in the subclass; each reads as the fused head on, with no warning
+    (SkyRL's own ``fused_lm_head_logprob`` keys are not taken for misspellings)."""
+    import logging
+    from dataclasses import dataclass, field, fields
+
+    from megatron_fused_lm.recipes import skyrl
+
+    config_module = skyrl_module("train.config")
+    sft_module = skyrl_module("train.config.sft_config")
+
+    @dataclass
+    class FusedTrainerConfig(config_module.TrainerConfig, skyrl.FusedLMSettings):
+        pass
+
+    @dataclass
+    class FusedSkyRLTrainConfig(config_module.SkyRLTrainConfig):
+        trainer: FusedTrainerConfig = field(default_factory=FusedTrainerConfig)
+
+    expected = FusedLMConfig(enabled=True, backend="auto")
+    with caplog.at_level(logging.WARNING, logger="megatron_fused_lm"):
+        rl = FusedSkyRLTrainConfig.from_cli_overrides(
+            ["trainer.fused_linear_logprob=true", "trainer.fused_linear_logprob_backend=auto"]
+        )
+        assert FusedLMConfig.from_trainer_config(rl.trainer) == expected
+        skyrl_cfg = sft_module.build_skyrl_config_for_sft(sft_module.SFTConfig(strategy="megatron"))
+        inherited = {item.name: getattr(skyrl_cfg.trainer, item.name) for item in fields(config_module.TrainerConfig)}
+        skyrl_cfg.trainer = FusedTrainerConfig(
+            **inherited, fused_linear_logprob=True, fused_linear_logprob_backend="auto"
+        )
+        assert FusedLMConfig.from_trainer_config(skyrl_cfg.trainer) == expected
+    assert not [record.getMessage() for record in caplog.records if record.name == "megatron_fused_lm"]

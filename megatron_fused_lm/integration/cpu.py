@@ -46,6 +46,9 @@ def patch_megatron_for_cpu() -> None:
     - ``torch.tensor``, ``zeros``, ``ones``, ``empty`` and ``full`` create on the CPU what is asked
       for with ``device="cuda"``: the pipeline schedule's token count, among others.
     - torch norms run under sequence parallelism (``allow_torch_norm_under_sequence_parallel``).
+    - megatron-core 0.20 asks of a multi-token-prediction layer's projection whether it is one of
+      the inference linear layers, subclasses of TransformerEngine's that are no classes without it
+      (``isinstance`` then raises): a class nothing is an instance of stands in for each.
 
     Idempotent; never undone."""
     global _patched
@@ -66,7 +69,18 @@ def patch_megatron_for_cpu() -> None:
     for name in ("tensor", "zeros", "ones", "empty", "full"):
         setattr(torch, name, on_cpu(getattr(torch, name)))
     allow_torch_norm_under_sequence_parallel()
+    _stand_in_for_absent_inference_layers()
     _patched = True
+
+
+def _stand_in_for_absent_inference_layers() -> None:
+    try:
+        from megatron.core.tensor_parallel import inference_layers
+    except ImportError:  # before 0.20: MTP asks nothing of them
+        return
+    for name in ("InferenceColumnParallelLinear", "InferenceLayerNormColumnParallelLinear"):
+        if not isinstance(getattr(inference_layers, name, object), type):
+            setattr(inference_layers, name, type(f"Absent{name}", (), {}))
 
 
 class _HostStream:

@@ -13,6 +13,12 @@
 # - Every environment pins torch, triton and pytest; pip keeps no cache. pytest-xdist spreads each
 #   run over the machine's cores (-n auto).
 #
+# - The trainers the recipes are tested against run as released, SkyRL 0.4.0 and verl 0.9.1 from
+#   PyPI, in an overlay of their own with megatron-core 0.19.2 (constraints-trainers.txt).
+# - Source checkouts named in the environment run too: NEMO_RL_SOURCE, SLIME_SOURCE and
+#   SLIME_MEGATRON_SOURCE (the CPU suite's trainer tests run the trainers' own code from them, and
+#   skip without them), MEGATRON_CORE_SOURCE (the integration tests on that Megatron-Core: main).
+#
 #   tests/run_cpu.sh            everything above
 #   tests/run_cpu.sh --quick    the pinned environment, ruff and the CPU suite only
 set -euo pipefail
@@ -106,6 +112,30 @@ pytest_run "CPU suite ($pinned)" python -m pytest tests/cpu -q -n auto --dist wo
 if $quick; then
   print_summary
   exit 0
+fi
+
+# The trainers the recipes are tested against, run as released: SkyRL 0.4.0 and verl 0.9.1 with
+# megatron-core 0.19.2 in an overlay of their own (constraints-trainers.txt says what and why).
+trainers=.venvs/python3.11/trainers
+overlay python "$trainers" constraints-trainers.txt --ignore-requires-python -r constraints-trainers.txt
+imported=$(PYTHONPATH="$trainers" python -W ignore -c 'import megatron.core, skyrl, verl, importlib.metadata as m
+print(m.version("megatron-core"), m.version("skyrl"), m.version("verl"))' 2>/dev/null | tail -n 1) || true
+if [ "$imported" != "0.19.2 0.4.0 0.9.1" ]; then
+  echo "tests/run_cpu.sh: $trainers should give megatron-core 0.19.2, SkyRL 0.4.0 and verl 0.9.1, gave ${imported:-an import error}" >&2
+  exit 1
+fi
+PYTHONPATH="$trainers" pytest_run "the trainers' own code (SkyRL 0.4.0, verl 0.9.1, megatron-core 0.19.2)" \
+  python -m pytest tests/cpu/test_trainer_skyrl.py tests/cpu/test_trainer_verl.py tests/cpu/test_skyrl_parity.py -q \
+  -n auto --dist worksteal
+
+# A source checkout of Megatron-Core named in the environment (main, say): the integration tests on it.
+if [ -n "${MEGATRON_CORE_SOURCE:-}" ]; then
+  from_source=$(PYTHONPATH="$MEGATRON_CORE_SOURCE" python -W ignore -c 'import os, sys, megatron.core
+from megatron.core import package_info
+inside = os.path.abspath(megatron.core.__file__).startswith(os.path.abspath(sys.argv[1]) + os.sep)
+print(package_info.__version__ if inside else "a copy outside it")' "$MEGATRON_CORE_SOURCE" 2>/dev/null | tail -n 1) || true
+  PYTHONPATH="$MEGATRON_CORE_SOURCE" pytest_run "integration tests (megatron-core $from_source from $MEGATRON_CORE_SOURCE)" \
+    python -m pytest tests/cpu/test_integration_*.py -q -n auto --dist worksteal
 fi
 
 # 0.13 to 0.15 need numpy < 2: one overlay for the three.

@@ -28,7 +28,7 @@ with warnings.catch_warnings():
         import megatron.core  # noqa: F401
     except ImportError as error:
         raise ImportError(
-            "megatron_fused_lm's Megatron-Core integration needs megatron-core (0.13 to 0.19): "
+            "megatron_fused_lm's Megatron-Core integration needs megatron-core (0.13 to 0.20): "
             'pip install "megatron-fused-lm[megatron]" (or megatron-core itself); '
             "the ops (fused_linear_logprob, logits_logprob) work without it"
         ) from error

@@ -11,7 +11,7 @@ Under ``torchrun --nproc-per-node N`` the same context joins the N ranks, and
 
 Megatron-Core assumes a GPU in a few places a GPTModel's forward, backward and pipeline schedule,
 and its DistributedDataParallel's gradient reduction, reach; ``patch_megatron_for_cpu`` redirects
-them, process-wide and for good, on every release the integration supports (0.13 to 0.19). Inside
+them, process-wide and for good, on every release the integration supports (0.13 to 0.20). Inside
 the context Megatron's advice on GPU features that a CPU has no use for is not shown. It is for
 trying the head and for tests: a training run belongs on GPUs.
 """
@@ -32,7 +32,7 @@ _patched = False
 
 def patch_megatron_for_cpu() -> None:
     """Let a GPTModel of Megatron's local layer spec, and Megatron's DistributedDataParallel around
-    it, run on the CPU (megatron-core 0.13 to 0.19). What each redirect is for:
+    it, run on the CPU (megatron-core 0.13 to 0.20). What each redirect is for:
 
     - ``torch.cuda.current_device()`` returns ``"cpu"``: the device of the attention scratch
       buffer (``GlobalMemoryBuffer``) and of DDP's gradient buffers.

@@ -1,4 +1,4 @@
-"""What the integration needs to know about a Megatron-Core model, across megatron-core 0.13-0.19:
+"""What the integration needs to know about a Megatron-Core model, across megatron-core 0.13-0.20:
 its model chunks, their output layers, the tensor-parallel group, and whether the fused head is
 provably exact for a chunk (or why not)."""
 

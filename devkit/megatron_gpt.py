@@ -486,6 +486,19 @@ def oracle_logprob_entropy(logits_shard: torch.Tensor, targets: torch.Tensor, te
     return logprob_entropy(gather_vocabulary(logits_shard), targets, temperature)
 
 
+def sample_logprob_entropy(model, tokens: torch.Tensor, temperature: float):
+    """Float64 ``(logprob, entropy)`` ``[L - 1]`` of one sample ``tokens [L]``: each position's next
+    token and entropy under the stock ``model``'s logits of the sample alone (causal, positions from
+    0), run padded to a multiple of the tensor-parallel size for sequence parallelism (the padding,
+    after the sample, changes none of its rows)."""
+    length = tokens.shape[0]
+    padded = -(-length // tp_size()) * tp_size()
+    mask = torch.triu(torch.ones(1, 1, padded, padded, dtype=torch.bool), diagonal=1)
+    with torch.no_grad():
+        logits = model(torch.nn.functional.pad(tokens, (0, padded - length))[None], torch.arange(padded)[None], mask)
+    return logprob_entropy(gather_vocabulary(logits)[0, : length - 1], tokens[1:], temperature)
+
+
 def assert_topk_matches(logprobs, ids, logits_shard, k: int, temperature, atol: float, label: str) -> None:
     """``(logprobs, ids) [b, s, k]`` are the top ``k`` of the float64 log-probs of the stock logits
     shard ``[b, s, vocab/TP]`` (gathered): distinct ids scoring what the oracle gives them, in

@@ -28,6 +28,7 @@ _INTEGRATION_NAMES = (
     "TopkRequest",
     "accepts_output_processor",
     "fused_head_of",
+    "tie_to_forward",
     "unwrap_model",
     "wrap_model",
 )

@@ -41,7 +41,7 @@ with warnings.catch_warnings():
 
     from .calls import LogprobRequest, LossRequest, TopkRequest
     from .config import FusedLMConfig
-    from .head import FusedLMHead, fused_head_of, unwrap_model, wrap_model
+    from .head import FusedLMHead, fused_head_of, tie_to_forward, unwrap_model, wrap_model
     from .output_processor import FusedOutputProcessor, LabelsRequest, accepts_output_processor
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "TopkRequest",
     "accepts_output_processor",
     "fused_head_of",
+    "tie_to_forward",
     "unwrap_model",
     "wrap_model",
 ]

@@ -127,6 +127,7 @@ class _Patch:
         for hook in self.hooks:
             hook.remove()
         self.head._detached = True
+        _fused_heads.discard(self.head)
 
     def stock(self, owner: torch.nn.Module, name: str) -> Callable:
         """``owner.name`` as ``unwrap_model`` would leave it: the instance attribute this patch
@@ -211,7 +212,7 @@ class _Patch:
         tensor = output[0] if isinstance(output, tuple) else output
         returned = provenance.PER_TOKEN_LOSS if options.get("output_cross_entropy_loss") else provenance.STOCK_LOGITS
         origin = provenance.Origin(weakref.ref(self.head), self.head.name, None, input_.shape[-1], tensor.device)
-        provenance.stock_forward(tensor, origin, returned)
+        provenance.register(tensor, origin, returned)
         if reason == OUTSIDE_FORWARD:
             log_once(
                 logging.INFO,
@@ -287,11 +288,13 @@ class _Patch:
         The model calls this right after its output layer: where nothing establishes the origin
         of ``logits`` (MuP's scaling under ``no_grad`` copies them), this thread's latest call made
         them."""
-        if self.stock_reason() is not None:
-            return self.stock(self.chunk, "compute_language_model_loss")(labels, logits)
         head = self.head
-        latest, head._thread.origin = getattr(head._thread, "origin", None), None
-        return self.labels_loss(labels, logits, head._call_for(logits, "the labels path", fallback=latest))
+        if self.stock_reason() is None:
+            latest, head._thread.origin = getattr(head._thread, "origin", None), None
+            return self.labels_loss(labels, logits, head._call_for(logits, "the labels path", fallback=latest))
+        if fused_head_of(logits) is head:  # called directly on the model's own output (its hidden states)
+            return self.labels_loss(labels, logits, head._call_for(logits, "compute_language_model_loss"))
+        return self.stock(self.chunk, "compute_language_model_loss")(labels, logits)
 
 
 def _caller_site() -> str:
@@ -584,19 +587,9 @@ class FusedLMHead:
         )
 
     def _only_candidate(self, output: torch.Tensor, caller: str) -> provenance.Origin:
-        """A forward that could have made ``output``, whose origin nothing establishes, where every
-        such forward computes alike without a graph (one model, one output weight): the live
-        forwards of its size and device, or, with none alive (a trainer that copied the output under
-        ``no_grad`` and let it go), this thread's latest forward if it was this model's and returned
-        hidden states of that size."""
+        """A live forward that could have made ``output``, whose origin nothing establishes, where
+        every such forward computes alike without a graph (one model, one output weight)."""
         candidates = provenance.live_origins(output.shape[-1], output.device)
-        if not candidates:
-            latest = provenance.latest_forward()
-            if (
-                latest is not None and latest.returned == provenance.HIDDEN_STATES and latest.origin.head is self
-                and (latest.origin.hidden_size, latest.origin.device) == (output.shape[-1], output.device)
-            ):  # fmt: skip
-                return latest.origin
         # The weak reference, not the head: one whose head is gone could still have made the tensor.
         if len({(id(origin.head_ref), *origin.call.key()) for origin in candidates}) == 1:
             return candidates[-1]
@@ -606,10 +599,7 @@ class FusedLMHead:
             "or .contiguous() under no_grad, keeps neither)"
         )
         if not candidates:
-            raise RuntimeError(
-                f"{unlinked}, no forward's output is alive and this thread's latest forward was not one of this "
-                "model's; pass what the wrapped model returned"
-            )
+            raise RuntimeError(f"{unlinked}, and no forward's output is alive; pass what the wrapped model returned")
         names = sorted({origin.head_name for origin in candidates})
         raise RuntimeError(
             f"{unlinked}, and forwards of {', '.join(names)} whose outputs are alive could have made it; pass the "
@@ -628,33 +618,68 @@ class FusedLMHead:
 
 def fused_head_of(output: Any) -> Optional[FusedLMHead]:
     """The fused head whose wrapped model's forward returned ``output`` (its hidden states, or a view
-    or copy of them), or ``None`` for any other tensor: the stock logits, an unwrapped model's output,
-    a loss. What lets a trainer's own log-prob code hand the fused model's output to its head and
-    compute anything else the stock way. Decided as ``FusedLMHead`` decides where an output comes
-    from: its autograd graph, its storage, then, for a copy without either, the one model whose
-    outputs are alive, or with none alive, this thread's latest forward."""
+    or copy of them with gradients, or one tied to them with ``tie_to_forward``), or ``None`` for a
+    tensor no fused model returned: the stock logits, an unwrapped model's output, a loss. What lets
+    a trainer's own log-prob code hand the fused model's output to its head and compute anything else
+    the stock way; it decides by where the tensor comes from (its autograd graph, its storage), as
+    the head does.
+
+    Raises:
+        RuntimeError: ``output`` has a fused model's hidden size but nothing tells where it comes
+            from (a copy made without gradients, whose original is gone): computing it the stock
+            way could read hidden states as logits.
+    """
+    origin = _hidden_origin(output)
+    if origin is not None and origin.head is None:
+        raise RuntimeError(
+            f"this tensor was made by a forward of {origin.head_name}, whose head is gone (the model was dropped)"
+        )
+    return None if origin is None else origin.head
+
+
+def tie_to_forward(copy: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """Mark ``copy``, a tensor made from a wrapped model's output ``source`` without gradients (its rows
+    laid out anew, as SkyRL's ``recover_left_padding`` does under ``no_grad``), as coming from the
+    forward that made ``source``, so that the head and ``fused_head_of`` take it as they take
+    ``source``; returns ``copy``. Nothing happens where ``source`` is not a fused model's hidden
+    states."""
+    origin = _hidden_origin(source)
+    if origin is not None:
+        provenance.register(copy, origin, provenance.HIDDEN_STATES)
+    return copy
+
+
+def _hidden_origin(output: Any) -> Optional[provenance.Origin]:
+    """The forward of a fused model whose hidden states ``output`` holds, by where it comes from; see
+    ``fused_head_of``, which raises as this does."""
     if not isinstance(output, torch.Tensor) or output.dim() == 0:
+        return None
+    heads = [head for head in _fused_heads if head._hidden_size == output.shape[-1]]
+    if not heads:  # no fused model returns tensors of this size: nothing to walk
         return None
     marks = provenance.graph_marks(output) if output.grad_fn is not None else set()
     if not marks:
         mark = provenance.storage_mark(output)
         marks = set() if mark is None else {mark}
     if marks:
-        heads = {mark.origin.head for mark in marks}
-        hidden = all(mark.returned == provenance.HIDDEN_STATES for mark in marks)
-        return heads.pop() if hidden and len(heads) == 1 else None
-    if output.grad_fn is not None:  # a graph that leads to no wrapped model's forward
+        if any(mark.returned != provenance.HIDDEN_STATES for mark in marks):
+            return None
+        origins = {mark.origin for mark in marks}
+        if len(origins) > 1:
+            raise RuntimeError("this tensor derives from the hidden states of several forwards")
+        return origins.pop()
+    if output.grad_fn is not None:  # a graph that leads to no fused forward
         return None
-    heads = {origin.head for origin in provenance.live_origins(output.shape[-1], output.device)}
-    if not heads:
-        latest = provenance.latest_forward()
-        if (
-            latest is not None
-            and latest.returned == provenance.HIDDEN_STATES
-            and latest.origin.hidden_size == (output.shape[-1])
-        ):
-            heads = {latest.origin.head}
-    return heads.pop() if len(heads) == 1 else None
+    names = ", ".join(sorted({head.name for head in heads}))
+    raise RuntimeError(
+        f"a tensor of shape {tuple(output.shape)} has the hidden size of {names}, fused, and nothing tells whether "
+        "it holds its hidden states or logits (a copy made without gradients keeps no link to its forward): hand "
+        "over the model's output itself, or tie a copy to it with tie_to_forward(copy, output)"
+    )
+
+
+# The heads whose models are wrapped and fused: the models whose hidden states ``fused_head_of`` tells.
+_fused_heads: "weakref.WeakSet[FusedLMHead]" = weakref.WeakSet()
 
 
 def wrap_model(model: Any, config: FusedLMConfig) -> FusedLMHead:
@@ -691,6 +716,8 @@ def wrap_model(model: Any, config: FusedLMConfig) -> FusedLMHead:
                 "Megatron's MTP acceptance-rate metric (an argmax over the output layer's result) is meaningless."
             )
     head.fused = True
+    head._hidden_size = head._stock_layers[-1][1].input_size
+    _fused_heads.add(head)
     return head
 
 

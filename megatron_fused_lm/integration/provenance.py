@@ -18,8 +18,7 @@ refuses it, and what derives from it, by where it comes from rather than by its 
 A forward's ``Origin`` lives as long as its output's storage or its graph node does (the registry
 forgets it at its next use, or the garbage collector's next pass, once neither is alive). It holds
 its head weakly: hidden states kept past their model, or a registry entry not yet forgotten, do
-not keep the model alive. Each thread also keeps the mark of its latest forward of any wrapped
-model (``latest_forward``). ``FusedLMHead._call_for`` says what the head does when nothing
+not keep the model alive. ``FusedLMHead._call_for`` says what the head does when nothing
 establishes the origin.
 """
 
@@ -131,17 +130,7 @@ def traced(tensor: torch.Tensor, weight: torch.Tensor, origin: Origin, returned:
     if torch.is_grad_enabled() and (tensor.requires_grad or weight.requires_grad):
         tensor = _Traced.apply(tensor, weight, mark)
     _register(tensor, mark)
-    _latest.mark = mark
     return tensor
-
-
-@torch.compiler.disable
-def stock_forward(output: torch.Tensor, origin: Origin, returned: str) -> None:
-    """Mark ``output``, what a wrapped model's output layer returned the stock way (``returned``:
-    the stock logits, or the labels path's loss), as ``register`` does, and record it as this
-    thread's latest forward."""
-    _latest.mark = Mark(origin, returned)
-    register(output, origin, returned)
 
 
 @torch.compiler.disable
@@ -192,16 +181,6 @@ def storage_mark(tensor: torch.Tensor) -> Optional[Mark]:
     with _lock:
         marks = [entry.mark for entry in reversed(_live_entries()) if entry.storage == storage]
     return next((mark for mark in marks if mark.returned != HIDDEN_STATES), marks[0] if marks else None)
-
-
-# Per thread: the mark of the latest forward of any wrapped model (what its output layer returned).
-_latest = threading.local()
-
-
-def latest_forward() -> Optional[Mark]:
-    """The latest forward of any wrapped model on this thread (its ``Mark``: hidden states, or the
-    stock logits), or ``None``."""
-    return getattr(_latest, "mark", None)
 
 
 def live_origins(hidden_size: int, device: torch.device) -> List[Origin]:

@@ -49,6 +49,8 @@ from megatron_fused_lm import (
     fused_head_of,
     losses,
     next_token_targets,
+    tie_to_forward,
+    unwrap_model,
     wrap_model,
 )
 
@@ -95,6 +97,7 @@ def wrap_actor_module(actor_module: list, trainer_cfg: Any) -> FusedLMHead:
         raise ValueError("set either trainer.fused_linear_logprob or SkyRL's trainer.fused_lm_head_logprob, not both")
     head = wrap_model(actor_module, config)
     if head.fused and any(getattr(chunk.config, "mtp_num_layers", None) for chunk, _ in head._stock_layers):
+        unwrap_model(actor_module)  # the model as it was
         raise ValueError(
             "SkyRL trains a model's multi-token-prediction heads against its main logits, which the fused head "
             "never builds: build the model without MTP layers (mtp_num_layers) or leave fused_linear_logprob off"
@@ -111,7 +114,9 @@ _SAMPLE_SUPPORT = "skyrl.backends.skyrl_train.utils.sample_support_replay"
 def install_fused_heads() -> None:
     """Make SkyRL's own log-prob, entropy and sample-support code compute with the fused head wherever
     it is handed a wrapped model's hidden states, and as before otherwise; once per process (again: a
-    no-op). Imports SkyRL's ``MegatronModelWrapper`` module and the two it takes these from."""
+    no-op). Imports SkyRL's ``MegatronModelWrapper`` module and the two it takes these from. Its
+    ``recover_left_padding``, which lays the unpadded output out anew (a copy, under ``no_grad`` in the
+    log-prob pass), ties the copy to the forward that made the output (``tie_to_forward``)."""
     for module_name, name, fused in (
         (_MODEL_UTILS, "DistributedLogprob", _token_logprobs),
         (_MODEL_UTILS, "ChunkedDistributedLogprob", _token_logprobs),
@@ -119,11 +124,23 @@ def install_fused_heads() -> None:
         (_MODEL_UTILS, "vocab_parallel_entropy_weighted_sum", _weighted_entropy_sum),
         (_WRAPPER, "vocab_parallel_entropy", _token_entropy),
         (_SAMPLE_SUPPORT, "sample_support_scores", _support_scores),
+        (_WRAPPER, "recover_left_padding", None),
     ):
         module = importlib.import_module(module_name)
         original = getattr(module, name)
-        if not isinstance(original, _HeadOrStock):
-            setattr(module, name, _HeadOrStock(original, fused))
+        if not isinstance(original, (_HeadOrStock, _TiedCopy)):
+            setattr(module, name, _TiedCopy(original) if fused is None else _HeadOrStock(original, fused))
+
+
+class _TiedCopy:
+    """Stands where SkyRL keeps a function that lays a tensor out anew: its result tied to the forward
+    that made its first argument (``tie_to_forward``)."""
+
+    def __init__(self, original: Callable):
+        self.original = original
+
+    def __call__(self, source: Tensor, *args, **kwargs):
+        return tie_to_forward(self.original(source, *args, **kwargs), source)
 
 
 class _HeadOrStock:

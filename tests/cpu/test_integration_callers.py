@@ -29,7 +29,14 @@ import pytest
 import torch
 
 from devkit import megatron_gpt as harness
-from megatron_fused_lm.integration import FusedLMConfig, accepts_output_processor, unwrap_model, wrap_model
+from megatron_fused_lm.integration import (
+    FusedLMConfig,
+    accepts_output_processor,
+    fused_head_of,
+    tie_to_forward,
+    unwrap_model,
+    wrap_model,
+)
 
 TEMPERATURE = 0.7
 VALUE_ATOL = 2e-5
@@ -99,6 +106,11 @@ def check_callers(sequence_parallel: bool, tied: bool, label: str) -> None:
         head.logprobs(model.output_layer(x, weight=tied_weight)[0].transpose(0, 1), targets)
     loss = model.compute_language_model_loss(targets, stock_logits.transpose(0, 1).contiguous())
     assert torch.equal(loss, stock_loss), f"{label}: compute_language_model_loss on logits is not stock's"
+    # Called directly on the model's own output, its hidden states: the loss the stock model gives on its logits.
+    output = harness.forward(model, batch)
+    loss = model.compute_language_model_loss(targets, output.transpose(0, 1).contiguous())
+    harness.assert_max_error(loss, stock_loss, VALUE_ATOL, f"{label} compute_language_model_loss on hidden states")
+    head = check_fused_head_of(model, head, batch, stock_logits, label)
     for (keyword, make), expected in zip(inference_contexts(), stock_inference, strict=True):
         logits = inference_logits(model, batch, keyword, make)
         assert torch.equal(logits, expected), f"{label}: a forward with {keyword}= did not return the stock logits"
@@ -116,6 +128,32 @@ def check_callers(sequence_parallel: bool, tied: bool, label: str) -> None:
     if accepts_output_processor(model):
         check_foreign_processor(model, batch, stock_logits, label)
     unwrap_model(model)
+
+
+def check_fused_head_of(model, head, batch, stock_logits: torch.Tensor, label: str):
+    """``fused_head_of`` tells the model's hidden states (with a graph, without one, a view, a copy tied
+    with ``tie_to_forward``) from anything else (the stock logits, a loss, a tensor of the hidden size
+    whose graph leads to no fused forward), and refuses a copy that nothing links to a forward;
+    unwrapped, the model's outputs are nobody's. Returns the head of the model wrapped again."""
+    output = harness.forward(model, batch)
+    assert fused_head_of(output) is head and fused_head_of(output[:, 1:].float()) is head, label
+    with torch.no_grad():
+        untraced = harness.forward(model, batch)
+        copy = untraced.clone()
+    assert fused_head_of(untraced) is head and fused_head_of(untraced.transpose(0, 1)) is head, label
+    assert fused_head_of(tie_to_forward(untraced.clone(), untraced)) is head, label
+    del untraced
+    with pytest.raises(RuntimeError, match="nothing tells whether it holds its hidden states"):
+        fused_head_of(copy)
+    with head.stock_logits():
+        logits = harness.forward(model, batch)
+    loss = harness.forward(model, batch, labels=batch[3])
+    assert fused_head_of(logits) is None and fused_head_of(loss) is None and fused_head_of(stock_logits) is None, label
+    unrelated = torch.ones(harness.BATCH, harness.SEQ, harness.HIDDEN, requires_grad=True) * 2  # hidden-sized
+    assert fused_head_of(unrelated) is None, label
+    unwrap_model(model)
+    assert fused_head_of(copy) is None, f"{label}: an unwrapped model's tensors are nobody's"
+    return wrap_model(model, FUSED)
 
 
 def check_foreign_processor(model, batch, stock_logits: torch.Tensor, label: str) -> None:

@@ -35,7 +35,6 @@ import torch
 
 from devkit import megatron_gpt as harness
 from devkit.cpu_attention import KernelStandIn
-from devkit.oracle import logprob_entropy
 from devkit.skyrl_release import SKYRL_VERSION, skyrl_module, skyrl_version
 from megatron_fused_lm import FusedLMConfig, unwrap_model
 
@@ -132,16 +131,8 @@ def oracle_action_logprobs(model, rows, temperature: float) -> torch.Tensor:
     actions = rows["num_actions"]
     expected = torch.zeros(len(rows["tokens"]), actions, dtype=torch.float64)
     for row, tokens in enumerate(rows["tokens"]):
-        length = tokens.shape[0]
-        padded = -(-length // harness.tp_size()) * harness.tp_size()  # sequence parallelism splits the rows
-        mask = torch.triu(torch.ones(1, 1, padded, padded, dtype=torch.bool), diagonal=1)
-        with torch.no_grad():
-            logits = model(
-                torch.nn.functional.pad(tokens, (0, padded - length))[None], torch.arange(padded)[None], mask
-            )
-        logits = harness.gather_vocabulary(logits)[0, : length - 1]  # causal: the padding changes no earlier row
-        logprob, _ = logprob_entropy(logits, tokens[1:], temperature)
-        scored = min(actions, length - 1)
+        logprob, _ = harness.sample_logprob_entropy(model, tokens, temperature)
+        scored = min(actions, tokens.shape[0] - 1)
         expected[row, actions - scored :] = logprob[-scored:]
     return expected
 
@@ -330,7 +321,7 @@ def check_refusals() -> None:
     mtp = harness.build_gpt(vocab_size=VOCAB * harness.tp_size(), mtp_num_layers=1)
     with pytest.raises(ValueError, match="multi-token-prediction heads"):
         skyrl.wrap_actor_module([mtp], trainer_config(packed=True))
-    unwrap_model(mtp)
+    assert "forward" not in vars(mtp.output_layer), "the refused model stays wrapped"
     assert FusedLMConfig.from_trainer_config(trainer_config(packed=True)).enabled
 
 

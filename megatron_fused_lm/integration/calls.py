@@ -310,8 +310,12 @@ def log_route(
         chunk, layer = layers[-1]
         group = tensor_parallel_group(chunk, layer)
         size = dist.get_world_size(group) if group is not None else 1
+        weight = layer.weight if layer.weight is not None else chunk.shared_embedding_or_output_weight()
+        # Triton runs on CUDA only: elsewhere the torch backend, said without resolving (and warning) now for
+        # a model that may move to a GPU before its first call.
+        backend = running_backend(config, layers) if weight.device.type == "cuda" else "torch"
         outcome = (
-            f"computes with the fused head: backend {running_backend(config, layers)!r} (asked: {config.backend!r}), "
+            f"computes with the fused head: backend {backend!r} on {weight.device.type} (asked: {config.backend!r}), "
             f"TP={size}, {len(layers)} chunk{'s' if len(layers) > 1 else ''}; its forward returns the hidden states "
             f"[..., {layer.input_size}] where the stock model returns logits: hand them to the head, not to "
             "log_softmax or a cross-entropy"

@@ -131,8 +131,8 @@ def route_line_cases() -> None:
     batch = harness.make_batch()
     model = harness.build_gpt()
     for config, words, backend in (
-        (FusedLMConfig(enabled=True, backend="auto"), "fused head: backend 'torch' (asked: 'auto'), TP=2, 1 chunk", "torch"),
-        (FusedLMConfig(enabled=True, backend="triton"), "fused head: backend 'torch' (asked: 'triton')", "torch"),
+        (FusedLMConfig(enabled=True, backend="auto"), "fused head: backend 'torch' on cpu (asked: 'auto'), TP=2, 1 chunk", "torch"),
+        (FusedLMConfig(enabled=True, backend="triton"), "fused head: backend 'torch' on cpu (asked: 'triton')", "torch"),
         (FusedLMConfig(), "stays stock: the config leaves the fused head off", None),
     ):  # fmt: skip
         with harness.RecordedWarnings(logging.INFO) as recorded:

@@ -58,7 +58,13 @@ def group_by_name(name: Optional[str]) -> Optional[dist.ProcessGroup]:
     if name is None:
         return None
     if name not in _groups_by_name:
-        _groups_by_name[name] = dist.distributed_c10d._resolve_process_group(name)
+        resolve = getattr(dist.distributed_c10d, "_resolve_process_group", None)
+        if resolve is None:
+            raise RuntimeError(
+                f"the process group {name!r} was not named to the ops before this compiled call, and torch "
+                f"{torch.__version__} has no _resolve_process_group to find it: call the op once uncompiled first"
+            )
+        _groups_by_name[name] = resolve(name)
     return _groups_by_name[name]
 
 

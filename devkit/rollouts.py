@@ -151,7 +151,8 @@ def skyrl_algorithm(**overrides):
 
 def skyrl_policy_oracle(logprob, entropy, inputs, loss_mask, algorithm, correction, scale):
     """SkyRL's ``loss_func`` for ``dual_clip`` with KL (k3) and entropy terms, float64, from
-    ``ppo_policy_loss``, ``compute_approx_kl`` and ``masked_mean`` in SkyRL 0.3.0."""
+    ``ppo_policy_loss``, ``compute_approx_kl`` and ``masked_mean`` in SkyRL 0.4.0 (test_skyrl_parity compares
+    the k3 term with SkyRL's own)."""
     old, advantages, ref = (inputs[name].double() for name in ("old_logprob", "advantages", "ref_logprob"))
     mask = loss_mask.double()
     ratio = (logprob - old).clamp(-20, 20).exp()

@@ -317,3 +317,26 @@ def test_recipe_under_context_parallelism_matches_skyrls_own():
 
 def test_recipe_matches_skyrls_own_logprob_and_entropy():
     harness.spawn(parity_worker, 2)
+
+
+def test_the_policy_losss_k3_term_clamps_as_skyrls_compute_approx_kl():
+    # SkyRL clamps the k3 log-ratio to +-20 and the estimate to [-10, 10]; log-ratios past both bounds,
+    # and within them, give SkyRL's values and gradients exactly (one float32 formula each side).
+    ppo_utils = skyrl_module("backends.skyrl_train.utils.ppo_utils")
+    from megatron_fused_lm import losses
+
+    logprob = torch.tensor([-40.0, -25.0, -5.0, -1.0, 0.0, -3.0, -30.0, -2.0], requires_grad=True)
+    reference = torch.tensor([-1.0, -2.0, -30.0, -1.2, -25.0, -3.5, -2.0, -2.0])
+    log_ratio = reference - logprob.detach()
+    assert (log_ratio.abs() > 20).any() and ((log_ratio.clamp(-20, 20).exp() - log_ratio - 1) > 10).any()
+    theirs = ppo_utils.compute_approx_kl(logprob, reference, kl_estimator_type="k3")
+    (their_grad,) = torch.autograd.grad(theirs.sum(), logprob)
+    zeros = torch.zeros_like(logprob)
+    loss_fn = skyrl.SkyRLPolicyLoss(losses.ClippedPolicyLoss(), kl_estimator="k3")
+    ours = loss_fn(
+        logprob, zeros, old_logprob=logprob.detach(), advantages=zeros, pg_weight=zeros, ref_logprob=reference,
+        kl_weight=torch.ones_like(logprob), entropy_weight=zeros,
+    )  # fmt: skip
+    (our_grad,) = torch.autograd.grad(ours.sum(), logprob)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    torch.testing.assert_close(our_grad, their_grad, rtol=0, atol=0)

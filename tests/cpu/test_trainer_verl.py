@@ -40,7 +40,6 @@ import torch
 
 from devkit import megatron_gpt as harness
 from devkit.cpu_attention import KernelStandIn
-from devkit.oracle import logprob_entropy
 
 VERL_VERSION = "0.9.1"
 
@@ -155,17 +154,10 @@ def assign(data, **values):
 def oracle_rows(model, samples):
     """Float64 log-probs of each sample's next tokens and its entropies (its last position's left
     out: nothing follows it), from the stock model's logits."""
-    found = []
-    for tokens, temperature in zip(samples, TEMPERATURES, strict=True):
-        length = tokens.shape[0]
-        padded = -(-length // harness.tp_size()) * harness.tp_size()  # sequence parallelism splits the rows
-        mask = torch.triu(torch.ones(1, 1, padded, padded, dtype=torch.bool), diagonal=1)
-        with torch.no_grad():
-            logits = model(
-                torch.nn.functional.pad(tokens, (0, padded - length))[None], torch.arange(padded)[None], mask
-            )
-        found.append(logprob_entropy(harness.gather_vocabulary(logits)[0, : length - 1], tokens[1:], temperature))
-    return found
+    return [
+        harness.sample_logprob_entropy(model, tokens, temperature)
+        for tokens, temperature in zip(samples, TEMPERATURES, strict=True)
+    ]
 
 
 def actor_config(**overrides):
@@ -280,10 +272,19 @@ def check_verl(sequence_parallel: bool, tied: bool, label: str) -> None:
             unwrap_model(model)
     from verl.workers.utils.losses import ppo_loss
 
-    # verl's own loss, as its worker binds it: the entropy a loss term unless its coefficient is 0.
-    assert not verl.entropy_is_a_loss_term(partial(ppo_loss, config=actor_config(entropy_coeff=0.0)))
-    assert verl.entropy_is_a_loss_term(partial(ppo_loss, config=actor_config())) and verl.entropy_is_a_loss_term(None)
+    # verl's own loss, as its worker binds it: the entropy a loss term unless its coefficient is 0,
+    # where the processor gives it no gradient (the log-probs keep theirs).
     engine = make_engine(fused_class, model, True, **SETTINGS)
+    data, _ = rl_batch(24)
+    output = model(data["input_ids"].values()[None], None, None)  # one packed row; any rows will do
+    label, temperature = data["input_ids"].values()[None], torch.ones(1, output.shape[1])
+    for coefficient, entropy_grad in ((0.0, False), (0.01, True)):
+        loss = partial(ppo_loss, config=actor_config(entropy_coeff=coefficient))
+        found = engine._lm_head_logits_processor(
+            output, label, temperature, calculate_entropy=True, logits_processor_func=loss
+        )  # fmt: skip
+        assert found["entropy"].requires_grad == entropy_grad and found["log_probs"].requires_grad, coefficient
+    assert verl.entropy_is_a_loss_term(None)
     for option in verl.LOGITS_ONLY_OPTIONS:
         with pytest.raises(NotImplementedError, match=option):
             engine._lm_head_logits_processor(

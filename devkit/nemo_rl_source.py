@@ -25,11 +25,12 @@ not compute with it.
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import types
 from pathlib import Path
 from typing import Optional
+
+from devkit.checkouts import named_checkout
 
 SOURCE_VARIABLE = "NEMO_RL_SOURCE"
 
@@ -37,12 +38,7 @@ SOURCE_VARIABLE = "NEMO_RL_SOURCE"
 def source_checkout() -> Optional[str]:
     """The checkout ``NEMO_RL_SOURCE`` names, or ``None`` when unset or empty; ``ValueError`` if it
     names a directory without ``nemo_rl/``."""
-    source = os.environ.get(SOURCE_VARIABLE, "").strip()
-    if not source:
-        return None
-    if not (Path(source) / "nemo_rl" / "__init__.py").is_file():
-        raise ValueError(f"{SOURCE_VARIABLE}={source} holds no nemo_rl package (nemo_rl/__init__.py)")
-    return source
+    return named_checkout(SOURCE_VARIABLE, "nemo_rl/__init__.py")
 
 
 def _module(name: str, *, package: bool = False, path: Optional[Path] = None, **names) -> types.ModuleType:

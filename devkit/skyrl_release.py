@@ -13,21 +13,12 @@ Two stand-ins, for modules the tested code never runs:
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import importlib.util
 import os
 import sys
 import types
 
 SKYRL_VERSION = "0.4.0"
-
-
-def skyrl_version() -> str:
-    """The installed SkyRL release, or ``"none"``."""
-    try:
-        return importlib.metadata.version("skyrl")
-    except importlib.metadata.PackageNotFoundError:
-        return "none"
 
 
 def skyrl_module(name: str) -> types.ModuleType:

@@ -25,12 +25,13 @@ Nothing here copies slime's code: the tests call it where it stands.
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import types
 from typing import Optional
 
 import torch
+
+from devkit.checkouts import named_checkout
 
 SOURCE_VARIABLE = "SLIME_SOURCE"
 
@@ -38,12 +39,7 @@ SOURCE_VARIABLE = "SLIME_SOURCE"
 def source_checkout() -> Optional[str]:
     """The slime checkout ``SLIME_SOURCE`` names (the directory holding ``slime/``), or ``None`` when
     unset or empty; ``ValueError`` if it names a directory without slime's Megatron loss code."""
-    source = os.environ.get(SOURCE_VARIABLE, "").strip()
-    if not source:
-        return None
-    if not os.path.isfile(os.path.join(source, "slime", "backends", "megatron_utils", "loss.py")):
-        raise ValueError(f"{SOURCE_VARIABLE}={source} holds no slime/backends/megatron_utils/loss.py")
-    return source
+    return named_checkout(SOURCE_VARIABLE, "slime/backends/megatron_utils/loss.py")
 
 
 class _AsyncClient:
@@ -140,9 +136,4 @@ def megatron_checkout() -> Optional[str]:
     applied (``docker/Dockerfile``'s ``MEGATRON_COMMIT``, ``docker/patch/latest/megatron*.patch``), or
     ``None`` when unset or empty; ``ValueError`` if its GPTModel has no ``LinearCrossEntropyModule``
     output layer (not slime's dev-branch Megatron)."""
-    source = os.environ.get(MEGATRON_VARIABLE, "").strip()
-    if not source:
-        return None
-    if not os.path.isfile(os.path.join(source, "megatron", "core", "transformer", "linear_cross_entropy.py")):
-        raise ValueError(f"{MEGATRON_VARIABLE}={source} holds no megatron/core/transformer/linear_cross_entropy.py")
-    return source
+    return named_checkout(MEGATRON_VARIABLE, "megatron/core/transformer/linear_cross_entropy.py")

@@ -37,6 +37,7 @@ import torch
 from megatron.core import parallel_state
 
 from devkit import megatron_gpt as harness
+from devkit.checkouts import installed_version
 from devkit.oracle import max_abs_error, policy_loss_inputs, relative_error
 from devkit.rollouts import (
     ACTIONS,
@@ -51,12 +52,12 @@ from devkit.rollouts import (
     skyrl_policy_oracle,
     weighted,
 )
-from devkit.skyrl_release import SKYRL_VERSION, skyrl_module, skyrl_version
+from devkit.skyrl_release import SKYRL_VERSION, skyrl_module
 from megatron_fused_lm import FusedLMConfig, unwrap_model
 from megatron_fused_lm.recipes import skyrl
 
 pytestmark = pytest.mark.skipif(
-    skyrl_version() != SKYRL_VERSION,
+    installed_version("skyrl") != SKYRL_VERSION,
     reason=f"SkyRL {SKYRL_VERSION} is not installed (tests/run_cpu.sh installs it into the trainers' environment)",
 )
 
@@ -319,7 +320,7 @@ def test_recipe_matches_skyrls_own_logprob_and_entropy():
     harness.spawn(parity_worker, 2)
 
 
-def test_the_policy_losss_k3_term_clamps_as_skyrls_compute_approx_kl():
+def test_the_k3_term_clamps_as_skyrls_compute_approx_kl():
     # SkyRL clamps the k3 log-ratio to +-20 and the estimate to [-10, 10]; log-ratios past both bounds,
     # and within them, give SkyRL's values and gradients exactly (one float32 formula each side).
     ppo_utils = skyrl_module("backends.skyrl_train.utils.ppo_utils")

@@ -34,12 +34,13 @@ import pytest
 import torch
 
 from devkit import megatron_gpt as harness
+from devkit.checkouts import installed_version
 from devkit.cpu_attention import KernelStandIn
-from devkit.skyrl_release import SKYRL_VERSION, skyrl_module, skyrl_version
+from devkit.skyrl_release import SKYRL_VERSION, skyrl_module
 from megatron_fused_lm import FusedLMConfig, unwrap_model
 
 pytestmark = pytest.mark.skipif(
-    skyrl_version() != SKYRL_VERSION,
+    installed_version("skyrl") != SKYRL_VERSION,
     reason=f"SkyRL {SKYRL_VERSION} is not installed (tests/run_cpu.sh installs it into the trainers' environment)",
 )
 

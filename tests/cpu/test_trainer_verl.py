@@ -31,7 +31,6 @@ temperature applied twice or a label one position off is off by O(1).
 
 from __future__ import annotations
 
-import importlib.metadata
 from functools import partial
 from types import SimpleNamespace
 
@@ -39,20 +38,13 @@ import pytest
 import torch
 
 from devkit import megatron_gpt as harness
+from devkit.checkouts import installed_version
 from devkit.cpu_attention import KernelStandIn
 
 VERL_VERSION = "0.9.1"
 
-
-def verl_version() -> str:
-    try:
-        return importlib.metadata.version("verl")
-    except importlib.metadata.PackageNotFoundError:
-        return "none"
-
-
 pytestmark = pytest.mark.skipif(
-    verl_version() != VERL_VERSION,
+    installed_version("verl") != VERL_VERSION,
     reason=f"verl {VERL_VERSION} is not installed (tests/run_cpu.sh installs it into the trainers' environment)",
 )
 

@@ -11,7 +11,9 @@
 #   Python >= 3.12) on top of one Python 3.12 environment under .venvs/. The integration tests run
 #   on each, after a check that the release imported is the one installed.
 # - Every environment pins torch, triton and pytest; pip keeps no cache. pytest-xdist spreads each
-#   run over the machine's cores (-n auto).
+#   run over the machine's cores (-n auto). The environments other than the pinned one install in
+#   the background while ruff and the CPU suite run (their downloads wait on the network, the suite
+#   on the cores), without compiling bytecode up front (Python compiles what it imports).
 #
 # - The trainers the recipes are tested against run as released, SkyRL 0.4.0 and verl 0.9.1 from
 #   PyPI, in an overlay of their own with megatron-core 0.19.2 (constraints-trainers.txt).
@@ -32,7 +34,12 @@ case "${1:-}" in
 esac
 started=$SECONDS
 logs=$(mktemp -d)
-trap 'rm -rf "$logs"' EXIT
+installing=""
+# A run that ends early (a failure, Ctrl-C) stops the background installs too, their whole process
+# group: an overlay left half-made is made again next time, and pip completes the Python 3.12
+# environment.
+trap 'exit 130' INT TERM
+trap '[ -n "$installing" ] && kill -- "-$installing" 2>/dev/null; rm -rf "$logs"' EXIT
 summary=()
 
 # $1: what ran, then the pytest command: run it, its output shown and kept, and its last line
@@ -96,11 +103,58 @@ overlay() {
   shift 3
   [ -f "$folder/.complete" ] && return
   rm -rf "$folder"
-  "$python" -m pip install -q --no-deps --target "$folder" -c "$constraints" "$@"
+  "$python" -m pip install -q --no-compile --no-deps --target "$folder" -c "$constraints" "$@"
   touch "$folder/.complete"
 }
 
+# Every environment but the pinned one, each made once (a later run finds them under .venvs/):
+# - the trainers the recipes are tested against, as released: SkyRL 0.4.0 and verl 0.9.1 with
+#   megatron-core 0.19.2 in an overlay of their own (constraints-trainers.txt says what and why);
+# - 0.13 to 0.15, which need numpy < 2 (one overlay for the three), over the pinned environment;
+# - one Python 3.12 environment and 0.17 to 0.19 over it. PyPI's torch for Python 3.12 is the CUDA
+#   build (constraints-python3.12.txt says why): torch, then each of its requirements in turn (pip
+#   keeps a whole batch's downloads until the batch is installed, so one batch of its CUDA
+#   libraries would hold their wheels and their files at once).
+trainers=.venvs/python3.11/trainers
+numpy1=.venvs/python3.11/numpy-1
+env312=.venvs/python3.12/environment
+python_env312="$env312/bin/python"
+install_environments() {
+  overlay python "$trainers" constraints-trainers.txt --ignore-requires-python -r constraints-trainers.txt
+  overlay python "$numpy1" constraints-older-megatron.txt numpy
+  for release in 0.13.1 0.14.0 0.15.3; do
+    overlay python ".venvs/python3.11/megatron-core-$release" constraints-older-megatron.txt "megatron-core==$release"
+  done
+  [ -x "$python_env312" ] || "$python312" -m venv "$env312"
+  local install=("$python_env312" -m pip install -q --no-compile -c constraints-python3.12.txt)
+  "${install[@]}" numpy packaging pytest pytest-xdist pyyaml
+  "${install[@]}" --no-deps torch
+  "$python_env312" -c '
+import importlib.metadata
+from packaging.requirements import Requirement
+for line in importlib.metadata.requires("torch"):
+    requirement = Requirement(line)
+    if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+        print(requirement)' | while read -r requirement; do
+    # Until the last one is in, pip's check of the installed set would report torch's others as
+    # missing after each step: skipped here, and the finished environment checked below instead.
+    "${install[@]}" --no-warn-conflicts "$requirement"
+  done
+  "$python_env312" -m pip check
+  for release in 0.17.1 0.18.2 0.19.2; do
+    overlay "$python_env312" ".venvs/python3.12/megatron-core-$release" constraints-python3.12.txt "megatron-core==$release"
+  done
+}
+
 python -m pip install -q -c constraints.txt -e ".[test]"
+if ! $quick; then
+  set -m  # a process group of its own, which the exit trap can stop
+  # Not "install_environments && ...": errexit holds in the function only where its call is no
+  # list's left-hand side.
+  { install_environments; echo $(( (SECONDS - started) / 60 )) >"$logs/installs.minutes"; } >"$logs/installs.log" 2>&1 &
+  installing=$!
+  set +m
+fi
 # Tracked files only: a scratch file of the user's in the clone is not the project's.
 git ls-files -z '*.py' | xargs -0 ruff check --force-exclude
 git ls-files -z '*.py' | xargs -0 ruff format --check --force-exclude
@@ -114,10 +168,15 @@ if $quick; then
   exit 0
 fi
 
-# The trainers the recipes are tested against, run as released: SkyRL 0.4.0 and verl 0.9.1 with
-# megatron-core 0.19.2 in an overlay of their own (constraints-trainers.txt says what and why).
-trainers=.venvs/python3.11/trainers
-overlay python "$trainers" constraints-trainers.txt --ignore-requires-python -r constraints-trainers.txt
+if ! wait "$installing"; then
+  installing=""
+  cat "$logs/installs.log" >&2
+  echo "tests/run_cpu.sh: installing the other environments failed (its output above)" >&2
+  exit 1
+fi
+installing=""
+summary+=("the other environments (.venvs/): ready $(cat "$logs/installs.minutes") min into the run, alongside the CPU suite")
+
 imported=$(PYTHONPATH="$trainers" python -W ignore -c 'import megatron.core, skyrl, verl, importlib.metadata as m
 print(m.version("megatron-core"), m.version("skyrl"), m.version("verl"))' 2>/dev/null | tail -n 1) || true
 if [ "$imported" != "0.19.2 0.4.0 0.9.1" ]; then
@@ -138,39 +197,10 @@ print(package_info.__version__ if inside else "a copy outside it")' "$MEGATRON_C
     python -m pytest tests/cpu/test_integration_*.py -q -n auto --dist worksteal
 fi
 
-# 0.13 to 0.15 need numpy < 2: one overlay for the three.
-numpy1=.venvs/python3.11/numpy-1
-overlay python "$numpy1" constraints-older-megatron.txt numpy
 for release in 0.13.1 0.14.0 0.15.3; do
-  folder=".venvs/python3.11/megatron-core-$release"
-  overlay python "$folder" constraints-older-megatron.txt "megatron-core==$release"
-  integration_tests python "$folder" "$release" "$numpy1"
+  integration_tests python ".venvs/python3.11/megatron-core-$release" "$release" "$numpy1"
 done
-
-# PyPI's torch for Python 3.12 is the CUDA build (constraints-python3.12.txt says why), installed
-# once into this environment and shared by the three releases: torch, then each of its
-# requirements in turn (pip keeps a whole batch's downloads until the batch is installed, so one
-# batch of its CUDA libraries would hold their wheels and their files at once).
-env312=.venvs/python3.12/environment
-python_env312="$env312/bin/python"
-[ -x "$python_env312" ] || "$python312" -m venv "$env312"
-"$python_env312" -m pip install -q -c constraints-python3.12.txt numpy packaging pytest pytest-xdist pyyaml
-"$python_env312" -m pip install -q -c constraints-python3.12.txt --no-deps torch
-"$python_env312" -c '
-import importlib.metadata
-from packaging.requirements import Requirement
-for line in importlib.metadata.requires("torch"):
-    requirement = Requirement(line)
-    if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
-        print(requirement)' | while read -r requirement; do
-  # Until the last one is in, pip's check of the installed set would report torch's others as
-  # missing after each step: skipped here, and the finished environment checked below instead.
-  "$python_env312" -m pip install -q --no-warn-conflicts -c constraints-python3.12.txt "$requirement"
-done
-"$python_env312" -m pip check
 for release in 0.17.1 0.18.2 0.19.2; do
-  folder=".venvs/python3.12/megatron-core-$release"
-  overlay "$python_env312" "$folder" constraints-python3.12.txt "megatron-core==$release"
-  integration_tests "$python_env312" "$folder" "$release"
+  integration_tests "$python_env312" ".venvs/python3.12/megatron-core-$release" "$release"
 done
 print_summary

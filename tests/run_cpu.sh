@@ -13,7 +13,8 @@
 # - Every environment pins torch, triton and pytest; pip keeps no cache. pytest-xdist spreads each
 #   run over the machine's cores (-n auto). The environments other than the pinned one install in
 #   the background while ruff and the CPU suite run (their downloads wait on the network, the suite
-#   on the cores), without compiling bytecode up front (Python compiles what it imports).
+#   on the cores). pip compiles their bytecode as it installs: where PYTHONDONTWRITEBYTECODE is set,
+#   as on CI machines, Python would otherwise compile torch and Megatron anew in every process.
 #
 # - The trainers the recipes are tested against run as released, SkyRL 0.4.0 and verl 0.9.1 from
 #   PyPI, in an overlay of their own with megatron-core 0.19.2 (constraints-trainers.txt).
@@ -103,7 +104,7 @@ overlay() {
   shift 3
   [ -f "$folder/.complete" ] && return
   rm -rf "$folder"
-  "$python" -m pip install -q --no-compile --no-deps --target "$folder" -c "$constraints" "$@"
+  "$python" -m pip install -q --no-deps --target "$folder" -c "$constraints" "$@"
   touch "$folder/.complete"
 }
 
@@ -126,7 +127,7 @@ install_environments() {
     overlay python ".venvs/python3.11/megatron-core-$release" constraints-older-megatron.txt "megatron-core==$release"
   done
   [ -x "$python_env312" ] || "$python312" -m venv "$env312"
-  local install=("$python_env312" -m pip install -q --no-compile -c constraints-python3.12.txt)
+  local install=("$python_env312" -m pip install -q -c constraints-python3.12.txt)
   "${install[@]}" numpy packaging pytest pytest-xdist pyyaml
   "${install[@]}" --no-deps torch
   "$python_env312" -c '

@@ -130,32 +130,9 @@ class ClippedPolicyLoss:
         ref_logprob: Optional[Tensor] = None,
     ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
         """``(losses, d losses / d logprob, d losses / d entropy or None)`` per token in closed form,
-        what the three-GEMM pass takes instead of autograd's (fewer launches). Where a ``max``
-        or ``min`` ties, its two sides have the same derivative, but at the dual clip's bound,
-        where autograd splits it in halves and this takes the bound's (a set of measure zero)."""
-        raw = torch.zeros_like(logprob) if old_logprob is None else logprob - old_logprob
-        ratio = raw.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
-        grad_ratio = torch.where(raw.abs() <= LOG_RATIO_LIMIT, ratio, 0.0)  # clamp passes it inside the limits
-        low, high = 1 - self.clip_low, 1 + self.clip_high
-        unclipped, grad_unclipped = -advantages * ratio, -advantages * grad_ratio
-        clipped = -advantages * ratio.clamp(low, high)
-        # Where the two tie, the ratio is inside the clip range (or the advantage 0): one derivative.
-        unclipped_wins = unclipped >= clipped
-        loss = torch.where(unclipped_wins, unclipped, clipped)
-        grad = torch.where(unclipped_wins | ((ratio >= low) & (ratio <= high)), grad_unclipped, 0.0)
-        if self.dual_clip is not None:
-            bound = -advantages * self.dual_clip
-            capped = (advantages < 0) & (loss > bound)
-            loss, grad = torch.where(capped, bound, loss), torch.where(capped, 0.0, grad)
-        grad_entropy = None
-        if self.entropy_coef:
-            loss, grad_entropy = loss - self.entropy_coef * entropy, -self.entropy_coef * weight
-        if self.kl_coef:
-            if ref_logprob is None:
-                raise ValueError("ClippedPolicyLoss with kl_coef != 0 needs ref_logprob among the loss inputs")
-            loss = loss + self.kl_coef * kl_penalty(logprob, ref_logprob, self.kl_estimator)
-            grad = grad + self.kl_coef * kl_penalty_grad(logprob, ref_logprob, self.kl_estimator)
-        return weight * loss, weight * grad, grad_entropy
+        what the three-GEMM pass takes instead of autograd's (fewer launches): the derivatives of
+        ``__call__``'s values, whose ``torch.where`` picks the side whose derivative this takes."""
+        return self._terms(logprob, entropy, advantages, weight, old_logprob, ref_logprob, grads=True)
 
     def __call__(
         self,
@@ -167,21 +144,39 @@ class ClippedPolicyLoss:
         old_logprob: Optional[Tensor] = None,
         ref_logprob: Optional[Tensor] = None,
     ) -> Tensor:
-        old_logprob = logprob.detach() if old_logprob is None else old_logprob
-        log_ratio = (logprob - old_logprob).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-        ratio = log_ratio.exp()
-        unclipped = -advantages * ratio
-        clipped = -advantages * ratio.clamp(1 - self.clip_low, 1 + self.clip_high)
-        loss = torch.maximum(unclipped, clipped)
+        return self._terms(logprob, entropy, advantages, weight, old_logprob, ref_logprob, grads=False)[0]
+
+    def _terms(self, logprob, entropy, advantages, weight, old_logprob, ref_logprob, *, grads: bool):
+        """The losses (differentiable by autograd) and, with ``grads``, their closed-form derivatives
+        along ``logprob`` and ``entropy``."""
+        # On-policy without old log-probs: a ratio of 1 whose derivative is 1.
+        raw = logprob - (logprob.detach() if old_logprob is None else old_logprob)
+        ratio = raw.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
+        low, high = 1 - self.clip_low, 1 + self.clip_high
+        unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(low, high)
+        # A tie (the ratio inside the clip range, or a zero advantage) has one derivative either way.
+        unclipped_wins = unclipped >= clipped
+        loss = torch.where(unclipped_wins, unclipped, clipped)
+        capped = None
         if self.dual_clip is not None:
-            loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * self.dual_clip), loss)
+            bound = -advantages * self.dual_clip
+            capped = (advantages < 0) & (loss > bound)
+            loss = torch.where(capped, bound, loss)
+        grad = grad_entropy = None
+        if grads:
+            grad_ratio = torch.where(raw.abs() <= LOG_RATIO_LIMIT, ratio, 0.0)  # clamp passes it inside the limits
+            grad = torch.where(unclipped_wins | ((ratio >= low) & (ratio <= high)), -advantages * grad_ratio, 0.0)
+            grad = grad if capped is None else torch.where(capped, 0.0, grad)
         if self.entropy_coef:
             loss = loss - self.entropy_coef * entropy
+            grad_entropy = -self.entropy_coef * weight if grads else None
         if self.kl_coef:
             if ref_logprob is None:
                 raise ValueError("ClippedPolicyLoss with kl_coef != 0 needs ref_logprob among the loss inputs")
             loss = loss + self.kl_coef * kl_penalty(logprob, ref_logprob, self.kl_estimator)
-        return weight * loss
+            if grads:
+                grad = grad + self.kl_coef * kl_penalty_grad(logprob, ref_logprob, self.kl_estimator)
+        return weight * loss, None if grad is None else weight * grad, grad_entropy
 
 
 DIVERGENCES = ("forward", "reverse")

@@ -6,20 +6,16 @@ gloo ranks. The end-to-end audit along a run is ``test_real_training.py``'s resu
 
 import dataclasses
 import statistics
-import sys
-from pathlib import Path
 
+import gradient_audit
 import pytest
 import torch
 import torch.distributed as dist
+from gradient_audit import HeadLoss, audit_point, compare, float64_gradients, gather_rows
 
 from devkit import megatron_gpt as harness
 from devkit.oracle import loss_reference, make_case, policy_loss_inputs
 from megatron_fused_lm import losses
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import gradient_audit  # noqa: E402
-from gradient_audit import HeadLoss, audit_point, compare, float64_gradients, gather_rows  # noqa: E402
 
 B, S, H, V = 3, 7, 16, 42  # V even: two equal shards
 POLICY = losses.ClippedPolicyLoss(clip_low=0.2, clip_high=0.28, entropy_coef=0.01, kl_coef=0.05, kl_estimator="k3")

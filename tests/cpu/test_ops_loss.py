@@ -685,23 +685,27 @@ def test_clipped_policy_loss_formula_and_gradients(settings):
     entropy = (torch.rand(20, dtype=torch.float64, generator=generator(4)) * 2).requires_grad_()
     ref_delta = 0.2 * torch.randn(20, dtype=torch.float64, generator=generator(5))
     weight = torch.rand(20, dtype=torch.float64, generator=generator(6))
-    loss = losses.ClippedPolicyLoss(**settings)(
-        logprob,
-        entropy,
+    inputs = dict(
         old_logprob=(logprob - log_ratio).detach(),
         advantages=advantages,
         weight=weight,
         ref_logprob=(logprob + ref_delta).detach(),
     )
+    policy = losses.ClippedPolicyLoss(**settings)
+    loss = policy(logprob, entropy, **inputs)
     grad_logprob, grad_entropy = torch.autograd.grad(loss.sum(), (logprob, entropy), allow_unused=True)
     tokens = zip(log_ratio.tolist(), advantages.tolist(), entropy.tolist(), ref_delta.tolist(), strict=True)
     expected = torch.tensor([policy_token(*token, **settings) for token in tokens], dtype=torch.float64)
-    assert torch.allclose(loss, weight * expected[:, 0], rtol=1e-12, atol=1e-15)
-    assert torch.allclose(grad_logprob, weight * expected[:, 1], rtol=1e-12, atol=1e-15)
+    # The closed form the three-GEMM pass takes instead of autograd's, against the same oracle.
+    closed_loss, closed_grad, closed_entropy_grad = policy.with_grads(logprob.detach(), entropy.detach(), **inputs)
+    for value, grad in ((loss, grad_logprob), (closed_loss, closed_grad)):
+        assert torch.allclose(value, weight * expected[:, 0], rtol=1e-12, atol=1e-15)
+        assert torch.allclose(grad, weight * expected[:, 1], rtol=1e-12, atol=1e-15)
     if settings["entropy_coef"]:
-        assert torch.allclose(grad_entropy, -settings["entropy_coef"] * weight, rtol=1e-12, atol=0)
+        for grad in (grad_entropy, closed_entropy_grad):
+            assert torch.allclose(grad, -settings["entropy_coef"] * weight, rtol=1e-12, atol=0)
     else:
-        assert grad_entropy is None
+        assert grad_entropy is None and closed_entropy_grad is None
 
 
 def policy_loss_and_grad(loss_fn, log_ratio, advantage):
@@ -746,12 +750,46 @@ def test_log_ratio_is_clamped_before_exp():
         weight=torch.ones(2),
     )
     (grad,) = torch.autograd.grad(loss.sum(), logprob)
-    assert torch.isfinite(loss).all() and torch.isfinite(grad).all()
+    closed_loss, closed_grad, _ = ppo.with_grads(
+        logprob.detach(),
+        torch.zeros(2),
+        old_logprob=torch.tensor([-1000.0, 1000.0]),
+        advantages=torch.tensor([-1.0, 1.0]),
+        weight=torch.ones(2),
+    )
     limit = losses.LOG_RATIO_LIMIT
     # A < 0 keeps the unclipped term e^20; A > 0 the larger of -e^-20 and -(1 - clip_low).
     expected = torch.tensor([math.exp(limit), -math.exp(-limit)])
-    assert torch.allclose(loss, expected, rtol=1e-6)
-    assert torch.count_nonzero(grad) == 0  # outside the clamp
+    for value, gradient in ((loss, grad), (closed_loss, closed_grad)):
+        assert torch.allclose(value, expected, rtol=1e-6)
+        assert torch.count_nonzero(gradient) == 0  # outside the clamp
+
+
+def test_clipped_policy_loss_on_policy_and_at_the_clip_bounds():
+    # Without old log-probs the ratio is 1 and its derivative 1 (-A per token); at a ratio exactly
+    # on a clip bound, or a loss exactly at the dual clip's, autograd of the value and the closed
+    # form take the same side.
+    policy = losses.ClippedPolicyLoss(clip_low=0.25, clip_high=0.5, dual_clip=2.0, kl_coef=0.1, kl_estimator="k2")
+    logprob = torch.tensor([-1.0, -1.0, -1.0, -1.0, -1.0], dtype=torch.float64, requires_grad=True)
+    advantages = torch.tensor([1.5, -1.5, 2.0, -2.0, -0.5], dtype=torch.float64)
+    ref_logprob = torch.tensor([-1.2, -0.9, -1.0, -1.1, -1.3], dtype=torch.float64)
+    weight = torch.linspace(0.5, 1.5, 5, dtype=torch.float64)
+    entropy = torch.zeros(5, dtype=torch.float64)
+    for old_logprob in (
+        None,
+        logprob.detach() - torch.tensor([0.0, 0.0, math.log(1.5), math.log(0.75), math.log(4.0)]),
+    ):
+        inputs = dict(advantages=advantages, weight=weight, ref_logprob=ref_logprob, old_logprob=old_logprob)
+        value = policy(logprob, entropy, **inputs)
+        (grad,) = torch.autograd.grad(value.sum(), logprob)
+        closed_value, closed_grad, _ = policy.with_grads(logprob.detach(), entropy, **inputs)
+        assert torch.equal(value.detach(), closed_value), old_logprob
+        assert torch.allclose(grad, closed_grad, rtol=1e-12, atol=1e-15), (old_logprob, grad, closed_grad)
+    kl_grad = -(ref_logprob - logprob.detach())  # k2's derivative
+    on_policy = policy.with_grads(
+        logprob.detach(), entropy, advantages=advantages, weight=weight, ref_logprob=ref_logprob
+    )
+    assert torch.allclose(on_policy[1], weight * (-advantages + 0.1 * kl_grad), rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize(

@@ -115,7 +115,6 @@ def test_the_paired_replay_and_the_excursion(tmp_path):
     """A 24-step TP=1 three_gemm run with ``--replay-every 12 --audit-every 12``: the paired replay
     from SFT steps 0 and 12 and from the RL rollout, each path from the same state; the excursion
     evaluated on its own weights; the audit's bf16 floor and a stock run's RL inputs."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import paired_replay
     from gradient_audit import FLOOR
 

@@ -6,7 +6,6 @@ here; the GPU run's are issue 52's table."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from devkit.spawn import run_script_on_ranks
@@ -37,7 +36,6 @@ def test_every_method_at_tp1_and_tp4(tmp_path):
 
 def test_the_table_reads_each_rank_against_the_ideal(capsys):
     # 10 ms alone, 3 ms at TP=4: 0.3 of the TP=1 time, 1.2 times the ideal 2.5 ms.
-    sys.path.insert(0, str(SCRIPT.parent))
     import bench_tensor_parallel
 
     rows = [

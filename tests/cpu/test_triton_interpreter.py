@@ -488,6 +488,43 @@ def corrections_case(case: dict) -> dict:
     return errors
 
 
+def default_tuning_case(case: dict) -> dict:
+    """The public ops with ``backend="triton"`` and no tuning, on CPU tensors, as a user debugging a
+    kernel runs them: the rules that read the device's properties (multiprocessors, shared memory,
+    memory) take the CPU for an H100. Log-prob, entropy and both gradients of the recompute op, and
+    the three-GEMM loss's gradients, against the float64 oracle."""
+    import torch
+
+    from devkit.oracle import max_abs_error, reference, relative_error
+    from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, losses
+
+    torch.manual_seed(case["seed"])
+    tokens, hidden_size, vocab = case["shape"]
+    hidden, weight = torch.randn(tokens, hidden_size) * 2, torch.randn(vocab, hidden_size) / hidden_size**0.5
+    targets = torch.randint(0, vocab, (tokens,))
+    grad_logprob, grad_entropy = torch.randn(tokens), torch.randn(tokens)
+    expected = reference(hidden, weight, targets, grad_logprob=grad_logprob, grad_entropy=grad_entropy)
+    hidden_leaf, weight_leaf = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logprob, entropy = fused_linear_logprob(hidden_leaf, weight_leaf, targets, return_entropy=True, backend="triton")
+    (logprob * grad_logprob + entropy * grad_entropy).sum().backward()
+    errors = {
+        "logprob": max_abs_error(logprob, expected.logprob),
+        "entropy": max_abs_error(entropy, expected.entropy),
+        "hidden_grad": relative_error(hidden_leaf.grad, expected.grad_hidden),
+        "weight_grad": relative_error(weight_leaf.grad, expected.grad_weight),
+    }
+    hidden_leaf, weight_leaf = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    weights = torch.full((tokens,), 1.0 / tokens)
+    result = fused_linear_loss(
+        hidden_leaf, weight_leaf, targets, losses.cross_entropy, loss_inputs={"weight": weights}, backend="triton"
+    )
+    result.loss.backward()
+    expected = reference(hidden, weight, targets, grad_logprob=-weights)
+    errors["loss_hidden_grad"] = relative_error(hidden_leaf.grad, expected.grad_hidden)
+    errors["loss_weight_grad"] = relative_error(weight_leaf.grad, expected.grad_weight)
+    return errors
+
+
 def run_case_here(case: dict) -> dict:
     """Run one case in this process (the interpreter must already be on); returns its errors."""
     import torch
@@ -506,6 +543,8 @@ def run_case_here(case: dict) -> dict:
         return candidates_case(case)
     if case.get("kind") == "corrections":
         return corrections_case(case)
+    if case.get("kind") == "default_tuning":
+        return default_tuning_case(case)
 
     from devkit.oracle import max_abs_error, reference, relative_error
     from megatron_fused_lm.ops.backends.triton import TritonBackend
@@ -963,6 +1002,13 @@ def test_upstream_gradients_the_forward_did_not_assume():
     # correcting pass's gate is closed (an upstream as declared), open (another one), or the
     # accumulator was given another scale.
     errors = run_case(kind="corrections", shape=[24, 32, 97], seed=11)  # two chunks of rows
+    assert all(error <= 1e-5 for error in errors.values()), errors
+
+
+def test_the_public_ops_with_the_default_tuning_on_cpu_tensors():
+    # No CUDA device to ask for its properties: the default tuning takes an H100's. float32 inputs
+    # run the float32 tiles' IEEE products, a few 1e-6 from float64.
+    errors = run_case(kind="default_tuning", shape=[12, 32, 300], seed=5)
     assert all(error <= 1e-5 for error in errors.values()), errors
 
 

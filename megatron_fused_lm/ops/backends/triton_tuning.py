@@ -52,6 +52,10 @@ STORING_CANDIDATES = (
 )
 SHARED_MEMORY_MARGIN = 2560  # bytes Triton takes besides the tiles (barriers, reductions)
 HOPPER_SHARED_MEMORY = 232448  # bytes per block an H100 or H200 grants (its opt-in maximum)
+# A device without CUDA properties (the Triton interpreter on CPU tensors) is taken for an H100, so
+# that a debugging run makes the launch and chunk choices an H100 would.
+H100_MULTIPROCESSORS = 132
+H100_MEMORY_BYTES = 80 * 10**9
 TILES_PER_SPLIT = range(6, 17)  # candidates of the split rule
 
 
@@ -63,6 +67,8 @@ def shared_memory_bytes(tiles: Tiles, operand_bytes: int, store_bytes: int) -> i
 
 
 def shared_memory_limit(device: torch.device) -> int:
+    if device.type != "cuda":
+        return HOPPER_SHARED_MEMORY
     properties = torch.cuda.get_device_properties(device)
     return getattr(properties, "shared_memory_per_block_optin", HOPPER_SHARED_MEMORY)
 
@@ -114,7 +120,11 @@ class TritonTuning:
 
     def programs_for(self, device: torch.device) -> int:
         """One program per multiprocessor: the 16-bit tiles take most of its shared memory."""
-        return self.programs or torch.cuda.get_device_properties(device).multi_processor_count
+        if self.programs:
+            return self.programs
+        if device.type != "cuda":
+            return H100_MULTIPROCESSORS
+        return torch.cuda.get_device_properties(device).multi_processor_count
 
     def tiles_per_split_for(self, vocab: int, tiles: Tiles, device: torch.device) -> int:
         """The candidate whose splits of one token tile, run ``programs`` at a time, leave the least
@@ -137,7 +147,8 @@ class TritonTuning:
         """The stored block's budget on ``device``."""
         if self.stored_block_bytes is not None:
             return self.stored_block_bytes
-        return int(STORED_BLOCK_SHARE * torch.cuda.get_device_properties(device).total_memory)
+        memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else H100_MEMORY_BYTES
+        return int(STORED_BLOCK_SHARE * memory)
 
     def dz_block_bytes_for(self, gradient_bytes: int, accumulator_bytes: int) -> int:
         """Bytes of the recompute backward's ``dz`` block: what the working-set target leaves."""

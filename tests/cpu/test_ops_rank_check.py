@@ -127,3 +127,28 @@ def check_refusals(rank, world_size):
 
 def test_ranks_that_disagree_are_refused_by_name():
     run_ranks(check_refusals, 2)
+
+
+def check_shards_that_change_on_some_ranks(rank, world_size):
+    """The case the default cannot catch: a first call with equal shards (40 rows, 10 each), then one
+    whose shards differ (42 rows as 11, 11, 10, 10). Each rank decides from its own signature, which
+    holds its shard size, so by default ranks 2 and 3 would skip the check that ranks 0 and 1 run,
+    and the group would fail in a collective. ``"always"`` checks every call on every rank: the same
+    ``ValueError`` everywhere, naming the shard."""
+    group = dist.new_group(list(range(world_size)))
+    check_ranks_agree("always")
+    try:
+        for sizes, refused in (([10, 10, 10, 10], False), ([11, 11, 10, 10], True)):
+            hidden, weight, targets = make_case((TOKENS,), H, sum(sizes), torch.float32, peaky=False, seed=1)
+            shard = weight.split(sizes)[rank]
+            if not refused:
+                fused_linear_logprob(hidden, shard, targets, tp_group=group)
+                continue
+            with pytest.raises(ValueError, match="disagree on the shard's vocabulary rows"):
+                fused_linear_logprob(hidden, shard, targets, tp_group=group)
+    finally:
+        check_ranks_agree(True)
+
+
+def test_always_refuses_shards_that_change_on_some_ranks_on_every_rank():
+    run_ranks(check_shards_that_change_on_some_ranks, 4)

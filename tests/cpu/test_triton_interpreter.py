@@ -32,11 +32,12 @@ def held_gradient_kernels(case: dict) -> dict:
     to a two-part float32 weight gradient (``held_gradients.HeldSteps``), the per-row terms
     (``softmax.chosen_logit_grad``, ``triton_loss.direct_factor``, the scaled hidden rows), the
     labels path's fit (``HeldSteps.fit_declared``), the rows' references and their stale check
-    (``triton_reference``) and the summary (``softmax.summarize``): relative differences."""
+    (``devkit.kernel_references``) and the summary (``softmax.summarize``): relative differences."""
     from functools import partial
 
     import torch
 
+    from devkit.kernel_references import torch_row_references, torch_stale_references
     from devkit.oracle import relative_error
     from megatron_fused_lm.ops import held_gradients
     from megatron_fused_lm.ops.backends.triton_loss import direct_factor
@@ -45,14 +46,12 @@ def held_gradient_kernels(case: dict) -> dict:
         MAX_ABOVE_REFERENCE,
         MAX_BELOW_REFERENCE,
         REFERENCE_HEADROOM,
-        row_references,
-        stale_references,
     )  # fmt: skip
     from megatron_fused_lm.ops.contract import NeededGrads, UpstreamGrads
     from megatron_fused_lm.ops.kernels.chosen_token_kernel import add_chosen_rows, finish_hidden_grad
     from megatron_fused_lm.ops.kernels.fit_kernel import fit_declared
     from megatron_fused_lm.ops.kernels.merge_kernel import StaleCheck, merge_parts, summarize_parts
-    from megatron_fused_lm.ops.kernels.reference_kernel import row_references as triton_row_references
+    from megatron_fused_lm.ops.kernels.reference_kernel import row_references as kernel_row_references
     from megatron_fused_lm.ops.kernels.row_terms_kernel import row_terms
     from megatron_fused_lm.ops.kernels.scale_kernel import scale_into
     from megatron_fused_lm.ops.loss_in_forward import PROPORTIONAL_TOLERANCE
@@ -130,17 +129,19 @@ def held_gradient_kernels(case: dict) -> dict:
     # The references (a sample of 5 rows and the chosen token) and their stale check against maxima
     # far above, far below, inside the bounds and -inf (a shard keeping none of a row's columns).
     columns = torch.where(target_column >= 0, target_column, -1)
-    kernel_reference = triton_row_references(
+    kernel_reference = kernel_row_references(
         hidden, weight, columns, temperature, 5, REFERENCE_HEADROOM, torch.empty(tokens)
     )
-    errors["reference"] = relative_error(kernel_reference, row_references(hidden, weight, columns, temperature, 5))
+    errors["reference"] = relative_error(
+        kernel_reference, torch_row_references(hidden, weight, columns, temperature, 5)
+    )
     local = torch.randn(2, tokens, 4).abs()
     local[..., 0] = kernel_reference + torch.tensor([-100.0, -20.0, 0.0, 50.0])[torch.arange(tokens) % 4]
     local[0, ::5, 0] = -torch.inf
     local[1, ::5, 0], local[1, ::5, 1] = -torch.inf, 0.0
     stale, refresh = kernel_reference.clone(), torch.empty(tokens, dtype=torch.int8)
     merged = merge_parts(local, StaleCheck(stale, refresh, MAX_ABOVE_REFERENCE, MAX_BELOW_REFERENCE, EMPTY_REFERENCE))
-    expected_reference, expected_refresh = stale_references(kernel_reference, merged[:, 0])
+    expected_reference, expected_refresh = torch_stale_references(kernel_reference, merged[:, 0])
     errors["stale_reference"] = relative_error(stale, expected_reference)
     errors["stale_refresh"] = float((refresh != expected_refresh).sum())
     # The summary of two ranks' statistics (every row keeps columns in one at least), ids outside the vocabulary among them.

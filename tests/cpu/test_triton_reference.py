@@ -4,14 +4,14 @@ test_triton_interpreter.py and, in bfloat16, in tests/gpu/test_loss_parity.py.""
 
 import torch
 
+from devkit.kernel_references import torch_row_references as row_references
+from devkit.kernel_references import torch_stale_references as stale_references
 from megatron_fused_lm.ops.backends.triton_loss import direct_factor
 from megatron_fused_lm.ops.backends.triton_reference import (
     EMPTY_REFERENCE,
     MAX_ABOVE_REFERENCE,
     MAX_BELOW_REFERENCE,
     REFERENCE_HEADROOM,
-    row_references,
-    stale_references,
 )
 from megatron_fused_lm.ops.softmax import block_statistics, chosen_logit_grad, summarize, zero_chosen
 

@@ -1,8 +1,9 @@
 """How the loss-in-forward pass keeps a chunk's logits from its statistics to its gradient, the
 stored block (``docs/DESIGN.md``, "The stored block": why each form, and why these bounds):
 
-- exponentials ``exp(z - r)`` against one reference ``r`` per row, chosen before the logits exist,
-  and the check that catches a reference that proved too low; the products can read a block of
+- exponentials ``exp(z - r)`` against one reference ``r`` per row, chosen before the logits exist
+  (``kernels/reference_kernel``), and the check that catches a reference that proved too low
+  (``kernels/merge_kernel``); the products can read a block of
   the weight's dtype as it is when the loss has no entropy term;
 - offsets ``z - m`` in float16 from each (row, column tile)'s exact maximum ``m`` (float32, stored
   beside the block), from which the ``dz`` kernel reads each logit back to within its offset's
@@ -14,8 +15,6 @@ Shapes: ``n`` rows of the chunk; ``[n]`` tensors are float32 unless stated.
 from __future__ import annotations
 
 import torch
-
-from ..products import float32_product
 
 REFERENCE_HEADROOM = 20.0
 MAX_ABOVE_REFERENCE = 32.0
@@ -38,39 +37,3 @@ def stored_dtype(weight_dtype: torch.dtype, entropy_grad: bool) -> torch.dtype:
     if entropy_grad or weight_dtype == torch.float16:
         return torch.float16
     return weight_dtype
-
-
-def row_references(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target_column: torch.Tensor,
-    temperature: torch.Tensor,
-    sample_rows: int,
-) -> torch.Tensor:
-    """``r [n]``: the largest logit among ``sample_rows`` evenly spaced rows of the shard and the
-    row's chosen token (where ``target_column >= 0``), divided by the row's temperature, plus
-    ``REFERENCE_HEADROOM``.
-
-    ``hidden [n, H]``, ``weight [V, H]`` (one dtype), ``target_column [n]`` int64 (-1: another
-    shard's), ``temperature [n]``. An estimate: ``stale_references`` checks it once the statistics are known.
-    """
-    sampled = weight[:: -(-weight.shape[0] // sample_rows)]
-    estimate = float32_product(hidden, sampled.t()).amax(dim=1)
-    chosen_logit = (hidden * weight[target_column.clamp(min=0)]).sum(dim=1, dtype=torch.float32)
-    estimate = torch.where(target_column >= 0, torch.maximum(estimate, chosen_logit), estimate)
-    return estimate.div_(temperature).add_(REFERENCE_HEADROOM)
-
-
-def stale_references(reference: torch.Tensor, local_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(reference, refresh)``: the rows whose shard maximum ``local_max [n]`` lies more than
-    ``MAX_ABOVE_REFERENCE`` above their reference, or more than ``MAX_BELOW_REFERENCE`` below it
-    (a kept set that leaves the sampled rows' largest logits out), get the maximum as their
-    reference and ``refresh = 1`` (int8 ``[n]``); the others keep theirs. A shard keeping none of
-    a row's columns (maximum -inf) stored zeros, which stay right, and gets ``EMPTY_REFERENCE``: the
-    sampled one may lie far above the row's ``lse``, where ``exp(reference - lse)`` would overflow
-    and meet the zeros as NaN."""
-    empty = local_max == -torch.inf
-    too_low = (local_max < reference - MAX_BELOW_REFERENCE) & ~empty
-    stale = (local_max > reference + MAX_ABOVE_REFERENCE) | too_low
-    reference = torch.where(stale, local_max, reference)
-    return torch.where(empty, EMPTY_REFERENCE, reference), stale.to(torch.int8)

@@ -5,7 +5,7 @@ torch reduction picks its order from the tensor's size; ``docs/DESIGN.md``, "Bat
 
 The same launch does what a chunk needs next, row by row, so that no torch step runs between it and
 the next product: with ``stale`` it checks each row's exponentials reference against the merged
-maximum (``triton_reference.stale_references``, whose torch form this follows) and flags the rows to
+maximum (the rule and bounds of ``backends.triton_reference``) and flags the rows to
 refresh; with ``summary`` it writes the rows' ``softmax.summarize`` results instead of the
 statistics (the parts are then every rank's, or the splits of a call without tensor parallelism).
 """
@@ -27,7 +27,7 @@ NO_SHARD = tl.constexpr(OUTSIDE_VOCAB)  # a target outside the vocabulary: its r
 
 class StaleCheck(NamedTuple):
     """What ``merge_parts`` checks the rows' exponentials references with
-    (``triton_reference.stale_references`` gives the rule and the bounds)."""
+    (``backends.triton_reference`` gives the rule and the bounds)."""
 
     reference: torch.Tensor  # [n] float32, contiguous: updated in place
     refresh: torch.Tensor  # [n] int8: 1 where the row is to be stored again

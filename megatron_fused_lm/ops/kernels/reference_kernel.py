@@ -1,5 +1,5 @@
-"""The rows' exponentials references in one launch (``triton_reference.row_references`` is the torch
-form it follows): each row's largest logit among evenly spaced weight rows and its chosen token,
+"""The rows' exponentials references in one launch (``devkit.kernel_references`` has the torch form
+it follows): each row's largest logit among evenly spaced weight rows and its chosen token,
 divided by its temperature, plus a headroom. An estimate the statistics check afterwards
 (``merge_kernel``'s stale check), so its products need only be those of the weight's dtype."""
 
@@ -76,7 +76,7 @@ def row_references(
     headroom: float,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """``triton_reference.row_references`` into ``out [n]`` (float32, contiguous), which it returns:
+    """Each row's reference (above) into ``out [n]`` (float32, contiguous), which it returns:
     ``hidden [n, H]`` and ``weight [V, H]`` of one dtype with unit last strides, ``target_column [n]``
     int64 (-1: another shard's), ``temperature [n]`` float32 (stride 0: one for all rows)."""
     num_tokens, hidden_size = hidden.shape

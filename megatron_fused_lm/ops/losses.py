@@ -132,7 +132,15 @@ class ClippedPolicyLoss:
         """``(losses, d losses / d logprob, d losses / d entropy or None)`` per token in closed form,
         what the three-GEMM pass takes instead of autograd's (fewer launches): the derivatives of
         ``__call__``'s values, whose ``torch.where`` picks the side whose derivative this takes."""
-        return self._terms(logprob, entropy, advantages, weight, old_logprob, ref_logprob, grads=True)
+        return self._terms(
+            logprob,
+            entropy,
+            advantages=advantages,
+            weight=weight,
+            old_logprob=old_logprob,
+            ref_logprob=ref_logprob,
+            grads=True,
+        )
 
     def __call__(
         self,
@@ -144,9 +152,17 @@ class ClippedPolicyLoss:
         old_logprob: Optional[Tensor] = None,
         ref_logprob: Optional[Tensor] = None,
     ) -> Tensor:
-        return self._terms(logprob, entropy, advantages, weight, old_logprob, ref_logprob, grads=False)[0]
+        return self._terms(
+            logprob,
+            entropy,
+            advantages=advantages,
+            weight=weight,
+            old_logprob=old_logprob,
+            ref_logprob=ref_logprob,
+            grads=False,
+        )[0]
 
-    def _terms(self, logprob, entropy, advantages, weight, old_logprob, ref_logprob, *, grads: bool):
+    def _terms(self, logprob, entropy, *, advantages, weight, old_logprob, ref_logprob, grads: bool):
         """The losses (differentiable by autograd) and, with ``grads``, their closed-form derivatives
         along ``logprob`` and ``entropy``."""
         # On-policy without old log-probs: a ratio of 1 whose derivative is 1.

@@ -9,8 +9,8 @@ all-gather of a few int64, one read on the host) and raises a ``ValueError`` nam
 Later calls with the same signature take no collective and no read, so a mistake that first shows
 in a later call (a mask that selects other rows on one rank in the tenth micro-batch) is not caught
 and the op's own collective fails on it. Each rank decides from its own signature: a mistake that
-changes it on some ranks only (their shard size) makes only those ranks run the check's all-gather,
-which then fails. ``check_ranks_agree("always")`` checks every call instead, at one such all-gather
+changes it on some ranks only (their shard size) makes only those ranks run the check's all-gather:
+the group then aborts (gloo) or hangs (NCCL). ``check_ranks_agree("always")`` checks every call instead, at one such all-gather
 and read per call. Skipped where values are not available (meta and fake
 tensors, compiled graphs, CUDA-graph capture) and turned off for the process with
 ``check_ranks_agree(False)``. The head's route passes the model's own group and shard; the batch

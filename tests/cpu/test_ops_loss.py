@@ -766,30 +766,33 @@ def test_log_ratio_is_clamped_before_exp():
 
 
 def test_clipped_policy_loss_on_policy_and_at_the_clip_bounds():
-    # Without old log-probs the ratio is 1 and its derivative 1 (-A per token); at a ratio exactly
-    # on a clip bound, or a loss exactly at the dual clip's, autograd of the value and the closed
-    # form take the same side.
-    policy = losses.ClippedPolicyLoss(clip_low=0.25, clip_high=0.5, dual_clip=2.0, kl_coef=0.1, kl_estimator="k2")
-    logprob = torch.tensor([-1.0, -1.0, -1.0, -1.0, -1.0], dtype=torch.float64, requires_grad=True)
-    advantages = torch.tensor([1.5, -1.5, 2.0, -2.0, -0.5], dtype=torch.float64)
-    ref_logprob = torch.tensor([-1.2, -0.9, -1.0, -1.1, -1.3], dtype=torch.float64)
-    weight = torch.linspace(0.5, 1.5, 5, dtype=torch.float64)
-    entropy = torch.zeros(5, dtype=torch.float64)
-    for old_logprob in (
-        None,
-        logprob.detach() - torch.tensor([0.0, 0.0, math.log(1.5), math.log(0.75), math.log(4.0)]),
+    # Autograd of the value and the closed form take the same derivative where a side ties: ratios
+    # exactly on the clip bounds and a loss exactly at the dual clip's bound (the bounds set from the
+    # ratios as the loss computes them), and without old log-probs (a ratio of 1, derivative 1).
+    logprob = torch.full((6,), -1.0, dtype=torch.float64, requires_grad=True)
+    log_ratio = torch.tensor([0.0, 0.0, math.log(1.5), math.log(0.75), math.log(4.0), math.log(2.0)]).double()
+    old_logprob = logprob.detach() - log_ratio
+    ratio = (logprob.detach() - old_logprob).exp()
+    policy = losses.ClippedPolicyLoss(
+        clip_low=float(1 - ratio[3]), clip_high=float(ratio[2] - 1), dual_clip=float(ratio[5]), kl_coef=0.1,
+        kl_estimator="k2",
+    )  # fmt: skip
+    advantages = torch.tensor([1.5, -1.5, 2.0, -2.0, -0.5, -0.5], dtype=torch.float64)
+    ref_logprob = torch.tensor([-1.2, -0.9, -1.0, -1.1, -1.3, -1.0], dtype=torch.float64)
+    weight = torch.linspace(0.5, 1.5, 6, dtype=torch.float64)
+    entropy = torch.zeros(6, dtype=torch.float64)
+    kl_grad = 0.1 * -(ref_logprob - logprob.detach())  # k2's derivative
+    # On the clip bounds and the dual clip's: the unclipped side's -A r; past the dual clip: none.
+    unclipped = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+    for old, expected in (
+        (None, weight * (-advantages + kl_grad)),
+        (old_logprob, weight * (unclipped * -advantages * ratio + kl_grad)),
     ):
-        inputs = dict(advantages=advantages, weight=weight, ref_logprob=ref_logprob, old_logprob=old_logprob)
-        value = policy(logprob, entropy, **inputs)
-        (grad,) = torch.autograd.grad(value.sum(), logprob)
-        closed_value, closed_grad, _ = policy.with_grads(logprob.detach(), entropy, **inputs)
-        assert torch.equal(value.detach(), closed_value), old_logprob
-        assert torch.allclose(grad, closed_grad, rtol=1e-12, atol=1e-15), (old_logprob, grad, closed_grad)
-    kl_grad = -(ref_logprob - logprob.detach())  # k2's derivative
-    on_policy = policy.with_grads(
-        logprob.detach(), entropy, advantages=advantages, weight=weight, ref_logprob=ref_logprob
-    )
-    assert torch.allclose(on_policy[1], weight * (-advantages + 0.1 * kl_grad), rtol=1e-12, atol=0)
+        inputs = dict(advantages=advantages, weight=weight, ref_logprob=ref_logprob, old_logprob=old)
+        (grad,) = torch.autograd.grad(policy(logprob, entropy, **inputs).sum(), logprob)
+        closed_grad = policy.with_grads(logprob.detach(), entropy, **inputs)[1]
+        for got in (grad, closed_grad):
+            assert torch.allclose(got, expected, rtol=1e-12, atol=1e-15), (old is None, got, expected)
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,8 @@
-"""The raw ops under tensor parallelism refuse ranks that disagree (two gloo ranks): a whole weight
-on every rank, rows, targets, temperatures, a mask or kept sets that differ between ranks, each
-named, on the first call of a signature, with one all-gather that later calls of the signature do
-not repeat (``check_ranks_agree("always")`` checks every call); ``check_ranks_agree(False)`` turns it
-off. Without the check each of these mistakes
+"""The raw ops under tensor parallelism refuse ranks that disagree (two gloo ranks; four for shards
+that change on some ranks): a whole weight on every rank, rows, targets, temperatures, a mask or
+kept sets that differ between ranks, each named, on the first call of a signature, with one
+all-gather that later calls of the signature do not repeat (``check_ranks_agree("always")`` checks
+every call); ``check_ranks_agree(False)`` turns it off. Without the check each of these mistakes
 gives numbers (the whole weight: every log-prob off by log 2) or aborts inside a collective."""
 
 import math

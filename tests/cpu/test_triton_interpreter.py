@@ -1006,6 +1006,16 @@ def test_upstream_gradients_the_forward_did_not_assume():
     assert all(error <= 1e-5 for error in errors.values()), errors
 
 
+def test_the_default_tuning_takes_an_h100_where_there_is_no_cuda_device():
+    import torch
+
+    from megatron_fused_lm.ops.backends import triton_tuning
+
+    cpu, tuning = torch.device("cpu"), triton_tuning.TritonTuning()
+    assert tuning.programs_for(cpu) == 132 and triton_tuning.shared_memory_limit(cpu) == 232448
+    assert tuning.stored_block_bytes_for(cpu) == int(85_017_493_504 / 32)
+
+
 def test_the_public_ops_with_the_default_tuning_on_cpu_tensors():
     # No CUDA device to ask for its properties: the default tuning takes an H100's. float32 inputs
     # run the float32 tiles' IEEE products, a few 1e-6 from float64.

@@ -4,8 +4,7 @@ test_triton_interpreter.py and, in bfloat16, in tests/gpu/test_loss_parity.py.""
 
 import torch
 
-from devkit.kernel_references import torch_row_references as row_references
-from devkit.kernel_references import torch_stale_references as stale_references
+from devkit.kernel_references import torch_row_references, torch_stale_references
 from megatron_fused_lm.ops.backends.triton_loss import direct_factor
 from megatron_fused_lm.ops.backends.triton_reference import (
     EMPTY_REFERENCE,
@@ -21,7 +20,7 @@ def test_row_references_bracket_the_row_maximum():
     hidden, weight = torch.randn(64, 16), torch.randn(1000, 16)
     target_column = torch.randint(-1, 1000, (64,))
     temperature = torch.rand(64) * 1.5 + 0.5  # one per row
-    reference = row_references(hidden, weight, target_column, temperature, sample_rows=10)
+    reference = torch_row_references(hidden, weight, target_column, temperature, sample_rows=10)
     logits = hidden.double() @ weight.double().t() / temperature.double()[:, None]
     row_max = logits.amax(1)
     # Never more than the headroom above the maximum: the top exponentials stay normal numbers.
@@ -31,7 +30,7 @@ def test_row_references_bracket_the_row_maximum():
     chosen = logits[owned, target_column[owned]]
     assert (reference[owned] >= chosen + REFERENCE_HEADROOM - 1e-3).all()
     # With every row sampled, the reference is the maximum plus the headroom.
-    exact = row_references(hidden, weight, target_column, temperature, sample_rows=1000)
+    exact = torch_row_references(hidden, weight, target_column, temperature, sample_rows=1000)
     assert torch.allclose(exact.double(), row_max + REFERENCE_HEADROOM, atol=1e-4)
 
 
@@ -49,7 +48,7 @@ def test_stale_references_take_the_maximum():
             -torch.inf,
         ]
     )
-    refreshed, refresh = stale_references(reference, local_max)
+    refreshed, refresh = torch_stale_references(reference, local_max)
     assert refresh.tolist() == [0, 1, 0, 1, 0] and refresh.dtype == torch.int8
     assert refreshed.tolist() == [0.0, MAX_ABOVE_REFERENCE + 1, 10.0, 9 - MAX_BELOW_REFERENCE, EMPTY_REFERENCE]
 

@@ -55,7 +55,7 @@ HOPPER_SHARED_MEMORY = 232448  # bytes per block an H100 or H200 grants (its opt
 # A device without CUDA properties (the Triton interpreter on CPU tensors) is taken for an H100, so
 # that a debugging run makes the launch and chunk choices an H100 would.
 H100_MULTIPROCESSORS = 132
-H100_MEMORY_BYTES = 80 * 10**9
+H100_MEMORY_BYTES = 85_017_493_504  # an H100's total_memory, as torch reports it
 TILES_PER_SPLIT = range(6, 17)  # candidates of the split rule
 
 

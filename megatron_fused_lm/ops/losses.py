@@ -132,15 +132,8 @@ class ClippedPolicyLoss:
         """``(losses, d losses / d logprob, d losses / d entropy or None)`` per token in closed form,
         what the three-GEMM pass takes instead of autograd's (fewer launches): the derivatives of
         ``__call__``'s values, whose ``torch.where`` picks the side whose derivative this takes."""
-        return self._terms(
-            logprob,
-            entropy,
-            advantages=advantages,
-            weight=weight,
-            old_logprob=old_logprob,
-            ref_logprob=ref_logprob,
-            grads=True,
-        )
+        inputs = dict(advantages=advantages, weight=weight, old_logprob=old_logprob, ref_logprob=ref_logprob)
+        return self._terms(logprob, entropy, inputs, grads=True)
 
     def __call__(
         self,
@@ -152,19 +145,15 @@ class ClippedPolicyLoss:
         old_logprob: Optional[Tensor] = None,
         ref_logprob: Optional[Tensor] = None,
     ) -> Tensor:
-        return self._terms(
-            logprob,
-            entropy,
-            advantages=advantages,
-            weight=weight,
-            old_logprob=old_logprob,
-            ref_logprob=ref_logprob,
-            grads=False,
-        )[0]
+        inputs = dict(advantages=advantages, weight=weight, old_logprob=old_logprob, ref_logprob=ref_logprob)
+        return self._terms(logprob, entropy, inputs, grads=False)[0]
 
-    def _terms(self, logprob, entropy, *, advantages, weight, old_logprob, ref_logprob, grads: bool):
+    def _terms(self, logprob: Tensor, entropy: Tensor, inputs: dict, *, grads: bool):
         """The losses (differentiable by autograd) and, with ``grads``, their closed-form derivatives
-        along ``logprob`` and ``entropy``."""
+        along ``logprob`` and ``entropy``; ``inputs`` the loss inputs by name."""
+        advantages, weight, old_logprob, ref_logprob = (
+            inputs[name] for name in ("advantages", "weight", "old_logprob", "ref_logprob")
+        )
         # On-policy without old log-probs: a ratio of 1 whose derivative is 1.
         raw = logprob - (logprob.detach() if old_logprob is None else old_logprob)
         ratio = raw.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()

@@ -13,8 +13,9 @@
 # - Every environment pins torch, triton and pytest; pip keeps no cache. pytest-xdist spreads each
 #   run over the machine's cores (-n auto). The environments other than the pinned one install in
 #   the background while ruff and the CPU suite run (their downloads wait on the network, the suite
-#   on the cores). pip compiles their bytecode as it installs: where PYTHONDONTWRITEBYTECODE is set,
-#   as on CI machines, Python would otherwise compile torch and Megatron anew in every process.
+#   on the cores). pip compiles their bytecode as it installs: where PYTHONDONTWRITEBYTECODE is set
+#   (the development machines set it), Python would otherwise compile torch and Megatron anew in
+#   every process.
 #
 # - The trainers the recipes are tested against run as released, SkyRL 0.4.0 and verl 0.9.1 from
 #   PyPI, in an overlay of their own with megatron-core 0.19.2 (constraints-trainers.txt).

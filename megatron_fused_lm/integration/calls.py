@@ -205,12 +205,17 @@ def main_grad_route(
     return MainGradWritten.apply(weight), dict(weight_grad_into=into, weight_grad_scale=main_grad_scale)
 
 
+def output_weight(chunk: torch.nn.Module, layer: torch.nn.Module) -> torch.Tensor:
+    """The weight an output ``layer`` of model ``chunk`` projects with: its own, or the tied embedding's."""
+    return layer.weight if layer.weight is not None else chunk.shared_embedding_or_output_weight()
+
+
 def outstanding_main_grads(layers: List[Tuple[torch.nn.Module, torch.nn.Module]], forget_released: bool) -> List[str]:
     """``outstanding_weight_grads`` of the ``main_grad`` of each ``(chunk, output layer)``'s weight
     (the tied embedding's where the layer owns none), where Megatron's DDP gave it one."""
     outstanding = []
     for chunk, layer in layers:
-        weight = layer.weight if layer.weight is not None else chunk.shared_embedding_or_output_weight()
+        weight = output_weight(chunk, layer)
         main_grad = getattr(weight, "main_grad", None)
         if isinstance(main_grad, torch.Tensor):
             outstanding += outstanding_weight_grads(main_grad, forget_released=forget_released)
@@ -289,9 +294,7 @@ def running_backend(config: FusedLMConfig, layers: List[Tuple[torch.nn.Module, t
     """The backend the fused ops run for the output weight of ``layers`` (``(chunk, output layer)``
     pairs): ``config.backend`` resolved for the weight's device, as each op call resolves it (so
     ``"torch"`` where ``"triton"`` or ``"auto"`` cannot run there)."""
-    chunk, layer = layers[-1]
-    weight = layer.weight if layer.weight is not None else chunk.shared_embedding_or_output_weight()
-    return resolved_backend(config.backend, weight.device)
+    return resolved_backend(config.backend, output_weight(*layers[-1]).device)
 
 
 def log_route(
@@ -310,7 +313,7 @@ def log_route(
         chunk, layer = layers[-1]
         group = tensor_parallel_group(chunk, layer)
         size = dist.get_world_size(group) if group is not None else 1
-        weight = layer.weight if layer.weight is not None else chunk.shared_embedding_or_output_weight()
+        weight = output_weight(chunk, layer)
         # Triton runs on CUDA only: elsewhere the torch backend, said without resolving (and warning) now for
         # a model that may move to a GPU before its first call.
         backend = running_backend(config, layers) if weight.device.type == "cuda" else "torch"

@@ -654,7 +654,7 @@ def _hidden_origin(output: Any) -> Optional[provenance.Origin]:
     ``fused_head_of``, which raises as this does."""
     if not isinstance(output, torch.Tensor) or output.dim() == 0:
         return None
-    heads = [head for head in _fused_heads if head._hidden_size == output.shape[-1]]
+    heads = [head for head in _fused_heads if head._stock_layers[-1][1].input_size == output.shape[-1]]
     if not heads:  # no fused model returns tensors of this size: nothing to walk
         return None
     marks = provenance.graph_marks(output) if output.grad_fn is not None else set()
@@ -716,7 +716,6 @@ def wrap_model(model: Any, config: FusedLMConfig) -> FusedLMHead:
                 "Megatron's MTP acceptance-rate metric (an argmax over the output layer's result) is meaningless."
             )
     head.fused = True
-    head._hidden_size = head._stock_layers[-1][1].input_size
     _fused_heads.add(head)
     return head
 

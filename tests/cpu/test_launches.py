@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 from devkit.launches import CountedLaunches  # noqa: E402
 from megatron_fused_lm import fused_linear_cross_entropy, fused_linear_loss, losses  # noqa: E402
 from megatron_fused_lm.ops import options as ops_options  # noqa: E402
+from megatron_fused_lm.ops.backends import triton_tuning  # noqa: E402
 
 TOKENS, HIDDEN, VOCAB = 8192, 4096, 151936
 POLICY = losses.ClippedPolicyLoss(clip_low=0.2, clip_high=0.28, entropy_coef=0.01)
@@ -34,7 +35,7 @@ def a_gpu_for_the_triton_backend(monkeypatch):
     h200 = types.SimpleNamespace(
         multi_processor_count=132, total_memory=141 * 2**30, shared_memory_per_block_optin=232448
     )
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: h200)
+    monkeypatch.setattr(triton_tuning, "device_properties", lambda device: h200)
 
 
 def step(path: str, token_chunk: int):

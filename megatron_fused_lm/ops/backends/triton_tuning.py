@@ -17,6 +17,7 @@ object that fixes any of their choices instead (tile sweeps and the interpreter 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -52,10 +53,11 @@ STORING_CANDIDATES = (
 )
 SHARED_MEMORY_MARGIN = 2560  # bytes Triton takes besides the tiles (barriers, reductions)
 HOPPER_SHARED_MEMORY = 232448  # bytes per block an H100 or H200 grants (its opt-in maximum)
-# A device without CUDA properties (the Triton interpreter on CPU tensors) is taken for an H100, so
-# that a debugging run makes the launch and chunk choices an H100 would.
-H100_MULTIPROCESSORS = 132
-H100_MEMORY_BYTES = 85_017_493_504  # an H100's total_memory, as torch reports it
+# What the rules read of a device without CUDA properties (the Triton interpreter on CPU tensors):
+# an H100's, so that a debugging run makes the launch and chunk choices an H100 would.
+H100_PROPERTIES = SimpleNamespace(
+    multi_processor_count=132, total_memory=85_017_493_504, shared_memory_per_block_optin=HOPPER_SHARED_MEMORY
+)
 TILES_PER_SPLIT = range(6, 17)  # candidates of the split rule
 
 
@@ -66,11 +68,13 @@ def shared_memory_bytes(tiles: Tiles, operand_bytes: int, store_bytes: int) -> i
     return operands + tiles.block_m * tiles.block_n // 2 * store_bytes + SHARED_MEMORY_MARGIN
 
 
+def device_properties(device: torch.device):
+    """CUDA's properties of ``device``, or ``H100_PROPERTIES`` where it has none."""
+    return torch.cuda.get_device_properties(device) if device.type == "cuda" else H100_PROPERTIES
+
+
 def shared_memory_limit(device: torch.device) -> int:
-    if device.type != "cuda":
-        return HOPPER_SHARED_MEMORY
-    properties = torch.cuda.get_device_properties(device)
-    return getattr(properties, "shared_memory_per_block_optin", HOPPER_SHARED_MEMORY)
+    return getattr(device_properties(device), "shared_memory_per_block_optin", HOPPER_SHARED_MEMORY)
 
 
 @dataclass(frozen=True)
@@ -120,11 +124,7 @@ class TritonTuning:
 
     def programs_for(self, device: torch.device) -> int:
         """One program per multiprocessor: the 16-bit tiles take most of its shared memory."""
-        if self.programs:
-            return self.programs
-        if device.type != "cuda":
-            return H100_MULTIPROCESSORS
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return self.programs or device_properties(device).multi_processor_count
 
     def tiles_per_split_for(self, vocab: int, tiles: Tiles, device: torch.device) -> int:
         """The candidate whose splits of one token tile, run ``programs`` at a time, leave the least
@@ -147,8 +147,7 @@ class TritonTuning:
         """The stored block's budget on ``device``."""
         if self.stored_block_bytes is not None:
             return self.stored_block_bytes
-        memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else H100_MEMORY_BYTES
-        return int(STORED_BLOCK_SHARE * memory)
+        return int(STORED_BLOCK_SHARE * device_properties(device).total_memory)
 
     def dz_block_bytes_for(self, gradient_bytes: int, accumulator_bytes: int) -> int:
         """Bytes of the recompute backward's ``dz`` block: what the working-set target leaves."""

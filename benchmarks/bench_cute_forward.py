@@ -15,9 +15,9 @@ import torch
 from harness import REFERENCE_SHAPES, make_inputs, parse_shapes
 
 from devkit.measure import median_ms
+from megatron_fused_lm.ops.backends.contract import ShardProblem
 from megatron_fused_lm.ops.backends.cute import CuteBackend
 from megatron_fused_lm.ops.backends.triton import TritonBackend
-from megatron_fused_lm.ops.contract import ShardProblem
 from megatron_fused_lm.ops.cute_kernels import statistics_kernel as cute_stats
 from megatron_fused_lm.ops.kernels.merge_kernel import merge_parts
 from megatron_fused_lm.ops.softmax import summarize

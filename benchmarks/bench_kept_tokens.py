@@ -17,7 +17,7 @@ import torch
 from harness import make_inputs, op_steps, parse_shapes, result_row, shape_name, timing_parser, try_measure
 
 from devkit.measure import environment
-from megatron_fused_lm.ops.backends import by_name
+from megatron_fused_lm.ops.backends.registry import by_name
 from megatron_fused_lm.ops.inputs import select_rows
 from megatron_fused_lm.ops.kept_tokens import checked_sets
 from megatron_fused_lm.ops.several_targets import gathered_logits

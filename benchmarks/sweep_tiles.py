@@ -17,8 +17,8 @@ import argparse
 import torch
 import triton.testing
 
+from megatron_fused_lm.ops.backends.contract import SavedStatistics, UpstreamGrads
 from megatron_fused_lm.ops.backends.triton_tuning import TOKEN_CHUNK, TritonTuning
-from megatron_fused_lm.ops.contract import SavedStatistics, UpstreamGrads
 from megatron_fused_lm.ops.kernels.logit_grad_kernel import logit_grad_block
 from megatron_fused_lm.ops.kernels.softmax_stats_kernel import split_statistics
 from megatron_fused_lm.ops.kernels.tiles import Tiles

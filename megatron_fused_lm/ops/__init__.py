@@ -3,7 +3,6 @@ LM head. They know nothing about Megatron: a tensor-parallel group, if any, is a
 group. ``docs/DESIGN.md`` has the layout by execution path and the math."""
 
 from . import losses
-from .accumulation import name_weight_grad_into, outstanding_weight_grads, weight_grad_corrections
 from .api import (
     FusedLoss,
     fused_linear_cross_entropy,
@@ -13,7 +12,8 @@ from .api import (
     logits_loss,
 )
 from .kept_tokens import KeptTokens
-from .loss_in_forward import LossFn
+from .loss_pass.chunks import LossFn
+from .loss_pass.weight_grad import name_weight_grad_into, outstanding_weight_grads, weight_grad_corrections
 from .options import BACKENDS, resolved_backend
 from .rank_check import RanksDisagree, check_ranks_agree
 from .topk import fused_linear_topk, logits_topk

@@ -9,11 +9,9 @@ from typing import Dict, NamedTuple, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import backends
+from .backends import registry
+from .backends.contract import ShardProblem
 from .boundary import Logits, crossed
-from .contract import ShardProblem
-from .held_gradients import WeightGradSink
-from .held_pass import run_held_pass
 from .inputs import (
     RowSelection,
     check_linear_inputs,
@@ -23,7 +21,7 @@ from .inputs import (
     select_rows,
 )
 from .kept_tokens import KeptTokens, checked_sets, every_column
-from .loss_in_forward import (
+from .loss_pass.chunks import (
     ChunkLoss,
     LossFn,
     check_declared_inputs,
@@ -33,6 +31,8 @@ from .loss_in_forward import (
     has_entropy_term,
     per_token_losses,
 )
+from .loss_pass.held import run_held_pass
+from .loss_pass.weight_grad import WeightGradSink
 from .options import HeadOptions, check_weight_grad_scale
 from .rank_check import check_across_ranks
 
@@ -56,7 +56,7 @@ def _fused_rows(
     products run in it, detached), their target columns, temperatures ``[k]`` float32 and
     ``kept_mask``."""
     check_linear_inputs(hidden, weight)
-    resolved = backends.resolve(backend, hidden.device)
+    resolved = registry.resolve(backend, hidden.device)
     options = HeadOptions.checked(backend=resolved.name, tp_group=tp_group, **options)
     selection = select_rows(
         targets, hidden.shape[:-1], mask, max_rows, weight.shape[0], tp_group, out_of_vocab, several
@@ -260,7 +260,7 @@ def logits_logprob(
     selection = select_rows(targets, logits.shape[:-1], mask, max_rows, logits.shape[-1], tp_group, several=several)
     rows, temperature = selection.take(logits), row_temperatures(temperature, selection, logits.device)
     kept_mask = _kept_mask(
-        kept_tokens, selection, targets, logits.shape[-1], tp_group, backends.by_name("torch"), several
+        kept_tokens, selection, targets, logits.shape[-1], tp_group, registry.by_name("torch"), several
     )
     logprob, entropy, _, _ = Logits.apply(rows, selection.target_column, temperature, kept_mask, options)
     return _results(selection, logprob, entropy if return_entropy else None, options.entropy_grad)
@@ -352,8 +352,8 @@ def fused_linear_loss(
     padding = selection.padding
     chunk_loss = ChunkLoss(
         loss_fn, inputs, entropy_grad, gradients=torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad),
-        upstream_scale=sink.scale if sink else 1.0, valid=None if padding is None else ~padding,
-        keep=sink is not None and sink.accumulator is not None,
+        weight_grad_scale=sink.weight_grad_scale if sink else 1.0, valid=None if padding is None else ~padding,
+        save_grads=sink is not None and sink.weight_grad_into is not None,
     )  # fmt: skip
     loss, summary = run_held_pass(problem.hidden, weight, _detached(problem), options, sink, chunk_loss)
     return FusedLoss(loss, selection.place(summary.logprob), selection.place(summary.entropy))
@@ -399,7 +399,7 @@ def fused_linear_cross_entropy(
     Megatron's SFT loss, ``sum(losses * loss_mask) * scale``, has this shape with the scale
     unknown in the forward. The forward holds each row's own hidden gradient, exact for any
     upstream gradient, and the weight gradient for the declared weights. The backward fits ``c``
-    on the device: proportional to ``declared_weights`` (``loss_in_forward.
+    on the device: proportional to ``declared_weights`` (``loss_pass.weight_grad.
     PROPORTIONAL_TOLERANCE``), the held weight gradient times ``c``; otherwise a second pass (two
     GEMMs, gated on the device on the Triton backend, read on the host on the torch backend) adds
     the weight gradient of the difference, exact by linearity, with one warning

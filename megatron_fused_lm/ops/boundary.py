@@ -1,9 +1,9 @@
 """The autograd boundary: how a call crosses into its backend and back.
 
 Eagerly a call goes straight to its backend: the four-GEMM path through an autograd function
-(``Recompute``), the three-GEMM pass through ``held_pass``. Under ``torch.compile`` the same bodies run
-inside custom operators (``torch.ops.megatron_fused_lm``), so that a compiled graph keeps each whole
-and never traces into a backend: each operator's schema lists its tensors and then every
+(``Recompute``), the three-GEMM pass through ``loss_pass``. Under ``torch.compile`` the same bodies run
+inside custom operators (``torch.ops.megatron_fused_lm``; the three-GEMM pass's in ``loss_pass.compiled``),
+so that a compiled graph keeps each whole and never traces into a backend: each operator's schema lists its tensors and then every
 ``HeadOptions`` field (``options.OPTIONS_SCHEMA``), which it rebuilds by name. The unfused path on
 materialized logits (``Logits``) is pure torch, which a compiled graph traces. Autocast stays outside
 all of them: the statistics are float32 by contract.
@@ -13,21 +13,21 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
-from . import backends
+from .backends import registry
+from .backends.contract import Gradients, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
 from .chunking import BlockLogits, chunk_logit_grads, chunk_rows, chunk_statistics
-from .contract import Gradients, LossState, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
 from .distributed import all_gather_stacked, all_reduce_sum, group_size, merge_across_group
 from .options import OPTIONS_SCHEMA, HeadOptions
 from .several_targets import gathered_logits, statistics_column, taken_logits
-from .softmax import NUM_STATISTICS, SoftmaxSummary, summarize
+from .softmax import SoftmaxSummary, summarize
 
 Tensor = torch.Tensor
 Statistics = tuple[Tensor, Tensor, Tensor, Tensor]  # logprob, entropy, lse, mean_logit: [n] float32
-_PROBLEM = "Tensor hidden, Tensor weight, Tensor target_column, Tensor temperature, Tensor kept_mask"
+PROBLEM_SCHEMA = "Tensor hidden, Tensor weight, Tensor target_column, Tensor temperature, Tensor kept_mask"
 
 
 def autocast_off(device: torch.device):
@@ -51,8 +51,9 @@ def operator(name: str, tensors: str, returns: str):
     return define
 
 
-def merge_and_summarize(backend, local: Tensor, target_column: Tensor, target_logits: Optional[Tensor], out,
-                        options: HeadOptions) -> None:  # fmt: skip
+def merge_and_summarize(
+    backend, local: Tensor, target_column: Tensor, target_logits: Optional[Tensor], out, options: HeadOptions
+) -> None:
     """Rows' shard statistics ``local [k, 4]`` merged over the group (one all-gather) and summarized
     into ``out``'s tensors (``new_summary``): by ``backend.summarize`` for one target per row; for
     several (``target_column [k, m]``), with their logits ``target_logits [k, m]`` on this shard,
@@ -89,7 +90,7 @@ def _summarized(backend, stats, hidden, weight, target_column, temperature, opti
 def recompute_statistics(hidden, weight, target_column, temperature, kept_mask, options: HeadOptions) -> Statistics:
     """Log-prob, entropy and the saved statistics of each row over the whole vocabulary
     (``target_column [n, k]``: log-probs ``[n, k]``)."""
-    backend = backends.by_name(options.backend)
+    backend = registry.by_name(options.backend)
     problem = ShardProblem(hidden, weight, statistics_column(target_column), temperature, kept_mask)
     with autocast_off(hidden.device):
         stats = backend.local_statistics(problem, options)
@@ -99,13 +100,13 @@ def recompute_statistics(hidden, weight, target_column, temperature, kept_mask, 
 def recompute_gradients(problem, saved, upstream, needed, options: HeadOptions) -> Gradients:
     """The gradients, the hidden one summed over the group when ``reduce_hidden_grad``."""
     with autocast_off(problem.hidden.device):
-        grads = backends.by_name(options.backend).local_gradients(problem, saved, upstream, needed, options)
+        grads = registry.by_name(options.backend).local_gradients(problem, saved, upstream, needed, options)
         if grads.hidden is not None and options.reduce_hidden_grad:
             all_reduce_sum(grads.hidden, options.tp_group)
     return grads
 
 
-@operator("fused_forward", f"{_PROBLEM}", "(Tensor, Tensor, Tensor, Tensor)")
+@operator("fused_forward", f"{PROBLEM_SCHEMA}", "(Tensor, Tensor, Tensor, Tensor)")
 def fused_forward(hidden, weight, target_column, temperature, kept_mask, options) -> Statistics:
     return recompute_statistics(hidden, weight, target_column, temperature, kept_mask, options)
 
@@ -113,18 +114,37 @@ def fused_forward(hidden, weight, target_column, temperature, kept_mask, options
 @fused_forward.register_fake
 def _(hidden, weight, target_column, *tensors, **fields) -> Statistics:
     # The log-prob has the targets' shape ([n] or [n, k]); the rest are [n].
-    return (target_column.new_empty(target_column.shape, dtype=torch.float32),
-            *(hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(3)))  # fmt: skip
+    logprob = target_column.new_empty(target_column.shape, dtype=torch.float32)
+    return logprob, *(hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(3))
 
 
-@operator("fused_backward", f"{_PROBLEM}, Tensor lse, Tensor mean_logit, Tensor? grad_logprob, Tensor? grad_entropy, "
-          "bool need_hidden, bool need_weight", "(Tensor, Tensor)")  # fmt: skip
-def fused_backward(*args) -> tuple[Tensor, Tensor]:
-    *problem, lse, mean_logit, grad_logprob, grad_entropy, need_hidden, need_weight, options = args
+@operator(
+    "fused_backward",
+    f"{PROBLEM_SCHEMA}, Tensor lse, Tensor mean_logit, Tensor? grad_logprob, Tensor? grad_entropy, "
+    "bool need_hidden, bool need_weight",
+    "(Tensor, Tensor)",
+)
+def fused_backward(
+    hidden,
+    weight,
+    target_column,
+    temperature,
+    kept_mask,
+    lse,
+    mean_logit,
+    grad_logprob,
+    grad_entropy,
+    need_hidden,
+    need_weight,
+    options,
+) -> tuple[Tensor, Tensor]:
+    problem = ShardProblem(hidden, weight, target_column, temperature, kept_mask)
     upstream, needed = UpstreamGrads(grad_logprob, grad_entropy), NeededGrads(need_hidden, need_weight)
-    grads = recompute_gradients(ShardProblem(*problem), SavedStatistics(lse, mean_logit), upstream, needed, options)
+    grads = recompute_gradients(problem, SavedStatistics(lse, mean_logit), upstream, needed, options)
     # A custom operator returns tensors, never None: an unneeded gradient is an empty tensor.
-    return tuple(like.new_empty(0) if grad is None else grad for grad, like in zip(grads, problem[:2], strict=True))
+    return tuple(
+        like.new_empty(0) if grad is None else grad for grad, like in zip(grads, (hidden, weight), strict=True)
+    )
 
 
 @fused_backward.register_fake
@@ -195,7 +215,7 @@ class Logits(torch.autograd.Function):
             rows = chunk_rows(options.token_chunk, logits.shape[-1])
             stats = chunk_statistics(_scaled(logits, temperature), statistics_column(target_column), kept_mask, rows)
             several = lambda logits, _, columns, temperature: taken_logits(logits, columns, temperature)  # noqa: E731
-            torch_backend = backends.by_name("torch")
+            torch_backend = registry.by_name("torch")
             return _summarized(torch_backend, stats, logits, None, target_column, temperature, options, several)
 
     @staticmethod
@@ -232,116 +252,3 @@ def _save_statistics(ctx, inputs: tuple, options: HeadOptions, output: Statistic
     ctx.options = options
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(lse, mean_logit)
-
-
-# The three-GEMM pass's phases in a compiled graph (``held_pass``; eagerly it calls the backend's
-# own methods).
-
-_STATE = "Tensor(a!) block, Tensor(b!) reference, Tensor(c!) held_hidden, Tensor(d!)[] held_weight, Tensor(e!) chosen"
-
-
-def _allocated(*args) -> List[Tensor]:
-    *problem, need_hidden, need_weight, options = args
-    needed = NeededGrads(need_hidden, need_weight)
-    state = backends.by_name(options.backend).allocate(ShardProblem(*problem), needed, options)
-    return [state.block, state.reference, state.held_hidden, state.chosen, *state.held_weight]
-
-
-@operator("loss_allocate", f"{_PROBLEM}, bool need_hidden, bool need_weight", "Tensor[]")
-def loss_allocate(*args) -> List[Tensor]:
-    """The backend's ``allocate``: ``[block, reference, held_hidden, chosen, *held_weight]``."""
-    return _allocated(*args)
-
-
-@loss_allocate.register_fake
-def _(*args, **fields) -> List[Tensor]:
-    # The same allocation on fake tensors gives the same shapes, dtypes and strides.
-    return _allocated(*args, HeadOptions(**fields))
-
-
-@operator("loss_statistics", f"{_PROBLEM}, Tensor(a!) block, Tensor(b!) reference", "Tensor")
-def loss_statistics(hidden, weight, target_column, temperature, kept_mask, block, reference, options) -> Tensor:
-    """The backend's ``chunk_statistics`` for a chunk's ``k`` rows, into the block's first ``k`` rows."""
-    problem = ShardProblem(hidden, weight, target_column, temperature, kept_mask)
-    state = LossState(block, reference, hidden.new_empty(0), [], hidden.new_empty(0))
-    return backends.by_name(options.backend).chunk_statistics(problem, state, slice(0, hidden.shape[0]))
-
-
-@loss_statistics.register_fake
-def _(hidden, *tensors, **fields) -> Tensor:
-    return hidden.new_empty(hidden.shape[0], NUM_STATISTICS, dtype=torch.float32)
-
-
-@operator("loss_summary", f"Tensor local, {_PROBLEM}", "Tensor[]")
-def loss_summary(local, hidden, weight, target_column, temperature, kept_mask, options) -> List[Tensor]:
-    """A chunk's ``merge_and_summarize`` (its ``k`` rows), as ``SoftmaxSummary``'s tensors."""
-    out, several = new_summary(target_column), None
-    if target_column.dim() == 2:
-        several = gathered_logits(hidden, weight, target_column, temperature)
-    merge_and_summarize(backends.by_name(options.backend), local, target_column, several, out, options)
-    return list(out)
-
-
-@loss_summary.register_fake
-def _(local, hidden, weight, target_column, *tensors, **fields) -> List[Tensor]:
-    return list(new_summary(target_column))
-
-
-@operator("loss_gradients", f"{_PROBLEM}, {_STATE}, Tensor[] summary, Tensor? grad_logprob, Tensor? grad_entropy, "
-          "Tensor? weight_scale, SymInt start, SymInt stop, bool accumulate", "()")  # fmt: skip
-def loss_gradients(*args) -> None:
-    """The backend's ``chunk_gradients`` for the rows ``[start, stop)``."""
-    *problem, block, reference, held_hidden, held_weight, chosen, summary, grad_logprob, grad_entropy = args[:13]
-    weight_scale, start, stop, accumulate, options = args[13:]
-    state = LossState(block, reference, held_hidden, held_weight, chosen)
-    backends.by_name(options.backend).chunk_gradients(
-        ShardProblem(*problem), state, slice(start, stop), SoftmaxSummary(*summary),
-        UpstreamGrads(grad_logprob, grad_entropy), weight_scale, accumulate, options,
-    )  # fmt: skip
-
-
-@loss_gradients.register_fake
-def _(*args, **fields) -> None:
-    return None
-
-
-@operator("loss_chosen_rows", "Tensor(a!)[] held_weight, Tensor target_column, Tensor chosen, Tensor hidden", "()")
-def loss_chosen_rows(held_weight, target_column, chosen, hidden, options) -> None:
-    """The backend's ``add_chosen_rows``."""
-    backends.by_name(options.backend).add_chosen_rows(held_weight, target_column, chosen, hidden)
-
-
-@loss_chosen_rows.register_fake
-def _(*args, **fields) -> None:
-    return None
-
-
-class OperatorPhases:
-    """The backend's three-GEMM phases in a compiled graph, each a custom operator above, so that
-    the graph never traces into a backend (own float32 parts only: ``weight_grad_into`` runs
-    eagerly); ``summarize_chunk`` is ``held_pass``'s eager step."""
-
-    def __init__(self, options: HeadOptions):
-        self.fields = options.fields()
-
-    def allocate(self, problem: ShardProblem, needed: NeededGrads, options: HeadOptions, held_weight=None) -> LossState:
-        block, reference, held_hidden, chosen, *parts = loss_allocate(*problem, *needed, **self.fields)
-        return LossState(block, reference, held_hidden, parts, chosen)
-
-    def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice) -> Tensor:
-        return loss_statistics(*(value[rows] for value in problem[:1]), problem.weight,
-                               *(value[rows] for value in problem[2:]), state.block, state.reference, **self.fields)  # fmt: skip
-
-    def summarize_chunk(self, problem: ShardProblem, rows: slice, local: Tensor, out: SoftmaxSummary, options) -> None:
-        chunk = ShardProblem(problem.hidden[rows], problem.weight, *(value[rows] for value in problem[2:]))
-        for field, value in zip(out, loss_summary(local, *chunk, **self.fields), strict=True):
-            field.copy_(value)
-
-    def chunk_gradients(self, problem, state, rows, summary, upstream, weight_scale, accumulate, options) -> None:
-        loss_gradients(
-            *problem, *state[:5], list(summary), *upstream, weight_scale, rows.start, rows.stop, accumulate,
-            **self.fields,
-        )  # fmt: skip
-
-    def add_chosen_rows(self, held_weight, target_column, chosen, hidden) -> None:
-        loss_chosen_rows(held_weight, target_column, chosen, hidden, **self.fields)

@@ -9,7 +9,7 @@ from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 
-from .contract import SavedStatistics, UpstreamGrads, token_chunks
+from .backends.contract import SavedStatistics, UpstreamGrads, token_chunks
 from .kept_tokens import kept_block
 from .softmax import NUM_STATISTICS, block_logit_grad, block_statistics
 

@@ -52,7 +52,7 @@ def _cross_entropy_terms(logprob: Tensor, weight: Tensor) -> tuple[Tensor, Tenso
 
 cross_entropy.entropy_grad = False
 # Its losses with their per-token gradients (d loss / d logprob, d loss / d entropy) in closed form,
-# which the three-GEMM pass takes instead of autograd's (``loss_in_forward.ChunkLoss``): fewer launches.
+# which the three-GEMM pass takes instead of autograd's (``loss_pass.chunks.ChunkLoss``): fewer launches.
 cross_entropy.with_grads = lambda logprob, entropy, *, weight: (*_cross_entropy_terms(logprob, weight), None)
 
 

@@ -7,7 +7,7 @@ from typing import Callable, Tuple, Union
 
 import torch
 
-from .contract import token_chunks
+from .backends.contract import token_chunks
 from .softmax import NUM_STATISTICS, block_statistics
 
 Tensor = torch.Tensor

@@ -18,7 +18,7 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import backends
+from .backends import registry
 from .boundary import autocast_off
 from .chunking import chunk_rows
 from .distributed import all_gather_stacked, group_rank, group_size, merge_across_group
@@ -77,7 +77,7 @@ def fused_linear_topk(
     """
     check_linear_inputs(hidden, weight)
     check_across_ranks("fused_linear_topk", tp_group, hidden, weight, temperature=temperature)
-    resolved = backends.resolve(backend, hidden.device)
+    resolved = registry.resolve(backend, hidden.device)
     options = HeadOptions.checked(backend=resolved.name, token_chunk=token_chunk, tp_group=tp_group)
     temperature = row_temperatures(temperature, RowSelection(hidden.shape[:-1], None, None, None), hidden.device)
     rows, weight = hidden.reshape(-1, hidden.shape[-1]).detach().to(weight.dtype), weight.detach()

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from megatron_fused_lm.ops.backends import by_name
+from megatron_fused_lm.ops.backends.contract import ShardProblem
 from megatron_fused_lm.ops.backends.cute import CuteBackend, statistics_unsupported
-from megatron_fused_lm.ops.contract import ShardProblem
+from megatron_fused_lm.ops.backends.registry import by_name
 from megatron_fused_lm.ops.options import resolved_backend
 from megatron_fused_lm.ops.triton_support import cute_unavailable_reason
 

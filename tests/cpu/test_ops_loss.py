@@ -508,9 +508,9 @@ class ChunkNormalized:
 
 
 def test_a_differently_configured_loss_object_is_checked_again(monkeypatch):
-    from megatron_fused_lm.ops import loss_in_forward
+    from megatron_fused_lm.ops.loss_pass import chunks
 
-    monkeypatch.setattr(loss_in_forward, "_rows_checked", set())
+    monkeypatch.setattr(chunks, "_rows_checked", set())
     hidden, weight, targets, _ = sft_case()
     fused_linear_loss(hidden, weight, targets, ChunkNormalized(normalize=False))
     with pytest.raises(ValueError, match="each row's loss from that row alone"):
@@ -518,9 +518,9 @@ def test_a_differently_configured_loss_object_is_checked_again(monkeypatch):
 
 
 def test_a_per_row_loss_fn_is_checked_once_per_definition(monkeypatch):
-    from megatron_fused_lm.ops import loss_in_forward
+    from megatron_fused_lm.ops.loss_pass import chunks
 
-    monkeypatch.setattr(loss_in_forward, "_rows_checked", set())
+    monkeypatch.setattr(chunks, "_rows_checked", set())
     hidden, weight, targets, _ = sft_case()
     calls = []
     for _ in range(2):  # a new object of the same class each step, as trainers make them

@@ -177,8 +177,8 @@ def opcheck_cases():
     """``(operator, args, kwargs)`` for each custom operator: inputs that need gradients for the
     forward operators (their registered autograd is checked), plain ones for the others; the loss
     path's phases on a pass's own state after its first chunk's statistics."""
-    from megatron_fused_lm.ops.backends import TorchBackend
-    from megatron_fused_lm.ops.contract import NeededGrads, ShardProblem
+    from megatron_fused_lm.ops.backends.contract import NeededGrads, ShardProblem
+    from megatron_fused_lm.ops.backends.registry import TorchBackend
     from megatron_fused_lm.ops.options import HeadOptions
     from megatron_fused_lm.ops.softmax import summarize
 
@@ -203,7 +203,7 @@ def opcheck_cases():
     chunk_problem = (hidden[:7], weight, targets[:7], temperature[:7], kept[:7])
     held_weight = [torch.randn(VOCAB // 2, HIDDEN), torch.randn(VOCAB - VOCAB // 2, HIDDEN)]
     held = [torch.randn(ROWS, HIDDEN), *held_weight]
-    spec = dict(into_caller=False, scale=1.0, parts=2, dtype=torch.bfloat16, **options)
+    spec = dict(has_weight_grad_into=False, weight_grad_scale=1.0, parts=2, dtype=torch.bfloat16, **options)
     # The summary a correcting pass reads: an lse far above the logits, so exp(z - lse) stays small.
     correction = [hidden, weight, targets, temperature, kept, -lse.abs(), lse.abs(), lse.abs() + 10, mean_logit, lse]
     gradients = (upstream[0][:7], upstream[1][:7], None, 0, 7, False)

@@ -6,7 +6,7 @@ this file, run as a script that takes one case per line as JSON and answers each
 process per case spent most of its time importing torch and Triton). The backend is built here with small tiles (the CUDA tiles
 would take minutes to interpret), two vocabulary splits and a two-program backward grid, so that
 every case crosses several tiles, splits and programs. Each case runs the four-GEMM path
-(statistics, then the recomputing backward) or the three-GEMM one (``contract.run_loss_pass``).
+(statistics, then the recomputing backward) or the three-GEMM one (``loss_pass.chunks.run_loss_pass``).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def held_gradient_kernels(case: dict) -> dict:
     """The Triton backend's small kernels against the torch code they replace: the scaled copy (one
     scale, one per row), the finished hidden rows (with and without a factor), the chosen rows added
-    to a two-part float32 weight gradient (``held_gradients.HeldSteps``), the per-row terms
+    to a two-part float32 weight gradient (``TorchLoss``'s steps), the per-row terms
     (``softmax.chosen_logit_grad``, ``triton_loss.direct_factor``, the scaled hidden rows), the
-    labels path's fit (``HeldSteps.fit_declared``), the rows' references and their stale check
+    labels path's fit (``TorchLoss.fit_declared``), the rows' references and their stale check
     (``devkit.kernel_references``) and the summary (``softmax.summarize``): relative differences."""
     from functools import partial
 
@@ -39,7 +39,8 @@ def held_gradient_kernels(case: dict) -> dict:
 
     from devkit.kernel_references import torch_row_references, torch_stale_references
     from devkit.oracle import relative_error
-    from megatron_fused_lm.ops import held_gradients
+    from megatron_fused_lm.ops.backends.contract import NeededGrads, UpstreamGrads
+    from megatron_fused_lm.ops.backends.torch_loss import TorchLoss
     from megatron_fused_lm.ops.backends.triton_loss import direct_factor
     from megatron_fused_lm.ops.backends.triton_reference import (
         EMPTY_REFERENCE,
@@ -47,14 +48,14 @@ def held_gradient_kernels(case: dict) -> dict:
         MAX_BELOW_REFERENCE,
         REFERENCE_HEADROOM,
     )  # fmt: skip
-    from megatron_fused_lm.ops.contract import NeededGrads, UpstreamGrads
     from megatron_fused_lm.ops.kernels.chosen_token_kernel import add_chosen_rows, finish_hidden_grad
     from megatron_fused_lm.ops.kernels.fit_kernel import fit_declared
     from megatron_fused_lm.ops.kernels.merge_kernel import StaleCheck, merge_parts, summarize_parts
     from megatron_fused_lm.ops.kernels.reference_kernel import row_references as kernel_row_references
     from megatron_fused_lm.ops.kernels.row_terms_kernel import row_terms
     from megatron_fused_lm.ops.kernels.scale_kernel import scale_into
-    from megatron_fused_lm.ops.loss_in_forward import PROPORTIONAL_TOLERANCE
+    from megatron_fused_lm.ops.loss_pass import weight_grad
+    from megatron_fused_lm.ops.loss_pass.weight_grad import PROPORTIONAL_TOLERANCE
     from megatron_fused_lm.ops.softmax import OUTSIDE_VOCAB, SoftmaxSummary, chosen_logit_grad, summarize
 
     torch.manual_seed(case["seed"])
@@ -65,16 +66,16 @@ def held_gradient_kernels(case: dict) -> dict:
     target_column = torch.randint(-1, 4, (tokens,))
     chosen = torch.randn(tokens) * (torch.rand(tokens) > 0.2)
     product, factor = torch.randn(tokens, hidden_size), torch.randn(tokens)
-    errors, steps = {}, held_gradients.HeldSteps()
+    errors, steps = {}, TorchLoss()
     for with_factor in (False, True):
         expected, actual = product.clone(), product.clone()
         steps.add_chosen(expected, target_column, chosen, weight, factor if with_factor else None)
         finish_hidden_grad(actual, factor if with_factor else None, chosen, target_column, weight, actual)
         errors[f"finish_hidden_factor_{with_factor}"] = relative_error(actual, expected)
     logit_grads = torch.randn(tokens, vocab, generator=torch.Generator().manual_seed(1)).to(dtype)
-    expected, actual = (held_gradients.allocate(hidden, weight, NeededGrads(False, True))[1] for _ in range(2))
+    expected, actual = (weight_grad.allocate_parts(hidden, weight, NeededGrads(False, True))[1] for _ in range(2))
     for parts in (expected, actual):
-        held_gradients.add_weight_product(parts, logit_grads, hidden, accumulate=False)
+        weight_grad.add_weight_product(parts, logit_grads, hidden, accumulate=False)
     steps.add_chosen_rows(expected, target_column, chosen, hidden)
     add_chosen_rows(actual, target_column, chosen, hidden)
     errors["chosen_rows"] = max(
@@ -95,17 +96,17 @@ def held_gradient_kernels(case: dict) -> dict:
         logprob, torch.rand(tokens), torch.randn(tokens) + 5, torch.randn(tokens), torch.randn(tokens)
     )
     upstream, temperature = UpstreamGrads(torch.randn(tokens), torch.randn(tokens)), torch.rand(tokens) + 0.5
-    reference, weight_scale = summary.lse - torch.rand(tokens), torch.rand(tokens)
+    reference, weight_row_scale = summary.lse - torch.rand(tokens), torch.rand(tokens)
     operand, chosen_weight = torch.empty(tokens, hidden_size, dtype=dtype), torch.empty(tokens)
     kernel_chosen, kernel_factor = row_terms(
-        target_column, summary, upstream, temperature, reference, weight_scale, hidden, operand, chosen_weight
+        target_column, summary, upstream, temperature, reference, weight_row_scale, hidden, operand, chosen_weight
     )
     torch_chosen = chosen_logit_grad(target_column, summary, *upstream) / temperature
     torch_factor = direct_factor(reference, summary.lse, upstream.logprob, temperature)
     errors["row_chosen"] = relative_error(kernel_chosen, torch_chosen)
     errors["row_factor"] = relative_error(kernel_factor, torch_factor)
-    errors["row_chosen_weight"] = relative_error(chosen_weight, torch_chosen * weight_scale)
-    errors["row_operand"] = relative_error(operand, (hidden * (torch_factor * weight_scale)[:, None]).to(dtype))
+    errors["row_chosen_weight"] = relative_error(chosen_weight, torch_chosen * weight_row_scale)
+    errors["row_operand"] = relative_error(operand, (hidden * (torch_factor * weight_row_scale)[:, None]).to(dtype))
     # The fit: an upstream proportional to the declared weights but for one row, one that is, one
     # orthogonal to them (the fit falls back to 1) and zeros (0); the correction against the
     # upstream's size over the scale (the difference is rounding there), none for zeros (0 / 0,
@@ -194,15 +195,17 @@ def finished_pass(backend, problem, chunk_step, options):
     finished for an upstream gradient of 1, as the backward finishes them: ``Gradients``."""
     import torch
 
-    from megatron_fused_lm.ops.contract import Gradients, NeededGrads, run_loss_pass
+    from megatron_fused_lm.ops.backends.contract import Gradients, NeededGrads
+    from megatron_fused_lm.ops.loss_pass.chunks import run_loss_pass
+    from megatron_fused_lm.ops.loss_pass.weight_grad import finish_weight
 
     state = backend.allocate(problem, NeededGrads(hidden=True, weight=True), options)
-    run_loss_pass(backend, problem, chunk_step, state, options, adds=False)
+    run_loss_pass(backend, problem, chunk_step, state, options, accumulate=False)
     dtype, one = problem.weight.dtype, torch.ones(())
     hidden = backend.scaled_copy(
         state.held_hidden, one, torch.empty_like(state.held_hidden, dtype=problem.hidden.dtype)
     )
-    return Gradients(hidden, backend.finish_weight(state.held_weight, one, dtype, True))
+    return Gradients(hidden, finish_weight(state.held_weight, one, dtype, True, backend.scaled_copy))
 
 
 def several_targets_case(case: dict) -> dict:
@@ -212,9 +215,9 @@ def several_targets_case(case: dict) -> dict:
     import torch
 
     from devkit.oracle import relative_error
+    from megatron_fused_lm.ops.backends.contract import NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
     from megatron_fused_lm.ops.backends.triton import TritonBackend
     from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
-    from megatron_fused_lm.ops.contract import NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
     from megatron_fused_lm.ops.kept_tokens import every_column
     from megatron_fused_lm.ops.kernels.tiles import Tiles
     from megatron_fused_lm.ops.options import HeadOptions
@@ -548,9 +551,9 @@ def run_case_here(case: dict) -> dict:
         return default_tuning_case(case)
 
     from devkit.oracle import max_abs_error, reference, relative_error
+    from megatron_fused_lm.ops.backends.contract import NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
     from megatron_fused_lm.ops.backends.triton import TritonBackend
     from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
-    from megatron_fused_lm.ops.contract import NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
     from megatron_fused_lm.ops.kept_tokens import KeptSets, every_column, torch_kept_mask
     from megatron_fused_lm.ops.kernels.kept_mask_kernel import kept_mask
     from megatron_fused_lm.ops.kernels.tiles import Tiles
@@ -688,7 +691,8 @@ def three_gemm_pass(backend, options, hidden, weight, targets, temperature, grad
     shards and the weight gradient's shards stacked."""
     import torch
 
-    from megatron_fused_lm.ops.contract import Gradients, NeededGrads, ShardProblem, UpstreamGrads, run_loss_pass
+    from megatron_fused_lm.ops.backends.contract import Gradients, NeededGrads, ShardProblem, UpstreamGrads
+    from megatron_fused_lm.ops.loss_pass.chunks import run_loss_pass
     from megatron_fused_lm.ops.softmax import SoftmaxSummary
 
     tokens, vocab = targets.shape[0], weight.shape[0]
@@ -712,7 +716,7 @@ def three_gemm_pass(backend, options, hidden, weight, targets, temperature, grad
             return None, UpstreamGrads(None, None), None
 
         state = backend.allocate(problem, NeededGrads(hidden=False, weight=False), options)
-        run_loss_pass(backend, problem, record, state, options, adds=False)
+        run_loss_pass(backend, problem, record, state, options, accumulate=False)
     # ... then each shard's gradients, its chunks in order, merged with the others' statistics.
     logprob, entropy = torch.empty(tokens), torch.empty(tokens)
     partials = []
@@ -1047,8 +1051,8 @@ def test_batch_invariant_three_gemm_refuses_float32_weights():
     # rows: no form the option could keep.
     import torch
 
+    from megatron_fused_lm.ops.backends.contract import NeededGrads, ShardProblem
     from megatron_fused_lm.ops.backends.triton import TritonBackend
-    from megatron_fused_lm.ops.contract import NeededGrads, ShardProblem
     from megatron_fused_lm.ops.kept_tokens import every_column
     from megatron_fused_lm.ops.options import HeadOptions
 

@@ -16,8 +16,8 @@ import torch
 
 from devkit.oracle import max_abs_error, reference, relative_error
 from megatron_fused_lm import fused_linear_logprob
-from megatron_fused_lm.ops.backends import by_name
-from megatron_fused_lm.ops.contract import ShardProblem
+from megatron_fused_lm.ops.backends.contract import ShardProblem
+from megatron_fused_lm.ops.backends.registry import by_name
 from megatron_fused_lm.ops.softmax import summarize
 from megatron_fused_lm.ops.triton_support import cute_unavailable_reason
 

@@ -25,7 +25,7 @@ import torch
 
 from devkit.oracle import max_abs_error, reference, relative_error
 from megatron_fused_lm import fused_linear_logprob, logits_logprob
-from megatron_fused_lm.ops.contract import NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
+from megatron_fused_lm.ops.backends.contract import NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
 from megatron_fused_lm.ops.kept_tokens import every_column
 from megatron_fused_lm.ops.softmax import merge_statistics, summarize
 
@@ -184,7 +184,7 @@ def test_several_targets_per_row(dtype):
 def test_targets_on_other_ranks(backend):
     """Simulated TP=3: each shard's statistics from the backend, merged as the collective would,
     and each shard's partial hidden gradient summed as the all-reduce would."""
-    from megatron_fused_lm.ops.backends import by_name
+    from megatron_fused_lm.ops.backends.registry import by_name
     from megatron_fused_lm.ops.options import HeadOptions
 
     num_tokens, hidden_size, vocab, ranks = 300, 1000, 3 * 43307, 3

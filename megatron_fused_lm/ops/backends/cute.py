@@ -10,10 +10,10 @@ from typing import Optional
 import torch
 
 from ..._logging import warn_once
-from ..contract import ShardProblem
 from ..kernels.merge_kernel import merge_parts
 from ..options import HeadOptions
 from ..softmax import NUM_STATISTICS
+from .contract import ShardProblem
 from .triton import TritonBackend
 from .triton_tuning import TritonTuning
 

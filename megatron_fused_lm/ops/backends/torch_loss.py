@@ -8,10 +8,10 @@ from typing import List, Optional
 
 import torch
 
-from .. import held_gradients
 from ..chunking import chunk_rows
-from ..contract import LossState, NeededGrads, ShardProblem, UpstreamGrads
 from ..kept_tokens import kept_block
+from ..loss_pass import weight_grad
+from ..loss_pass.weight_grad import deviates, proportional_fit
 from ..options import HeadOptions
 from ..products import add_product
 from ..several_targets import statistics_column
@@ -24,11 +24,13 @@ from ..softmax import (
     summarize,
     zero_chosen,
 )
+from .contract import LossState, NeededGrads, ShardProblem, UpstreamGrads
 
 
-class TorchLoss(held_gradients.HeldSteps):
+class TorchLoss:
     """The three-GEMM path of the torch backend: a float32 block of ``chunking.chunk_rows`` rows
-    (``options.token_chunk``) whatever the loss."""
+    (``options.token_chunk``) whatever the loss, and the steps on the held gradients, element by
+    element in torch."""
 
     gates_on_device = False  # a correcting pass runs or not as the host reads its gate
 
@@ -44,7 +46,7 @@ class TorchLoss(held_gradients.HeldSteps):
         hidden, weight = problem.hidden, problem.weight
         rows = min(chunk_rows(options.token_chunk, weight.shape[0]), max(hidden.shape[0], 1))
         block = hidden.new_empty(rows, weight.shape[0], dtype=torch.float32)
-        return LossState(block, hidden.new_empty(0), *held_gradients.allocate_state(problem, needed, held_weight))
+        return LossState(block, hidden.new_empty(0), *weight_grad.allocate_state(problem, needed, held_weight))
 
     def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice) -> torch.Tensor:
         """The chunk's float32 logits into the block (GEMM 1) and their statistics ``[k, 4]``."""
@@ -69,13 +71,13 @@ class TorchLoss(held_gradients.HeldSteps):
         rows: slice,
         summary: SoftmaxSummary,
         upstream: UpstreamGrads,
-        weight_scale: Optional[torch.Tensor],
+        weight_row_scale: Optional[torch.Tensor],
         accumulate: bool,
         options: HeadOptions,
     ) -> None:
         """``dz`` in float32 with the chosen tokens' elements zeroed (their term is added in float32
         by ``add_chosen`` and, once per call, ``add_chosen_rows``), the products in the weight's
-        dtype accumulating in float32; the weight gradient's upstream is ``weight_scale`` times the
+        dtype accumulating in float32; the weight gradient's upstream is ``weight_row_scale`` times the
         hidden gradient's, row by row."""
         weight, target_column, temperature = problem.weight, problem.target_column[rows], problem.temperature[rows]
         logits = state.block[: rows.stop - rows.start]
@@ -86,12 +88,76 @@ class TorchLoss(held_gradients.HeldSteps):
         if state.held_hidden.dim() == 2:
             add_product(state.held_hidden[rows], operand, weight, accumulate=False)
         if state.held_weight:
-            if weight_scale is not None:  # the weight's own operand, rounded once as the hidden's is
-                operand = grad.mul_(weight_scale[:, None]).to(weight.dtype)
-            held_gradients.add_weight_product(state.held_weight, operand, problem.hidden[rows], accumulate)
+            if weight_row_scale is not None:  # the weight's own operand, rounded once as the hidden's is
+                operand = grad.mul_(weight_row_scale[:, None]).to(weight.dtype)
+            weight_grad.add_weight_product(state.held_weight, operand, problem.hidden[rows], accumulate)
         per_row = temperature.view(-1, *[1] * (target_column.dim() - 1))  # beside one or several targets' terms
         chosen = chosen_logit_grad(target_column, summary, *upstream) / per_row
         if state.held_hidden.dim() == 2:
             self.add_chosen(state.held_hidden[rows], target_column, chosen, weight)
         if state.held_weight:
-            state.chosen[rows] = chosen if weight_scale is None else chosen * weight_scale.view(per_row.shape)
+            state.chosen[rows] = chosen if weight_row_scale is None else chosen * weight_row_scale.view(per_row.shape)
+
+    # The steps on the held gradients; the Triton backend has kernels for each.
+
+    @staticmethod
+    def fit_declared(
+        upstream: torch.Tensor, declared: torch.Tensor, assumed: Optional[float]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The labels path's backward check, on the device: ``(scale [], correction [n], ran [])``,
+        the scale ``c`` of the declared weights ``w`` (``assumed``, or else fitted to the upstream
+        gradient ``u``), the log-prob gradient of the difference ``-(u - c w)`` that the weight
+        gradient still lacks (over ``c`` where fitted: it is scaled by ``c`` with the held one), and
+        whether the difference is more than rounding."""
+        scale = upstream.new_tensor(assumed) if assumed is not None else proportional_fit(upstream, declared)
+        difference = upstream - scale * declared
+        correction = -difference if assumed is not None else -difference / scale
+        return scale, correction, deviates(difference, upstream)
+
+    @staticmethod
+    def scaled_copy(source: torch.Tensor, scale: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """``out = source * scale`` (``scale`` a 0-dim float32 tensor, one per row ``[n]``, or
+        ``None``: 1), computed in float32 and rounded once into ``out``'s dtype; ``out`` may be
+        ``source``. Returns ``out``."""
+        if scale is None:
+            return out.copy_(source)
+        return torch.mul(source, scale if scale.dim() == 0 else scale.unsqueeze(1), out=out)
+
+    @staticmethod
+    def add_chosen(
+        product: torch.Tensor,
+        target_column: torch.Tensor,
+        chosen: torch.Tensor,
+        weight: torch.Tensor,
+        factor: Optional[torch.Tensor] = None,
+    ) -> None:
+        """Finish a chunk's hidden gradient rows in place: the product ``[k, H]`` (float32) becomes
+        ``factor * product + chosen * weight[target_column]``. ``target_column``, ``chosen`` and
+        ``factor`` ``[k]`` (``factor`` ``None``: 1; columns ``< 0``: another shard's token, no
+        term); several targets, ``[k, m]``: each column's term added in turn."""
+        if factor is not None:
+            product.mul_(factor.unsqueeze(1))
+        columns = target_column.view(target_column.shape[0], -1)
+        for target in range(columns.shape[1]):
+            column, term = columns[:, target], chosen.view(columns.shape)[:, target]
+            coefficient = torch.where(column >= 0, term, 0.0).unsqueeze(1)
+            product.addcmul_(coefficient, weight[column.clamp(min=0)].float())
+
+    @staticmethod
+    def add_chosen_rows(
+        held_weight: List[torch.Tensor], target_column: torch.Tensor, chosen: torch.Tensor, hidden: torch.Tensor
+    ) -> None:
+        """Add ``chosen[t] * hidden[t]`` to the weight gradient's row ``target_column[t]`` (its
+        float32 row parts in order), summed per row in float32 in a fixed order (deterministic);
+        ``[n]`` or, several targets, ``[n, m]`` columns and terms; columns ``< 0``: no term."""
+        columns, per_row = target_column.reshape(-1), target_column.shape[1] if target_column.dim() == 2 else 1
+        rows = hidden if per_row == 1 else hidden.repeat_interleave(per_row, dim=0)  # one row per term
+        values = chosen.reshape(-1, 1) * rows.float()
+        # Terms outside a part go to distinct rows as zeros, so that none piles onto one row.
+        spare = torch.arange(columns.shape[0], device=hidden.device)
+        start = 0
+        for part in held_weight:
+            inside = (columns >= start) & (columns < start + part.shape[0])
+            part_rows = torch.where(inside, columns - start, spare % part.shape[0])
+            part.index_put_((part_rows,), torch.where(inside.unsqueeze(1), values, 0.0), accumulate=True)
+            start += part.shape[0]

@@ -1,17 +1,17 @@
 """The torch backend's four-GEMM path: walk the rows in chunks, each chunk's logits a float32 block
 in memory. Working set per call besides the inputs and the returned gradients: about three float32
 ``[token_chunk, vocab_shard]`` blocks and, for a weight that is not float32, a float32 accumulator
-for ``grad_weight`` (``held_gradients``), narrowed into its own memory at the end."""
+for ``grad_weight`` (``loss_pass.weight_grad``), narrowed into its own memory at the end."""
 
 from __future__ import annotations
 
 import torch
 
-from .. import held_gradients
 from ..chunking import BlockLogits, chunk_logit_grads, chunk_rows, chunk_statistics
-from ..contract import Gradients, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
+from ..loss_pass import weight_grad
 from ..options import HeadOptions
 from ..products import add_product, float32_product
+from .contract import Gradients, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
 
 
 def block_logits(problem: ShardProblem) -> BlockLogits:
@@ -42,14 +42,14 @@ class TorchRecompute:
         and a chunk's hidden gradient is rounded once."""
         hidden, weight = problem.hidden, problem.weight
         grad_hidden = torch.empty_like(hidden) if needed.hidden else None
-        _, held_weight = held_gradients.allocate(hidden, weight, NeededGrads(hidden=False, weight=needed.weight))
+        _, held_weight = weight_grad.allocate_parts(hidden, weight, NeededGrads(hidden=False, weight=needed.weight))
         rows = chunk_rows(options.token_chunk, weight.shape[0])
         for chunk, grad in _logit_grads(problem, saved, upstream, rows):
             grad = grad.to(weight.dtype)
             if grad_hidden is not None:
                 add_product(grad_hidden[chunk], grad, weight, accumulate=False)
-            held_gradients.add_weight_product(held_weight, grad, hidden[chunk], accumulate=chunk.start > 0)
-        grad_weight = self.finish_weight(held_weight, None, weight.dtype, narrow_in_place=True)
+            weight_grad.add_weight_product(held_weight, grad, hidden[chunk], accumulate=chunk.start > 0)
+        grad_weight = weight_grad.finish_weight(held_weight, None, weight.dtype, True, self.scaled_copy)
         return Gradients(grad_hidden, grad_weight)
 
 

@@ -7,7 +7,7 @@
 2. ``chunk_gradients``: a bfloat16 exponentials block without an entropy term is ``dz`` up to a
    per-row factor, the chosen token aside, and cuBLAS reads it as it is (``reads_block_directly``,
    the fast path); otherwise the ``dz`` kernel forms ``dz`` over the block (``dz_operand``). Then
-   the two products in float32 and the chosen tokens' term (``held_gradients``).
+   the two products in float32 and the chosen tokens' term (``loss_pass.weight_grad``).
 
 ``docs/DESIGN.md`` ("The stored block") derives the factor and says which form each case takes
 and why.
@@ -19,8 +19,6 @@ from typing import List, Optional
 
 import torch
 
-from .. import held_gradients
-from ..contract import LossState, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
 from ..kernels.chosen_token_kernel import add_chosen_rows, finish_hidden_grad
 from ..kernels.descriptors import addressable, addressable_empty
 from ..kernels.fit_kernel import fit_declared
@@ -31,11 +29,14 @@ from ..kernels.rows_product_kernel import rows_product
 from ..kernels.scale_kernel import scale_into
 from ..kernels.softmax_stats_kernel import refresh_exponentials, split_statistics, stores_offsets
 from ..kernels.stored_grad_kernel import stored_logit_grads
-from ..loss_in_forward import PROPORTIONAL_TOLERANCE
+from ..loss_pass import weight_grad
+from ..loss_pass.weight_grad import PROPORTIONAL_TOLERANCE
 from ..options import HeadOptions
 from ..products import add_product
 from ..several_targets import statistics_column
 from ..softmax import SoftmaxSummary, chosen_logit_grad, logit_grad, zero_chosen
+from . import torch_loss
+from .contract import LossState, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
 from .triton_reference import (
     EMPTY_REFERENCE,
     MAX_ABOVE_REFERENCE,
@@ -73,7 +74,7 @@ def reads_block_directly(state: LossState, weight: torch.Tensor, upstream: Upstr
     return block_dtype == weight.dtype and not stores_offsets(block_dtype) and upstream.entropy is None
 
 
-class TritonLoss(held_gradients.HeldSteps):
+class TritonLoss:
     """The three-GEMM path of the Triton backend (``self.tuning``: ``triton_tuning.TritonTuning``).
     ``options.token_chunk``: rows per chunk (``triton_tuning.loss_token_chunk``); the block's form
     follows the loss's entropy term (``triton_reference.stored_dtype``); ``options.batch_invariant``
@@ -110,7 +111,7 @@ class TritonLoss(held_gradients.HeldSteps):
         # row of the chunk and column tile (offsets: the tiles' maxima, which the kernel finds itself).
         shape = (token_chunk, -(-vocab // tiles.block_n)) if stores_offsets(block_dtype) else (max(num_tokens, 1),)
         reference = hidden.new_empty(shape, dtype=torch.float32)
-        return LossState(block, reference, *held_gradients.allocate_state(problem, needed, held_weight))
+        return LossState(block, reference, *weight_grad.allocate_state(problem, needed, held_weight))
 
     def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice) -> torch.Tensor:
         """The forward kernel over the chunk: its statistics ``[k, 4]``, its stored block and what
@@ -152,12 +153,12 @@ class TritonLoss(held_gradients.HeldSteps):
         rows: slice,
         summary: SoftmaxSummary,
         upstream: UpstreamGrads,
-        weight_scale: Optional[torch.Tensor],
+        weight_row_scale: Optional[torch.Tensor],
         accumulate: bool,
         options: HeadOptions,
     ) -> None:
         """The chunk's operand (the stored block, or ``dz``), its two products, the chosen term
-        (``TorchLoss.chunk_gradients`` says what ``weight_scale`` is)."""
+        (``TorchLoss.chunk_gradients`` says what ``weight_row_scale`` is)."""
         upstream = UpstreamGrads(*(None if grad is None else grad.contiguous() for grad in upstream))
         weight, hidden = addressable(problem.weight), addressable(problem.hidden[rows])
         columns = problem.target_column[rows].contiguous()
@@ -166,30 +167,30 @@ class TritonLoss(held_gradients.HeldSteps):
         if direct and columns.dim() == 2:  # the forward kernel zeroed one target's element, not several's
             zero_chosen(block, columns)
         terms = self.row_terms if columns.dim() == 1 else self.several_row_terms
-        chosen, factor, operand = terms(problem, state, rows, summary, upstream, weight_scale, direct)
+        chosen, factor, operand = terms(problem, state, rows, summary, upstream, weight_row_scale, direct)
         if not direct:
             block = self.dz_operand(problem, state, rows, summary, upstream)
         self.products(problem, state, rows, block, hidden if operand is None else operand, accumulate, options)
         if state.held_hidden.dim() == 2:
             self.add_chosen(state.held_hidden[rows], columns, chosen, weight, factor)
 
-    def row_terms(self, problem, state, rows, summary, upstream, weight_scale, direct):
+    def row_terms(self, problem, state, rows, summary, upstream, weight_row_scale, direct):
         """``(chosen, factor, weight operand)`` of a chunk's rows, one target each
         (``kernels.row_terms_kernel``); the weight operand ``None`` where it is the hidden rows."""
         hidden = addressable(problem.hidden[rows])
         into_weight = bool(state.held_weight)
         operand = None
-        if into_weight and (direct or weight_scale is not None):
+        if into_weight and (direct or weight_row_scale is not None):
             operand = addressable_empty(hidden, *hidden.shape, problem.weight.dtype)
         reference = chunk_reference(state, rows) if direct else None
         chosen_weight = state.chosen[rows] if into_weight else None
         chosen, factor = row_terms(
-            problem.target_column[rows], summary, upstream, problem.temperature[rows], reference, weight_scale, hidden,
+            problem.target_column[rows], summary, upstream, problem.temperature[rows], reference, weight_row_scale, hidden,
             operand, chosen_weight,
         )  # fmt: skip
         return chosen, factor, operand
 
-    def several_row_terms(self, problem, state, rows, summary, upstream, weight_scale, direct):
+    def several_row_terms(self, problem, state, rows, summary, upstream, weight_row_scale, direct):
         """``row_terms`` for several targets per row, in torch: each distinct target's chosen term
         (``softmax.chosen_logit_grad``), the shared term taking the row sum of their gradients."""
         columns, hidden = problem.target_column[rows], problem.hidden[rows]
@@ -199,9 +200,11 @@ class TritonLoss(held_gradients.HeldSteps):
         if direct:
             grad_logprob = None if upstream.logprob is None else upstream.logprob.sum(1)
             factor = direct_factor(chunk_reference(state, rows), summary.lse, grad_logprob, temperature)
-        scale = factor if weight_scale is None else weight_scale if factor is None else factor * weight_scale
+        scale = (
+            factor if weight_row_scale is None else weight_row_scale if factor is None else factor * weight_row_scale
+        )
         if state.held_weight:
-            state.chosen[rows] = chosen if weight_scale is None else chosen * weight_scale.unsqueeze(1)
+            state.chosen[rows] = chosen if weight_row_scale is None else chosen * weight_row_scale.unsqueeze(1)
         operand = None if scale is None or not state.held_weight else (hidden * scale.unsqueeze(1)).to(hidden.dtype)
         return chosen, factor, operand
 
@@ -247,13 +250,13 @@ class TritonLoss(held_gradients.HeldSteps):
                 )
                 start += part.shape[0]
         elif state.held_weight:
-            held_gradients.add_weight_product(state.held_weight, operand, hidden_operand, accumulate)
+            weight_grad.add_weight_product(state.held_weight, operand, hidden_operand, accumulate)
 
     def scaled_copy(self, source: torch.Tensor, scale: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-        """``HeldSteps.scaled_copy`` by a kernel that reads the scale on the device (``mul`` by a 0-dim
+        """``TorchLoss.scaled_copy`` by a kernel that reads the scale on the device (``mul`` by a 0-dim
         CUDA tensor broadcasts it as an operand, off PyTorch's vectorized elementwise path)."""
         if scale is None or not (source.is_contiguous() and out.is_contiguous()):
-            return super().scaled_copy(source, scale, out)
+            return torch_loss.TorchLoss.scaled_copy(source, scale, out)
         scale_into(source, scale.contiguous(), out)
         return out
 
@@ -265,7 +268,7 @@ class TritonLoss(held_gradients.HeldSteps):
         weight: torch.Tensor,
         factor: Optional[torch.Tensor] = None,
     ) -> None:
-        """``HeldSteps.add_chosen`` by the chosen-token kernel, one target column at a time
+        """``TorchLoss.add_chosen`` by the chosen-token kernel, one target column at a time
         (``weight`` addressable)."""
         if target_column.dim() == 1:
             finish_hidden_grad(product, factor, chosen, target_column, weight, product)
@@ -277,13 +280,13 @@ class TritonLoss(held_gradients.HeldSteps):
     def fit_declared(
         self, upstream: torch.Tensor, declared: torch.Tensor, assumed: Optional[float]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``HeldSteps.fit_declared`` in one launch (``kernels.fit_kernel``)."""
+        """``TorchLoss.fit_declared`` in one launch (``kernels.fit_kernel``)."""
         return fit_declared(upstream.contiguous(), declared.contiguous(), assumed, PROPORTIONAL_TOLERANCE)
 
     def add_chosen_rows(
         self, held_weight: List[torch.Tensor], target_column: torch.Tensor, chosen: torch.Tensor, hidden: torch.Tensor
     ) -> None:
-        """``HeldSteps.add_chosen_rows`` by the chosen-token kernel (sorted runs, no atomics)."""
+        """``TorchLoss.add_chosen_rows`` by the chosen-token kernel (sorted runs, no atomics)."""
         hidden = addressable(hidden)
         if target_column.dim() == 1:
             add_chosen_rows(held_weight, target_column.contiguous(), chosen, hidden)

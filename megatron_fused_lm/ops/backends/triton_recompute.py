@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from ..contract import Gradients, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads, token_chunks
 from ..kernels.descriptors import addressable
 from ..kernels.logit_grad_kernel import logit_grad_block
 from ..kernels.merge_kernel import merge_parts
@@ -22,6 +21,7 @@ from ..kernels.softmax_stats_kernel import split_statistics
 from ..options import HeadOptions
 from ..products import add_product
 from ..softmax import NUM_STATISTICS
+from .contract import Gradients, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads, token_chunks
 from .triton_tuning import TOKEN_CHUNK, VOCAB_CHUNK_MULTIPLE
 
 

@@ -26,12 +26,12 @@ import torch
 import triton
 
 from ..chunking import BLOCK_BYTES, chunk_rows
-from ..contract import token_chunks
 from ..kernels.merge_kernel import merge_parts
 from ..kernels.softmax_stats_kernel import split_statistics
 from ..kernels.topk_kernel import collect_candidates
 from ..softmax import NUM_STATISTICS
 from ..top_keys import NO_KEY, logit_keys, shard_top_keys
+from .contract import token_chunks
 from .triton_tuning import TritonTuning
 
 Tensor = torch.Tensor

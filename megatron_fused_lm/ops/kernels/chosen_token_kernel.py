@@ -1,4 +1,4 @@
-"""The chosen token's gradient term, added in float32 outside the 16-bit operands (``held_gradients``
+"""The chosen token's gradient term, added in float32 outside the 16-bit operands (``loss_pass.weight_grad``
 has the torch code that computes the same):
 
 - ``finish_hidden_grad``: ``grad_hidden[t] = f[t] * product[t] + c[t] * W[y_t]``, one pass over the

@@ -1,4 +1,4 @@
-"""The labels path's backward check in one launch, on the device (``loss_in_forward.proportional_fit``
+"""The labels path's backward check in one launch, on the device (``loss_pass.weight_grad.proportional_fit``
 and ``deviates`` are the torch form it follows): the scale ``c`` that fits an upstream gradient
 ``u [n]`` to the declared weights ``w [n]`` (or a given one), the per-row gradient of the difference
 ``u - c w`` that a correction would take, and whether the difference is more than rounding."""
@@ -34,7 +34,7 @@ def fit_kernel(
             largest_declared = tl.maximum(largest_declared, tl.abs(declared))
         largest = tl.max(largest, axis=0)
         scale = tl.sum(dot, axis=0) / tl.maximum(tl.sum(norm, axis=0), 1.1754943508222875e-38)
-        # Where c w explains nothing of u: 1, or 0 for u = 0 (loss_in_forward.proportional_fit says why).
+        # Where c w explains nothing of u: 1, or 0 for u = 0 (loss_pass.weight_grad.proportional_fit says why).
         explains = tl.abs(scale) * tl.max(largest_declared, axis=0) > tolerance * largest
         scale = tl.where(explains, scale, tl.where(largest > 0, 1.0, 0.0))
     else:

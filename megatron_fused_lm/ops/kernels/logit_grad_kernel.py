@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..contract import SavedStatistics, UpstreamGrads
+from ..backends.contract import SavedStatistics, UpstreamGrads
 from .descriptors import descriptor
 from .epilogue import (
     add_targets,

@@ -6,8 +6,8 @@ products (``backends.triton_loss``; the torch code it replaces: ``softmax.chosen
 - ``factor [k]``: where the products read the stored exponentials as they are, the per-row factor
   that turns a row ``exp(z - r)`` into ``dz / T`` (no entropy term);
 - ``operand [k, H]``: the weight gradient's other operand, the hidden rows times their weight-side
-  factor (``factor`` times ``weight_scale``, or ``weight_scale`` alone), in the weight's dtype;
-- ``chosen_weight [k]``: ``chosen`` times ``weight_scale``, for the weight gradient's chosen rows.
+  factor (``factor`` times ``weight_row_scale``, or ``weight_row_scale`` alone), in the weight's dtype;
+- ``chosen_weight [k]``: ``chosen`` times ``weight_row_scale``, for the weight gradient's chosen rows.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def row_terms_kernel(
     HAS_GRAD_ENTROPY: tl.constexpr,
     UNIFORM_TEMPERATURE: tl.constexpr,
     DIRECT: tl.constexpr,
-    HAS_WEIGHT_SCALE: tl.constexpr,
+    HAS_WEIGHT_ROW_SCALE: tl.constexpr,
     OPERAND: tl.constexpr,
     CHOSEN_WEIGHT: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -79,14 +79,14 @@ def row_terms_kernel(
         chosen += tl.load(grad_entropy_ptr + row) * tl.exp(logprob) * tl.load(mean_minus_target_ptr + row)
     chosen = tl.where(tl.load(target_column_ptr + row) >= 0, chosen * inverse, 0.0)
     weight_factor = factor if DIRECT else tl.full([], 1.0, tl.float32)
-    if HAS_WEIGHT_SCALE:
+    if HAS_WEIGHT_ROW_SCALE:
         weight_factor *= tl.load(weight_scale_ptr + row)
     if tl.program_id(1) == 0:
         tl.store(chosen_ptr + row, chosen)
         if DIRECT:
             tl.store(factor_ptr + row, factor)
         if CHOSEN_WEIGHT:
-            scale = tl.load(weight_scale_ptr + row) if HAS_WEIGHT_SCALE else 1.0
+            scale = tl.load(weight_scale_ptr + row) if HAS_WEIGHT_ROW_SCALE else 1.0
             tl.store(chosen_weight_ptr + row, chosen * scale)
     if OPERAND:
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -102,7 +102,7 @@ def row_terms(
     upstream,
     temperature: torch.Tensor,
     reference: Optional[torch.Tensor],
-    weight_scale: Optional[torch.Tensor],
+    weight_row_scale: Optional[torch.Tensor],
     hidden: torch.Tensor,
     operand: Optional[torch.Tensor],
     chosen_weight: Optional[torch.Tensor],
@@ -114,7 +114,7 @@ def row_terms(
     ``target_column [k]`` int64; ``summary``'s and ``upstream``'s (``UpstreamGrads``; ``None``: no
     term) ``[k]`` float32 tensors contiguous; ``temperature [k]`` (stride 0: one for all rows);
     ``reference [k]`` float32 where the products read stored exponentials (the fast path: ``factor``
-    returned), ``None`` otherwise; ``weight_scale [k]`` float32 or ``None`` (1); ``hidden [k, H]``
+    returned), ``None`` otherwise; ``weight_row_scale [k]`` float32 or ``None`` (1); ``hidden [k, H]``
     with a unit last stride."""
     rows, hidden_size = hidden.shape
     chosen = torch.empty(rows, dtype=torch.float32, device=hidden.device)
@@ -126,10 +126,10 @@ def row_terms(
     grid = (rows, triton.cdiv(hidden_size, BLOCK_H) if operand is not None else 1)
     row_terms_kernel[grid](
         target_column, summary.logprob, summary.mean_minus_target, summary.lse, reference, grad_logprob, grad_entropy,
-        temperature, weight_scale, hidden, hidden.stride(0), operand, 0 if operand is None else operand.stride(0),
+        temperature, weight_row_scale, hidden, hidden.stride(0), operand, 0 if operand is None else operand.stride(0),
         chosen, factor, chosen_weight, hidden_size, HAS_GRAD_LOGPROB=grad_logprob is not None,
         HAS_GRAD_ENTROPY=grad_entropy is not None, DIRECT=reference is not None,
-        HAS_WEIGHT_SCALE=weight_scale is not None, OPERAND=operand is not None,
+        HAS_WEIGHT_ROW_SCALE=weight_row_scale is not None, OPERAND=operand is not None,
         CHOSEN_WEIGHT=chosen_weight is not None, BLOCK_H=BLOCK_H,
         **temperature_flag, num_warps=4,
     )  # fmt: skip

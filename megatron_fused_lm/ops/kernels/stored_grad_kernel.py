@@ -4,7 +4,7 @@ An exponentials block holds ``e = exp(z - r)`` per element, ``r`` the row's refe
 chunk's merged statistics each element gives ``p = e * exp(r - lse)`` and ``mean - z = (mean - r) -
 log(e)``. An offsets block holds ``s = z - m``, ``m`` its column tile's maximum: ``z = m + s``. Then
 ``dz`` (``softmax.logit_grad``). The chosen token's element (each target's, for several) is
-written as 0: its term is added in float32 from the statistics (``held_gradients``). An element whose exponential underflowed
+written as 0: its term is added in float32 from the statistics (``chosen_token_kernel``). An element whose exponential underflowed
 (``e = 0``) has ``p = 0`` and contributes nothing.
 """
 
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..contract import SavedStatistics, UpstreamGrads
+from ..backends.contract import SavedStatistics, UpstreamGrads
 from .epilogue import (
     inverse_temperature,
     logit_grad_tile,

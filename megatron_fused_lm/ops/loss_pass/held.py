@@ -1,23 +1,21 @@
-"""The three-GEMM pass of ``fused_linear_loss`` and ``fused_linear_cross_entropy``: a loss known in
-the forward gets its gradients there, held until the backward scales them.
+"""The held forward of the three-GEMM pass and its backward: a loss known in the forward gets its
+gradients there, held in float32 until the backward scales them by the upstream gradient and rounds
+each once (``docs/DESIGN.md``, "The three-GEMM pass" and "Precision").
 
-1. ``run_held_pass``, per token chunk (``contract.run_loss_pass``): the backend's logits block and
-   shard statistics (GEMM 1); the statistics merged over the group and summarized
-   (``boundary.merge_and_summarize``); the loss's per-row gradients (``ChunkLoss``; the labels
-   path's cross-entropy has them in closed form: -1 for the hidden gradient, the declared weights
-   for the weight's); ``dz`` and its two products (GEMMs 2 and 3) into the held hidden gradient and
-   the weight gradient's sink (``held_gradients.WeightGradSink``); then the chosen tokens' term.
+1. ``run_held_pass`` runs the chunk loop (``chunks.run_loss_pass``) with a step that summarizes the
+   chunk and evaluates the loss's per-row gradients (``chunks.ChunkLoss``; the labels path's
+   cross-entropy has them in closed form: -1 for the hidden gradient, the declared weights for the
+   weight's). The weight gradient goes where the sink says (``weight_grad.WeightGradSink``).
 2. ``HeldGradients.apply`` attaches the loss to ``hidden`` and ``weight``; what the backward reads
    reaches it through ``save_for_backward`` (``Held``), what it needs besides tensors in one
    ``HeldSpec``.
-3. ``finish`` (the backward), without a host synchronization on the Triton backend: the hidden
-   gradient is exact for any upstream gradient (a scalar loss's held rows times ``c / s``; per-token
-   losses hold each row's own gradient, times its upstream); the weight gradient is the held one
-   times the upstream's scale plus, where the upstream is not the one the forward assumed, the
-   weight gradient of the difference (``correct_weight``: the pass again on the saved rows, its
-   stored block the forward's to the bit, behind a gate the Triton kernels read on the device).
-
-``docs/DESIGN.md`` ("The three-GEMM pass") says why each step is where it is.
+3. ``finish`` (the backward; ``held_backward`` in a compiled graph), without a host synchronization
+   on the Triton backend: the hidden gradient is exact for any upstream gradient (a scalar loss's
+   held rows times ``c / s``; per-token losses hold each row's own gradient, times its upstream);
+   the weight gradient is the held one times the upstream's scale plus, where the upstream is not
+   the one the forward assumed, the weight gradient of the difference (``correct_weight``: the pass
+   again on the saved rows, its stored block the forward's to the bit, behind a gate the Triton
+   kernels read on the device).
 """
 
 from __future__ import annotations
@@ -27,17 +25,15 @@ from typing import List, NamedTuple, Optional
 
 import torch
 
-from . import backends
-from .accumulation import record_correction
-from .boundary import OPTIONS_SCHEMA, OperatorPhases, autocast_off, merge_and_summarize, new_summary
-from .contract import Gradients, NeededGrads, ShardProblem, UpstreamGrads, run_loss_pass
-from .distributed import all_reduce_sum
-from .held_gradients import WeightGradSink
-from .inputs import may_synchronize
-from .loss_in_forward import ChunkLoss, deviates
-from .options import HeadOptions, Keywords
-from .several_targets import gathered_logits
-from .softmax import SoftmaxSummary
+from ..backends.contract import Gradients, NeededGrads, ShardProblem, UpstreamGrads
+from ..backends.registry import by_name
+from ..boundary import autocast_off, new_summary
+from ..distributed import all_reduce_sum
+from ..inputs import may_synchronize
+from ..options import OPTIONS_SCHEMA, HeadOptions, Keywords
+from ..softmax import SoftmaxSummary
+from .chunks import ChunkLoss, phases_for, run_loss_pass
+from .weight_grad import WeightGradSink, deviates, finish_weight, record_correction
 
 Tensor = torch.Tensor
 
@@ -48,8 +44,8 @@ class HeldSpec(Keywords):
     takes every field by name."""
 
     per_token: bool  # fused_linear_cross_entropy: losses [n] whose upstream is declared up to a scale
-    into_caller: bool  # the weight gradient went into a caller's accumulator
-    scale: float  # the upstream gradient the held gradients are for (the sink's)
+    has_weight_grad_into: bool  # the weight gradient went into the caller's weight_grad_into
+    weight_grad_scale: float  # the upstream gradient the held gradients are for (the sink's)
     parts: int  # the held weight gradient's own float32 parts among the tensors
     correctable: bool  # the problem, its summary and the correction's basis are among the tensors
     dtype: torch.dtype  # the gradients' (the weight's)
@@ -82,76 +78,71 @@ class Held(NamedTuple):
 
 
 def run_held_pass(
-    rows: Tensor,
+    hidden: Tensor,
     weight: Tensor,
     problem: ShardProblem,
     options: HeadOptions,
     sink: Optional[WeightGradSink],
-    loss: ChunkLoss,
+    loss: Optional[ChunkLoss],
     declared: Optional[Tensor] = None,
 ) -> tuple[Tensor, SoftmaxSummary]:
-    """``(loss, summary)`` of one pass over ``problem`` (``rows`` and ``weight`` detached, in the
-    weight's dtype), the loss attached to ``rows`` and ``weight`` (which carry the graph) where a
-    gradient is needed: the scalar sum of ``loss``'s losses, or with ``declared [n]`` float32
-    weights the per-token cross-entropy ``-logprob``, its upstream declared as ``sink.scale *
-    declared``. ``sink``: where the weight gradient goes (``None``: none is needed)."""
+    """``(loss, summary)`` of one pass over ``problem`` (its ``hidden`` and ``weight`` detached, in
+    the weight's dtype), the loss attached to ``hidden`` and ``weight`` (which carry the graph)
+    where a gradient is needed: the scalar sum of ``loss``'s losses, or with ``declared [n]``
+    float32 weights the per-token cross-entropy ``-logprob``, its upstream declared as
+    ``sink.weight_grad_scale * declared``. ``sink``: where the weight gradient goes (``None``: none
+    is needed)."""
     enabled = torch.is_grad_enabled()
-    needed = NeededGrads(enabled and rows.requires_grad, enabled and weight.requires_grad and sink is not None)
-    compiling = torch.compiler.is_compiling()
-    backend = backends.by_name(options.backend)
-    phases = OperatorPhases(options) if compiling else backend
-    into = sink is not None and sink.accumulator is not None
+    needed = NeededGrads(enabled and hidden.requires_grad, enabled and weight.requires_grad and sink is not None)
+    phases = phases_for(options)
+    weight_grad_into = sink.weight_grad_into if sink is not None else None
+    has_weight_grad_into = weight_grad_into is not None
+    weight_grad_scale = sink.weight_grad_scale if sink is not None else 1.0
     summary = new_summary(problem.target_column)
-    with autocast_off(rows.device):
-        state = phases.allocate(problem, needed, options, [sink.accumulator] if into else None)
+    with autocast_off(hidden.device):
+        state = phases.allocate(problem, needed, options, None if weight_grad_into is None else [weight_grad_into])
         if declared is not None:  # the labels path: -logprob, the hidden side's gradient -1 for every row
             minus_one = torch.full_like(declared, -1.0)
-            weight_scale = declared if sink is None or sink.scale == 1.0 else declared * sink.scale
+            weight_row_scale = declared if weight_grad_scale == 1.0 else declared * weight_grad_scale
 
-        def step(chunk: slice, local: Tensor):
-            part = SoftmaxSummary(*(field[chunk] for field in summary))
-            phases.summarize_chunk(problem, chunk, local, part, options) if compiling else _summarize_chunk(
-                backend, problem, chunk, local, part, options
-            )
+        def step(rows: slice, local: Tensor):
+            part = SoftmaxSummary(*(field[rows] for field in summary))
+            phases.summarize_chunk(problem, rows, local, part, options)
             if declared is not None:
-                return part, UpstreamGrads(minus_one[chunk], None), weight_scale[chunk]
-            return part, loss(chunk, part.logprob, part.entropy), None
+                return part, UpstreamGrads(minus_one[rows], None), weight_row_scale[rows]
+            return part, loss(rows, part.logprob, part.entropy), None
 
         try:
-            run_loss_pass(phases, problem, step, state, options, adds=into)
+            run_loss_pass(phases, problem, step, state, options, accumulate=has_weight_grad_into)
         except BaseException:
             if sink is not None and sink.pending is not None:
                 sink.pending.release("stopped with an exception part way")
             raise
-    value = -summary.logprob if declared is not None else _total(loss, rows)
+    value = -summary.logprob if declared is not None else _total(loss, hidden)
     if not (needed.hidden or needed.weight):
         return value, summary
-    correctable = needed.weight and (declared is not None or into) and rows.shape[0] > 0
+    correctable = needed.weight and (declared is not None or has_weight_grad_into) and hidden.shape[0] > 0
+    own_parts = [] if has_weight_grad_into else state.held_weight
     spec = HeldSpec(
-        per_token=declared is not None, into_caller=into, scale=sink.scale if sink else 1.0,
-        parts=0 if into else len(state.held_weight), correctable=correctable, dtype=weight.dtype,
-    )  # fmt: skip
-    held = Held(state.held_hidden, [] if into else state.held_weight, None, None, None, None)
+        per_token=declared is not None,
+        has_weight_grad_into=has_weight_grad_into,
+        weight_grad_scale=weight_grad_scale,
+        parts=len(own_parts),
+        correctable=correctable,
+        dtype=weight.dtype,
+    )
+    held = Held(state.held_hidden, own_parts, None, None, None, None)
     if correctable:
-        basis = UpstreamGrads(declared, None) if declared is not None else loss.kept_grads
+        basis = UpstreamGrads(declared, None) if declared is not None else loss.saved_grads
         held = held._replace(problem=problem, summary=summary, reference=state.reference, basis=basis)
-    attached = HeldGradients.apply((value,), rows, weight, spec, options, sink, *held.flat())
-    if into:  # reports the node's release before its backward; per token, the losses weighed by the declaration
+    attached = HeldGradients.apply((value,), hidden, weight, spec, options, sink, *held.flat())
+    if has_weight_grad_into:  # reports the node's release before its backward; per token, the losses weighed
         sink.pending.watch(attached.grad_fn, value, *(() if declared is None else (declared,)))
     return attached, summary
 
 
-def _total(loss: ChunkLoss, rows: Tensor) -> Tensor:
-    return rows.new_zeros((), dtype=torch.float32) if loss.total is None else loss.total
-
-
-def _summarize_chunk(backend, problem: ShardProblem, rows: slice, local: Tensor, out: SoftmaxSummary, options) -> None:
-    """A chunk's summary into ``out``, eagerly (``boundary.merge_and_summarize``)."""
-    target_column = problem.target_column[rows]
-    several = None
-    if target_column.dim() == 2:
-        several = gathered_logits(problem.hidden[rows], problem.weight, target_column, problem.temperature[rows])
-    merge_and_summarize(backend, local, target_column, several, out, options)
+def _total(loss: ChunkLoss, hidden: Tensor) -> Tensor:
+    return hidden.new_zeros((), dtype=torch.float32) if loss.total is None else loss.total
 
 
 class HeldGradients(torch.autograd.Function):
@@ -179,49 +170,53 @@ class HeldGradients(torch.autograd.Function):
             ctx.consumed = True
             if ctx.sink is not None and ctx.sink.pending is not None:
                 ctx.sink.pending.close()  # the weight gradient added in the forward now has its backward
-            accumulator = ctx.sink.accumulator if ctx.sink is not None else None
-            grads = finish(spec, options, Held.unflat(spec, list(ctx.saved_tensors)), upstream, accumulator, True)
+            weight_grad_into = ctx.sink.weight_grad_into if ctx.sink is not None else None
+            held = Held.unflat(spec, list(ctx.saved_tensors))
+            grads = finish(spec, options, held, upstream, weight_grad_into, narrow=True)
         return None, grads.hidden, grads.weight, None, None, None, *(None,) * ctx.num_tensors
 
 
 def finish(
-    spec: HeldSpec, options: HeadOptions, held: Held, upstream: Tensor, accumulator: Optional[Tensor], narrow: bool
+    spec: HeldSpec, options: HeadOptions, held: Held, upstream: Tensor, weight_grad_into: Optional[Tensor], narrow: bool
 ) -> Gradients:
     """The gradients for the loss's ``upstream`` gradient (0-dim, or ``[n]`` per token): the hidden
     one exact whatever arrives, summed over the group when asked (in its dtype, as the recompute
-    path and Megatron's column-parallel layer do); the weight one into ``accumulator`` (a caller's;
-    ``None``: from the held parts, narrowed into their memory with ``narrow``), with its correction
-    where the upstream is not the one assumed."""
-    backend, upstream, scale = backends.by_name(options.backend), upstream.float(), spec.scale
+    path and Megatron's column-parallel layer do); the weight one into ``weight_grad_into`` (the
+    caller's; ``None``: from the held parts, narrowed into their memory with ``narrow``), with its
+    correction where the upstream is not the one assumed."""
+    backend, upstream, scale = by_name(options.backend), upstream.float(), spec.weight_grad_scale
     with autocast_off(upstream.device):
         if spec.per_token:  # each row holds its own gradient: times its upstream
-            hidden_scale, weight_scale = upstream, None  # without rows the held weight gradient is 0
+            hidden_factor, weight_factor = upstream, None  # without rows the held weight gradient is 0
             if spec.correctable:  # the weight gradient is held for the declared weights
-                assumed = scale if spec.into_caller else None
-                weight_scale, grad_logprob, ran = backend.fit_declared(upstream, held.basis.logprob, assumed)
+                assumed = scale if spec.has_weight_grad_into else None
+                weight_factor, grad_logprob, ran = backend.fit_declared(upstream, held.basis.logprob, assumed)
                 correction = UpstreamGrads(torch.where(ran, grad_logprob, 0.0), None)  # where, not *: inf * 0
         else:
-            hidden_scale = weight_scale = upstream / scale
+            hidden_factor = weight_factor = upstream / scale
             if spec.correctable:  # into a caller's accumulator, for the upstream `scale`
                 ran = deviates((upstream - scale).reshape(1), upstream.new_full((1,), scale))
-                ratio = torch.where(ran, weight_scale - 1, 0.0)
+                ratio = torch.where(ran, weight_factor - 1, 0.0)
                 correction = UpstreamGrads(*(None if grad is None else grad * ratio for grad in held.basis))
         if spec.correctable:
-            into = [accumulator] if spec.into_caller else held.parts
-            correct_weight(backend, options, held, correction, ran, into)
+            correct_weight(backend, options, held, correction, ran, weight_grad_into)
             record_correction(ran, _correction_note(spec))
         hidden = None
         if held.hidden.dim() == 2:
-            hidden = backend.scaled_copy(held.hidden, hidden_scale, torch.empty_like(held.hidden, dtype=spec.dtype))
+            hidden = backend.scaled_copy(held.hidden, hidden_factor, torch.empty_like(held.hidden, dtype=spec.dtype))
             if options.reduce_hidden_grad:
                 all_reduce_sum(hidden, options.tp_group)
-        weight = None if spec.into_caller else backend.finish_weight(held.parts, weight_scale, spec.dtype, narrow)
+        weight = None
+        if not spec.has_weight_grad_into:
+            weight = finish_weight(held.parts, weight_factor, spec.dtype, narrow, backend.scaled_copy)
     return Gradients(hidden, weight)
 
 
-def correct_weight(backend, options: HeadOptions, held: Held, upstream: UpstreamGrads, ran: Tensor, into: list) -> None:
+def correct_weight(
+    backend, options: HeadOptions, held: Held, upstream: UpstreamGrads, ran: Tensor, weight_grad_into: Optional[Tensor]
+) -> None:
     """Add the weight gradient of the per-row ``upstream`` (0 where the 0-dim bool ``ran`` is false)
-    into the float32 parts ``into``: the pass again on the saved rows, summary and references, whose
+    into ``weight_grad_into`` (else the held float32 parts): the pass again on the saved rows, summary and references, whose
     stored block is the forward's to the bit, so that a sum of the held and the corrected gradient
     rounds as one (a correction that only rescales cancels rather than adds their roundings). A backend that
     ``gates_on_device`` runs its kernels behind ``ran``; the torch backend reads it on the host,
@@ -229,7 +224,8 @@ def correct_weight(backend, options: HeadOptions, held: Held, upstream: Upstream
     if not backend.gates_on_device and may_synchronize(ran) and not bool(ran):
         return
     gate = ran if backend.gates_on_device else None
-    state = backend.allocate(held.problem, NeededGrads(hidden=False, weight=True), options, into)
+    parts = held.parts if weight_grad_into is None else [weight_grad_into]
+    state = backend.allocate(held.problem, NeededGrads(hidden=False, weight=True), options, parts)
     if state.reference.dim() == 1 and state.reference.numel():  # references per row: the forward's
         state = state._replace(reference=held.reference)
     state = state._replace(gate=gate)
@@ -237,13 +233,13 @@ def correct_weight(backend, options: HeadOptions, held: Held, upstream: Upstream
     def step(rows: slice, local: Tensor):
         return SoftmaxSummary(*(field[rows] for field in held.summary)), upstream.rows(rows), None
 
-    run_loss_pass(backend, held.problem, step, state, options, adds=True)
+    run_loss_pass(backend, held.problem, step, state, options, accumulate=True)
 
 
 def _correction_note(spec: HeldSpec) -> str:
-    name, held = "fused_linear_cross_entropy", f"{spec.scale:g} times the declared weights"
+    name, held = "fused_linear_cross_entropy", f"{spec.weight_grad_scale:g} times the declared weights"
     if not spec.per_token:
-        name, held = "fused_linear_loss", f"{spec.scale:g}"
+        name, held = "fused_linear_loss", f"{spec.weight_grad_scale:g}"
     return (
         f"megatron_fused_lm: {name} held its weight gradient for an upstream gradient of {held} but received "
         "another; the difference is corrected by a second pass (two GEMMs, exact; declare what the loss receives "
@@ -252,15 +248,16 @@ def _correction_note(spec: HeldSpec) -> str:
 
 
 @torch.library.custom_op(
-    "megatron_fused_lm::held_backward", mutates_args=(),
+    "megatron_fused_lm::held_backward",
+    mutates_args=(),
     schema=f"(Tensor upstream, Tensor[] tensors, *, {HeldSpec.schema()}, {OPTIONS_SCHEMA}) -> (Tensor, Tensor)",
-)  # fmt: skip
+)
 def held_backward(upstream: Tensor, tensors: List[Tensor], **fields) -> tuple[Tensor, Tensor]:
     """``finish`` in a compiled graph, into new memory (a custom operator may not return its
     inputs' memory); ``weight_grad_into`` runs eagerly only. An unneeded gradient is empty."""
     spec_fields = {name: fields.pop(name) for name in HeldSpec.__dataclass_fields__}
     spec = HeldSpec(**spec_fields)
-    grads = finish(spec, HeadOptions(**fields), Held.unflat(spec, tensors), upstream, None, False)
+    grads = finish(spec, HeadOptions(**fields), Held.unflat(spec, tensors), upstream, None, narrow=False)
     return tuple(tensors[0].new_empty(0) if grad is None else grad for grad in grads)
 
 

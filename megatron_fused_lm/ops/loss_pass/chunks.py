@@ -1,8 +1,15 @@
-"""The loss-in-forward path's shared step: the contract of a per-token ``loss_fn``, whether it has an
-entropy term, and what every rank does between a chunk's statistics and its gradients
-(``ChunkLoss``, the ``contract.ChunkStep`` of ``run_loss_pass``): merge the chunk's statistics
-across the group, record its log-probs and entropy, and evaluate ``loss_fn`` and its per-token
-gradients."""
+"""The chunk loop of the three-GEMM pass and the per-chunk loss.
+
+- ``run_loss_pass`` owns the loop: per token chunk, the phases' statistics (GEMM 1), the chunk's
+  step (once per chunk, chunks in order, on every rank: it may communicate) and the phases'
+  gradients (GEMMs 2 and 3); then each row's chosen-token term of the weight gradient, once. The
+  phases are the backend's own eagerly (``EagerPhases``) and custom operators in a compiled graph
+  (``compiled.OperatorPhases``), chosen once per pass by ``phases_for``.
+- ``ChunkLoss`` is the loss half of a step: ``loss_fn`` on the chunk's log-probs and entropy, its
+  value summed and its per-row gradients taken (a ready-made loss's closed form, else autograd).
+- The contract of a per-token ``loss_fn``, checked once per call or once per definition: one loss
+  per row, computed from that row alone; whether it has an entropy term.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +17,14 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from .contract import UpstreamGrads
-from .inputs import check_on_device, has_values, per_sequence_broadcast
+from ..backends.contract import LossState, ShardProblem, UpstreamGrads, token_chunks
+from ..backends.registry import by_name
+from ..boundary import merge_and_summarize
+from ..inputs import check_on_device, has_values, per_sequence_broadcast
+from ..options import HeadOptions
+from ..several_targets import gathered_logits
+from ..softmax import SoftmaxSummary
+from .compiled import OperatorPhases
 
 Tensor = torch.Tensor
 LossFn = Callable[..., Tensor]
@@ -141,10 +154,13 @@ def check_rows_independent(loss_fn: LossFn, logprob: Tensor, entropy: Tensor, in
     half = logprob.shape[0] // 2
     with torch.no_grad():
         whole = per_token_losses(loss_fn, logprob, entropy, inputs)
-        parts = torch.cat([
-            per_token_losses(loss_fn, logprob[rows], entropy[rows], {name: value[rows] for name, value in inputs.items()})
+        halves = [
+            per_token_losses(
+                loss_fn, logprob[rows], entropy[rows], {name: value[rows] for name, value in inputs.items()}
+            )
             for rows in (slice(0, half), slice(half, None))
-        ])  # fmt: skip
+        ]
+        parts = torch.cat(halves)
         largest = whole.abs().nan_to_num(0.0, 0.0, 0.0).max()
         close = (parts - whole).abs() <= ROW_TOLERANCE * (whole.abs() + largest)
         check_on_device(
@@ -203,11 +219,11 @@ def probe_entropy_term(
 
 
 class ChunkLoss:
-    """``loss_fn`` on each chunk of a pass (the loss half of ``contract.ChunkStep``): its value added
-    to ``total`` and, with ``gradients``, its per-row gradients (the entropy's only when
-    ``entropy_grad``) times ``upstream_scale`` (the upstream gradient the held gradients assume; 1:
-    as they are), all chunks' kept with ``keep`` (``kept_grads``); a ``max_rows`` padding row
-    (``valid`` false) adds neither."""
+    """``loss_fn`` on each chunk of a pass (the loss half of a ``ChunkStep``): its value added to
+    ``total`` and, with ``gradients``, its per-row gradients (the entropy's only when
+    ``entropy_grad``) times ``weight_grad_scale`` (the upstream gradient the held gradients assume;
+    1: as they are), every chunk's saved with ``save_grads`` (``saved_grads``: a correction's
+    basis); a ``max_rows`` padding row (``valid`` false) adds neither."""
 
     def __init__(
         self,
@@ -215,14 +231,14 @@ class ChunkLoss:
         inputs: Dict[str, Tensor],
         entropy_grad: bool,
         gradients: bool,
-        upstream_scale: float = 1.0,
+        weight_grad_scale: float = 1.0,
         valid: Optional[Tensor] = None,
-        keep: bool = False,
+        save_grads: bool = False,
     ):
         self.loss_fn, self.inputs, self.entropy_grad, self.gradients = loss_fn, inputs, entropy_grad, gradients
-        self.upstream_scale, self.valid, self.keep = upstream_scale, valid, keep
+        self.weight_grad_scale, self.valid, self.save_grads = weight_grad_scale, valid, save_grads
         self.total: Optional[Tensor] = None  # [] float32, after the first chunk
-        self.chunk_grads: list = []  # with keep, each chunk's UpstreamGrads
+        self.chunk_grads: list = []  # with save_grads, each chunk's UpstreamGrads
 
     def __call__(self, rows: slice, logprob: Tensor, entropy: Tensor) -> UpstreamGrads:
         inputs = {name: value[rows] for name, value in self.inputs.items()}
@@ -247,19 +263,19 @@ class ChunkLoss:
         self.total = value if self.total is None else self.total + value
         grads = grads._replace(entropy=grads.entropy if self.entropy_grad else None)
         grads = UpstreamGrads(*(None if grad is None else self._scaled(grad, valid) for grad in grads))
-        if self.keep:
+        if self.save_grads:
             self.chunk_grads.append(grads)
         return grads
 
     @property
-    def kept_grads(self) -> UpstreamGrads:
-        """Every row's gradients (``keep``), chunk after chunk."""
+    def saved_grads(self) -> UpstreamGrads:
+        """Every row's gradients (``save_grads``), chunk after chunk."""
         return UpstreamGrads(*(_joined(grads) for grads in zip(*self.chunk_grads, strict=True)))
 
     def _scaled(self, grad: Tensor, valid: Optional[Tensor]) -> Tensor:
         if valid is not None:
             grad = torch.where(valid.view(-1, *[1] * (grad.dim() - 1)), grad, 0.0)
-        return grad if self.upstream_scale == 1.0 else grad * self.upstream_scale
+        return grad if self.weight_grad_scale == 1.0 else grad * self.weight_grad_scale
 
 
 def _joined(chunks: tuple) -> Optional[Tensor]:
@@ -283,27 +299,64 @@ def per_token_grads(total: Callable[[Tensor, Tensor], Tensor], logprob: Tensor, 
     return (*torch.autograd.grad(value, (logprob, entropy), allow_unused=True), value.detach())
 
 
-# How far an upstream gradient may stray from ``c * declared_weights`` (relative to its largest
-# entry) and still count as that: float32 rounding of a mask times a scale, not a different loss.
-PROPORTIONAL_TOLERANCE = 1e-5
+# ``chunk_step(rows, local_statistics [k, 4]) -> (summary, upstream, weight_row_scale)``: merges a
+# chunk's shard statistics across the group (it may communicate), summarizes them and evaluates
+# the loss's per-row gradients: those of the hidden gradient, and ``weight_row_scale [k]`` (or
+# ``None``: 1) times them for the weight gradient.
+ChunkStep = Callable[[slice, Tensor], "tuple[SoftmaxSummary, UpstreamGrads, Optional[Tensor]]"]
 
 
-def deviates(difference: Tensor, upstream: Tensor) -> Tensor:
-    """0-dim bool: whether ``difference`` (per row) exceeds ``PROPORTIONAL_TOLERANCE`` of the
-    largest ``upstream``, on the device."""
-    if upstream.numel() == 0:
-        return torch.zeros((), dtype=torch.bool, device=upstream.device)
-    return difference.abs().amax() > PROPORTIONAL_TOLERANCE * upstream.abs().amax()
+def run_loss_pass(
+    phases, problem: ShardProblem, chunk_step: ChunkStep, state: LossState, options: HeadOptions, accumulate: bool
+) -> None:
+    """The three-GEMM pass over ``state`` (``phases.allocate``'s): per token chunk, the phases'
+    statistics (GEMM 1), ``chunk_step`` (once per chunk, chunks in order, on every rank) and, when
+    a gradient is needed, the phases' gradients (GEMMs 2 and 3; the weight gradient written by the
+    first chunk, or added to what ``state.held_weight`` holds where ``accumulate``: a
+    ``weight_grad_into``, a correction's parts); then each row's chosen-token term of the weight
+    gradient, once."""
+    for rows in token_chunks(problem.hidden.shape[0], state.token_chunk):
+        summary, upstream, weight_row_scale = chunk_step(rows, phases.chunk_statistics(problem, state, rows))
+        if state.held_hidden.dim() == 2 or state.held_weight:
+            phases.chunk_gradients(
+                problem,
+                state,
+                rows,
+                summary,
+                upstream,
+                weight_row_scale,
+                accumulate=accumulate or rows.start > 0,
+                options=options,
+            )
+    if state.held_weight:
+        phases.add_chosen_rows(state.held_weight, problem.target_column, state.chosen, problem.hidden)
 
 
-def proportional_fit(upstream: Tensor, declared: Tensor) -> Tensor:
-    """``c`` (0-dim float32) that best fits ``upstream ~ c * declared`` (``[n]`` float32, ``n >= 1``),
-    on the device. Where ``c * declared`` explains nothing of the upstream (within
-    ``PROPORTIONAL_TOLERANCE`` of its largest entry: declared weights all 0, an upstream orthogonal
-    to them), 1, or 0 for an upstream of zeros: any scale is exact, the correction taking the
-    rest, but the correction is divided by ``c``, so it must not vanish where one is needed."""
-    norm, dot = (declared * declared).sum(), (upstream * declared).sum()
-    scale = dot / norm.clamp(min=torch.finfo(torch.float32).tiny)
-    largest = upstream.abs().amax()
-    explains = scale.abs() * declared.abs().amax() > PROPORTIONAL_TOLERANCE * largest
-    return torch.where(explains, scale, (largest > 0).float())
+def summarize_chunk(backend, problem: ShardProblem, rows: slice, local: Tensor, out: SoftmaxSummary, options) -> None:
+    """A chunk's summary into ``out`` (``boundary.merge_and_summarize``), the logits of several
+    targets per row read beside it."""
+    target_column = problem.target_column[rows]
+    several = None
+    if target_column.dim() == 2:
+        several = gathered_logits(problem.hidden[rows], problem.weight, target_column, problem.temperature[rows])
+    merge_and_summarize(backend, local, target_column, several, out, options)
+
+
+class EagerPhases:
+    """A backend's own three-GEMM phases, run eagerly, with the chunk's summary step beside them."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.allocate, self.chunk_statistics = backend.allocate, backend.chunk_statistics
+        self.chunk_gradients, self.add_chosen_rows = backend.chunk_gradients, backend.add_chosen_rows
+
+    def summarize_chunk(self, problem: ShardProblem, rows: slice, local: Tensor, out: SoftmaxSummary, options):
+        summarize_chunk(self.backend, problem, rows, local, out, options)
+
+
+def phases_for(options: HeadOptions):
+    """The route of a pass, chosen here once: the backend's phases eagerly, its custom operators in
+    a compiled graph (which must not trace into a backend)."""
+    if torch.compiler.is_compiling():
+        return OperatorPhases(options)
+    return EagerPhases(by_name(options.backend))

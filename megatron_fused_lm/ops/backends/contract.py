@@ -1,23 +1,21 @@
-"""The backend contract: what a backend receives and returns, and the loop that drives a
-loss-in-forward pass.
+"""The backend contract: what a backend receives and returns (``ShardProblem`` ... ``LossState``),
+and every member the ops call on one (``Backend``).
 
 A backend works on this rank's vocabulary shard only and never communicates. Its four-GEMM path
 (``local_statistics``, ``local_gradients``) gives the shard's statistics in the forward and its
-gradients in the backward. Its three-GEMM path is a set of phases over a ``LossState``, and
-``run_loss_pass`` owns their chunk loop: every rank calls the chunk's step (which may communicate)
-exactly once per chunk, in order, whatever the backend does. ``backends`` has the two backends;
-``docs/DESIGN.md`` ("Contracts") says why each piece is where it is.
+gradients in the backward. Its three-GEMM path is a set of phases over a ``LossState`` whose chunk
+loop the pass owns (``loss_pass.chunks.run_loss_pass``): every rank calls the chunk's step (which
+may communicate) exactly once per chunk, in order, whatever the backend does. ``docs/DESIGN.md``
+("Contracts") says why each piece is where it is.
 
 Shapes: ``n`` token rows, ``H`` hidden size, ``vocab_shard`` rows of this rank's weight shard.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, List, NamedTuple, Optional
+from typing import Iterator, List, NamedTuple, Optional, Protocol
 
 import torch
-
-from .softmax import SoftmaxSummary
 
 
 class ShardProblem(NamedTuple):
@@ -95,29 +93,79 @@ class LossState(NamedTuple):
         return self.block.shape[0]
 
 
-# ``chunk_step(rows, local_statistics [k, 4]) -> (summary, upstream, weight_scale)``: merges a
-# chunk's shard statistics across the group (it may communicate), summarizes them and evaluates
-# the loss's per-row gradients: those of the hidden gradient, and ``weight_scale [k]`` (or
-# ``None``: 1) times them for the weight gradient.
-ChunkStep = Callable[[slice, torch.Tensor], "tuple[SoftmaxSummary, UpstreamGrads, Optional[torch.Tensor]]"]
-
-
 def token_chunks(num_tokens: int, token_chunk: int) -> Iterator[slice]:
     """Slices of ``[0, num_tokens)`` of at most ``token_chunk`` rows each."""
     for start in range(0, num_tokens, token_chunk):
         yield slice(start, min(start + token_chunk, num_tokens))
 
 
-def run_loss_pass(phases, problem: ShardProblem, chunk_step: ChunkStep, state: LossState, options, adds: bool) -> None:
-    """The three-GEMM pass over ``state`` (``phases.allocate``'s): per token chunk, the phases'
-    statistics (GEMM 1), ``chunk_step`` (once per chunk, chunks in order, on every rank) and, when
-    a gradient is needed, the phases' gradients (GEMMs 2 and 3; the weight gradient written by the
-    first chunk, or added to what ``state.held_weight`` holds where it ``adds``: a caller's
-    accumulator); then each row's chosen-token term of the weight gradient, once."""
-    for rows in token_chunks(problem.hidden.shape[0], state.token_chunk):
-        summary, upstream, weight_scale = chunk_step(rows, phases.chunk_statistics(problem, state, rows))
-        if state.held_hidden.dim() == 2 or state.held_weight:
-            accumulate = adds or rows.start > 0
-            phases.chunk_gradients(problem, state, rows, summary, upstream, weight_scale, accumulate, options)
-    if state.held_weight:
-        phases.add_chosen_rows(state.held_weight, problem.target_column, state.chosen, problem.hidden)
+class Backend(Protocol):
+    """Every member the ops call on a backend (``registry.resolve`` checks a backend object has
+    each). Tensors are this rank's shard; nothing here communicates."""
+
+    name: str  # how HeadOptions names it (registry.by_name)
+    gates_on_device: bool  # a correcting pass's gate read by its kernels (LossState.gate); else on the host
+
+    # The four-GEMM path.
+    def local_statistics(self, problem: ShardProblem, options) -> torch.Tensor:
+        """The shard's statistics ``[n, 4]`` float32 (``softmax.NUM_STATISTICS``)."""
+
+    def local_gradients(
+        self, problem: ShardProblem, saved: SavedStatistics, upstream: UpstreamGrads, needed: NeededGrads, options
+    ) -> Gradients:
+        """The shard's gradients (``Gradients`` gives their dtypes)."""
+
+    # The three-GEMM path's phases, in the order the chunk loop calls them.
+    def allocate(
+        self, problem: ShardProblem, needed: NeededGrads, options, held_weight: Optional[List[torch.Tensor]] = None
+    ) -> LossState:
+        """The pass's tensors; the weight gradient added into ``held_weight`` where given."""
+
+    def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice) -> Optional[torch.Tensor]:
+        """GEMM 1 over a chunk: its statistics ``[k, 4]``, the block kept in ``state``."""
+
+    def summarize(self, parts: torch.Tensor, target_column: torch.Tensor, out) -> None:
+        """Rows' statistics merged over ``parts [P, k, 4]`` (one per rank), summarized into ``out``."""
+
+    def chunk_gradients(
+        self,
+        problem: ShardProblem,
+        state: LossState,
+        rows: slice,
+        summary,
+        upstream: UpstreamGrads,
+        weight_row_scale: Optional[torch.Tensor],
+        accumulate: bool,
+        options,
+    ) -> None:
+        """GEMMs 2 and 3 over a chunk, into ``state``'s held gradients."""
+
+    def add_chosen_rows(
+        self,
+        held_weight: List[torch.Tensor],
+        target_column: torch.Tensor,
+        chosen: torch.Tensor,
+        hidden: torch.Tensor,
+    ) -> None:
+        """Each row's chosen-token term of the weight gradient, once per pass."""
+
+    # The steps on the held gradients.
+    def add_chosen(self, product, target_column, chosen, weight, factor=None) -> None:
+        """A chunk's hidden gradient rows finished in place with the chosen tokens' term."""
+
+    def scaled_copy(self, source: torch.Tensor, scale: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """``out = source * scale``, rounded once into ``out``'s dtype."""
+
+    def fit_declared(self, upstream: torch.Tensor, declared: torch.Tensor, assumed: Optional[float]) -> tuple:
+        """The labels path's backward check: ``(scale [], correction [n], ran [])``."""
+
+    # Kept tokens and top-k.
+    def kept_mask(self, sets, vocab_shard: int) -> torch.Tensor:
+        """The bitmask of kept sets (``kept_tokens``' form), its values checked."""
+
+    def top_keys(self, hidden, weight, temperature, k, first_id, block_logits, token_chunk):
+        """Each row's ``k`` largest logits' keys on this shard (``top_keys``)."""
+
+
+# The Protocol's members, methods and attributes, in its order.
+BACKEND_MEMBERS = tuple(name for name in [*Backend.__annotations__, *vars(Backend)] if not name.startswith("_"))

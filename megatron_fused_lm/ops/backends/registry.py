@@ -1,0 +1,75 @@
+"""The backends by name: ``TorchBackend``, ``triton.TritonBackend`` and ``cute.CuteBackend``, each one
+object for both paths (``contract.Backend``), resolved once per call (``resolve``) and named in the
+options (``by_name``); the Triton and CuTe modules are imported only when a call runs them."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Union
+
+import torch
+
+from ..chunking import chunk_rows
+from ..kept_tokens import KeptSets, torch_kept_mask
+from ..options import resolved_backend
+from ..top_keys import shard_top_keys
+from .contract import BACKEND_MEMBERS
+from .torch_loss import TorchLoss
+from .torch_recompute import TorchRecompute
+
+
+class TorchBackend(TorchRecompute, TorchLoss):
+    """The torch backend: cuBLAS products and PyTorch code, no Triton."""
+
+    name = "torch"
+
+    def kept_mask(self, sets: KeptSets, vocab_shard: int) -> torch.Tensor:
+        """The ``kept_mask`` of ``sets`` (``kept_tokens``' form), its values checked."""
+        return torch_kept_mask(sets, vocab_shard)
+
+    def top_keys(self, hidden, weight, temperature, k, first_id, block_logits, token_chunk):
+        """``triton_topk.top_keys``' contract by the torch form alone."""
+        rows = chunk_rows(token_chunk, weight.shape[0])
+        return shard_top_keys(block_logits, hidden.shape[0], k, first_id, rows, hidden.device)
+
+
+_by_name: Dict[str, object] = {"torch": TorchBackend()}
+
+
+def by_name(name: str):
+    """The backend registered under ``name`` (``"torch"``, ``"triton"``, ``"cute"``, or a resolved
+    backend's)."""
+    if name == "triton" and name not in _by_name:
+        from .triton import TritonBackend
+
+        _by_name[name] = TritonBackend()
+    if name == "cute" and name not in _by_name:
+        from .cute import CuteBackend
+
+        _by_name[name] = CuteBackend()
+    return _by_name[name]
+
+
+def missing_members(backend: object) -> List[str]:
+    """The members of ``contract.Backend`` that ``backend`` lacks (a name that is not a string counts)."""
+    missing = [name for name in BACKEND_MEMBERS if not hasattr(backend, name)]
+    if "name" not in missing and not isinstance(backend.name, str):
+        missing.append("name (a string)")
+    return missing
+
+
+def resolve(backend: Union[str, object], device: torch.device):
+    """The backend a call on tensors of ``device`` runs, chosen once: ``"torch"``, ``"triton"``,
+    ``"cute"`` or ``"auto"`` (``options.resolved_backend``), or a backend object
+    (``triton.TritonBackend`` with its own tuning), which runs as the torch backend where Triton
+    cannot (one logged warning)."""
+    if isinstance(backend, str):
+        return by_name(resolved_backend(backend, device))
+    missing = missing_members(backend)
+    if missing:
+        raise TypeError(
+            f"backend must be 'torch', 'triton', 'cute', 'auto' or a backend object (contract.Backend), got {backend!r}, "
+            f"which lacks {', '.join(missing)}"
+        )
+    if backend.name != "torch" and resolved_backend("triton", device) == "torch":
+        return by_name("torch")
+    return _by_name.setdefault(backend.name, backend)

@@ -1,0 +1,62 @@
+"""The backend interface is written down once (``backends.contract.Backend``) and holds for every
+backend: each has every member the ops call, with the Protocol's parameters in its order, and a
+backend object that lacks one is refused by name before any work, not with an AttributeError deep
+in a pass."""
+
+import inspect
+
+import pytest
+import torch
+
+from megatron_fused_lm.ops import fused_linear_logprob
+from megatron_fused_lm.ops.backends.contract import BACKEND_MEMBERS, Backend
+from megatron_fused_lm.ops.backends.cute import CuteBackend
+from megatron_fused_lm.ops.backends.registry import TorchBackend, missing_members
+from megatron_fused_lm.ops.backends.triton import TritonBackend
+from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
+
+BACKENDS = [TorchBackend(), TritonBackend(), TritonBackend(TritonTuning(reference_rows=4)), CuteBackend()]
+
+
+def test_the_protocol_lists_what_the_passes_call():
+    # A member the ops call but the Protocol leaves out would go unchecked: these are the calls.
+    assert set(BACKEND_MEMBERS) == {
+        "name", "gates_on_device", "local_statistics", "local_gradients", "allocate", "chunk_statistics",
+        "summarize", "chunk_gradients", "add_chosen_rows", "add_chosen", "scaled_copy", "fit_declared",
+        "kept_mask", "top_keys",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda backend: type(backend).__name__)
+def test_every_backend_has_every_member_with_the_protocols_parameters(backend):
+    assert missing_members(backend) == []
+    assert isinstance(backend.name, str) and isinstance(backend.gates_on_device, bool)
+    for name in BACKEND_MEMBERS:
+        declared = getattr(Backend, name, None)
+        if not callable(declared):
+            continue
+        wanted = list(inspect.signature(declared).parameters)[1:]  # without self
+        assert list(inspect.signature(getattr(backend, name)).parameters) == wanted, name
+
+
+class Partial:
+    """A backend object with the four-GEMM path only."""
+
+    name = "partial"
+    gates_on_device = False
+
+    def local_statistics(self, problem, options):
+        raise AssertionError("a backend without the rest must not run")
+
+    def local_gradients(self, problem, saved, upstream, needed, options):
+        raise AssertionError("a backend without the rest must not run")
+
+
+def test_a_backend_object_that_lacks_members_is_refused_by_name():
+    hidden, weight = torch.randn(3, 8), torch.randn(10, 8)
+    with pytest.raises(TypeError, match="lacks allocate, chunk_statistics, summarize, chunk_gradients"):
+        fused_linear_logprob(hidden, weight, torch.tensor([1, 2, 3]), backend=Partial())
+    unnamed = TorchBackend()
+    unnamed.name = 3  # an instance attribute over the class's
+    with pytest.raises(TypeError, match=r"lacks name \(a string\)"):
+        fused_linear_logprob(hidden, weight, torch.tensor([1, 2, 3]), backend=unnamed)

@@ -139,9 +139,11 @@ Request = Union[LogprobRequest, LossRequest, TopkRequest]
 def _op_arguments(call: HeadCall, config: FusedLMConfig) -> Dict[str, Any]:
     # What every fused op takes from the projection call and the config.
     return dict(
-        tp_group=call.tp_group, backend=config.backend, token_chunk=config.token_chunk,
+        tp_group=call.tp_group,
+        backend=config.backend,
+        token_chunk=config.token_chunk,
         reduce_hidden_grad=call.reduce_hidden_grad,
-    )  # fmt: skip
+    )
 
 
 def answer(call: HeadCall, config: FusedLMConfig, hidden: torch.Tensor, request: Request):
@@ -149,18 +151,31 @@ def answer(call: HeadCall, config: FusedLMConfig, hidden: torch.Tensor, request:
     ``hidden.shape[:-1]``."""
     if isinstance(request, TopkRequest):
         return fused_linear_topk(
-            hidden, call.weight, request.k, tp_group=call.tp_group, temperature=request.temperature,
-            backend=config.backend, token_chunk=config.token_chunk,
-        )  # fmt: skip
+            hidden,
+            call.weight,
+            request.k,
+            tp_group=call.tp_group,
+            temperature=request.temperature,
+            backend=config.backend,
+            token_chunk=config.token_chunk,
+        )
     arguments = dict(
-        _op_arguments(call, config), temperature=request.temperature, mask=request.mask, max_rows=request.max_rows,
-        batch_invariant=config.batch_invariant, kept_tokens=request.kept_tokens,
-    )  # fmt: skip
+        _op_arguments(call, config),
+        temperature=request.temperature,
+        mask=request.mask,
+        max_rows=request.max_rows,
+        batch_invariant=config.batch_invariant,
+        kept_tokens=request.kept_tokens,
+    )
     if isinstance(request, LogprobRequest):
         return fused_linear_logprob(
-            hidden, call.weight, request.targets, return_entropy=request.return_entropy,
-            entropy_grad=request.entropy_grad, **arguments,
-        )  # fmt: skip
+            hidden,
+            call.weight,
+            request.targets,
+            return_entropy=request.return_entropy,
+            entropy_grad=request.entropy_grad,
+            **arguments,
+        )
     weight, accumulation = main_grad_route(call.weight, request.main_grad_scale, call.owner)
     return fused_linear_loss(
         hidden, weight, request.targets, request.loss_fn, loss_inputs=request.loss_inputs, **accumulation, **arguments
@@ -168,9 +183,12 @@ def answer(call: HeadCall, config: FusedLMConfig, hidden: torch.Tensor, request:
 
 
 def answer_from_logits(
-    layer: torch.nn.Module, tp_group: Optional[dist.ProcessGroup], config: FusedLMConfig, logits: torch.Tensor,
+    layer: torch.nn.Module,
+    tp_group: Optional[dist.ProcessGroup],
+    config: FusedLMConfig,
+    logits: torch.Tensor,
     request: Request,
-):  # fmt: skip
+):
     """``request`` computed the stock way, from ``layer``'s logits ``[..., vocab/TP]`` (split over
     ``tp_group``) or ``[..., vocab]`` (gathered); a ``main_grad_scale`` does not apply."""
     full_vocab = getattr(layer, "output_size", None)
@@ -181,14 +199,21 @@ def answer_from_logits(
             logits, request.k, tp_group=tp_group, temperature=request.temperature, token_chunk=config.token_chunk
         )
     arguments = dict(
-        tp_group=tp_group, temperature=request.temperature, mask=request.mask, max_rows=request.max_rows,
-        token_chunk=config.token_chunk, kept_tokens=request.kept_tokens,
-    )  # fmt: skip
+        tp_group=tp_group,
+        temperature=request.temperature,
+        mask=request.mask,
+        max_rows=request.max_rows,
+        token_chunk=config.token_chunk,
+        kept_tokens=request.kept_tokens,
+    )
     if isinstance(request, LogprobRequest):
         return logits_logprob(
-            logits, request.targets, return_entropy=request.return_entropy, entropy_grad=request.entropy_grad,
+            logits,
+            request.targets,
+            return_entropy=request.return_entropy,
+            entropy_grad=request.entropy_grad,
             **arguments,
-        )  # fmt: skip
+        )
     return logits_loss(logits, request.targets, request.loss_fn, loss_inputs=request.loss_inputs, **arguments)
 
 
@@ -298,9 +323,12 @@ def running_backend(config: FusedLMConfig, layers: List[Tuple[torch.nn.Module, t
 
 
 def log_route(
-    owner: str, route: str, config: FusedLMConfig, layers: List[Tuple[torch.nn.Module, torch.nn.Module]],
+    owner: str,
+    route: str,
+    config: FusedLMConfig,
+    layers: List[Tuple[torch.nn.Module, torch.nn.Module]],
     fallback_reason: Optional[str],
-) -> None:  # fmt: skip
+) -> None:
     """One INFO line saying whether the fused head computes for ``owner`` (a model's name) through
     ``route``, and why not, or with which backend at which tensor-parallel size."""
     if not config.enabled:

@@ -149,8 +149,11 @@ class _Patch:
                     state[name] = previous
         ours = {hook.id for hook in self.hooks}
         for name in (
-            "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_always_called",
-        ):  # fmt: skip
+            "_forward_pre_hooks",
+            "_forward_pre_hooks_with_kwargs",
+            "_forward_hooks",
+            "_forward_hooks_always_called",
+        ):
             if name in state:
                 state[name] = type(state[name])((key, value) for key, value in state[name].items() if key not in ours)
         clone = type(owner).__new__(type(owner))
@@ -200,9 +203,13 @@ class _Patch:
         return provenance.traced(hidden, call.weight, origin), None
 
     def stock_output(
-        self, reason: str, input_: torch.Tensor, weight: Optional[torch.Tensor], runtime_gather_output: Optional[bool],
+        self,
+        reason: str,
+        input_: torch.Tensor,
+        weight: Optional[torch.Tensor],
+        runtime_gather_output: Optional[bool],
         options: Dict[str, Any],
-    ) -> Any:  # fmt: skip
+    ) -> Any:
         """The stock layer's result for a call that ``stock_reason`` gives to it, marked (and what the
         model makes of it on the way out), so that the head refuses it as hidden states whatever its
         shape."""
@@ -245,9 +252,13 @@ class _Patch:
         head, declared = self.head, self.head._declared_weights
         check_labels(labels, hidden, declared)
         losses = call_labels_loss(
-            call, head.config, hidden, labels.transpose(0, 1), None if declared is None else declared.transpose(0, 1),
+            call,
+            head.config,
+            hidden,
+            labels.transpose(0, 1),
+            None if declared is None else declared.transpose(0, 1),
             head._declared_main_grad_scale,
-        )  # fmt: skip
+        )
         origin = provenance.Origin(weakref.ref(head), head.name, call, hidden.shape[-1], hidden.device)
         return provenance.traced(losses.transpose(0, 1).contiguous(), call.weight, origin, provenance.PER_TOKEN_LOSS)
 

@@ -48,29 +48,77 @@ class FusedLoss(NamedTuple):
 
 
 def _fused_rows(
-    hidden, weight, targets, mask, max_rows, tp_group, temperature, kept_tokens, out_of_vocab="error", several=False,
-    *, backend, **options,
-) -> tuple[HeadOptions, RowSelection, ShardProblem]:  # fmt: skip
-    """A fused op's checked options (its backend resolved once), its selected rows (``several``:
-    ``k`` targets each) and their ``ShardProblem``: their hidden states in the weight's dtype (the
-    products run in it, detached), their target columns, temperatures ``[k]`` float32 and
-    ``kept_mask``."""
+    op: str,
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    backend,
+    tp_group,
+    temperature,
+    mask: Optional[Tensor] = None,
+    max_rows: Optional[int] = None,
+    kept_tokens: Optional[KeptTokens] = None,
+    out_of_vocab: str = "error",
+    several: bool = False,
+    loss_inputs: Optional[Dict[str, Tensor]] = None,
+    **options,
+) -> tuple[HeadOptions, RowSelection, ShardProblem]:
+    """The public fused op ``op``'s inputs checked across the ranks of ``tp_group`` (before anything
+    communicates), its checked options (its backend resolved once), its selected rows
+    (``several``: ``k`` targets each) and their ``ShardProblem``: their hidden states in the
+    weight's dtype (the products run in it, detached), their target columns, temperatures ``[k]``
+    float32 and ``kept_mask``."""
+    check_across_ranks(
+        op,
+        tp_group,
+        hidden,
+        weight,
+        targets=targets,
+        mask=mask,
+        temperature=temperature,
+        kept_tokens=kept_tokens,
+        loss_inputs=loss_inputs,
+    )
     check_linear_inputs(hidden, weight)
     resolved = registry.resolve(backend, hidden.device)
     options = HeadOptions.checked(backend=resolved.name, tp_group=tp_group, **options)
     selection = select_rows(
-        targets, hidden.shape[:-1], mask, max_rows, weight.shape[0], tp_group, out_of_vocab, several
+        targets,
+        hidden.shape[:-1],
+        mask=mask,
+        max_rows=max_rows,
+        vocab_shard=weight.shape[0],
+        tp_group=tp_group,
+        out_of_vocab=out_of_vocab,
+        several=several,
     )
     rows = selection.take(hidden).to(weight.dtype)
     temperature = row_temperatures(temperature, selection, hidden.device)
-    kept_mask = _kept_mask(kept_tokens, selection, targets, weight.shape[0], tp_group, resolved, several, out_of_vocab)
+    kept_mask = _kept_mask(
+        kept_tokens,
+        selection,
+        targets,
+        vocab_shard=weight.shape[0],
+        backend=resolved,
+        tp_group=tp_group,
+        several=several,
+        out_of_vocab=out_of_vocab,
+    )
     return options, selection, ShardProblem(rows, weight, selection.target_column, temperature, kept_mask)
 
 
 def _kept_mask(
-    kept_tokens: Optional[KeptTokens], selection: RowSelection, targets: Tensor, vocab_shard: int, tp_group,
-    backend, several: bool, out_of_vocab: str = "error",
-) -> Tensor:  # fmt: skip
+    kept_tokens: Optional[KeptTokens],
+    selection: RowSelection,
+    targets: Tensor,
+    *,
+    vocab_shard: int,
+    backend,
+    tp_group,
+    several: bool,
+    out_of_vocab: str = "error",
+) -> Tensor:
     """The selected rows' ``kept_mask`` on this shard (``kept_tokens``' form), built by ``backend``."""
     if kept_tokens is None:
         return every_column(targets.device)
@@ -83,7 +131,8 @@ def _kept_mask(
         raise ValueError(
             "kept_tokens takes targets inside the vocabulary, each in its row's set (out_of_vocab='error')"
         )
-    return backend.kept_mask(checked_sets(kept_tokens, selection, targets, vocab_shard, tp_group), vocab_shard)
+    sets = checked_sets(kept_tokens, selection, targets, vocab_shard=vocab_shard, tp_group=tp_group)
+    return backend.kept_mask(sets, vocab_shard)
 
 
 def fused_linear_logprob(
@@ -186,12 +235,24 @@ def fused_linear_logprob(
         ``ValueError`` on the CPU and trips a device-side assertion on a GPU.
     """
     several = _several_targets(targets, hidden.shape[:-1], out_of_vocab, batch_invariant)
-    check_across_ranks("fused_linear_logprob", tp_group, hidden, weight, targets, mask, temperature, kept_tokens)
     options, selection, problem = _fused_rows(
-        hidden, weight, targets, mask, max_rows, tp_group, temperature, kept_tokens, out_of_vocab, several,
-        token_chunk=token_chunk, backend=backend, entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
+        "fused_linear_logprob",
+        hidden,
+        weight,
+        targets,
+        mask=mask,
+        max_rows=max_rows,
+        tp_group=tp_group,
+        temperature=temperature,
+        kept_tokens=kept_tokens,
+        out_of_vocab=out_of_vocab,
+        several=several,
+        token_chunk=token_chunk,
+        backend=backend,
+        entropy_grad=entropy_grad,
+        reduce_hidden_grad=reduce_hidden_grad,
         batch_invariant=batch_invariant,
-    )  # fmt: skip
+    )
     logprob, entropy, _, _ = crossed(*problem, options=options)
     return _results(selection, logprob, entropy if return_entropy else None, options.entropy_grad)
 
@@ -256,11 +317,34 @@ def logits_logprob(
         backend="torch", token_chunk=token_chunk, tp_group=tp_group, entropy_grad=entropy_grad
     )
     several = _several_targets(targets, logits.shape[:-1], "error", False)
-    check_across_ranks("logits_logprob", tp_group, logits, None, targets, mask, temperature, kept_tokens)
-    selection = select_rows(targets, logits.shape[:-1], mask, max_rows, logits.shape[-1], tp_group, several=several)
+    check_across_ranks(
+        "logits_logprob",
+        tp_group,
+        logits,
+        None,
+        targets=targets,
+        mask=mask,
+        temperature=temperature,
+        kept_tokens=kept_tokens,
+    )
+    selection = select_rows(
+        targets,
+        logits.shape[:-1],
+        mask=mask,
+        max_rows=max_rows,
+        vocab_shard=logits.shape[-1],
+        tp_group=tp_group,
+        several=several,
+    )
     rows, temperature = selection.take(logits), row_temperatures(temperature, selection, logits.device)
     kept_mask = _kept_mask(
-        kept_tokens, selection, targets, logits.shape[-1], tp_group, registry.by_name("torch"), several
+        kept_tokens,
+        selection,
+        targets,
+        vocab_shard=logits.shape[-1],
+        backend=registry.by_name("torch"),
+        tp_group=tp_group,
+        several=several,
     )
     logprob, entropy, _, _ = Logits.apply(rows, selection.target_column, temperature, kept_mask, options)
     return _results(selection, logprob, entropy if return_entropy else None, options.entropy_grad)
@@ -339,23 +423,41 @@ def fused_linear_loss(
     inputs = check_loss_inputs(loss_fn, loss_inputs, hidden.shape[:-1], hidden.device)
     several = _several_targets(targets, hidden.shape[:-1], "error", batch_invariant)
     check_declared_inputs(loss_fn, targets, inputs, mask, hidden.shape[:-1])
-    check_across_ranks("fused_linear_loss", tp_group, hidden, weight, targets, mask, temperature, kept_tokens, inputs)
     entropy_grad = has_entropy_term(loss_fn, inputs, tuple(targets.shape[-1:]) if several else ())
     options, selection, problem = _fused_rows(
-        hidden, weight, targets, mask, max_rows, tp_group, temperature, kept_tokens, "error", several,
-        token_chunk=token_chunk, backend=backend, entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
+        "fused_linear_loss",
+        hidden,
+        weight,
+        targets,
+        mask=mask,
+        max_rows=max_rows,
+        tp_group=tp_group,
+        temperature=temperature,
+        kept_tokens=kept_tokens,
+        several=several,
+        loss_inputs=inputs,
+        token_chunk=token_chunk,
+        backend=backend,
+        entropy_grad=entropy_grad,
+        reduce_hidden_grad=reduce_hidden_grad,
         batch_invariant=batch_invariant,
-    )  # fmt: skip
+    )
     if selection.rows is not None:
         inputs = {name: value.index_select(0, selection.rows) for name, value in inputs.items()}
     sink = _weight_grad_sink(weight, problem.hidden.shape[0], weight_grad_into, weight_grad_scale)
     padding = selection.padding
     chunk_loss = ChunkLoss(
-        loss_fn, inputs, entropy_grad, gradients=torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad),
-        weight_grad_scale=sink.weight_grad_scale if sink else 1.0, valid=None if padding is None else ~padding,
+        loss_fn,
+        inputs,
+        entropy_grad,
+        gradients=torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad),
+        weight_grad_scale=sink.weight_grad_scale if sink else 1.0,
+        valid=None if padding is None else ~padding,
         save_grads=sink is not None and sink.weight_grad_into is not None,
-    )  # fmt: skip
-    loss, summary = run_held_pass(problem.hidden, weight, _detached(problem), options, sink, chunk_loss)
+    )
+    loss, summary = run_held_pass(
+        problem.hidden, weight, problem=_detached(problem), options=options, sink=sink, loss=chunk_loss
+    )
     return FusedLoss(loss, selection.place(summary.logprob), selection.place(summary.entropy))
 
 
@@ -416,19 +518,27 @@ def fused_linear_cross_entropy(
         the rest: as for ``fused_linear_loss``. There is no ``batch_invariant``; the four-GEMM
             ``fused_linear_logprob(..., batch_invariant=True)`` gives the same loss's gradients.
     """
-    check_across_ranks(
-        "fused_linear_cross_entropy", tp_group, hidden, weight, targets, temperature=temperature,
-        loss_inputs={"declared_weights": declared_weights},
-    )  # fmt: skip
     options, selection, problem = _fused_rows(
-        hidden, weight, targets, None, None, tp_group, temperature, None, out_of_vocab, token_chunk=token_chunk,
-        backend=backend, entropy_grad=False, reduce_hidden_grad=reduce_hidden_grad,
-    )  # fmt: skip
+        "fused_linear_cross_entropy",
+        hidden,
+        weight,
+        targets,
+        tp_group=tp_group,
+        temperature=temperature,
+        out_of_vocab=out_of_vocab,
+        loss_inputs={"declared_weights": declared_weights},
+        token_chunk=token_chunk,
+        backend=backend,
+        entropy_grad=False,
+        reduce_hidden_grad=reduce_hidden_grad,
+    )
     declared = check_per_token("declared_weights", declared_weights, hidden.shape[:-1], hidden.device)
     if not declared.dtype.is_floating_point and declared.dtype != torch.bool:
         raise TypeError(f"declared_weights must be float or bool, got {declared.dtype}")
     sink = _weight_grad_sink(weight, problem.hidden.shape[0], weight_grad_into, weight_grad_scale)
-    loss, _ = run_held_pass(problem.hidden, weight, _detached(problem), options, sink, None, declared.float())
+    loss, _ = run_held_pass(
+        problem.hidden, weight, problem=_detached(problem), options=options, sink=sink, declared=declared.float()
+    )
     return selection.place(loss)
 
 
@@ -449,11 +559,28 @@ def logits_loss(
     ``loss_fn`` and ``loss_inputs`` (``max_rows`` checked as there), the gradient (to ``logits``) by
     the usual backward; with ``mask`` the number of selected rows is read on the host."""
     inputs = check_loss_inputs(loss_fn, loss_inputs, logits.shape[:-1], logits.device)
-    check_across_ranks("logits_loss", tp_group, logits, None, targets, mask, temperature, kept_tokens, inputs)
+    check_across_ranks(
+        "logits_loss",
+        tp_group,
+        logits,
+        None,
+        targets=targets,
+        mask=mask,
+        temperature=temperature,
+        kept_tokens=kept_tokens,
+        loss_inputs=inputs,
+    )
     logprob, entropy = logits_logprob(
-        logits, targets, tp_group=tp_group, temperature=temperature, return_entropy=True,
-        token_chunk=token_chunk, mask=mask, max_rows=max_rows, kept_tokens=kept_tokens,
-    )  # fmt: skip
+        logits,
+        targets,
+        tp_group=tp_group,
+        temperature=temperature,
+        return_entropy=True,
+        token_chunk=token_chunk,
+        mask=mask,
+        max_rows=max_rows,
+        kept_tokens=kept_tokens,
+    )
     check_declared_inputs(loss_fn, targets, inputs, mask, logits.shape[:-1])
     logprob_rows = logprob.reshape(entropy.numel(), *logprob.shape[entropy.dim() :])  # [rows] or [rows, k]
     entropy_rows = entropy.reshape(-1)

@@ -50,7 +50,11 @@ def chunk_logit_grads(
     for rows in token_chunks(target_column.shape[0], token_chunk):
         logits = block_logits(rows)
         grad = block_logit_grad(
-            logits, target_column[rows], saved.lse[rows], saved.mean_logit[rows], *upstream.rows(rows),
+            logits,
+            target_column[rows],
+            saved.lse[rows],
+            saved.mean_logit[rows],
+            *upstream.rows(rows),
             kept_block(kept_mask, rows, logits.shape[1]),
-        )  # fmt: skip
+        )
         yield rows, grad.div_(temperature[rows, None])

@@ -67,8 +67,16 @@ class _Inputs(NamedTuple):
     loss_inputs: Optional[Mapping[str, torch.Tensor]]
 
 
-NAMES = ("the rows' shape", "the hidden size", "the shard's vocabulary rows", "targets", "mask", "temperature",
-         "kept_tokens", "loss_inputs")  # fmt: skip
+NAMES = (
+    "the rows' shape",
+    "the hidden size",
+    "the shard's vocabulary rows",
+    "targets",
+    "mask",
+    "temperature",
+    "kept_tokens",
+    "loss_inputs",
+)
 DIGEST_SIZE = len(NAMES) + 2  # and the shard's sampled rows: their digest, whether they differ
 
 
@@ -145,8 +153,13 @@ def _digests(inputs: _Inputs, device: torch.device) -> torch.Tensor:
         elif name == "kept_tokens":
             values.append(_digest(value[0]) * 1_000_003 + _digest(value[1]))
         elif name == "loss_inputs":  # by name: the same tensors under other names are other inputs
-            values.append(sum((_digest(value[key]) + zlib.crc32(key.encode())) * (index + 1)
-                              for index, key in enumerate(sorted(value))) + len(value))  # fmt: skip
+            values.append(
+                sum(
+                    (_digest(value[key]) + zlib.crc32(key.encode())) * (index + 1)
+                    for index, key in enumerate(sorted(value))
+                )
+                + len(value)
+            )
         else:
             values.append(_digest(value))
     return torch.stack([value.to(device) for value in values])

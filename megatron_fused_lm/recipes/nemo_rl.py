@@ -349,9 +349,12 @@ def nll_loss(
     mask = data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)
     weight = rows.on_this_rank(mask.float() / (global_valid_toks + 1e-8))
     result = head.loss(
-        rows.output, rows.on_this_rank(input_ids[:, 1:]), losses.cross_entropy, loss_inputs={"weight": weight},
+        rows.output,
+        rows.on_this_rank(input_ids[:, 1:]),
+        losses.cross_entropy,
+        loss_inputs={"weight": weight},
         mask=rows.on_this_rank(mask.bool()),
-    )  # fmt: skip
+    )
     loss = context_parallel_sum(result.loss, rows.cp_group, gradient="summed")
     return loss, {
         "loss": loss.detach().item(),
@@ -440,9 +443,14 @@ class LogprobsPostProcessorMixin:
             cp_group = parallel_state.get_context_parallel_group()
             if packed:
                 logprobs = packed_next_token_logprobs(
-                    self.head, output, input_ids, data_dict["input_lengths"], cu_seqlens_padded,
-                    unpacked_ids.shape[1], cp_group,
-                )  # fmt: skip
+                    self.head,
+                    output,
+                    input_ids,
+                    data_dict["input_lengths"],
+                    cu_seqlens_padded,
+                    unpacked_ids.shape[1],
+                    cp_group,
+                )
             else:
                 logprobs = next_token_logprobs(self.head, output, unpacked_ids, cp_group)
             logprobs = torch.cat([torch.zeros_like(logprobs[:, :1]), logprobs], dim=1)  # NeMo-RL's first column

@@ -186,10 +186,20 @@ def _weighted_entropy_sum(head: FusedLMHead, hidden: Tensor, weights: Tensor, ch
 
 
 def _support_scores(
-    head: FusedLMHead, hidden: Tensor, sampled_ids: Tensor, support_ids: Tensor, *, vocab_start_index: int,
-    vocab_end_index: int, tp_group, compute_entropy: bool = False, entropy_requires_grad: bool = False,
-    lm_head_weight: Optional[Tensor] = None, temperature: float = 1.0, chunk_size: Optional[int] = None,
-):  # fmt: skip
+    head: FusedLMHead,
+    hidden: Tensor,
+    sampled_ids: Tensor,
+    support_ids: Tensor,
+    *,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    tp_group,
+    compute_entropy: bool = False,
+    entropy_requires_grad: bool = False,
+    lm_head_weight: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    chunk_size: Optional[int] = None,
+):
     """``sample_support_scores`` (sample-support replay): each row's log-prob of its sampled token and
     its entropy, renormalized over the sampler's recorded support (``support_ids [..., top_k]`` int32,
     ``-1`` padding), by the head's kept-token sets; rows without a support score 0 and are not
@@ -204,9 +214,13 @@ def _support_scores(
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
     kept_ids = support_ids.reshape(lead.numel(), -1).long()[members & valid[:, None]]
     result = head.logprobs(
-        hidden, sampled_ids.long(), mask=valid.view(lead), kept_tokens=(offsets, kept_ids), return_entropy=compute_entropy,
+        hidden,
+        sampled_ids.long(),
+        mask=valid.view(lead),
+        kept_tokens=(offsets, kept_ids),
+        return_entropy=compute_entropy,
         entropy_grad=entropy_requires_grad,
-    )  # fmt: skip
+    )
     logprob, entropy = result if compute_entropy else (result, None)
     if entropy is not None:
         entropy = entropy.clamp(min=0.0) if entropy_requires_grad else entropy.detach().clamp(min=0.0)
@@ -332,9 +346,12 @@ def action_log_probs(
     ``[B, A]`` tensors.
     """
     result = head.logprobs(
-        output, layout.on_this_rank(layout.targets), return_entropy=with_entropy, entropy_grad=entropy_grad,
+        output,
+        layout.on_this_rank(layout.targets),
+        return_entropy=with_entropy,
+        entropy_grad=entropy_grad,
         mask=layout.on_this_rank(layout.scored),
-    )  # fmt: skip
+    )
     if with_entropy:
         return tuple(layout.to_actions(layout.everywhere(value)) for value in result)
     return layout.to_actions(layout.everywhere(result))
@@ -348,10 +365,12 @@ def layout_loss(head: FusedLMHead, output: Tensor, layout: ActionLayout, loss_fn
     log-probs; its value is made the whole batch's (summed over the group, the gradient left
     alone) and the metrics are gathered, as SkyRL reports them."""
     result = head.loss(
-        output, layout.on_this_rank(layout.targets), loss_fn,
+        output,
+        layout.on_this_rank(layout.targets),
+        loss_fn,
         loss_inputs={name: layout.on_this_rank(value) for name, value in per_row_inputs.items()},
         mask=layout.on_this_rank(layout.scored),
-    )  # fmt: skip
+    )
     if layout.cp_group is None:
         return result
     return FusedLoss(
@@ -446,11 +465,12 @@ def policy_loss(
     kl_coef = algorithm.kl_loss_coef if algorithm.use_kl_loss else 0.0
     loss_fn = SkyRLPolicyLoss(
         losses.ClippedPolicyLoss(
-            clip_low=algorithm.eps_clip_low, clip_high=algorithm.eps_clip_high,
+            clip_low=algorithm.eps_clip_low,
+            clip_high=algorithm.eps_clip_high,
             dual_clip=algorithm.clip_ratio_c if algorithm.policy_loss_type == "dual_clip" else None,
         ),
         kl_estimator=algorithm.kl_estimator_type,
-    )  # fmt: skip
+    )
     # SkyRL's KL term is the mean over sequences of each sequence's masked mean (of a KL it already
     # masked: hence the mask squared); its entropy term is the masked mean over the micro-batch.
     scale = kl_entropy_microbatch_scale

@@ -166,9 +166,13 @@ class _SlimeRows:
         held = torch.arange(cp_rank * rows, (cp_rank + 1) * rows, device=device)
         targets, scored_rows, _, row_index = _samples_at(held, contiguous, *samples)
         return _SlimeRows(
-            targets.unsqueeze(0), scored_rows.unsqueeze(0), counts, row_index[scored_rows], piece_index[scored],
+            targets.unsqueeze(0),
+            scored_rows.unsqueeze(0),
+            counts,
+            row_index[scored_rows],
+            piece_index[scored],
             sum(response_lengths),
-        )  # fmt: skip
+        )
 
     def per_sample(self, per_row: Tensor) -> List[Tensor]:
         """Per-row results ``[1, rows]`` -> this rank's piece of every sample, in slime's order. With
@@ -298,9 +302,13 @@ def sft_loss(args, batch, logits, sum_of_sample_mean) -> Tuple[Tensor, Dict[str,
     ``--loss-type custom_loss --custom-loss-function-path <this module>.sft_loss``."""
     rows, weights = _loss_layout(args, batch, logits, sum_of_sample_mean)
     result = fused_head().loss(
-        logits, rows.targets, losses.cross_entropy, loss_inputs={"weight": weights}, mask=rows.scored,
+        logits,
+        rows.targets,
+        losses.cross_entropy,
+        loss_inputs={"weight": weights},
+        mask=rows.scored,
         temperature=_temperature(args),
-    )  # fmt: skip
+    )
     return result.loss, {"loss": result.loss.detach()}
 
 
@@ -353,18 +361,27 @@ def policy_loss(
     inputs = {name: rows.to_rows(value.float()) for name, value in per_token.items()}
     kl_coef, kl_estimator = (args.kl_loss_coef, args.kl_loss_type) if args.use_kl_loss else (0.0, "k1")
     loss_fn = losses.ClippedPolicyLoss(
-        clip_low=args.eps_clip, clip_high=args.eps_clip_high, dual_clip=args.eps_clip_c,
-        entropy_coef=args.entropy_coef, kl_coef=kl_coef, kl_estimator=kl_estimator,
-    )  # fmt: skip
+        clip_low=args.eps_clip,
+        clip_high=args.eps_clip_high,
+        dual_clip=args.eps_clip_c,
+        entropy_coef=args.entropy_coef,
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
+    )
     kept_tokens = None
     if top_p_replay:
         kept_tokens = rows.kept_tokens(
             batch["rollout_top_p_token_ids"], batch["rollout_top_p_token_offsets"], batch["response_lengths"]
         )
     result = fused_head().loss(
-        logits, rows.targets, loss_fn, loss_inputs={**inputs, "weight": weights}, mask=scored,
-        temperature=_temperature(args), kept_tokens=kept_tokens,
-    )  # fmt: skip
+        logits,
+        rows.targets,
+        loss_fn,
+        loss_inputs={**inputs, "weight": weights},
+        mask=scored,
+        temperature=_temperature(args),
+        kept_tokens=kept_tokens,
+    )
     if capture_log_probs is not None and batch.get("partition"):
         capture_log_probs(batch, rows.per_sample(result.logprob))
     # slime's metrics, from the detached per-token results; each a sum of weighted tokens, which is

@@ -103,9 +103,13 @@ class FusedLMHeadEngine:
         if asked:
             raise NotImplementedError(f"{', '.join(asked)} need the logits: turn fused_linear_logprob off for them")
         return fused_logits_processor(
-            self.fused_head, logits, label, temperature, calculate_entropy=options["calculate_entropy"],
+            self.fused_head,
+            logits,
+            label,
+            temperature,
+            calculate_entropy=options["calculate_entropy"],
             entropy_grad=entropy_is_a_loss_term(options.get("logits_processor_func")),
-        )  # fmt: skip
+        )
 
 
 def entropy_is_a_loss_term(loss_function: Any) -> bool:

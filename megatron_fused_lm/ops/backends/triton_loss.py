@@ -185,9 +185,16 @@ class TritonLoss:
         reference = chunk_reference(state, rows) if direct else None
         chosen_weight = state.chosen[rows] if into_weight else None
         chosen, factor = row_terms(
-            problem.target_column[rows], summary, upstream, problem.temperature[rows], reference, weight_row_scale, hidden,
-            operand, chosen_weight,
-        )  # fmt: skip
+            problem.target_column[rows],
+            summary,
+            upstream,
+            problem.temperature[rows],
+            reference,
+            weight_row_scale,
+            hidden,
+            operand,
+            chosen_weight,
+        )
         return chosen, factor, operand
 
     def several_row_terms(self, problem, state, rows, summary, upstream, weight_row_scale, direct):
@@ -220,9 +227,15 @@ class TritonLoss:
         tiles = self.tuning.forward_tiles_for(weight.dtype, block.dtype, weight.device)
         saved = SavedStatistics(summary.lse.contiguous(), summary.mean_logit.contiguous())
         return stored_logit_grads(
-            block, chunk_reference(state, rows), block.view(weight.dtype), problem.target_column[rows].contiguous(),
-            saved, upstream, problem.temperature[rows], tiles.block_n if stores_offsets(block.dtype) else 0,
-        )  # fmt: skip
+            block,
+            chunk_reference(state, rows),
+            block.view(weight.dtype),
+            problem.target_column[rows].contiguous(),
+            saved,
+            upstream,
+            problem.temperature[rows],
+            tiles.block_n if stores_offsets(block.dtype) else 0,
+        )
 
     def products(
         self,

@@ -86,9 +86,15 @@ def top_keys(
         # 1. The statistics and the tile maxima.
         tile_maxima = torch.empty(size, column_tiles, dtype=torch.float32, device=device)
         parts = split_statistics(
-            chunk_hidden, weight, no_targets[rows], chunk_temperature, every_column, tiles, tiles_per_split,
+            chunk_hidden,
+            weight,
+            no_targets[rows],
+            chunk_temperature,
+            every_column,
+            tiles,
+            tiles_per_split,
             tile_maxima=tile_maxima,
-        )  # fmt: skip
+        )
         stats[rows] = merge_parts(parts)
         # 2. k tiles hold a logit at or above the k-th largest maximum.
         threshold = tile_maxima.topk(k, dim=1).values[:, -1].contiguous()

@@ -117,7 +117,7 @@ class StatisticsKernel:
             parts,
             tiles_per_split,
             num_splits,
-        ).launch(  # fmt: skip
+        ).launch(
             grid=(num_clusters * self.cluster_m, 1, 1),
             block=(THREADS, 1, 1),
             cluster=(self.cluster_m, 1, 1),
@@ -211,9 +211,12 @@ class StatisticsKernel:
                             barrier = ring.producer_get_barrier(state)
                             cute.copy(a_atom, t_ag[(None, row_tile, k)], t_as[(None, state.index)], tma_bar_ptr=barrier)
                             cute.copy(
-                                b_atom, t_bg[(None, first_tile + tile, k)], t_bs[(None, state.index)],
-                                tma_bar_ptr=barrier, mcast_mask=b_mask,
-                            )  # fmt: skip
+                                b_atom,
+                                t_bg[(None, first_tile + tile, k)],
+                                t_bs[(None, state.index)],
+                                tma_bar_ptr=barrier,
+                                mcast_mask=b_mask,
+                            )
                             ring.producer_commit(state)
                             state.advance()
                     unit += num_clusters
@@ -311,8 +314,19 @@ class StatisticsKernel:
         return (first + within % rows_in_group) * self.cluster_m, split, first_tile, count
 
     @cute.jit
-    def _product(self, tiled_mma, ring, read, release, acc, t_ca, t_cb, k_steps: Int32, k_blocks: cutlass.Constexpr,
-                 consumer: Int32):  # fmt: skip
+    def _product(
+        self,
+        tiled_mma,
+        ring,
+        read,
+        release,
+        acc,
+        t_ca,
+        t_cb,
+        k_steps: Int32,
+        k_blocks: cutlass.Constexpr,
+        consumer: Int32,
+    ):
         """``acc = `` this group's next tile, all hidden steps; the pipeline states after it. One wgmma
         batch stays in flight while the next stage is awaited; each stage is released once read; the
         turn passes to the other group once the last stage is awaited."""
@@ -433,9 +447,15 @@ _compiled: dict = {}
 
 
 def split_statistics(
-    hidden, weight, target_column, temperature, tiles_per_split: int, cluster_m: int = 2, group_m: int = 6,
+    hidden,
+    weight,
+    target_column,
+    temperature,
+    tiles_per_split: int,
+    cluster_m: int = 2,
+    group_m: int = 6,
     stages: int = 6,
-):  # fmt: skip
+):
     """Statistics ``[2 * num_splits, n, 4]`` (float32, ``softmax`` order) of the vocabulary splits of
     ``tiles_per_split`` column tiles of ``BLOCK_N``, each split's two consumer groups apart.
 
@@ -478,9 +498,18 @@ def _compile(kernel: StatisticsKernel, dtype):
     parts = make_fake_compact_tensor(Float32, (splits, num_tokens, 4), stride_order=(2, 1, 0))
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
-        kernel, hidden, weight, target_column, temperature, parts, Int32(1), Int32(1), Int32(1), stream,
+        kernel,
+        hidden,
+        weight,
+        target_column,
+        temperature,
+        parts,
+        Int32(1),
+        Int32(1),
+        Int32(1),
+        stream,
         options="--enable-tvm-ffi",
-    )  # fmt: skip
+    )
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -124,9 +124,19 @@ def finish_hidden_grad(
         return
     grid = (num_tokens, triton.cdiv(hidden_size, BLOCK_H))
     finish_hidden_grad_kernel[grid](
-        product, product.stride(0), chosen if factor is None else factor, chosen, target_column, weight,
-        weight.stride(0), out, out.stride(0), hidden_size, HAS_FACTOR=factor is not None, BLOCK_H=BLOCK_H,
-    )  # fmt: skip
+        product,
+        product.stride(0),
+        chosen if factor is None else factor,
+        chosen,
+        target_column,
+        weight,
+        weight.stride(0),
+        out,
+        out.stride(0),
+        hidden_size,
+        HAS_FACTOR=factor is not None,
+        BLOCK_H=BLOCK_H,
+    )
 
 
 def add_chosen_rows(
@@ -149,7 +159,18 @@ def add_chosen_rows(
     part, *rest = grad_weight_parts
     second = rest[0] if rest else part
     add_chosen_rows_kernel[(num_tokens, triton.cdiv(hidden_size, BLOCK_H))](
-        target_column, first, following, chosen, hidden, hidden.stride(0), part, part.stride(0), second,
-        second.stride(0), part.shape[0], part.shape[0] + (second.shape[0] if rest else 0), hidden_size,
+        target_column,
+        first,
+        following,
+        chosen,
+        hidden,
+        hidden.stride(0),
+        part,
+        part.stride(0),
+        second,
+        second.stride(0),
+        part.shape[0],
+        part.shape[0] + (second.shape[0] if rest else 0),
+        hidden_size,
         BLOCK_H=BLOCK_H,
-    )  # fmt: skip
+    )

@@ -45,9 +45,16 @@ def product_step(hidden_desc, weight_desc, row0, col0, k_step, acc, BLOCK_K: tl.
 
 @triton.jit
 def split_walk(
-    num_tokens, vocab, hidden_size, tiles_per_split, num_splits, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):  # fmt: skip
+    num_tokens,
+    vocab,
+    hidden_size,
+    tiles_per_split,
+    num_splits,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     """Where this program of a launch over (token tile, vocabulary split) starts: ``(row0, split,
     col0, k_step, k_steps, num_steps)``, its token tile's first row and its split of
     ``tiles_per_split`` column tiles (``grouped_tile`` order), ``split_step``'s state before the
@@ -63,9 +70,17 @@ def split_walk(
 
 @triton.jit
 def split_step(
-    hidden_desc, weight_desc, row0, col0, k_step, k_steps, acc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    hidden_desc,
+    weight_desc,
+    row0,
+    col0,
+    k_step,
+    k_steps,
+    acc,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     """``(col0, k_step, acc)`` after the next step of a program's walk along its split (``split_walk``):
     the next hidden step (0: the next column tile, ``col0`` advanced) added into ``acc``. The tile
     ``[row0:, col0:]`` is finished where ``k_step == k_steps - 1``."""
@@ -77,9 +92,18 @@ def split_step(
 
 @triton.jit
 def split_logits(
-    acc, inv_temperature, vocab, col0, rows, row_valid, kept_ptr, stride_kept_row, kept_words,
-    HAS_KEPT: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+    acc,
+    inv_temperature,
+    vocab,
+    col0,
+    rows,
+    row_valid,
+    kept_ptr,
+    stride_kept_row,
+    kept_words,
+    HAS_KEPT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """``(logits, col_valid)`` of a finished tile ``acc [BLOCK_M, BLOCK_N]`` of a split's walk: the
     float32 logits divided by the temperature, -inf on the columns past ``vocab`` and those the
     rows do not keep (``kept_tile``), which ``col_valid`` (bool, ``[1 or BLOCK_M, BLOCK_N]``) names.
@@ -200,9 +224,15 @@ def row_upstream(
 
 @triton.jit
 def add_targets(
-    grad, rows, row_valid, first_col, target_column_ptr, grad_logprob_ptr, NUM_TARGETS: tl.constexpr,
+    grad,
+    rows,
+    row_valid,
+    first_col,
+    target_column_ptr,
+    grad_logprob_ptr,
+    NUM_TARGETS: tl.constexpr,
     BLOCK_N: tl.constexpr,
-):  # fmt: skip
+):
     """``grad [BLOCK_M, BLOCK_N]`` (the tile whose first column is the shard's ``first_col``) plus
     each of the rows' ``NUM_TARGETS`` targets' ``+g_lp`` where the tile holds the target (a repeated
     id adds once per entry), in float32 before the tile is rounded. Unrolled: ``k`` selects per

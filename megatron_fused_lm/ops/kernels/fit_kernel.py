@@ -16,9 +16,18 @@ BLOCK = 1024
 
 @triton.jit
 def fit_kernel(
-    upstream_ptr, declared_ptr, correction_ptr, scale_ptr, gate_ptr, num_rows, assumed, tolerance,
-    FIT: tl.constexpr, RELATIVE: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    upstream_ptr,
+    declared_ptr,
+    correction_ptr,
+    scale_ptr,
+    gate_ptr,
+    num_rows,
+    assumed,
+    tolerance,
+    FIT: tl.constexpr,
+    RELATIVE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     if FIT:
         dot = tl.zeros([BLOCK], tl.float32)
         norm = tl.zeros([BLOCK], tl.float32)
@@ -67,7 +76,17 @@ def fit_declared(
     scale = upstream.new_empty(())
     gate = torch.empty((), dtype=torch.int8, device=upstream.device)
     fit_kernel[(1,)](
-        upstream, declared, correction, scale, gate, upstream.shape[0], 1.0 if assumed is None else assumed,
-        tolerance, FIT=assumed is None, RELATIVE=assumed is None, BLOCK=BLOCK, num_warps=4,
-    )  # fmt: skip
+        upstream,
+        declared,
+        correction,
+        scale,
+        gate,
+        upstream.shape[0],
+        1.0 if assumed is None else assumed,
+        tolerance,
+        FIT=assumed is None,
+        RELATIVE=assumed is None,
+        BLOCK=BLOCK,
+        num_warps=4,
+    )
     return scale, correction, gate.view(torch.bool)

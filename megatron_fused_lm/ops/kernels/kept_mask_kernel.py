@@ -20,9 +20,19 @@ LEFT_OUT = tl.constexpr(TARGET_LEFT_OUT)
 
 @triton.jit
 def kept_mask_kernel(
-    offsets_ptr, token_ids_ptr, targets_ptr, mask_ptr, flags_ptr, num_sets, nnz, vocab, first_id, vocab_shard, words,
+    offsets_ptr,
+    token_ids_ptr,
+    targets_ptr,
+    mask_ptr,
+    flags_ptr,
+    num_sets,
+    nnz,
+    vocab,
+    first_id,
+    vocab_shard,
+    words,
     BLOCK: tl.constexpr,
-):  # fmt: skip
+):
     row = tl.program_id(0)
     out = mask_ptr + row.to(tl.int64) * words
     target = tl.load(targets_ptr + row)
@@ -61,9 +71,19 @@ def kept_mask(sets: KeptSets, vocab_shard: int) -> torch.Tensor:
     flags = torch.zeros(3, dtype=torch.int32, device=device)
     if sets.num_rows > 0:
         kept_mask_kernel[(sets.num_rows,)](
-            sets.offsets, sets.token_ids, sets.targets, mask, flags, sets.num_sets, sets.token_ids.shape[0],
-            sets.vocab, sets.first_id, vocab_shard, mask.shape[1], BLOCK=IDS_PER_STEP,
-        )  # fmt: skip
+            sets.offsets,
+            sets.token_ids,
+            sets.targets,
+            mask,
+            flags,
+            sets.num_sets,
+            sets.token_ids.shape[0],
+            sets.vocab,
+            sets.first_id,
+            vocab_shard,
+            mask.shape[1],
+            BLOCK=IDS_PER_STEP,
+        )
     if sets.num_sets == 0:  # no row checks the offsets: [0] is the only right one
         flags[MALFORMED_OFFSETS] = (sets.offsets[0] != 0) | (sets.token_ids.shape[0] != 0)
     check_flags(flags, sets)

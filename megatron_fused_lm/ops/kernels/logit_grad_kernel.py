@@ -83,9 +83,17 @@ def logit_grad_kernel(
             # Rows and columns past the block compute finite junk that the store clips.
             rows = row0 + tl.arange(0, BLOCK_M)
             target_column, lse, mean_logit, grad_logprob, grad_entropy = row_upstream(
-                rows, rows < num_tokens, target_column_ptr, lse_ptr, mean_logit_ptr, grad_logprob_ptr,
-                grad_entropy_ptr, HAS_GRAD_LOGPROB, HAS_GRAD_ENTROPY, NUM_TARGETS,
-            )  # fmt: skip
+                rows,
+                rows < num_tokens,
+                target_column_ptr,
+                lse_ptr,
+                mean_logit_ptr,
+                grad_logprob_ptr,
+                grad_entropy_ptr,
+                HAS_GRAD_LOGPROB,
+                HAS_GRAD_ENTROPY,
+                NUM_TARGETS,
+            )
             inv_temperature = inverse_temperature(temperature_ptr, rows, rows < num_tokens, UNIFORM_TEMPERATURE)
             logits = acc * inv_temperature
             grad = logit_grad_tile(
@@ -107,9 +115,15 @@ def logit_grad_kernel(
                 grad = tl.where(is_target, grad + grad_logprob[:, None], grad)
             elif HAS_GRAD_LOGPROB:
                 grad = add_targets(
-                    grad, rows, rows < num_tokens, first_column + col0, target_column_ptr, grad_logprob_ptr,
-                    NUM_TARGETS, BLOCK_N,
-                )  # fmt: skip
+                    grad,
+                    rows,
+                    rows < num_tokens,
+                    first_column + col0,
+                    target_column_ptr,
+                    grad_logprob_ptr,
+                    NUM_TARGETS,
+                    BLOCK_N,
+                )
             out_desc.store([row0, col0], (grad * inv_temperature).to(out_desc.dtype))
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
 

@@ -124,8 +124,21 @@ def _launch(parts, out, stale, target_column, summary) -> None:
     rows = max(1, ELEMENTS // width)
     reference, refresh, *bounds = stale or (None, None, 0.0, 0.0, 0.0)
     merge_kernel[(triton.cdiv(num_tokens, rows),)](
-        parts, out, num_parts, num_tokens, parts.stride(0), reference, refresh, target_column,
-        *(summary or (None,) * len(SoftmaxSummary._fields)), STALE=stale is not None, MAX_ABOVE=bounds[0],
-        MAX_BELOW=bounds[1], EMPTY_REFERENCE=bounds[2], SUMMARY=summary is not None, ROWS=rows, PARTS=width,
+        parts,
+        out,
+        num_parts,
+        num_tokens,
+        parts.stride(0),
+        reference,
+        refresh,
+        target_column,
+        *(summary or (None,) * len(SoftmaxSummary._fields)),
+        STALE=stale is not None,
+        MAX_ABOVE=bounds[0],
+        MAX_BELOW=bounds[1],
+        EMPTY_REFERENCE=bounds[2],
+        SUMMARY=summary is not None,
+        ROWS=rows,
+        PARTS=width,
         num_warps=4,
-    )  # fmt: skip
+    )

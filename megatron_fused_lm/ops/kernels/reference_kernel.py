@@ -45,9 +45,10 @@ def reference_kernel(
                 hidden_rows + cols[None, :], mask=row_valid[:, None] & (cols < hidden_size)[None, :], other=0.0
             )
             weight = tl.load(
-                weight_rows + cols[None, :], mask=(sampled < num_sampled)[:, None] & (cols < hidden_size)[None, :],
+                weight_rows + cols[None, :],
+                mask=(sampled < num_sampled)[:, None] & (cols < hidden_size)[None, :],
                 other=0.0,
-            )  # fmt: skip
+            )
             acc = tl.dot(hidden, weight.T, acc)
         acc = tl.where((sampled < num_sampled)[None, :], acc, float("-inf"))
         estimate = tl.maximum(estimate, tl.max(acc, axis=1))
@@ -85,8 +86,22 @@ def row_references(
     uniform = temperature.stride(0) == 0 or temperature.numel() <= 1
     if num_tokens:
         reference_kernel[(triton.cdiv(num_tokens, BLOCK_M),)](
-            hidden, hidden.stride(0), weight, weight.stride(0), target_column, temperature, out, num_tokens,
-            hidden_size, num_sampled, sample_stride, HEADROOM=headroom, UNIFORM_TEMPERATURE=uniform,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4,
-        )  # fmt: skip
+            hidden,
+            hidden.stride(0),
+            weight,
+            weight.stride(0),
+            target_column,
+            temperature,
+            out,
+            num_tokens,
+            hidden_size,
+            num_sampled,
+            sample_stride,
+            HEADROOM=headroom,
+            UNIFORM_TEMPERATURE=uniform,
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K,
+            num_warps=4,
+        )
     return out

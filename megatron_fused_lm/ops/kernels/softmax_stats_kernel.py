@@ -104,9 +104,18 @@ def softmax_stats_kernel(
         )
         if k_step == k_steps - 1:
             logits, col_valid = split_logits(
-                acc, inv_temperature, vocab, col0, rows, row_valid, kept_ptr, stride_kept_row, kept_words, HAS_KEPT,
+                acc,
+                inv_temperature,
+                vocab,
+                col0,
+                rows,
+                row_valid,
+                kept_ptr,
+                stride_kept_row,
+                kept_words,
+                HAS_KEPT,
                 BLOCK_N,
-            )  # fmt: skip
+            )
             tile_max = tl.max(logits, axis=1)
             new_max = tl.maximum(running_max, tile_max)
             # First tile: nothing to rescale (and -inf - new_max must not meet sumexp = 0).
@@ -191,10 +200,19 @@ def split_statistics(
     parts = torch.empty(num_splits, hidden.shape[0], NUM_STATISTICS, dtype=torch.float32, device=hidden.device)
     offsets = block is not None and stores_offsets(block.dtype)
     _launch(
-        hidden, weight, target_column, temperature, kept_mask, tiles, tiles_per_split, parts, block,
-        reference if tile_maxima is None else tile_maxima, store_tile_maxima=offsets or tile_maxima is not None,
+        hidden,
+        weight,
+        target_column,
+        temperature,
+        kept_mask,
+        tiles,
+        tiles_per_split,
+        parts,
+        block,
+        reference if tile_maxima is None else tile_maxima,
+        store_tile_maxima=offsets or tile_maxima is not None,
         gate=gate,
-    )  # fmt: skip
+    )
     return parts
 
 
@@ -215,15 +233,35 @@ def refresh_exponentials(
     needed to find the rows. Arguments as for ``split_statistics``, with the same tiles."""
     unwritten_parts = reference.new_empty(1, 1, NUM_STATISTICS)  # refresh mode writes no statistics
     _launch(
-        hidden, weight, target_column, temperature, kept_mask, tiles, tiles_per_split, unwritten_parts, block,
-        reference, refresh,
-    )  # fmt: skip
+        hidden,
+        weight,
+        target_column,
+        temperature,
+        kept_mask,
+        tiles,
+        tiles_per_split,
+        unwritten_parts,
+        block,
+        reference,
+        refresh,
+    )
 
 
 def _launch(
-    hidden, weight, target_column, temperature, kept_mask, tiles, tiles_per_split, parts, block, reference,
-    refresh=None, store_tile_maxima=False, gate=None,
-):  # fmt: skip
+    hidden,
+    weight,
+    target_column,
+    temperature,
+    kept_mask,
+    tiles,
+    tiles_per_split,
+    parts,
+    block,
+    reference,
+    refresh=None,
+    store_tile_maxima=False,
+    gate=None,
+):
     num_tokens, hidden_size = hidden.shape
     vocab = weight.shape[0]
     num_splits = triton.cdiv(triton.cdiv(vocab, tiles.block_n), tiles_per_split)

@@ -61,9 +61,17 @@ def stored_grad_kernel(
     wide_rows = rows.to(tl.int64)[:, None]
     stored = tl.load(block_ptr + wide_rows * stride_block_row + cols[None, :], mask=valid, other=0.0).to(tl.float32)
     target_column, lse, mean_logit, grad_logprob, grad_entropy = row_upstream(
-        rows, row_valid, target_column_ptr, lse_ptr, mean_logit_ptr, grad_logprob_ptr, grad_entropy_ptr,
-        HAS_GRAD_LOGPROB, HAS_GRAD_ENTROPY, NUM_TARGETS,
-    )  # fmt: skip
+        rows,
+        row_valid,
+        target_column_ptr,
+        lse_ptr,
+        mean_logit_ptr,
+        grad_logprob_ptr,
+        grad_entropy_ptr,
+        HAS_GRAD_LOGPROB,
+        HAS_GRAD_ENTROPY,
+        NUM_TARGETS,
+    )
     if OFFSETS_TILE_N > 0:
         # Every column of this program lies in one column tile of the forward kernel.
         tile = tl.program_id(0) * BLOCK_N // OFFSETS_TILE_N

@@ -19,9 +19,18 @@ from .tiles import Tiles
 
 @triton.jit
 def pick_candidates(
-    logits, threshold, count, row_slots, row_valid, first_col, candidates_ptr, candidate_columns_ptr, slots,
-    PICKS: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+    logits,
+    threshold,
+    count,
+    row_slots,
+    row_valid,
+    first_col,
+    candidates_ptr,
+    candidate_columns_ptr,
+    slots,
+    PICKS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """``count [BLOCK_M]`` (int32) after keeping each row's logits of a ``[BLOCK_M, BLOCK_N]`` tile
     (first column ``first_col``) at or above its ``threshold``, largest first (of equal ones the
     lower column), in the row's slots from ``row_slots + count`` (below ``slots``): up to ``PICKS``
@@ -85,9 +94,18 @@ def collect_candidates_kernel(
             # Top-k keeps every column: no kept-columns mask.
             logits = split_logits(acc, inv_temperature, vocab, col0, rows, row_valid, None, 0, 0, False, BLOCK_N)[0]
             count = pick_candidates(
-                logits, threshold, count, row_slots, row_valid, col0, candidates_ptr, candidate_columns_ptr, slots,
-                PICKS, BLOCK_N,
-            )  # fmt: skip
+                logits,
+                threshold,
+                count,
+                row_slots,
+                row_valid,
+                col0,
+                candidates_ptr,
+                candidate_columns_ptr,
+                slots,
+                PICKS,
+                BLOCK_N,
+            )
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     tl.store(slot_count_ptr + rows.to(tl.int64) * num_splits + split, count, mask=row_valid)
 

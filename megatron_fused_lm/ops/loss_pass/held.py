@@ -80,10 +80,11 @@ class Held(NamedTuple):
 def run_held_pass(
     hidden: Tensor,
     weight: Tensor,
+    *,
     problem: ShardProblem,
     options: HeadOptions,
     sink: Optional[WeightGradSink],
-    loss: Optional[ChunkLoss],
+    loss: Optional[ChunkLoss] = None,
     declared: Optional[Tensor] = None,
 ) -> tuple[Tensor, SoftmaxSummary]:
     """``(loss, summary)`` of one pass over ``problem`` (its ``hidden`` and ``weight`` detached, in

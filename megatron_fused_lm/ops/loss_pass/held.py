@@ -217,11 +217,12 @@ def correct_weight(
     backend, options: HeadOptions, held: Held, upstream: UpstreamGrads, ran: Tensor, weight_grad_into: Optional[Tensor]
 ) -> None:
     """Add the weight gradient of the per-row ``upstream`` (0 where the 0-dim bool ``ran`` is false)
-    into ``weight_grad_into`` (else the held float32 parts): the pass again on the saved rows, summary and references, whose
-    stored block is the forward's to the bit, so that a sum of the held and the corrected gradient
-    rounds as one (a correction that only rescales cancels rather than adds their roundings). A backend that
-    ``gates_on_device`` runs its kernels behind ``ran``; the torch backend reads it on the host,
-    and runs either way while a CUDA graph is captured (it then adds zeros)."""
+    into ``weight_grad_into`` (else the held float32 parts): the pass again on the saved rows,
+    summary and references, whose stored block is the forward's to the bit, so that a sum of the
+    held and the corrected gradient rounds as one (a correction that only rescales cancels rather
+    than adds their roundings). A backend that ``gates_on_device`` runs its kernels behind ``ran``;
+    the torch backend reads it on the host, and runs either way while a CUDA graph is captured (it
+    then adds zeros)."""
     if not backend.gates_on_device and may_synchronize(ran) and not bool(ran):
         return
     gate = ran if backend.gates_on_device else None

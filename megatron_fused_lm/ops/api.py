@@ -501,7 +501,7 @@ def fused_linear_cross_entropy(
     Megatron's SFT loss, ``sum(losses * loss_mask) * scale``, has this shape with the scale
     unknown in the forward. The forward holds each row's own hidden gradient, exact for any
     upstream gradient, and the weight gradient for the declared weights. The backward fits ``c``
-    on the device: proportional to ``declared_weights`` (``loss_pass.weight_grad.
+    on the device: proportional to ``declared_weights`` (``backends.contract.
     PROPORTIONAL_TOLERANCE``), the held weight gradient times ``c``; otherwise a second pass (two
     GEMMs, gated on the device on the Triton backend, read on the host on the torch backend) adds
     the weight gradient of the difference, exact by linearity, with one warning

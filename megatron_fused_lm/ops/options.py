@@ -120,7 +120,7 @@ class HeadOptions(Keywords):
     and its autograd function; every custom operator takes all of them (``OPTIONS_SCHEMA``). The
     public ops document each."""
 
-    backend: str = "torch"  # the resolved backend's name (backends.by_name)
+    backend: str = "torch"  # the resolved backend's name (backends.registry.by_name)
     token_chunk: Optional[int] = None  # rows per chunk; None: the path's own rule
     tp_group_name: Optional[str] = None  # the tensor-parallel group by its registered name
     entropy_grad: bool = True

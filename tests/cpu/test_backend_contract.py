@@ -3,11 +3,14 @@ backend: each has every member the ops call, with the Protocol's parameters in i
 backend object that lacks one is refused by name before any work, not with an AttributeError deep
 in a pass."""
 
+import ast
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
 
+import megatron_fused_lm.ops
 from megatron_fused_lm.ops import fused_linear_logprob
 from megatron_fused_lm.ops.backends.contract import BACKEND_MEMBERS, Backend
 from megatron_fused_lm.ops.backends.cute import CuteBackend
@@ -18,13 +21,33 @@ from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
 BACKENDS = [TorchBackend(), TritonBackend(), TritonBackend(TritonTuning(reference_rows=4)), CuteBackend()]
 
 
-def test_the_protocol_lists_what_the_passes_call():
-    # A member the ops call but the Protocol leaves out would go unchecked: these are the calls.
-    assert set(BACKEND_MEMBERS) == {
-        "name", "gates_on_device", "local_statistics", "local_gradients", "allocate", "chunk_statistics",
-        "summarize", "chunk_gradients", "add_chosen_rows", "add_chosen", "scaled_copy", "fit_declared",
-        "kept_mask", "top_keys",
-    }  # fmt: skip
+def called_on_backends() -> set:
+    """Every attribute the ops' modules outside ``backends/`` read of a backend object: a name bound
+    to one (``backend``, ``resolved``, ``torch_backend``) or ``by_name(...)``'s result, read from the
+    source."""
+    ops = Path(megatron_fused_lm.ops.__file__).parent
+    found = set()
+    for path in ops.rglob("*.py"):
+        if "backends" in path.parts or "kernels" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            owner = node.value
+            named = isinstance(owner, ast.Name) and owner.id in ("backend", "resolved", "torch_backend")
+            looked_up = (
+                isinstance(owner, ast.Call) and getattr(owner.func, "id", getattr(owner.func, "attr", "")) == "by_name"
+            )
+            if named or looked_up:
+                found.add(node.attr)
+    return found
+
+
+def test_the_protocol_lists_what_the_ops_call():
+    # A member the ops call but the Protocol leaves out would go unchecked by resolve().
+    called = called_on_backends()
+    assert len(called) >= 10, called  # the scan does see the calls
+    assert called <= set(BACKEND_MEMBERS), called - set(BACKEND_MEMBERS)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda backend: type(backend).__name__)
@@ -56,6 +79,10 @@ def test_a_backend_object_that_lacks_members_is_refused_by_name():
     hidden, weight = torch.randn(3, 8), torch.randn(10, 8)
     with pytest.raises(TypeError, match="lacks allocate, chunk_statistics, summarize, chunk_gradients"):
         fused_linear_logprob(hidden, weight, torch.tensor([1, 2, 3]), backend=Partial())
+    broken = TorchBackend()
+    broken.summarize = None  # an attribute where a method belongs
+    with pytest.raises(TypeError, match="lacks summarize"):
+        fused_linear_logprob(hidden, weight, torch.tensor([1, 2, 3]), backend=broken)
     unnamed = TorchBackend()
     unnamed.name = 3  # an instance attribute over the class's
     with pytest.raises(TypeError, match=r"lacks name \(a string\)"):

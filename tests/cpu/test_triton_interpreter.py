@@ -39,7 +39,8 @@ def held_gradient_kernels(case: dict) -> dict:
 
     from devkit.kernel_references import torch_row_references, torch_stale_references
     from devkit.oracle import relative_error
-    from megatron_fused_lm.ops.backends.contract import NeededGrads, UpstreamGrads
+    from megatron_fused_lm.ops.backends import contract
+    from megatron_fused_lm.ops.backends.contract import PROPORTIONAL_TOLERANCE, NeededGrads, UpstreamGrads
     from megatron_fused_lm.ops.backends.torch_loss import TorchLoss
     from megatron_fused_lm.ops.backends.triton_loss import direct_factor
     from megatron_fused_lm.ops.backends.triton_reference import (
@@ -54,8 +55,6 @@ def held_gradient_kernels(case: dict) -> dict:
     from megatron_fused_lm.ops.kernels.reference_kernel import row_references as kernel_row_references
     from megatron_fused_lm.ops.kernels.row_terms_kernel import row_terms
     from megatron_fused_lm.ops.kernels.scale_kernel import scale_into
-    from megatron_fused_lm.ops.loss_pass import weight_grad
-    from megatron_fused_lm.ops.loss_pass.weight_grad import PROPORTIONAL_TOLERANCE
     from megatron_fused_lm.ops.softmax import OUTSIDE_VOCAB, SoftmaxSummary, chosen_logit_grad, summarize
 
     torch.manual_seed(case["seed"])
@@ -73,9 +72,9 @@ def held_gradient_kernels(case: dict) -> dict:
         finish_hidden_grad(actual, factor if with_factor else None, chosen, target_column, weight, actual)
         errors[f"finish_hidden_factor_{with_factor}"] = relative_error(actual, expected)
     logit_grads = torch.randn(tokens, vocab, generator=torch.Generator().manual_seed(1)).to(dtype)
-    expected, actual = (weight_grad.allocate_parts(hidden, weight, NeededGrads(False, True))[1] for _ in range(2))
+    expected, actual = (contract.allocate_parts(hidden, weight, NeededGrads(False, True))[1] for _ in range(2))
     for parts in (expected, actual):
-        weight_grad.add_weight_product(parts, logit_grads, hidden, accumulate=False)
+        contract.add_weight_product(parts, logit_grads, hidden, accumulate=False)
     steps.add_chosen_rows(expected, target_column, chosen, hidden)
     add_chosen_rows(actual, target_column, chosen, hidden)
     errors["chosen_rows"] = max(
@@ -195,9 +194,8 @@ def finished_pass(backend, problem, chunk_step, options):
     finished for an upstream gradient of 1, as the backward finishes them: ``Gradients``."""
     import torch
 
-    from megatron_fused_lm.ops.backends.contract import Gradients, NeededGrads
+    from megatron_fused_lm.ops.backends.contract import Gradients, NeededGrads, finish_weight
     from megatron_fused_lm.ops.loss_pass.chunks import run_loss_pass
-    from megatron_fused_lm.ops.loss_pass.weight_grad import finish_weight
 
     state = backend.allocate(problem, NeededGrads(hidden=True, weight=True), options)
     run_loss_pass(backend, problem, chunk_step, state, options, accumulate=False)

@@ -85,18 +85,18 @@ def test_the_held_weight_gradient_is_narrowed_once_scaled_in_every_step(monkeypa
     # A first step of 3 rows makes the in-place narrowing take six steps over the first half (3, 3,
     # 6, 12, 24 and 1 rows), each writing over float32 rows an earlier step read: a step that wrote
     # over rows not yet read would leave entries far from the oracle's.
+    from megatron_fused_lm.ops.backends import contract
     from megatron_fused_lm.ops.backends.torch_loss import TorchLoss
-    from megatron_fused_lm.ops.loss_pass import weight_grad
 
-    monkeypatch.setattr(weight_grad, "NARROWING_SHARE", 17)  # a first step of ceil(49 / 17) = 3 rows
+    monkeypatch.setattr(contract, "NARROWING_SHARE", 17)  # a first step of ceil(49 / 17) = 3 rows
     generator = torch.Generator().manual_seed(5)
     held = torch.randn(VOCAB, HIDDEN, generator=generator, dtype=torch.float64)
     parts = [held[:49].float().clone(), held[49:].float().clone()]
     first_address = parts[0].data_ptr()
-    grad_weight = weight_grad.finish_weight(
+    grad_weight = contract.finish_weight(
         parts, torch.tensor(SCALE), torch.bfloat16, narrow_in_place, TorchLoss.scaled_copy
     )
-    assert [step.stop for step in weight_grad.narrowing_steps(49)] == [3, 6, 12, 24, 48, 49]
+    assert [step.stop for step in contract.narrowing_steps(49)] == [3, 6, 12, 24, 48, 49]
     expected = (held.float().double() * SCALE).to(torch.bfloat16)
     assert grad_weight.dtype == torch.bfloat16 and grad_weight.shape == (VOCAB, HIDDEN)
     # One rounding of the float32 product: within one bfloat16 step of the float64 oracle's.

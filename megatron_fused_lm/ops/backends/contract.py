@@ -13,9 +13,11 @@ Shapes: ``n`` token rows, ``H`` hidden size, ``vocab_shard`` rows of this rank's
 
 from __future__ import annotations
 
-from typing import Iterator, List, NamedTuple, Optional, Protocol
+from typing import Callable, Iterator, List, NamedTuple, Optional, Protocol
 
 import torch
+
+from ..products import add_product
 
 
 class ShardProblem(NamedTuple):
@@ -156,7 +158,7 @@ class Backend(Protocol):
     def scaled_copy(self, source: torch.Tensor, scale: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
         """``out = source * scale``, rounded once into ``out``'s dtype."""
 
-    def fit_declared(self, upstream: torch.Tensor, declared: torch.Tensor, assumed: Optional[float]) -> tuple:
+    def fit_declared(self, upstream: torch.Tensor, declared: torch.Tensor, weight_grad_scale: Optional[float]) -> tuple:
         """The labels path's backward check: ``(scale [], correction [n], ran [])``."""
 
     # Kept tokens and top-k.
@@ -167,5 +169,135 @@ class Backend(Protocol):
         """Each row's ``k`` largest logits' keys on this shard (``top_keys``)."""
 
 
-# The Protocol's members, methods and attributes, in its order.
+# The Protocol's members, methods and attributes, in its order; its methods.
 BACKEND_MEMBERS = tuple(name for name in [*Backend.__annotations__, *vars(Backend)] if not name.startswith("_"))
+BACKEND_METHODS = tuple(name for name in BACKEND_MEMBERS if callable(getattr(Backend, name, None)))
+
+
+# The held gradients' float32 parts (``LossState.held_weight``) and the checks of an upstream
+# gradient against the declared one: shared by the backends and the pass (``loss_pass``).
+
+ScaledCopy = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor], torch.Tensor]  # a backend's scaled_copy
+
+NARROWING_SHARE = 8  # the first step narrows 1 / NARROWING_SHARE of a part's rows, through a temporary
+
+# How far an upstream gradient may stray from ``c * declared_weights`` (relative to its largest
+# entry) and still count as that: float32 rounding of a mask times a scale, not a different loss.
+PROPORTIONAL_TOLERANCE = 1e-5
+
+
+def deviates(difference: torch.Tensor, upstream: torch.Tensor) -> torch.Tensor:
+    """0-dim bool: whether ``difference`` (per row) exceeds ``PROPORTIONAL_TOLERANCE`` of the
+    largest ``upstream``, on the device."""
+    if upstream.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=upstream.device)
+    return difference.abs().amax() > PROPORTIONAL_TOLERANCE * upstream.abs().amax()
+
+
+def proportional_fit(upstream: torch.Tensor, declared: torch.Tensor) -> torch.Tensor:
+    """``c`` (0-dim float32) that best fits ``upstream ~ c * declared`` (``[n]`` float32, ``n >= 1``),
+    on the device. Where ``c * declared`` explains nothing of the upstream (within
+    ``PROPORTIONAL_TOLERANCE`` of its largest entry: declared weights all 0, an upstream orthogonal
+    to them), 1, or 0 for an upstream of zeros: any scale is exact, the correction taking the
+    rest, but the correction is divided by ``c``, so it must not vanish where one is needed."""
+    norm, dot = (declared * declared).sum(), (upstream * declared).sum()
+    scale = dot / norm.clamp(min=torch.finfo(torch.float32).tiny)
+    largest = upstream.abs().amax()
+    explains = scale.abs() * declared.abs().amax() > PROPORTIONAL_TOLERANCE * largest
+    return torch.where(explains, scale, (largest > 0).float())
+
+
+def allocate_parts(
+    hidden: torch.Tensor, weight: torch.Tensor, needed: NeededGrads
+) -> tuple[torch.Tensor, List[torch.Tensor]]:
+    """``(held_hidden [n, H], held_weight parts)`` in float32 for the gradients ``needed`` asks for
+    (a 1-D empty tensor and no parts for the others): one part for a float32 weight, two halves
+    for a 16-bit one, so that the rounded result fits in the first half's memory. Zero rows give
+    zeros: no chunk writes them."""
+    empty = hidden.new_zeros if hidden.shape[0] == 0 else hidden.new_empty
+    held_hidden = empty(hidden.shape, dtype=torch.float32) if needed.hidden else hidden.new_empty(0)
+    held_weight = []
+    if needed.weight:
+        vocab = weight.shape[0]
+        middle = vocab if weight.dtype == torch.float32 else -(-vocab // 2)
+        held_weight = [
+            empty(stop - start, weight.shape[1], dtype=torch.float32)
+            for start, stop in ((0, middle), (middle, vocab))
+            if stop > start
+        ]
+    return held_hidden, held_weight
+
+
+def allocate_state(problem: ShardProblem, needed: NeededGrads, held_weight: Optional[List[torch.Tensor]]):
+    """``(held_hidden, held_weight, chosen)`` of a ``LossState`` for ``problem``, as
+    ``allocate_parts`` makes them; the weight gradient added into ``held_weight`` where given (the
+    caller's ``weight_grad_into`` as one part, or the held parts a correction adds to)."""
+    hidden, weight = problem.hidden, problem.weight
+    held_hidden, own = allocate_parts(hidden, weight, needed._replace(weight=needed.weight and not held_weight))
+    parts = (held_weight or own) if needed.weight else []
+    chosen = problem.target_column.new_empty(problem.target_column.shape, dtype=torch.float32)
+    return held_hidden, parts, chosen if parts else hidden.new_empty(0)
+
+
+def add_weight_product(
+    held_weight: List[torch.Tensor], logit_grads: torch.Tensor, hidden: torch.Tensor, accumulate: bool
+) -> None:
+    """Add ``logit_grads.T @ hidden`` (``[rows, V]``, ``[rows, H]``, one dtype) to the parts (or
+    write it, for the first chunk)."""
+    start = 0
+    for part in held_weight:
+        add_product(part, logit_grads[:, start : start + part.shape[0]].t(), hidden, accumulate=accumulate)
+        start += part.shape[0]
+
+
+def narrowing_steps(num_rows: int) -> List[slice]:
+    """The steps that narrow a float32 part of ``num_rows`` rows into its own memory: ``[0, a)``
+    with ``a = ceil(num_rows / NARROWING_SHARE)``, then ``[a, 2a)``, ``[2a, 4a)`` ... until
+    ``num_rows``.
+
+    Narrowed row ``r`` lands in bytes ``[2rH, 2(r+1)H)``, over float32 rows ``[r/2, (r+1)/2)``. A
+    step ``[a, b)`` with ``b <= 2a`` therefore writes only over rows below ``a``, read by earlier
+    steps, and reads bytes ``[4aH, 4bH)``, above all it writes: it runs as one launch, without a
+    temporary. Only the first step, which writes over what it reads, goes through a temporary (an
+    eighth of the part in the weight's dtype: five launches in all)."""
+    steps, start, stop = [], 0, min(-(-num_rows // NARROWING_SHARE), num_rows)
+    while start < num_rows:
+        steps.append(slice(start, stop))
+        start, stop = stop, min(2 * stop, num_rows)
+    return steps
+
+
+def finish_weight(
+    held_weight: List[torch.Tensor],
+    scale: Optional[torch.Tensor],
+    dtype: torch.dtype,
+    narrow_in_place: bool,
+    scaled_copy: ScaledCopy,
+) -> Optional[torch.Tensor]:
+    """The held weight gradient (its float32 parts) times the upstream ``scale`` (0-dim float32;
+    ``None``: 1), rounded once into ``dtype`` by the backend's ``scaled_copy``; ``None`` without
+    parts. With ``narrow_in_place`` it is written into the parts' own memory, which it then
+    occupies (eager autograd); otherwise into new memory (a custom operator may not return its
+    inputs' memory)."""
+    if not held_weight:
+        return None
+    (first, *rest), hidden_size = held_weight, held_weight[0].shape[1]
+    shape = (sum(part.shape[0] for part in held_weight), hidden_size)
+    if not rest:  # float32: the held part is the result
+        return scaled_copy(first, scale, first if narrow_in_place else torch.empty_like(first))
+    if narrow_in_place:
+        out = torch.empty(0, dtype=dtype, device=first.device)
+        out.set_(first.untyped_storage(), 0, shape, (hidden_size, 1))
+    else:
+        out = first.new_empty(shape, dtype=dtype)
+    start = 0
+    for index, part in enumerate(held_weight):
+        overlapping = narrow_in_place and index == 0
+        for rows in narrowing_steps(part.shape[0]) if overlapping else (slice(0, part.shape[0]),):
+            target = out[start + rows.start : start + rows.stop]
+            if overlapping and rows.start == 0:
+                target.copy_(scaled_copy(part[rows], scale, target.new_empty(target.shape)))
+            else:
+                scaled_copy(part[rows], scale, target)
+        start += part.shape[0]
+    return out

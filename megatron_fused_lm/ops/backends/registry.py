@@ -12,7 +12,7 @@ from ..chunking import chunk_rows
 from ..kept_tokens import KeptSets, torch_kept_mask
 from ..options import resolved_backend
 from ..top_keys import shard_top_keys
-from .contract import BACKEND_MEMBERS
+from .contract import BACKEND_MEMBERS, BACKEND_METHODS
 from .torch_loss import TorchLoss
 from .torch_recompute import TorchRecompute
 
@@ -52,6 +52,7 @@ def by_name(name: str):
 def missing_members(backend: object) -> List[str]:
     """The members of ``contract.Backend`` that ``backend`` lacks (a name that is not a string counts)."""
     missing = [name for name in BACKEND_MEMBERS if not hasattr(backend, name)]
+    missing += [name for name in BACKEND_METHODS if name not in missing and not callable(getattr(backend, name))]
     if "name" not in missing and not isinstance(backend.name, str):
         missing.append("name (a string)")
     return missing

@@ -10,8 +10,6 @@ import torch
 
 from ..chunking import chunk_rows
 from ..kept_tokens import kept_block
-from ..loss_pass import weight_grad
-from ..loss_pass.weight_grad import deviates, proportional_fit
 from ..options import HeadOptions
 from ..products import add_product
 from ..several_targets import statistics_column
@@ -24,7 +22,8 @@ from ..softmax import (
     summarize,
     zero_chosen,
 )
-from .contract import LossState, NeededGrads, ShardProblem, UpstreamGrads
+from . import contract
+from .contract import LossState, NeededGrads, ShardProblem, UpstreamGrads, deviates, proportional_fit
 
 
 class TorchLoss:
@@ -46,7 +45,7 @@ class TorchLoss:
         hidden, weight = problem.hidden, problem.weight
         rows = min(chunk_rows(options.token_chunk, weight.shape[0]), max(hidden.shape[0], 1))
         block = hidden.new_empty(rows, weight.shape[0], dtype=torch.float32)
-        return LossState(block, hidden.new_empty(0), *weight_grad.allocate_state(problem, needed, held_weight))
+        return LossState(block, hidden.new_empty(0), *contract.allocate_state(problem, needed, held_weight))
 
     def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice) -> torch.Tensor:
         """The chunk's float32 logits into the block (GEMM 1) and their statistics ``[k, 4]``."""
@@ -90,7 +89,7 @@ class TorchLoss:
         if state.held_weight:
             if weight_row_scale is not None:  # the weight's own operand, rounded once as the hidden's is
                 operand = grad.mul_(weight_row_scale[:, None]).to(weight.dtype)
-            weight_grad.add_weight_product(state.held_weight, operand, problem.hidden[rows], accumulate)
+            contract.add_weight_product(state.held_weight, operand, problem.hidden[rows], accumulate)
         per_row = temperature.view(-1, *[1] * (target_column.dim() - 1))  # beside one or several targets' terms
         chosen = chosen_logit_grad(target_column, summary, *upstream) / per_row
         if state.held_hidden.dim() == 2:
@@ -102,16 +101,17 @@ class TorchLoss:
 
     @staticmethod
     def fit_declared(
-        upstream: torch.Tensor, declared: torch.Tensor, assumed: Optional[float]
+        upstream: torch.Tensor, declared: torch.Tensor, weight_grad_scale: Optional[float]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The labels path's backward check, on the device: ``(scale [], correction [n], ran [])``,
-        the scale ``c`` of the declared weights ``w`` (``assumed``, or else fitted to the upstream
-        gradient ``u``), the log-prob gradient of the difference ``-(u - c w)`` that the weight
+        the scale ``c`` of the declared weights ``w`` (``weight_grad_scale``, or else fitted to the
+        upstream gradient ``u``), the log-prob gradient of the difference ``-(u - c w)`` that the weight
         gradient still lacks (over ``c`` where fitted: it is scaled by ``c`` with the held one), and
         whether the difference is more than rounding."""
-        scale = upstream.new_tensor(assumed) if assumed is not None else proportional_fit(upstream, declared)
+        given = weight_grad_scale is not None
+        scale = upstream.new_tensor(weight_grad_scale) if given else proportional_fit(upstream, declared)
         difference = upstream - scale * declared
-        correction = -difference if assumed is not None else -difference / scale
+        correction = -difference if given else -difference / scale
         return scale, correction, deviates(difference, upstream)
 
     @staticmethod

@@ -1,16 +1,16 @@
 """The torch backend's four-GEMM path: walk the rows in chunks, each chunk's logits a float32 block
 in memory. Working set per call besides the inputs and the returned gradients: about three float32
 ``[token_chunk, vocab_shard]`` blocks and, for a weight that is not float32, a float32 accumulator
-for ``grad_weight`` (``loss_pass.weight_grad``), narrowed into its own memory at the end."""
+for ``grad_weight`` (``contract.allocate_parts``), narrowed into its own memory at the end."""
 
 from __future__ import annotations
 
 import torch
 
 from ..chunking import BlockLogits, chunk_logit_grads, chunk_rows, chunk_statistics
-from ..loss_pass import weight_grad
 from ..options import HeadOptions
 from ..products import add_product, float32_product
+from . import contract
 from .contract import Gradients, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
 
 
@@ -42,14 +42,14 @@ class TorchRecompute:
         and a chunk's hidden gradient is rounded once."""
         hidden, weight = problem.hidden, problem.weight
         grad_hidden = torch.empty_like(hidden) if needed.hidden else None
-        _, held_weight = weight_grad.allocate_parts(hidden, weight, NeededGrads(hidden=False, weight=needed.weight))
+        _, held_weight = contract.allocate_parts(hidden, weight, NeededGrads(hidden=False, weight=needed.weight))
         rows = chunk_rows(options.token_chunk, weight.shape[0])
         for chunk, grad in _logit_grads(problem, saved, upstream, rows):
             grad = grad.to(weight.dtype)
             if grad_hidden is not None:
                 add_product(grad_hidden[chunk], grad, weight, accumulate=False)
-            weight_grad.add_weight_product(held_weight, grad, hidden[chunk], accumulate=chunk.start > 0)
-        grad_weight = weight_grad.finish_weight(held_weight, None, weight.dtype, True, self.scaled_copy)
+            contract.add_weight_product(held_weight, grad, hidden[chunk], accumulate=chunk.start > 0)
+        grad_weight = contract.finish_weight(held_weight, None, weight.dtype, True, self.scaled_copy)
         return Gradients(grad_hidden, grad_weight)
 
 

@@ -7,7 +7,7 @@
 2. ``chunk_gradients``: a bfloat16 exponentials block without an entropy term is ``dz`` up to a
    per-row factor, the chosen token aside, and cuBLAS reads it as it is (``reads_block_directly``,
    the fast path); otherwise the ``dz`` kernel forms ``dz`` over the block (``dz_operand``). Then
-   the two products in float32 and the chosen tokens' term (``loss_pass.weight_grad``).
+   the two products in float32 and the chosen tokens' term (``kernels.chosen_token_kernel``).
 
 ``docs/DESIGN.md`` ("The stored block") derives the factor and says which form each case takes
 and why.
@@ -29,13 +29,11 @@ from ..kernels.rows_product_kernel import rows_product
 from ..kernels.scale_kernel import scale_into
 from ..kernels.softmax_stats_kernel import refresh_exponentials, split_statistics, stores_offsets
 from ..kernels.stored_grad_kernel import stored_logit_grads
-from ..loss_pass import weight_grad
-from ..loss_pass.weight_grad import PROPORTIONAL_TOLERANCE
 from ..options import HeadOptions
 from ..products import add_product
 from ..several_targets import statistics_column
 from ..softmax import SoftmaxSummary, chosen_logit_grad, logit_grad, zero_chosen
-from . import torch_loss
+from . import contract, torch_loss
 from .contract import LossState, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
 from .triton_reference import (
     EMPTY_REFERENCE,
@@ -111,7 +109,7 @@ class TritonLoss:
         # row of the chunk and column tile (offsets: the tiles' maxima, which the kernel finds itself).
         shape = (token_chunk, -(-vocab // tiles.block_n)) if stores_offsets(block_dtype) else (max(num_tokens, 1),)
         reference = hidden.new_empty(shape, dtype=torch.float32)
-        return LossState(block, reference, *weight_grad.allocate_state(problem, needed, held_weight))
+        return LossState(block, reference, *contract.allocate_state(problem, needed, held_weight))
 
     def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice) -> torch.Tensor:
         """The forward kernel over the chunk: its statistics ``[k, 4]``, its stored block and what
@@ -263,7 +261,7 @@ class TritonLoss:
                 )
                 start += part.shape[0]
         elif state.held_weight:
-            weight_grad.add_weight_product(state.held_weight, operand, hidden_operand, accumulate)
+            contract.add_weight_product(state.held_weight, operand, hidden_operand, accumulate)
 
     def scaled_copy(self, source: torch.Tensor, scale: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
         """``TorchLoss.scaled_copy`` by a kernel that reads the scale on the device (``mul`` by a 0-dim
@@ -291,10 +289,12 @@ class TritonLoss:
             finish_hidden_grad(product, factor if target == 0 else None, term, column, weight, product)
 
     def fit_declared(
-        self, upstream: torch.Tensor, declared: torch.Tensor, assumed: Optional[float]
+        self, upstream: torch.Tensor, declared: torch.Tensor, weight_grad_scale: Optional[float]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``TorchLoss.fit_declared`` in one launch (``kernels.fit_kernel``)."""
-        return fit_declared(upstream.contiguous(), declared.contiguous(), assumed, PROPORTIONAL_TOLERANCE)
+        return fit_declared(
+            upstream.contiguous(), declared.contiguous(), weight_grad_scale, contract.PROPORTIONAL_TOLERANCE
+        )
 
     def add_chosen_rows(
         self, held_weight: List[torch.Tensor], target_column: torch.Tensor, chosen: torch.Tensor, hidden: torch.Tensor

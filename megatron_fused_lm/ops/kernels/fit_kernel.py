@@ -1,4 +1,4 @@
-"""The labels path's backward check in one launch, on the device (``loss_pass.weight_grad.proportional_fit``
+"""The labels path's backward check in one launch, on the device (``backends.contract.proportional_fit``
 and ``deviates`` are the torch form it follows): the scale ``c`` that fits an upstream gradient
 ``u [n]`` to the declared weights ``w [n]`` (or a given one), the per-row gradient of the difference
 ``u - c w`` that a correction would take, and whether the difference is more than rounding."""
@@ -22,7 +22,7 @@ def fit_kernel(
     scale_ptr,
     gate_ptr,
     num_rows,
-    assumed,
+    weight_grad_scale,
     tolerance,
     FIT: tl.constexpr,
     RELATIVE: tl.constexpr,
@@ -43,11 +43,11 @@ def fit_kernel(
             largest_declared = tl.maximum(largest_declared, tl.abs(declared))
         largest = tl.max(largest, axis=0)
         scale = tl.sum(dot, axis=0) / tl.maximum(tl.sum(norm, axis=0), 1.1754943508222875e-38)
-        # Where c w explains nothing of u: 1, or 0 for u = 0 (loss_pass.weight_grad.proportional_fit says why).
+        # Where c w explains nothing of u: 1, or 0 for u = 0 (backends.contract.proportional_fit says why).
         explains = tl.abs(scale) * tl.max(largest_declared, axis=0) > tolerance * largest
         scale = tl.where(explains, scale, tl.where(largest > 0, 1.0, 0.0))
     else:
-        scale = tl.full([], assumed, tl.float32)
+        scale = tl.full([], weight_grad_scale, tl.float32)
     largest_difference = tl.zeros([BLOCK], tl.float32)
     largest_upstream = tl.zeros([BLOCK], tl.float32)
     for first in range(0, num_rows, BLOCK):
@@ -65,10 +65,11 @@ def fit_kernel(
 
 
 def fit_declared(
-    upstream: torch.Tensor, declared: torch.Tensor, assumed: Optional[float], tolerance: float
+    upstream: torch.Tensor, declared: torch.Tensor, weight_grad_scale: Optional[float], tolerance: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(scale [], log-prob gradient of the correction [n], gate [] bool)`` for ``upstream`` and
-    ``declared`` (``[n]`` float32, contiguous): the scale fitted (``assumed`` ``None``) or given, the
+    ``declared`` (``[n]`` float32, contiguous): the scale fitted (``weight_grad_scale`` ``None``) or
+    given, the
     correction's ``-(u - c w) / c`` for a fitted scale (its weight gradient is scaled by ``c`` with
     the held one) or ``-(u - c w)`` for a given one, and whether the difference exceeds
     ``tolerance`` times the largest upstream entry."""
@@ -82,10 +83,10 @@ def fit_declared(
         scale,
         gate,
         upstream.shape[0],
-        1.0 if assumed is None else assumed,
+        1.0 if weight_grad_scale is None else weight_grad_scale,
         tolerance,
-        FIT=assumed is None,
-        RELATIVE=assumed is None,
+        FIT=weight_grad_scale is None,
+        RELATIVE=weight_grad_scale is None,
         BLOCK=BLOCK,
         num_warps=4,
     )

@@ -44,7 +44,7 @@ def row_terms_kernel(
     grad_logprob_ptr,
     grad_entropy_ptr,
     temperature_ptr,
-    weight_scale_ptr,
+    weight_row_scale_ptr,
     hidden_ptr,
     stride_hidden,
     operand_ptr,
@@ -80,13 +80,13 @@ def row_terms_kernel(
     chosen = tl.where(tl.load(target_column_ptr + row) >= 0, chosen * inverse, 0.0)
     weight_factor = factor if DIRECT else tl.full([], 1.0, tl.float32)
     if HAS_WEIGHT_ROW_SCALE:
-        weight_factor *= tl.load(weight_scale_ptr + row)
+        weight_factor *= tl.load(weight_row_scale_ptr + row)
     if tl.program_id(1) == 0:
         tl.store(chosen_ptr + row, chosen)
         if DIRECT:
             tl.store(factor_ptr + row, factor)
         if CHOSEN_WEIGHT:
-            scale = tl.load(weight_scale_ptr + row) if HAS_WEIGHT_ROW_SCALE else 1.0
+            scale = tl.load(weight_row_scale_ptr + row) if HAS_WEIGHT_ROW_SCALE else 1.0
             tl.store(chosen_weight_ptr + row, chosen * scale)
     if OPERAND:
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)

@@ -1,5 +1,5 @@
 """``out = source * scale`` for a scale that lives on the device, one value or one per row, rounded
-once into ``out``'s dtype (``TorchLoss.scaled_copy`` says why a kernel)."""
+once into ``out``'s dtype (``TritonLoss.scaled_copy`` says why a kernel)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from typing import List, NamedTuple, Optional
 
 import torch
 
-from ..backends.contract import Gradients, NeededGrads, ShardProblem, UpstreamGrads
+from ..backends.contract import Gradients, NeededGrads, ShardProblem, UpstreamGrads, deviates, finish_weight
 from ..backends.registry import by_name
 from ..boundary import autocast_off, new_summary
 from ..distributed import all_reduce_sum
@@ -33,7 +33,7 @@ from ..inputs import may_synchronize
 from ..options import OPTIONS_SCHEMA, HeadOptions, Keywords
 from ..softmax import SoftmaxSummary
 from .chunks import ChunkLoss, phases_for, run_loss_pass
-from .weight_grad import WeightGradSink, deviates, finish_weight, record_correction
+from .weight_grad import WeightGradSink, record_correction
 
 Tensor = torch.Tensor
 
@@ -185,22 +185,25 @@ def finish(
     path and Megatron's column-parallel layer do); the weight one into ``weight_grad_into`` (the
     caller's; ``None``: from the held parts, narrowed into their memory with ``narrow``), with its
     correction where the upstream is not the one assumed."""
-    backend, upstream, scale = by_name(options.backend), upstream.float(), spec.weight_grad_scale
+    backend, upstream, weight_grad_scale = by_name(options.backend), upstream.float(), spec.weight_grad_scale
+    if spec.has_weight_grad_into and weight_grad_into is None:
+        raise RuntimeError("weight_grad_into runs eagerly only: its loss's backward cannot run in a compiled graph")
     with autocast_off(upstream.device):
         if spec.per_token:  # each row holds its own gradient: times its upstream
             hidden_factor, weight_factor = upstream, None  # without rows the held weight gradient is 0
             if spec.correctable:  # the weight gradient is held for the declared weights
-                assumed = scale if spec.has_weight_grad_into else None
-                weight_factor, grad_logprob, ran = backend.fit_declared(upstream, held.basis.logprob, assumed)
+                given = weight_grad_scale if spec.has_weight_grad_into else None  # None: fitted on the device
+                weight_factor, grad_logprob, ran = backend.fit_declared(upstream, held.basis.logprob, given)
                 correction = UpstreamGrads(torch.where(ran, grad_logprob, 0.0), None)  # where, not *: inf * 0
         else:
-            hidden_factor = weight_factor = upstream / scale
-            if spec.correctable:  # into a caller's accumulator, for the upstream `scale`
-                ran = deviates((upstream - scale).reshape(1), upstream.new_full((1,), scale))
+            hidden_factor = weight_factor = upstream / weight_grad_scale
+            if spec.correctable:  # into weight_grad_into, for the upstream weight_grad_scale
+                ran = deviates((upstream - weight_grad_scale).reshape(1), upstream.new_full((1,), weight_grad_scale))
                 ratio = torch.where(ran, weight_factor - 1, 0.0)
                 correction = UpstreamGrads(*(None if grad is None else grad * ratio for grad in held.basis))
         if spec.correctable:
-            correct_weight(backend, options, held, correction, ran, weight_grad_into)
+            parts = [weight_grad_into] if spec.has_weight_grad_into else held.parts
+            correct_weight(backend, options, held, correction, ran, parts)
             record_correction(ran, _correction_note(spec))
         hidden = None
         if held.hidden.dim() == 2:
@@ -214,10 +217,10 @@ def finish(
 
 
 def correct_weight(
-    backend, options: HeadOptions, held: Held, upstream: UpstreamGrads, ran: Tensor, weight_grad_into: Optional[Tensor]
+    backend, options: HeadOptions, held: Held, upstream: UpstreamGrads, ran: Tensor, parts: List[Tensor]
 ) -> None:
     """Add the weight gradient of the per-row ``upstream`` (0 where the 0-dim bool ``ran`` is false)
-    into ``weight_grad_into`` (else the held float32 parts): the pass again on the saved rows,
+    into ``parts`` (``[weight_grad_into]``, or the held float32 parts): the pass again on the saved rows,
     summary and references, whose stored block is the forward's to the bit, so that a sum of the
     held and the corrected gradient rounds as one (a correction that only rescales cancels rather
     than adds their roundings). A backend that ``gates_on_device`` runs its kernels behind ``ran``;
@@ -226,7 +229,6 @@ def correct_weight(
     if not backend.gates_on_device and may_synchronize(ran) and not bool(ran):
         return
     gate = ran if backend.gates_on_device else None
-    parts = held.parts if weight_grad_into is None else [weight_grad_into]
     state = backend.allocate(held.problem, NeededGrads(hidden=False, weight=True), options, parts)
     if state.reference.dim() == 1 and state.reference.numel():  # references per row: the forward's
         state = state._replace(reference=held.reference)

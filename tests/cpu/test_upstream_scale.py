@@ -198,6 +198,21 @@ def test_weight_grad_into_refuses_a_fullgraph_compile_by_name():
         torch.compile(step, fullgraph=True)(hidden.requires_grad_(), weight.requires_grad_())
 
 
+def test_a_backward_without_the_weight_grad_into_its_forward_added_into_is_refused():
+    # The compiled backward's operator has no accumulator: a held pass that added into one must not
+    # put its correction into parts that nobody reads.
+    from megatron_fused_lm.ops.loss_pass.held import Held, HeldSpec, finish
+    from megatron_fused_lm.ops.options import HeadOptions
+
+    spec = HeldSpec(
+        per_token=False, has_weight_grad_into=True, weight_grad_scale=0.5, parts=0, correctable=True,
+        dtype=torch.float32,
+    )  # fmt: skip
+    held = Held(torch.zeros(4, HIDDEN), [], None, None, None, None)
+    with pytest.raises(RuntimeError, match="weight_grad_into runs eagerly only"):
+        finish(spec, HeadOptions(), held, torch.tensor(1.0), None, narrow=False)
+
+
 def test_a_loss_released_without_its_backward_is_reported_at_once_and_listed(caplog, monkeypatch):
     # The forward adds into the accumulator. Then the loss gets its backward (nothing to report,
     # nothing read back from the device when its graph goes), waits for it (listed as waiting), is

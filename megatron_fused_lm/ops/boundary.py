@@ -64,9 +64,7 @@ def merge_and_summarize(
         backend.summarize(parts, target_column, out)
         return
     all_reduce_sum(target_logits, group)  # each rank holds its own ids' logits, 0 elsewhere
-    merged = summarize(merge_across_group(local, group), statistics_column(target_column), target_logits)
-    for field, value in zip(out, merged, strict=True):
-        field.copy_(value)
+    summarize(merge_across_group(local, group), statistics_column(target_column), target_logits, out=out)
 
 
 def new_summary(target_column: Tensor) -> SoftmaxSummary:

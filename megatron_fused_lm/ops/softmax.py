@@ -47,14 +47,11 @@ def block_statistics(
     # A row keeping no column has max -inf: its shifted logits stay -inf, not NaN.
     shifted = logits - (row_max if kept is None else row_max.clamp(min=torch.finfo(torch.float32).min))
     weights = shifted.exp()
-    stats = torch.empty(logits.shape[0], NUM_STATISTICS, dtype=torch.float32, device=logits.device)
-    stats[:, MAX] = row_max.squeeze(-1)
-    stats[:, SUMEXP] = weights.sum(dim=-1)
     # No fourth block for the product; a column left out adds 0, not 0 * -inf.
-    stats[:, SUMEXP_Z] = torch.linalg.vecdot(weights, shifted if kept is None else shifted.masked_fill(~kept, 0.0))
+    sumexp_z = torch.linalg.vecdot(weights, shifted if kept is None else shifted.masked_fill(~kept, 0.0))
     target_logit = logits.gather(-1, target_column.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    stats[:, TARGET] = torch.where(target_column >= 0, target_logit, 0.0)
-    return stats
+    target = torch.where(target_column >= 0, target_logit, 0.0)
+    return torch.stack([row_max.squeeze(-1), weights.sum(dim=-1), sumexp_z, target], dim=1)  # MAX ... TARGET
 
 
 def merge_statistics(parts: torch.Tensor) -> torch.Tensor:
@@ -75,32 +72,37 @@ def merge_statistics(parts: torch.Tensor) -> torch.Tensor:
 
 
 def summarize(
-    stats: torch.Tensor, target_column: Optional[torch.Tensor] = None, target_logits: Optional[torch.Tensor] = None
+    stats: torch.Tensor,
+    target_column: Optional[torch.Tensor] = None,
+    target_logits: Optional[torch.Tensor] = None,
+    out: Optional[SoftmaxSummary] = None,
 ) -> SoftmaxSummary:
     """The per-token results of the whole vocabulary's merged statistics ``[n, 4]``; with the rows'
     ``target_column``, a row whose target is ``OUTSIDE_VOCAB`` takes the largest logit as its target
     logit (its log-prob is ``max - lse``). ``target_logits [n, k]``: several targets' logits read
     apart from the statistics (``several_targets``), whose log-probs ``[n, k]`` the summary gives;
-    ``z - max`` is capped at 0, where such a logit rounds an ulp above the maximum."""
+    ``z - max`` is capped at 0, where such a logit rounds an ulp above the maximum. ``out``: tensors
+    each result is written into (and returned), by its last operation."""
+    out = out or SoftmaxSummary(None, None, None, None, None)
     log_sumexp = stats[:, SUMEXP].log()
     spread = stats[:, SUMEXP_Z] / stats[:, SUMEXP]  # mean logit minus max, <= 0
     target = stats[:, TARGET]
     if target_column is not None:
         target = torch.where(target_column == OUTSIDE_VOCAB, stats[:, MAX], target)
     if target_logits is None:
-        logprob = (target - stats[:, MAX]) - log_sumexp
+        logprob = torch.sub(target - stats[:, MAX], log_sumexp, out=out.logprob)
     else:
         offset = (target_logits - stats[:, MAX, None]).clamp(max=0.0)
         # A target holding over half the mass is the largest logit: the maximum is its value from
         # the statistics' own product, so that its 1 - p is as exact as one target's.
         offset = torch.where(offset - log_sumexp[:, None] > -math.log(2.0), 0.0, offset)
-        logprob = offset - log_sumexp[:, None]
+        logprob = torch.sub(offset, log_sumexp[:, None], out=out.logprob)
     return SoftmaxSummary(
         logprob=logprob,
-        entropy=log_sumexp - spread,
-        lse=stats[:, MAX] + log_sumexp,
-        mean_logit=stats[:, MAX] + spread,
-        mean_minus_target=spread + (stats[:, MAX] - target),
+        entropy=torch.sub(log_sumexp, spread, out=out.entropy),
+        lse=torch.add(stats[:, MAX], log_sumexp, out=out.lse),
+        mean_logit=torch.add(stats[:, MAX], spread, out=out.mean_logit),
+        mean_minus_target=torch.add(spread, stats[:, MAX] - target, out=out.mean_minus_target),
     )
 
 
@@ -134,10 +136,12 @@ def block_logit_grad(
     grad_logprob: Optional[torch.Tensor],
     grad_entropy: Optional[torch.Tensor],
     kept: Optional[torch.Tensor] = None,
+    with_chosen: bool = True,
 ) -> torch.Tensor:
     """``dz [n, v]`` for one block of float32 logits ``[n, v]`` (``lse``, ``mean_logit`` and the
     upstream gradients ``[n]``, ``None``: no term), the chosen token's ``+g_lp`` added with a scatter
-    where the block owns the target. Several targets per row: ``target_column`` and
+    where the block owns the target (``with_chosen``; otherwise its element is left for the caller,
+    which zeroes it, ``zero_chosen``). Several targets per row: ``target_column`` and
     ``grad_logprob`` ``[n, k]``, the shared term taking their row sum and each target its own
     ``+g_lp``, in float32 before anything is rounded. ``kept [n, v]`` bool: 0 on the columns left
     out (their logits, finite or not, are never read into the result)."""
@@ -158,7 +162,7 @@ def block_logit_grad(
     )
     if kept is not None:
         grad.masked_fill_(~kept, 0.0)
-    if grad_logprob is not None:
+    if grad_logprob is not None and with_chosen:
         owned = target_column >= 0
         grad.scatter_add_(-1, target_column.clamp(min=0), torch.where(owned, grad_logprob, 0.0))
     return grad
@@ -180,12 +184,11 @@ def chosen_logit_grad(
     - z_y)`` on its first entry and 0 on its repeats, with ``G_y`` the upstream gradients of the
     entries naming it and ``G`` their row sum; ``mean - z_y = -H - logprob_y``."""
     if target_column.dim() == 1:
-        grad = torch.zeros_like(summary.logprob)
-        if grad_logprob is not None:
-            grad = grad - grad_logprob * torch.expm1(summary.logprob)
+        grad = None if grad_logprob is None else torch.expm1(summary.logprob).mul_(grad_logprob).neg_()
         if grad_entropy is not None:
-            grad = grad + grad_entropy * summary.logprob.exp() * summary.mean_minus_target
-        return torch.where(target_column >= 0, grad, 0.0)
+            entropy_term = grad_entropy * summary.logprob.exp() * summary.mean_minus_target
+            grad = entropy_term if grad is None else grad.add_(entropy_term)
+        return torch.where(target_column >= 0, 0.0 if grad is None else grad, 0.0)
     logprob, prob = summary.logprob, summary.logprob.exp()
     same = target_column.unsqueeze(2) == target_column.unsqueeze(1)  # [n, k, k]: entries naming one column
     order = torch.arange(target_column.shape[1], device=target_column.device)
@@ -203,9 +206,12 @@ def zero_chosen(block: torch.Tensor, target_column: torch.Tensor) -> None:
     """Zero the chosen token's element of each row of ``block [n, v]`` that holds its target (every
     target's, for ``target_column [n, k]``): the loss-in-forward path adds that term in float32
     instead (``chosen_logit_grad``)."""
-    columns = target_column.unsqueeze(1) if target_column.dim() == 1 else target_column
-    owns = (columns >= 0).any(1, keepdim=True)
-    # An entry of another shard (-1) names its row's largest column, one of the zeroed targets, or
-    # where the row has none here column 0, written back as it is: no two writes of one element differ.
-    columns = torch.where(columns >= 0, columns, columns.amax(1, keepdim=True)).clamp(min=0)
+    columns = target_column.view(target_column.shape[0], -1)
+    owns = columns >= 0
+    if columns.shape[1] > 1:
+        # An entry of another shard (-1) names its row's largest column, one of the zeroed targets, or
+        # where the row has none here column 0, written back as it is: no two writes of one element differ.
+        columns = torch.where(owns, columns, columns.amax(1, keepdim=True))
+        owns = owns.any(1, keepdim=True)
+    columns = columns.clamp(min=0)  # one target: a row of another shard writes its column 0 back as it is
     block.scatter_(1, columns, torch.where(owns, 0, block.gather(1, columns)))

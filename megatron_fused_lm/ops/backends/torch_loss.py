@@ -60,8 +60,7 @@ class TorchLoss:
         """The rows' summary of their statistics merged over ``parts [P, k, 4]`` (one per rank),
         written into ``out``'s ``[k]`` tensors."""
         merged = parts[0] if parts.shape[0] == 1 else merge_statistics(parts)
-        for field, value in zip(out, summarize(merged, target_column), strict=True):
-            field.copy_(value)
+        summarize(merged, target_column, out=out)
 
     def chunk_gradients(
         self,
@@ -81,8 +80,10 @@ class TorchLoss:
         weight, target_column, temperature = problem.weight, problem.target_column[rows], problem.temperature[rows]
         logits = state.block[: rows.stop - rows.start]
         kept = kept_block(problem.kept_mask, rows, logits.shape[1])
-        grad = block_logit_grad(logits, target_column, summary.lse, summary.mean_logit, *upstream, kept)
-        zero_chosen(grad, target_column)
+        grad = block_logit_grad(
+            logits, target_column, summary.lse, summary.mean_logit, *upstream, kept=kept, with_chosen=False
+        )
+        zero_chosen(grad, target_column)  # its whole term is added in float32 (add_chosen, add_chosen_rows)
         operand = grad.div_(temperature[:, None]).to(weight.dtype)
         if state.held_hidden.dim() == 2:
             add_product(state.held_hidden[rows], operand, weight, accumulate=False)

@@ -33,7 +33,7 @@ def problem_of(inputs, temperature):
 
 
 def cute_statistics(problem, config):
-    parts = cute_stats.split_statistics(
+    parts = cute_stats.cute_split_statistics(
         problem.hidden, problem.weight, problem.target_column, problem.temperature, **config
     )
     return merge_parts(parts)

@@ -93,7 +93,7 @@ def _fused_rows(
         out_of_vocab=out_of_vocab,
         several=several,
     )
-    rows = selection.take(hidden).to(weight.dtype)
+    selected = selection.take(hidden).to(weight.dtype)
     temperature = row_temperatures(temperature, selection, hidden.device)
     kept_mask = _kept_mask(
         kept_tokens,
@@ -105,7 +105,7 @@ def _fused_rows(
         several=several,
         out_of_vocab=out_of_vocab,
     )
-    return options, selection, ShardProblem(rows, weight, selection.target_column, temperature, kept_mask)
+    return options, selection, ShardProblem(selected, weight, selection.target_column, temperature, kept_mask)
 
 
 def _kept_mask(
@@ -442,8 +442,8 @@ def fused_linear_loss(
         reduce_hidden_grad=reduce_hidden_grad,
         batch_invariant=batch_invariant,
     )
-    if selection.rows is not None:
-        inputs = {name: value.index_select(0, selection.rows) for name, value in inputs.items()}
+    if selection.row_index is not None:
+        inputs = {name: value.index_select(0, selection.row_index) for name, value in inputs.items()}
     sink = _weight_grad_sink(weight, problem.hidden.shape[0], weight_grad_into, weight_grad_scale)
     padding = selection.padding
     chunk_loss = ChunkLoss(

@@ -19,7 +19,7 @@ import torch
 
 from .backends import registry
 from .backends.contract import Gradients, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
-from .chunking import BlockLogits, chunk_logit_grads, chunk_rows, chunk_statistics
+from .chunking import BlockLogits, blocked_statistics, chunk_logit_grads, chunk_rows
 from .distributed import all_gather_stacked, all_reduce_sum, group_size, merge_across_group
 from .options import OPTIONS_SCHEMA, HeadOptions
 from .several_targets import gathered_logits, statistics_column, taken_logits
@@ -211,7 +211,7 @@ class Logits(torch.autograd.Function):
     def forward(logits, target_column, temperature, kept_mask, options: HeadOptions) -> Statistics:
         with autocast_off(logits.device):
             rows = chunk_rows(options.token_chunk, logits.shape[-1])
-            stats = chunk_statistics(_scaled(logits, temperature), statistics_column(target_column), kept_mask, rows)
+            stats = blocked_statistics(_scaled(logits, temperature), statistics_column(target_column), kept_mask, rows)
             several = lambda logits, _, columns, temperature: taken_logits(logits, columns, temperature)  # noqa: E731
             torch_backend = registry.by_name("torch")
             return _summarized(torch_backend, stats, logits, None, target_column, temperature, options, several)

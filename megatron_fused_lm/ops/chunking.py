@@ -22,7 +22,7 @@ def chunk_rows(token_chunk: Optional[int], vocab_shard: int) -> int:
     return token_chunk or max(1, BLOCK_BYTES // (4 * vocab_shard))
 
 
-def chunk_statistics(
+def blocked_statistics(
     block_logits: BlockLogits, target_column: torch.Tensor, kept_mask: torch.Tensor, token_chunk: int
 ) -> torch.Tensor:
     """The shard's statistics ``[n, 4]`` (float32), one chunk of rows at a time, over each row's

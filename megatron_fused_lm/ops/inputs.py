@@ -101,32 +101,32 @@ class RowSelection(NamedTuple):
     result goes back, and the rows' target columns on this rank's vocabulary shard."""
 
     lead_shape: torch.Size
-    rows: Optional[torch.Tensor]  # [k] int64 indices into the flattened lead_shape; None: every row
+    row_index: Optional[torch.Tensor]  # [k] int64 indices into the flattened lead_shape; None: every row
     slots: Optional[torch.Tensor]  # [k] int64 where each result goes; lead_shape.numel(): nowhere (padding);
-    # ``rows`` itself where there is no max_rows padding
+    # ``row_index`` itself where there is no max_rows padding
     target_column: torch.Tensor  # [k] int64 of the selected rows, -1 where another shard owns the target
 
     def take(self, values: torch.Tensor) -> torch.Tensor:
         """``values [*lead_shape, X]`` -> the selected rows ``[k, X]`` (differentiable)."""
         flat = values.reshape(-1, values.shape[-1])
-        return flat if self.rows is None else flat.index_select(0, self.rows)
+        return flat if self.row_index is None else flat.index_select(0, self.row_index)
 
     def take_rows(self, values: torch.Tensor) -> torch.Tensor:
         """Per-row ``values [*lead_shape]`` -> the selected rows' ``[k]``."""
         flat = values.reshape(-1)
-        return flat if self.rows is None else flat.index_select(0, self.rows)
+        return flat if self.row_index is None else flat.index_select(0, self.row_index)
 
     @property
     def padding(self) -> Optional[torch.Tensor]:
         """``[k]`` bool: the ``max_rows`` padding rows, which compute a real row whose inputs are
         not read and whose results go nowhere; ``None`` without ``max_rows``."""
-        return None if self.slots is None or self.slots is self.rows else self.slots == self.lead_shape.numel()
+        return None if self.slots is None or self.slots is self.row_index else self.slots == self.lead_shape.numel()
 
     def place(self, values: torch.Tensor) -> torch.Tensor:
         """Per-row results ``[k, ...]`` back in ``[*lead_shape, ...]``, 0 on unselected rows
         (differentiable)."""
         shape = (*self.lead_shape, *values.shape[1:])
-        if self.rows is None:
+        if self.row_index is None:
             return values.view(shape)
         size = self.lead_shape.numel()
         full = values.new_zeros(size + 1, *values.shape[1:])  # the last slot takes the padding rows' results
@@ -261,7 +261,7 @@ def row_temperatures(
     ``check_on_device`` (no host synchronization on a GPU), those of rows the selection leaves out
     (``max_rows`` padding included) not at all. Always a copy: the caller's tensor may change, or
     be an inference tensor, before the backward reads it."""
-    num_rows = selection.lead_shape.numel() if selection.rows is None else selection.rows.shape[0]
+    num_rows = selection.lead_shape.numel() if selection.row_index is None else selection.row_index.shape[0]
     if isinstance(temperature, torch.Tensor) and temperature.dim() == 0 and temperature.device.type == "cpu":
         if temperature.requires_grad:
             raise ValueError("temperature takes no gradient: pass it detached")

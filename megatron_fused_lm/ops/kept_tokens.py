@@ -73,11 +73,11 @@ def checked_sets(
                 f"kept_tokens' {name} must be 1-D on {targets.device}, got shape {tuple(tensor.shape)} on {tensor.device}"
             )
     num_sets = offsets.shape[0] - 1
-    num_rows = selection.lead_shape.numel() if selection.rows is None else selection.rows.shape[0]
+    num_rows = selection.lead_shape.numel() if selection.row_index is None else selection.row_index.shape[0]
     if selection.padding is None and num_sets != num_rows:
         raise ValueError(
             f"kept_tokens' offsets hold {num_sets} sets for the {num_rows} rows "
-            f"{'mask= selects' if selection.rows is not None else 'computed'}: one set per computed row (with mask=, "
+            f"{'mask= selects' if selection.row_index is not None else 'computed'}: one set per computed row (with mask=, "
             "the selected rows in order), offsets [rows + 1]"
         )
     chosen = selection.take_rows(targets).long()

@@ -56,9 +56,9 @@ class CuteBackend(TritonBackend):
         if reason is not None:
             warn_once(f"backend='cute' computes these forward statistics with Triton: {reason}")
             return super().local_statistics(problem, options)
-        from ..cute_kernels.statistics_kernel import split_statistics
+        from ..cute_kernels.statistics_kernel import cute_split_statistics
 
-        parts = split_statistics(
+        parts = cute_split_statistics(
             problem.hidden, problem.weight, problem.target_column, problem.temperature, TILES_PER_SPLIT
         )
         return merge_parts(parts)

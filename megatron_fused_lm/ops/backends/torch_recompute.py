@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..chunking import BlockLogits, chunk_logit_grads, chunk_rows, chunk_statistics
+from ..chunking import BlockLogits, blocked_statistics, chunk_logit_grads, chunk_rows
 from ..options import HeadOptions
 from ..products import add_product, float32_product
 from . import contract
@@ -27,7 +27,7 @@ class TorchRecompute:
     def local_statistics(self, problem: ShardProblem, options: HeadOptions) -> torch.Tensor:
         """This shard's statistics ``[n, 4]`` (float32)."""
         rows = chunk_rows(options.token_chunk, problem.weight.shape[0])
-        return chunk_statistics(block_logits(problem), problem.target_column, problem.kept_mask, rows)
+        return blocked_statistics(block_logits(problem), problem.target_column, problem.kept_mask, rows)
 
     def local_gradients(
         self,

@@ -446,7 +446,7 @@ def _row_elements(r: int):
 _compiled: dict = {}
 
 
-def split_statistics(
+def cute_split_statistics(
     hidden,
     weight,
     target_column,

@@ -422,7 +422,7 @@ def fused_linear_loss(
     """
     inputs = check_loss_inputs(loss_fn, loss_inputs, hidden.shape[:-1], hidden.device)
     several = _several_targets(targets, hidden.shape[:-1], "error", batch_invariant)
-    check_declared_inputs(loss_fn, targets, inputs, mask, hidden.shape[:-1])
+    check_declared_inputs(loss_fn, targets, inputs=inputs, mask=mask, lead_shape=hidden.shape[:-1])
     entropy_grad = has_entropy_term(loss_fn, inputs, tuple(targets.shape[-1:]) if several else ())
     options, selection, problem = _fused_rows(
         "fused_linear_loss",
@@ -581,7 +581,7 @@ def logits_loss(
         max_rows=max_rows,
         kept_tokens=kept_tokens,
     )
-    check_declared_inputs(loss_fn, targets, inputs, mask, logits.shape[:-1])
+    check_declared_inputs(loss_fn, targets, inputs=inputs, mask=mask, lead_shape=logits.shape[:-1])
     logprob_rows = logprob.reshape(entropy.numel(), *logprob.shape[entropy.dim() :])  # [rows] or [rows, k]
     entropy_rows = entropy.reshape(-1)
     if mask is not None:

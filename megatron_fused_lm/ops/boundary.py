@@ -77,7 +77,7 @@ def new_summary(target_column: Tensor) -> SoftmaxSummary:
 def _summarized(backend, stats, hidden, weight, target_column, temperature, options, several_logits) -> Statistics:
     out = new_summary(target_column)
     several = several_logits(hidden, weight, target_column, temperature) if target_column.dim() == 2 else None
-    merge_and_summarize(backend, stats, target_column, several, out, options)
+    merge_and_summarize(backend, stats, target_column=target_column, target_logits=several, out=out, options=options)
     return tuple(out[:4])
 
 
@@ -92,13 +92,24 @@ def recompute_statistics(hidden, weight, target_column, temperature, kept_mask, 
     problem = ShardProblem(hidden, weight, statistics_column(target_column), temperature, kept_mask)
     with autocast_off(hidden.device):
         stats = backend.local_statistics(problem, options)
-        return _summarized(backend, stats, hidden, weight, target_column, temperature, options, gathered_logits)
+        return _summarized(
+            backend,
+            stats,
+            hidden=hidden,
+            weight=weight,
+            target_column=target_column,
+            temperature=temperature,
+            options=options,
+            several_logits=gathered_logits,
+        )
 
 
 def recompute_gradients(problem, saved, upstream, needed, options: HeadOptions) -> Gradients:
     """The gradients, the hidden one summed over the group when ``reduce_hidden_grad``."""
     with autocast_off(problem.hidden.device):
-        grads = registry.by_name(options.backend).local_gradients(problem, saved, upstream, needed, options)
+        grads = registry.by_name(options.backend).local_gradients(
+            problem, saved, upstream=upstream, needed=needed, options=options
+        )
         if grads.hidden is not None and options.reduce_hidden_grad:
             all_reduce_sum(grads.hidden, options.tp_group)
     return grads
@@ -106,7 +117,9 @@ def recompute_gradients(problem, saved, upstream, needed, options: HeadOptions) 
 
 @operator("fused_forward", f"{PROBLEM_SCHEMA}", "(Tensor, Tensor, Tensor, Tensor)")
 def fused_forward(hidden, weight, target_column, temperature, kept_mask, options) -> Statistics:
-    return recompute_statistics(hidden, weight, target_column, temperature, kept_mask, options)
+    return recompute_statistics(
+        hidden, weight, target_column=target_column, temperature=temperature, kept_mask=kept_mask, options=options
+    )
 
 
 @fused_forward.register_fake
@@ -138,7 +151,9 @@ def fused_backward(
 ) -> tuple[Tensor, Tensor]:
     problem = ShardProblem(hidden, weight, target_column, temperature, kept_mask)
     upstream, needed = UpstreamGrads(grad_logprob, grad_entropy), NeededGrads(need_hidden, need_weight)
-    grads = recompute_gradients(problem, SavedStatistics(lse, mean_logit), upstream, needed, options)
+    grads = recompute_gradients(
+        problem, SavedStatistics(lse, mean_logit), upstream=upstream, needed=needed, options=options
+    )
     # A custom operator returns tensors, never None: an unneeded gradient is an empty tensor.
     return tuple(
         like.new_empty(0) if grad is None else grad for grad, like in zip(grads, (hidden, weight), strict=True)
@@ -159,7 +174,9 @@ class Recompute(torch.autograd.Function):
 
     @staticmethod
     def forward(hidden, weight, target_column, temperature, kept_mask, options: HeadOptions):
-        return recompute_statistics(hidden, weight, target_column, temperature, kept_mask, options)
+        return recompute_statistics(
+            hidden, weight, target_column=target_column, temperature=temperature, kept_mask=kept_mask, options=options
+        )
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -214,7 +231,16 @@ class Logits(torch.autograd.Function):
             stats = blocked_statistics(_scaled(logits, temperature), statistics_column(target_column), kept_mask, rows)
             several = lambda logits, _, columns, temperature: taken_logits(logits, columns, temperature)  # noqa: E731
             torch_backend = registry.by_name("torch")
-            return _summarized(torch_backend, stats, logits, None, target_column, temperature, options, several)
+            return _summarized(
+                torch_backend,
+                stats,
+                hidden=logits,
+                weight=None,
+                target_column=target_column,
+                temperature=temperature,
+                options=options,
+                several_logits=several,
+            )
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -230,7 +256,13 @@ class Logits(torch.autograd.Function):
         with autocast_off(logits.device):
             rows, saved = chunk_rows(ctx.options.token_chunk, logits.shape[-1]), SavedStatistics(lse, mean_logit)
             chunks = chunk_logit_grads(
-                _scaled(logits, temperature), target_column, saved, upstream, temperature, kept_mask, rows
+                _scaled(logits, temperature),
+                target_column,
+                saved=saved,
+                upstream=upstream,
+                temperature=temperature,
+                kept_mask=kept_mask,
+                token_chunk=rows,
             )
             for chunk, grad in chunks:
                 grad_logits[chunk] = grad

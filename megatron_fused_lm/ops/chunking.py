@@ -49,12 +49,14 @@ def chunk_logit_grads(
     logits recomputed by ``block_logits``."""
     for rows in token_chunks(target_column.shape[0], token_chunk):
         logits = block_logits(rows)
+        chunk_upstream = upstream.rows(rows)
         grad = block_logit_grad(
             logits,
             target_column[rows],
-            saved.lse[rows],
-            saved.mean_logit[rows],
-            *upstream.rows(rows),
-            kept_block(kept_mask, rows, logits.shape[1]),
+            lse=saved.lse[rows],
+            mean_logit=saved.mean_logit[rows],
+            grad_logprob=chunk_upstream.logprob,
+            grad_entropy=chunk_upstream.entropy,
+            kept=kept_block(kept_mask, rows, logits.shape[1]),
         )
         yield rows, grad.div_(temperature[rows, None])

@@ -105,7 +105,18 @@ def check_across_ranks(
             return
         _checked.add(signature)
     try:
-        _check(op, tp_group, hidden, shard, vocab_shard, targets, mask, temperature, kept_tokens, loss_inputs)
+        _check(
+            op,
+            tp_group,
+            hidden=hidden,
+            shard=shard,
+            vocab_shard=vocab_shard,
+            targets=targets,
+            mask=mask,
+            temperature=temperature,
+            kept_tokens=kept_tokens,
+            loss_inputs=loss_inputs,
+        )
     except BaseException:
         # Every rank reads the same gathered digest, so all refuse alike: a refused call, caught and
         # repeated, is checked again.

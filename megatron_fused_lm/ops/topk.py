@@ -87,9 +87,19 @@ def fused_linear_topk(
         return float32_product(rows[index], weight.t()).div_(temperature[index, None])
 
     def local_keys(local_k):
-        return resolved.top_keys(rows, weight, temperature, local_k, first_id, block_logits, options.token_chunk)
+        return resolved.top_keys(
+            rows,
+            weight,
+            temperature=temperature,
+            k=local_k,
+            first_id=first_id,
+            block_logits=block_logits,
+            token_chunk=options.token_chunk,
+        )
 
-    logprobs, ids = _topk_pass(local_keys, rows.shape[0], weight.shape[0], k, options, rows.device)
+    logprobs, ids = _topk_pass(
+        local_keys, rows.shape[0], vocab_shard=weight.shape[0], k=k, options=options, device=rows.device
+    )
     return logprobs.view(*hidden.shape[:-1], k), ids.view(*hidden.shape[:-1], k)
 
 
@@ -116,9 +126,13 @@ def logits_topk(
 
     def local_keys(local_k):
         block_logits = lambda chunk: flat[chunk].float() / temperature[chunk, None]  # noqa: E731
-        return shard_top_keys(block_logits, flat.shape[0], local_k, first_id, rows_per_chunk, flat.device)
+        return shard_top_keys(
+            block_logits, flat.shape[0], k=local_k, first_id=first_id, rows_per_chunk=rows_per_chunk, device=flat.device
+        )
 
-    logprobs, ids = _topk_pass(local_keys, flat.shape[0], flat.shape[1], k, options, flat.device)
+    logprobs, ids = _topk_pass(
+        local_keys, flat.shape[0], vocab_shard=flat.shape[1], k=k, options=options, device=flat.device
+    )
     return logprobs.view(*logits.shape[:-1], k), ids.view(*logits.shape[:-1], k)
 
 

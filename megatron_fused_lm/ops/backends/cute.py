@@ -59,6 +59,10 @@ class CuteBackend(TritonBackend):
         from ..cute_kernels.statistics_kernel import cute_split_statistics
 
         parts = cute_split_statistics(
-            problem.hidden, problem.weight, problem.target_column, problem.temperature, TILES_PER_SPLIT
+            problem.hidden,
+            problem.weight,
+            target_column=problem.target_column,
+            temperature=problem.temperature,
+            tiles_per_split=TILES_PER_SPLIT,
         )
         return merge_parts(parts)

@@ -29,7 +29,9 @@ class TorchBackend(TorchRecompute, TorchLoss):
     def top_keys(self, hidden, weight, temperature, k, first_id, block_logits, token_chunk):
         """``triton_topk.top_keys``' contract by the torch form alone."""
         rows = chunk_rows(token_chunk, weight.shape[0])
-        return shard_top_keys(block_logits, hidden.shape[0], k, first_id, rows, hidden.device)
+        return shard_top_keys(
+            block_logits, hidden.shape[0], k=k, first_id=first_id, rows_per_chunk=rows, device=hidden.device
+        )
 
 
 _by_name: Dict[str, object] = {"torch": TorchBackend()}

@@ -81,7 +81,14 @@ class TorchLoss:
         logits = state.block[: rows.stop - rows.start]
         kept = kept_block(problem.kept_mask, rows, logits.shape[1])
         grad = block_logit_grad(
-            logits, target_column, summary.lse, summary.mean_logit, *upstream, kept=kept, with_chosen=False
+            logits,
+            target_column,
+            lse=summary.lse,
+            mean_logit=summary.mean_logit,
+            grad_logprob=upstream.logprob,
+            grad_entropy=upstream.entropy,
+            kept=kept,
+            with_chosen=False,
         )
         zero_chosen(grad, target_column)  # its whole term is added in float32 (add_chosen, add_chosen_rows)
         operand = grad.div_(temperature[:, None]).to(weight.dtype)

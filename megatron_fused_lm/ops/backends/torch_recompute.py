@@ -49,12 +49,20 @@ class TorchRecompute:
             if grad_hidden is not None:
                 add_product(grad_hidden[chunk], grad, weight, accumulate=False)
             contract.add_weight_product(held_weight, grad, hidden[chunk], accumulate=chunk.start > 0)
-        grad_weight = contract.finish_weight(held_weight, None, weight.dtype, True, self.scaled_copy)
+        grad_weight = contract.finish_weight(
+            held_weight, None, dtype=weight.dtype, narrow_in_place=True, scaled_copy=self.scaled_copy
+        )
         return Gradients(grad_hidden, grad_weight)
 
 
 def _logit_grads(problem: ShardProblem, saved: SavedStatistics, upstream: UpstreamGrads, rows: int):
     """``chunking.chunk_logit_grads`` of the problem's rows, ``rows`` at a time."""
     return chunk_logit_grads(
-        block_logits(problem), problem.target_column, saved, upstream, problem.temperature, problem.kept_mask, rows
+        block_logits(problem),
+        problem.target_column,
+        saved=saved,
+        upstream=upstream,
+        temperature=problem.temperature,
+        kept_mask=problem.kept_mask,
+        token_chunk=rows,
     )

@@ -33,4 +33,13 @@ class TritonBackend(TritonRecompute, TritonLoss):
 
     def top_keys(self, hidden, weight, temperature, k, first_id, block_logits, token_chunk):
         """``triton_topk.top_keys`` with this tuning."""
-        return triton_topk.top_keys(hidden, weight, temperature, k, first_id, block_logits, token_chunk, self.tuning)
+        return triton_topk.top_keys(
+            hidden,
+            weight,
+            temperature=temperature,
+            k=k,
+            first_id=first_id,
+            block_logits=block_logits,
+            token_chunk=token_chunk,
+            tuning=self.tuning,
+        )

@@ -101,7 +101,11 @@ class TritonLoss:
         block_dtype = stored_dtype(weight.dtype, options.entropy_grad or options.batch_invariant)
         tiles = self.tuning.forward_tiles_for(weight.dtype, block_dtype, weight.device)
         token_chunk = options.token_chunk or loss_token_chunk(
-            num_tokens, vocab, block_dtype.itemsize, tiles, self.tuning.stored_block_bytes_for(weight.device)
+            num_tokens,
+            vocab,
+            bytes_per_logit=block_dtype.itemsize,
+            tiles=tiles,
+            budget=self.tuning.stored_block_bytes_for(weight.device),
         )
         token_chunk = min(token_chunk, max(num_tokens, 1))
         block = addressable_empty(hidden, token_chunk, vocab, block_dtype)
@@ -131,7 +135,15 @@ class TritonLoss:
         if stores_offsets(block.dtype):
             return merge_parts(split_statistics(*splits))
         sample_rows = self.tuning.reference_rows or REFERENCE_ROWS
-        row_references(hidden, weight, columns, temperature, sample_rows, REFERENCE_HEADROOM, reference)
+        row_references(
+            hidden,
+            weight,
+            target_column=columns,
+            temperature=temperature,
+            sample_rows=sample_rows,
+            headroom=REFERENCE_HEADROOM,
+            out=reference,
+        )
         parts = split_statistics(*splits)
         refresh = torch.empty(num_rows, dtype=torch.int8, device=hidden.device)
         local = merge_parts(
@@ -167,10 +179,18 @@ class TritonLoss:
         terms = self.row_terms if columns.dim() == 1 else self.several_row_terms
         chosen, factor, operand = terms(problem, state, rows, summary, upstream, weight_row_scale, direct)
         if not direct:
-            block = self.dz_operand(problem, state, rows, summary, upstream)
-        self.products(problem, state, rows, block, hidden if operand is None else operand, accumulate, options)
+            block = self.dz_operand(problem, state, rows=rows, summary=summary, upstream=upstream)
+        self.products(
+            problem,
+            state,
+            rows=rows,
+            operand=block,
+            hidden_operand=hidden if operand is None else operand,
+            accumulate=accumulate,
+            options=options,
+        )
         if state.held_hidden.dim() == 2:
-            self.add_chosen(state.held_hidden[rows], columns, chosen, weight, factor)
+            self.add_chosen(state.held_hidden[rows], columns, chosen=chosen, weight=weight, factor=factor)
 
     def row_terms(self, problem, state, rows, summary, upstream, weight_row_scale, direct):
         """``(chosen, factor, weight operand)`` of a chunk's rows, one target each
@@ -185,13 +205,13 @@ class TritonLoss:
         chosen, factor = row_terms(
             problem.target_column[rows],
             summary,
-            upstream,
-            problem.temperature[rows],
-            reference,
-            weight_row_scale,
-            hidden,
-            operand,
-            chosen_weight,
+            upstream=upstream,
+            temperature=problem.temperature[rows],
+            reference=reference,
+            weight_row_scale=weight_row_scale,
+            hidden=hidden,
+            operand=operand,
+            chosen_weight=chosen_weight,
         )
         return chosen, factor, operand
 
@@ -227,12 +247,12 @@ class TritonLoss:
         return stored_logit_grads(
             block,
             chunk_reference(state, rows),
-            block.view(weight.dtype),
-            problem.target_column[rows].contiguous(),
-            saved,
-            upstream,
-            problem.temperature[rows],
-            tiles.block_n if stores_offsets(block.dtype) else 0,
+            out=block.view(weight.dtype),
+            target_column=problem.target_column[rows].contiguous(),
+            saved=saved,
+            upstream=upstream,
+            temperature=problem.temperature[rows],
+            offsets_tile_n=tiles.block_n if stores_offsets(block.dtype) else 0,
         )
 
     def products(
@@ -250,14 +270,19 @@ class TritonLoss:
         ``accumulate``), in float32."""
         weight, tiles = problem.weight, self.tuning.backward_tiles_for(problem.weight.dtype)
         if state.held_hidden.dim() == 2 and options.batch_invariant:
-            rows_product(state.held_hidden[rows], operand, weight, False, tiles)
+            rows_product(state.held_hidden[rows], operand, right=weight, accumulate=False, tiles=tiles)
         elif state.held_hidden.dim() == 2:
             add_product(state.held_hidden[rows], operand, weight, accumulate=False)
         if state.held_weight and state.gate is not None:  # gated: a kernel that reads it, not cuBLAS
             start = 0
             for part in state.held_weight:
                 rows_product(
-                    part, operand[:, start : start + part.shape[0]].t(), hidden_operand, True, tiles, state.gate
+                    part,
+                    operand[:, start : start + part.shape[0]].t(),
+                    right=hidden_operand,
+                    accumulate=True,
+                    tiles=tiles,
+                    gate=state.gate,
                 )
                 start += part.shape[0]
         elif state.held_weight:
@@ -282,11 +307,13 @@ class TritonLoss:
         """``TorchLoss.add_chosen`` by the chosen-token kernel, one target column at a time
         (``weight`` addressable)."""
         if target_column.dim() == 1:
-            finish_hidden_grad(product, factor, chosen, target_column, weight, product)
+            finish_hidden_grad(product, factor, chosen=chosen, target_column=target_column, weight=weight, out=product)
             return
         for target in range(target_column.shape[1]):
             column, term = target_column[:, target].contiguous(), chosen[:, target].contiguous()
-            finish_hidden_grad(product, factor if target == 0 else None, term, column, weight, product)
+            finish_hidden_grad(
+                product, factor if target == 0 else None, chosen=term, target_column=column, weight=weight, out=product
+            )
 
     def fit_declared(
         self, upstream: torch.Tensor, declared: torch.Tensor, weight_grad_scale: Optional[float]

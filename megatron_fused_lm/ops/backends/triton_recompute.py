@@ -38,7 +38,13 @@ class TritonRecompute:
         tiles = self.tuning.forward_tiles_for(weight.dtype)
         tiles_per_split = self.tuning.tiles_per_split_for(weight.shape[0], tiles, weight.device)
         parts = split_statistics(
-            hidden, weight, problem.target_column, problem.temperature, problem.kept_mask, tiles, tiles_per_split
+            hidden,
+            weight,
+            target_column=problem.target_column,
+            temperature=problem.temperature,
+            kept_mask=problem.kept_mask,
+            tiles=tiles,
+            tiles_per_split=tiles_per_split,
         )
         return merge_parts(parts)
 
@@ -85,20 +91,26 @@ class TritonRecompute:
                 block = logit_grad_block(
                     logit_grads[:rows, : columns.stop - columns.start],
                     hidden_operand[tokens],
-                    weight_operand[columns],
-                    target_column[tokens],
-                    columns.start,
-                    token_saved,
-                    upstream.rows(tokens),
-                    temperature[tokens],
-                    problem.kept_mask[tokens],
-                    tiles,
-                    programs,
+                    weight=weight_operand[columns],
+                    target_column=target_column[tokens],
+                    first_column=columns.start,
+                    saved=token_saved,
+                    upstream=upstream.rows(tokens),
+                    temperature=temperature[tokens],
+                    kept_mask=problem.kept_mask[tokens],
+                    tiles=tiles,
+                    num_programs=programs,
                 )
                 if hidden_acc is not None and options.batch_invariant:
                     # Each vocabulary chunk continues the row's float32 sum where the last left it
                     # (chunks start at multiples of the tiles' hidden step): one order whatever the chunks.
-                    rows_product(hidden_acc[:rows], block, weight_operand[columns], columns.start > 0, tiles)
+                    rows_product(
+                        hidden_acc[:rows],
+                        block,
+                        right=weight_operand[columns],
+                        accumulate=columns.start > 0,
+                        tiles=tiles,
+                    )
                 elif hidden_acc is not None:
                     add_product(hidden_acc[:rows], block, weight[columns], accumulate=columns.start > 0)
                 if grad_weight is not None:

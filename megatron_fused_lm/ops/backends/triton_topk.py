@@ -73,7 +73,7 @@ def top_keys(
     num_splits = triton.cdiv(column_tiles, tiles_per_split)
     whole_rows = chunk_rows(token_chunk, vocab_shard)
     if 4 * k > column_tiles or num_rows == 0:
-        return shard_top_keys(block_logits, num_rows, k, first_id, whole_rows, device)
+        return shard_top_keys(block_logits, num_rows, k=k, first_id=first_id, rows_per_chunk=whole_rows, device=device)
     picks = picks_for(k)
     slots = min(tiles_per_split * picks, triton.cdiv(23 * k, 10 * num_splits) + SLOT_MARGIN)
     rows_per_chunk = token_chunk or max(1, BLOCK_BYTES // (4 * column_tiles + 8 * num_splits * slots))
@@ -88,11 +88,11 @@ def top_keys(
         parts = split_statistics(
             chunk_hidden,
             weight,
-            no_targets[rows],
-            chunk_temperature,
-            every_column,
-            tiles,
-            tiles_per_split,
+            target_column=no_targets[rows],
+            temperature=chunk_temperature,
+            kept_mask=every_column,
+            tiles=tiles,
+            tiles_per_split=tiles_per_split,
             tile_maxima=tile_maxima,
         )
         stats[rows] = merge_parts(parts)
@@ -103,7 +103,15 @@ def top_keys(
         candidates = torch.empty(size, num_splits, slots, dtype=torch.float32, device=device)
         columns = torch.empty(size, num_splits, slots, dtype=torch.int32, device=device)
         slot_count = collect_candidates(
-            chunk_hidden, weight, chunk_temperature, tiles, tiles_per_split, threshold, candidates, columns, picks
+            chunk_hidden,
+            weight,
+            temperature=chunk_temperature,
+            tiles=tiles,
+            tiles_per_split=tiles_per_split,
+            threshold=threshold,
+            candidates=candidates,
+            candidate_columns=columns,
+            picks=picks,
         )
         filled = torch.arange(slots, device=device) < slot_count[:, :, None]
         chunk_keys = torch.where(filled, logit_keys(candidates, columns.long() + first_id), NO_KEY)
@@ -112,5 +120,7 @@ def top_keys(
         settled = (slot_count <= slots).all(dim=1) & (slot_count.clamp(max=slots).sum(dim=1) >= k)
         left_out = (~settled).nonzero().squeeze(1) + rows.start
         if left_out.numel():
-            stats[left_out], keys[left_out] = shard_top_keys(block_logits, left_out, k, first_id, whole_rows, device)
+            stats[left_out], keys[left_out] = shard_top_keys(
+                block_logits, left_out, k=k, first_id=first_id, rows_per_chunk=whole_rows, device=device
+            )
     return stats, keys

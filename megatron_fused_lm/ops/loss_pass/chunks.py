@@ -321,10 +321,10 @@ def run_loss_pass(
             phases.chunk_gradients(
                 problem,
                 state,
-                rows,
-                summary,
-                upstream,
-                weight_row_scale,
+                rows=rows,
+                summary=summary,
+                upstream=upstream,
+                weight_row_scale=weight_row_scale,
                 accumulate=accumulate or rows.start > 0,
                 options=options,
             )
@@ -339,7 +339,7 @@ def summarize_chunk(backend, problem: ShardProblem, rows: slice, local: Tensor, 
     several = None
     if target_column.dim() == 2:
         several = gathered_logits(problem.hidden[rows], problem.weight, target_column, problem.temperature[rows])
-    merge_and_summarize(backend, local, target_column, several, out, options)
+    merge_and_summarize(backend, local, target_column=target_column, target_logits=several, out=out, options=options)
 
 
 class EagerPhases:
@@ -351,7 +351,7 @@ class EagerPhases:
         self.chunk_gradients, self.add_chosen_rows = backend.chunk_gradients, backend.add_chosen_rows
 
     def summarize_chunk(self, problem: ShardProblem, rows: slice, local: Tensor, out: SoftmaxSummary, options):
-        summarize_chunk(self.backend, problem, rows, local, out, options)
+        summarize_chunk(self.backend, problem, rows=rows, local=local, out=out, options=options)
 
 
 def phases_for(options: HeadOptions):

@@ -33,14 +33,32 @@ def _allocated(
 @operator("loss_allocate", f"{PROBLEM_SCHEMA}, bool need_hidden, bool need_weight", "Tensor[]")
 def loss_allocate(hidden, weight, target_column, temperature, kept_mask, need_hidden, need_weight, options):
     """The backend's ``allocate``: ``[block, reference, held_hidden, chosen, *held_weight]``."""
-    return _allocated(hidden, weight, target_column, temperature, kept_mask, need_hidden, need_weight, options)
+    return _allocated(
+        hidden,
+        weight,
+        target_column=target_column,
+        temperature=temperature,
+        kept_mask=kept_mask,
+        need_hidden=need_hidden,
+        need_weight=need_weight,
+        options=options,
+    )
 
 
 @loss_allocate.register_fake
 def _(hidden, weight, target_column, temperature, kept_mask, need_hidden, need_weight, **fields) -> List[Tensor]:
     # The same allocation on fake tensors gives the same shapes, dtypes and strides.
     options = HeadOptions(**fields)
-    return _allocated(hidden, weight, target_column, temperature, kept_mask, need_hidden, need_weight, options)
+    return _allocated(
+        hidden,
+        weight,
+        target_column=target_column,
+        temperature=temperature,
+        kept_mask=kept_mask,
+        need_hidden=need_hidden,
+        need_weight=need_weight,
+        options=options,
+    )
 
 
 @operator("loss_statistics", f"{PROBLEM_SCHEMA}, Tensor(a!) block, Tensor(b!) reference", "Tensor")
@@ -62,7 +80,9 @@ def loss_summary(local, hidden, weight, target_column, temperature, kept_mask, o
     out, several = new_summary(target_column), None
     if target_column.dim() == 2:
         several = gathered_logits(hidden, weight, target_column, temperature)
-    merge_and_summarize(by_name(options.backend), local, target_column, several, out, options)
+    merge_and_summarize(
+        by_name(options.backend), local, target_column=target_column, target_logits=several, out=out, options=options
+    )
     return list(out)
 
 
@@ -101,10 +121,10 @@ def loss_gradients(
     by_name(options.backend).chunk_gradients(
         ShardProblem(hidden, weight, target_column, temperature, kept_mask),
         LossState(block, reference, held_hidden, held_weight, chosen),
-        slice(start, stop),
-        SoftmaxSummary(*summary),
-        UpstreamGrads(grad_logprob, grad_entropy),
-        weight_row_scale,
+        rows=slice(start, stop),
+        summary=SoftmaxSummary(*summary),
+        upstream=UpstreamGrads(grad_logprob, grad_entropy),
+        weight_row_scale=weight_row_scale,
         accumulate=accumulate,
         options=options,
     )
@@ -147,9 +167,7 @@ class OperatorPhases:
         for field, value in zip(out, loss_summary(local, *_chunk(problem, rows), **self.fields), strict=True):
             field.copy_(value)
 
-    def chunk_gradients(
-        self, problem, state, rows, summary, upstream, weight_row_scale, *, accumulate: bool, options
-    ) -> None:
+    def chunk_gradients(self, problem, state, rows, summary, upstream, weight_row_scale, accumulate: bool, options):
         state_tensors = (state.block, state.reference, state.held_hidden, state.held_weight, state.chosen)
         chunk_rows = (rows.start, rows.stop)
         loss_gradients(

@@ -108,13 +108,15 @@ def run_held_pass(
 
         def step(rows: slice, local: Tensor):
             part = SoftmaxSummary(*(field[rows] for field in summary))
-            phases.summarize_chunk(problem, rows, local, part, options)
+            phases.summarize_chunk(problem, rows, local=local, out=part, options=options)
             if declared is not None:
                 return part, UpstreamGrads(minus_one[rows], None), weight_row_scale[rows]
             return part, loss(rows, part.logprob, part.entropy), None
 
         try:
-            run_loss_pass(phases, problem, step, state, options, accumulate=has_weight_grad_into)
+            run_loss_pass(
+                phases, problem, chunk_step=step, state=state, options=options, accumulate=has_weight_grad_into
+            )
         except BaseException:
             if sink is not None and sink.pending is not None:
                 sink.pending.release("stopped with an exception part way")
@@ -173,7 +175,7 @@ class HeldGradients(torch.autograd.Function):
                 ctx.sink.pending.close()  # the weight gradient added in the forward now has its backward
             weight_grad_into = ctx.sink.weight_grad_into if ctx.sink is not None else None
             held = Held.unflat(spec, list(ctx.saved_tensors))
-            grads = finish(spec, options, held, upstream, weight_grad_into, narrow=True)
+            grads = finish(spec, options, held=held, upstream=upstream, weight_grad_into=weight_grad_into, narrow=True)
         return None, grads.hidden, grads.weight, None, None, None, *(None,) * ctx.num_tensors
 
 
@@ -203,7 +205,7 @@ def finish(
                 correction = UpstreamGrads(*(None if grad is None else grad * ratio for grad in held.basis))
         if spec.correctable:
             parts = [weight_grad_into] if spec.has_weight_grad_into else held.parts
-            correct_weight(backend, options, held, correction, ran, parts)
+            correct_weight(backend, options, held=held, upstream=correction, ran=ran, parts=parts)
             record_correction(ran, _correction_note(spec))
         hidden = None
         if held.hidden.dim() == 2:
@@ -212,7 +214,9 @@ def finish(
                 all_reduce_sum(hidden, options.tp_group)
         weight = None
         if not spec.has_weight_grad_into:
-            weight = finish_weight(held.parts, weight_factor, spec.dtype, narrow, backend.scaled_copy)
+            weight = finish_weight(
+                held.parts, weight_factor, dtype=spec.dtype, narrow_in_place=narrow, scaled_copy=backend.scaled_copy
+            )
     return Gradients(hidden, weight)
 
 
@@ -237,7 +241,7 @@ def correct_weight(
     def step(rows: slice, local: Tensor):
         return SoftmaxSummary(*(field[rows] for field in held.summary)), upstream.rows(rows), None
 
-    run_loss_pass(backend, held.problem, step, state, options, accumulate=True)
+    run_loss_pass(backend, held.problem, chunk_step=step, state=state, options=options, accumulate=True)
 
 
 def _correction_note(spec: HeldSpec) -> str:
@@ -261,7 +265,14 @@ def held_backward(upstream: Tensor, tensors: List[Tensor], **fields) -> tuple[Te
     inputs' memory); ``weight_grad_into`` runs eagerly only. An unneeded gradient is empty."""
     spec_fields = {name: fields.pop(name) for name in HeldSpec.__dataclass_fields__}
     spec = HeldSpec(**spec_fields)
-    grads = finish(spec, HeadOptions(**fields), Held.unflat(spec, tensors), upstream, None, narrow=False)
+    grads = finish(
+        spec,
+        HeadOptions(**fields),
+        held=Held.unflat(spec, tensors),
+        upstream=upstream,
+        weight_grad_into=None,
+        narrow=False,
+    )
     return tuple(tensors[0].new_empty(0) if grad is None else grad for grad in grads)
 
 

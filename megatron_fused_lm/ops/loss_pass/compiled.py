@@ -22,43 +22,18 @@ Tensor = torch.Tensor
 _STATE = "Tensor(a!) block, Tensor(b!) reference, Tensor(c!) held_hidden, Tensor(d!)[] held_weight, Tensor(e!) chosen"
 
 
-def _allocated(
-    hidden, weight, target_column, temperature, kept_mask, need_hidden, need_weight, options
-) -> List[Tensor]:
+def _allocate(hidden, weight, target_column, temperature, kept_mask, need_hidden, need_weight, options):
+    """The backend's ``allocate``: ``[block, reference, held_hidden, chosen, *held_weight]``."""
     problem = ShardProblem(hidden, weight, target_column, temperature, kept_mask)
     state = by_name(options.backend).allocate(problem, NeededGrads(need_hidden, need_weight), options)
     return [state.block, state.reference, state.held_hidden, state.chosen, *state.held_weight]
 
 
-@operator("loss_allocate", f"{PROBLEM_SCHEMA}, bool need_hidden, bool need_weight", "Tensor[]")
-def loss_allocate(hidden, weight, target_column, temperature, kept_mask, need_hidden, need_weight, options):
-    """The backend's ``allocate``: ``[block, reference, held_hidden, chosen, *held_weight]``."""
-    return _allocated(
-        hidden,
-        weight,
-        target_column=target_column,
-        temperature=temperature,
-        kept_mask=kept_mask,
-        need_hidden=need_hidden,
-        need_weight=need_weight,
-        options=options,
-    )
-
-
-@loss_allocate.register_fake
-def _(hidden, weight, target_column, temperature, kept_mask, need_hidden, need_weight, **fields) -> List[Tensor]:
-    # The same allocation on fake tensors gives the same shapes, dtypes and strides.
-    options = HeadOptions(**fields)
-    return _allocated(
-        hidden,
-        weight,
-        target_column=target_column,
-        temperature=temperature,
-        kept_mask=kept_mask,
-        need_hidden=need_hidden,
-        need_weight=need_weight,
-        options=options,
-    )
+loss_allocate = operator("loss_allocate", f"{PROBLEM_SCHEMA}, bool need_hidden, bool need_weight", "Tensor[]")(
+    _allocate
+)
+# The same allocation on fake tensors gives the same shapes, dtypes and strides.
+loss_allocate.register_fake(lambda *tensors, **fields: _allocate(*tensors, HeadOptions(**fields)))
 
 
 @operator("loss_statistics", f"{PROBLEM_SCHEMA}, Tensor(a!) block, Tensor(b!) reference", "Tensor")

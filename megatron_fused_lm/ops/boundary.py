@@ -208,7 +208,9 @@ def _recompute_backward(ctx, grad_logprob, grad_entropy, run) -> tuple:
         return None, None, None, None, None
     *problem, lse, mean_logit = ctx.saved_tensors
     needed = NeededGrads(*ctx.needs_input_grad[:2])
-    grads = run(ShardProblem(*problem), SavedStatistics(lse, mean_logit), upstream, needed, ctx.options)
+    grads = run(
+        ShardProblem(*problem), SavedStatistics(lse, mean_logit), upstream=upstream, needed=needed, options=ctx.options
+    )
     return grads.hidden, grads.weight, None, None, None
 
 

@@ -188,7 +188,9 @@ def chosen_logit_grad(
         if grad_entropy is not None:
             entropy_term = grad_entropy * summary.logprob.exp() * summary.mean_minus_target
             grad = entropy_term if grad is None else grad.add_(entropy_term)
-        return torch.where(target_column >= 0, 0.0 if grad is None else grad, 0.0)
+        if grad is None:
+            return torch.zeros_like(summary.logprob)
+        return torch.where(target_column >= 0, grad, 0.0)
     logprob, prob = summary.logprob, summary.logprob.exp()
     same = target_column.unsqueeze(2) == target_column.unsqueeze(1)  # [n, k, k]: entries naming one column
     order = torch.arange(target_column.shape[1], device=target_column.device)
@@ -206,12 +208,12 @@ def zero_chosen(block: torch.Tensor, target_column: torch.Tensor) -> None:
     """Zero the chosen token's element of each row of ``block [n, v]`` that holds its target (every
     target's, for ``target_column [n, k]``): the loss-in-forward path adds that term in float32
     instead (``chosen_logit_grad``)."""
-    columns = target_column.view(target_column.shape[0], -1)
+    columns = target_column.view(target_column.shape[0], target_column.shape[1] if target_column.dim() == 2 else 1)
     owns = columns >= 0
     if columns.shape[1] > 1:
         # An entry of another shard (-1) names its row's largest column, one of the zeroed targets, or
         # where the row has none here column 0, written back as it is: no two writes of one element differ.
         columns = torch.where(owns, columns, columns.amax(1, keepdim=True))
         owns = owns.any(1, keepdim=True)
-    columns = columns.clamp(min=0)  # one target: a row of another shard writes its column 0 back as it is
+    columns = columns.clamp(min=0)  # one target: a row without one here writes its column 0 back as it is
     block.scatter_(1, columns, torch.where(owns, 0, block.gather(1, columns)))

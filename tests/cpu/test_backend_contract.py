@@ -83,6 +83,10 @@ def test_a_backend_object_that_lacks_members_is_refused_by_name():
     broken.summarize = None  # an attribute where a method belongs
     with pytest.raises(TypeError, match="lacks summarize"):
         fused_linear_logprob(hidden, weight, torch.tensor([1, 2, 3]), backend=broken)
+    renamed = TorchBackend()
+    renamed.scaled_copy = lambda source, factor, out: out  # the ops pass `scale=` by name
+    with pytest.raises(TypeError, match=r"lacks scaled_copy\(source, scale, out\)"):
+        fused_linear_logprob(hidden, weight, torch.tensor([1, 2, 3]), backend=renamed)
     unnamed = TorchBackend()
     unnamed.name = 3  # an instance attribute over the class's
     with pytest.raises(TypeError, match=r"lacks name \(a string\)"):

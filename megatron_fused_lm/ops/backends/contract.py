@@ -13,6 +13,7 @@ Shapes: ``n`` token rows, ``H`` hidden size, ``vocab_shard`` rows of this rank's
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Iterator, List, NamedTuple, Optional, Protocol
 
 import torch
@@ -103,7 +104,8 @@ def token_chunks(num_tokens: int, token_chunk: int) -> Iterator[slice]:
 
 class Backend(Protocol):
     """Every member the ops call on a backend (``registry.resolve`` checks a backend object has
-    each). Tensors are this rank's shard; nothing here communicates."""
+    each, its methods' parameters named as here: the ops pass them by name). Tensors are this
+    rank's shard; nothing here communicates."""
 
     name: str  # how HeadOptions names it (registry.by_name)
     gates_on_device: bool  # a correcting pass's gate read by its kernels (LossState.gate); else on the host
@@ -172,6 +174,8 @@ class Backend(Protocol):
 # The Protocol's members, methods and attributes, in its order; its methods.
 BACKEND_MEMBERS = tuple(name for name in [*Backend.__annotations__, *vars(Backend)] if not name.startswith("_"))
 BACKEND_METHODS = tuple(name for name in BACKEND_MEMBERS if callable(getattr(Backend, name, None)))
+# Each method's parameters, without self: the ops pass them by name.
+BACKEND_PARAMETERS = {name: tuple(inspect.signature(getattr(Backend, name)).parameters)[1:] for name in BACKEND_METHODS}
 
 
 # The held gradients' float32 parts (``LossState.held_weight``) and the checks of an upstream

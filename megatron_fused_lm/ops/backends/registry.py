@@ -4,6 +4,7 @@ options (``by_name``); the Triton and CuTe modules are imported only when a call
 
 from __future__ import annotations
 
+import inspect
 from typing import Dict, List, Union
 
 import torch
@@ -12,7 +13,7 @@ from ..chunking import chunk_rows
 from ..kept_tokens import KeptSets, torch_kept_mask
 from ..options import resolved_backend
 from ..top_keys import shard_top_keys
-from .contract import BACKEND_MEMBERS, BACKEND_METHODS
+from .contract import BACKEND_MEMBERS, BACKEND_METHODS, BACKEND_PARAMETERS
 from .torch_loss import TorchLoss
 from .torch_recompute import TorchRecompute
 
@@ -52,9 +53,16 @@ def by_name(name: str):
 
 
 def missing_members(backend: object) -> List[str]:
-    """The members of ``contract.Backend`` that ``backend`` lacks (a name that is not a string counts)."""
-    missing = [name for name in BACKEND_MEMBERS if not hasattr(backend, name)]
-    missing += [name for name in BACKEND_METHODS if name not in missing and not callable(getattr(backend, name))]
+    """The members of ``contract.Backend`` that ``backend`` lacks or has in another form: an attribute
+    where a method belongs, a method whose parameters are named otherwise (the ops pass them by
+    name; given as the Protocol's), a name that is not a string."""
+    missing = []
+    for name in BACKEND_MEMBERS:
+        member = getattr(backend, name, None)
+        if member is None or (name in BACKEND_METHODS and not callable(member)):
+            missing.append(name)
+        elif name in BACKEND_METHODS and tuple(inspect.signature(member).parameters) != BACKEND_PARAMETERS[name]:
+            missing.append(f"{name}({', '.join(BACKEND_PARAMETERS[name])})")
     if "name" not in missing and not isinstance(backend.name, str):
         missing.append("name (a string)")
     return missing

@@ -177,7 +177,15 @@ class TritonLoss:
         if direct and columns.dim() == 2:  # the forward kernel zeroed one target's element, not several's
             zero_chosen(block, columns)
         terms = self.row_terms if columns.dim() == 1 else self.several_row_terms
-        chosen, factor, operand = terms(problem, state, rows, summary, upstream, weight_row_scale, direct)
+        chosen, factor, operand = terms(
+            problem,
+            state,
+            rows=rows,
+            summary=summary,
+            upstream=upstream,
+            weight_row_scale=weight_row_scale,
+            direct=direct,
+        )
         if not direct:
             block = self.dz_operand(problem, state, rows=rows, summary=summary, upstream=upstream)
         self.products(

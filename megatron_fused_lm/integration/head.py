@@ -190,12 +190,14 @@ class _Patch:
         """
         reason = self.stock_reason()
         if reason is not None:
-            return self.stock_output(reason, input_, weight, runtime_gather_output, options)
+            return self.stock_output(
+                reason, input_, weight=weight, runtime_gather_output=runtime_gather_output, options=options
+            )
         unknown = sorted(set(options) - set(LINEAR_CROSS_ENTROPY_OPTIONS))
         if unknown:
             raise TypeError(f"the fused head's output layer takes no {', '.join(unknown)}")
         options = {**LINEAR_CROSS_ENTROPY_OPTIONS, **options}
-        hidden, call = project_input(self.layer, self.tp_group, input_, weight, self.head.name)
+        hidden, call = project_input(self.layer, self.tp_group, input_=input_, weight=weight, owner=self.head.name)
         if options["output_cross_entropy_loss"]:
             return self.linear_cross_entropy(hidden, call, options)
         origin = provenance.Origin(weakref.ref(self.head), self.head.name, call, hidden.shape[-1], hidden.device)
@@ -254,10 +256,10 @@ class _Patch:
         losses = call_labels_loss(
             call,
             head.config,
-            hidden,
-            labels.transpose(0, 1),
-            None if declared is None else declared.transpose(0, 1),
-            head._declared_main_grad_scale,
+            hidden=hidden,
+            targets=labels.transpose(0, 1),
+            declared=None if declared is None else declared.transpose(0, 1),
+            main_grad_scale=head._declared_main_grad_scale,
         )
         origin = provenance.Origin(weakref.ref(head), head.name, call, hidden.shape[-1], hidden.device)
         return provenance.traced(losses.transpose(0, 1).contiguous(), call.weight, origin, provenance.PER_TOKEN_LOSS)
@@ -624,7 +626,9 @@ class FusedLMHead:
         if not self._stock_layers:
             raise RuntimeError("this pipeline stage has no output layer, so there are no log-probs to compute")
         chunk, layer = self._stock_layers[-1]
-        return answer_from_logits(layer, tensor_parallel_group(chunk, layer), self.config, output, request)
+        return answer_from_logits(
+            layer, tensor_parallel_group(chunk, layer), config=self.config, logits=output, request=request
+        )
 
 
 def fused_head_of(output: Any) -> Optional[FusedLMHead]:
@@ -711,7 +715,13 @@ def wrap_model(model: Any, config: FusedLMConfig) -> FusedLMHead:
     head._stock_layers = output_layers(chains)
     if config.enabled and chains:
         head.fallback_reason = fallback_reason(head._stock_layers)
-    log_route(head.name, "wrap_model (the patched output layer)", config, head._stock_layers, head.fallback_reason)
+    log_route(
+        head.name,
+        "wrap_model (the patched output layer)",
+        config=config,
+        layers=head._stock_layers,
+        fallback_reason=head.fallback_reason,
+    )
     if not config.enabled or not chains:
         return head
     if head.fallback_reason is not None:

@@ -109,7 +109,9 @@ class FusedOutputProcessor:
         self._layers = output_layers(module_chains(model))
         self._groups = {id(layer): tensor_parallel_group(chunk, layer) for chunk, layer in self._layers}
         self.fallback_reason = fallback_reason(self._layers) if config.enabled else None
-        log_route(self.name, "output_processor", config, self._layers, self.fallback_reason)
+        log_route(
+            self.name, "output_processor", config=config, layers=self._layers, fallback_reason=self.fallback_reason
+        )
         if self.fallback_reason is not None:
             warn_once(
                 f"megatron_fused_lm: the fused output processor computes from the stock logits: {self.fallback_reason}."
@@ -176,13 +178,22 @@ class FusedOutputProcessor:
             logits = scale_logits(logits)
             if labels_path:
                 return compute_language_model_loss(labels, logits)
-            return answer_from_logits(output_layer, group, self.config, logits.transpose(0, 1), context)
-        hidden, call = project_input(output_layer, group, hidden_states, output_weight, self.name)
+            return answer_from_logits(
+                output_layer, group, config=self.config, logits=logits.transpose(0, 1), request=context
+            )
+        hidden, call = project_input(output_layer, group, input_=hidden_states, weight=output_weight, owner=self.name)
         hidden = scale_logits(hidden)  # a scalar (MuP), which commutes with the projection
         # [s, b] throughout, the hidden states' layout; the results come back [b, s].
         if labels_path:
             check_labels(labels, hidden, declared)
-            losses = call_labels_loss(call, self.config, hidden, _swap(labels), _swap(declared), main_grad_scale)
+            losses = call_labels_loss(
+                call,
+                self.config,
+                hidden=hidden,
+                targets=_swap(labels),
+                declared=_swap(declared),
+                main_grad_scale=main_grad_scale,
+            )
             return _batch_first(losses)
         result = answer(call, self.config, hidden, _sequence_first(context))
         if isinstance(context, LossRequest):

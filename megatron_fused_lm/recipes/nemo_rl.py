@@ -314,7 +314,12 @@ def prepare_loss_input(
     if kind == "DISTILLATION":
         calculate_entropy = loss_fn.zero_outside_topk and loss_fn.kl_type != "forward"  # as NeMo-RL decides
         student, teacher, entropy = distillation_topk_logprobs(
-            head, logits, data, loss_fn.zero_outside_topk, calculate_entropy, context_parallel_group
+            head,
+            logits,
+            data=data,
+            zero_outside_topk=loss_fn.zero_outside_topk,
+            calculate_entropy=calculate_entropy,
+            cp_group=context_parallel_group,
         )
         return {"student_topk_logprobs": student, "teacher_topk_logprobs": teacher, "H_all": entropy}, data
     return {"next_token_logprobs": next_token_logprobs(head, logits, data["input_ids"], context_parallel_group)}, data
@@ -385,7 +390,9 @@ class NLLLossMixin:
         if any(options.values()):
             raise NotImplementedError(f"{type(self).__name__} in the forward is SFT only, got {sorted(options)}")
         fused = fused_lm_input
-        return nll_loss(fused.head, fused.output, data, global_valid_toks, fused.cp_group)
+        return nll_loss(
+            fused.head, fused.output, data=data, global_valid_toks=global_valid_toks, cp_group=fused.cp_group
+        )
 
 
 class LossPostProcessorMixin:
@@ -445,11 +452,11 @@ class LogprobsPostProcessorMixin:
                 logprobs = packed_next_token_logprobs(
                     self.head,
                     output,
-                    input_ids,
-                    data_dict["input_lengths"],
-                    cu_seqlens_padded,
-                    unpacked_ids.shape[1],
-                    cp_group,
+                    packed_input_ids=input_ids,
+                    input_lengths=data_dict["input_lengths"],
+                    cu_seqlens_padded=cu_seqlens_padded,
+                    unpacked_seqlen=unpacked_ids.shape[1],
+                    cp_group=cp_group,
                 )
             else:
                 logprobs = next_token_logprobs(self.head, output, unpacked_ids, cp_group)

@@ -394,7 +394,7 @@ def cross_entropy_loss(
     result.logprob)`` gives the detached ``action_log_probs`` for SkyRL's ``loss_fn_outputs``.
     """
     weight = layout.to_rows(loss_mask.float() * grad_sum_correction_factor)
-    return layout_loss(head, output, layout, losses.cross_entropy, {"weight": weight})
+    return layout_loss(head, output, layout=layout, loss_fn=losses.cross_entropy, per_row_inputs={"weight": weight})
 
 
 @dataclass(frozen=True)
@@ -484,4 +484,4 @@ def policy_loss(
         "entropy_weight": mask * (entropy_coef * scale) / mask.sum().clamp(min=1),
     }
     per_row = {name: layout.to_rows(value.float()) for name, value in per_action.items()}
-    return layout_loss(head, output, layout, loss_fn, per_row)
+    return layout_loss(head, output, layout=layout, loss_fn=loss_fn, per_row_inputs=per_row)

@@ -87,7 +87,20 @@ def split_step(
     k_step = next_k_step(k_step, k_steps)
     if k_step == 0:
         col0 += BLOCK_N
-    return col0, k_step, product_step(hidden_desc, weight_desc, row0, col0, k_step, acc, BLOCK_K, DOT_PRECISION)
+    return (
+        col0,
+        k_step,
+        product_step(
+            hidden_desc,
+            weight_desc,
+            row0=row0,
+            col0=col0,
+            k_step=k_step,
+            acc=acc,
+            BLOCK_K=BLOCK_K,
+            DOT_PRECISION=DOT_PRECISION,
+        ),
+    )
 
 
 @triton.jit
@@ -112,7 +125,15 @@ def split_logits(
     # Offsets within the tile against scalars: no per-element column indices (registers).
     col_valid = (tl.arange(0, BLOCK_N) < vocab - col0)[None, :]
     if HAS_KEPT:
-        col_valid = col_valid & kept_tile(kept_ptr, stride_kept_row, kept_words, rows, row_valid, col0, BLOCK_N)
+        col_valid = col_valid & kept_tile(
+            kept_ptr,
+            stride_kept_row,
+            kept_words=kept_words,
+            rows=rows,
+            row_valid=row_valid,
+            first_col=col0,
+            BLOCK_N=BLOCK_N,
+        )
     return tl.where(col_valid, acc * inv_temperature, float("-inf")), col_valid
 
 

@@ -77,7 +77,16 @@ def logit_grad_kernel(
             row_tile, col_tile = grouped_tile(tile, num_row_tiles, num_col_tiles, GROUP_M)
             row0 = row_tile * BLOCK_M
             col0 = col_tile * BLOCK_N
-        acc = product_step(hidden_desc, weight_desc, row0, col0, k_step, acc, BLOCK_K, DOT_PRECISION)
+        acc = product_step(
+            hidden_desc,
+            weight_desc,
+            row0=row0,
+            col0=col0,
+            k_step=k_step,
+            acc=acc,
+            BLOCK_K=BLOCK_K,
+            DOT_PRECISION=DOT_PRECISION,
+        )
 
         if k_step == k_steps - 1:
             # Rows and columns past the block compute finite junk that the store clips.
@@ -85,14 +94,14 @@ def logit_grad_kernel(
             target_column, lse, mean_logit, grad_logprob, grad_entropy = row_upstream(
                 rows,
                 rows < num_tokens,
-                target_column_ptr,
-                lse_ptr,
-                mean_logit_ptr,
-                grad_logprob_ptr,
-                grad_entropy_ptr,
-                HAS_GRAD_LOGPROB,
-                HAS_GRAD_ENTROPY,
-                NUM_TARGETS,
+                target_column_ptr=target_column_ptr,
+                lse_ptr=lse_ptr,
+                mean_logit_ptr=mean_logit_ptr,
+                grad_logprob_ptr=grad_logprob_ptr,
+                grad_entropy_ptr=grad_entropy_ptr,
+                HAS_GRAD_LOGPROB=HAS_GRAD_LOGPROB,
+                HAS_GRAD_ENTROPY=HAS_GRAD_ENTROPY,
+                NUM_TARGETS=NUM_TARGETS,
             )
             inv_temperature = inverse_temperature(temperature_ptr, rows, rows < num_tokens, UNIFORM_TEMPERATURE)
             logits = acc * inv_temperature
@@ -106,7 +115,13 @@ def logit_grad_kernel(
             )
             if HAS_KEPT:  # a column left out: 0, whatever its (unmasked, perhaps overflowing) p gave
                 kept = kept_tile(
-                    kept_ptr, stride_kept_row, kept_words, rows, rows < num_tokens, first_column + col0, BLOCK_N
+                    kept_ptr,
+                    stride_kept_row,
+                    kept_words=kept_words,
+                    rows=rows,
+                    row_valid=rows < num_tokens,
+                    first_col=first_column + col0,
+                    BLOCK_N=BLOCK_N,
                 )
                 grad = tl.where(kept, grad, 0.0)
             if HAS_GRAD_LOGPROB and NUM_TARGETS == 1:
@@ -117,12 +132,12 @@ def logit_grad_kernel(
                 grad = add_targets(
                     grad,
                     rows,
-                    rows < num_tokens,
-                    first_column + col0,
-                    target_column_ptr,
-                    grad_logprob_ptr,
-                    NUM_TARGETS,
-                    BLOCK_N,
+                    row_valid=rows < num_tokens,
+                    first_col=first_column + col0,
+                    target_column_ptr=target_column_ptr,
+                    grad_logprob_ptr=grad_logprob_ptr,
+                    NUM_TARGETS=NUM_TARGETS,
+                    BLOCK_N=BLOCK_N,
                 )
             out_desc.store([row0, col0], (grad * inv_temperature).to(out_desc.dtype))
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)

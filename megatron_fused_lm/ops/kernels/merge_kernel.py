@@ -105,7 +105,7 @@ def merge_parts(parts: torch.Tensor, stale: Optional[StaleCheck] = None) -> torc
     ``[n, 4]``, with an order of summation that depends on ``k`` only; with ``stale``, the
     references checked against the merged maxima too."""
     out = parts.new_empty(parts.shape[1], NUM_STATISTICS)
-    _launch(parts, out, stale, None, None)
+    _launch(parts, out, stale=stale, target_column=None, summary=None)
     return out
 
 
@@ -113,7 +113,7 @@ def summarize_parts(parts: torch.Tensor, target_column: torch.Tensor, out: Softm
     """``softmax.summarize(softmax.merge_statistics(parts), target_column)`` for one target per row
     (``target_column [n]`` int64, contiguous), written into ``out``'s ``[n]`` float32 tensors
     (each with a unit stride)."""
-    _launch(parts, None, None, target_column, out)
+    _launch(parts, None, stale=None, target_column=target_column, summary=out)
 
 
 def _launch(parts, out, stale, target_column, summary) -> None:

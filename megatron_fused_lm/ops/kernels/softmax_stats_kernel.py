@@ -79,7 +79,15 @@ def softmax_stats_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     row0, split, col0, k_step, k_steps, num_steps = split_walk(
-        num_tokens, vocab, hidden_size, tiles_per_split, num_splits, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M
+        num_tokens,
+        vocab,
+        hidden_size=hidden_size,
+        tiles_per_split=tiles_per_split,
+        num_splits=num_splits,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        GROUP_M=GROUP_M,
     )
     rows = row0 + tl.arange(0, BLOCK_M)
     row_valid = rows < num_tokens
@@ -100,21 +108,30 @@ def softmax_stats_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for _ in range(0, num_steps):
         col0, k_step, acc = split_step(
-            hidden_desc, weight_desc, row0, col0, k_step, k_steps, acc, BLOCK_N, BLOCK_K, DOT_PRECISION
+            hidden_desc,
+            weight_desc,
+            row0=row0,
+            col0=col0,
+            k_step=k_step,
+            k_steps=k_steps,
+            acc=acc,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K,
+            DOT_PRECISION=DOT_PRECISION,
         )
         if k_step == k_steps - 1:
             logits, col_valid = split_logits(
                 acc,
                 inv_temperature,
-                vocab,
-                col0,
-                rows,
-                row_valid,
-                kept_ptr,
-                stride_kept_row,
-                kept_words,
-                HAS_KEPT,
-                BLOCK_N,
+                vocab=vocab,
+                col0=col0,
+                rows=rows,
+                row_valid=row_valid,
+                kept_ptr=kept_ptr,
+                stride_kept_row=stride_kept_row,
+                kept_words=kept_words,
+                HAS_KEPT=HAS_KEPT,
+                BLOCK_N=BLOCK_N,
             )
             tile_max = tl.max(logits, axis=1)
             new_max = tl.maximum(running_max, tile_max)
@@ -202,14 +219,14 @@ def split_statistics(
     _launch(
         hidden,
         weight,
-        target_column,
-        temperature,
-        kept_mask,
-        tiles,
-        tiles_per_split,
-        parts,
-        block,
-        reference if tile_maxima is None else tile_maxima,
+        target_column=target_column,
+        temperature=temperature,
+        kept_mask=kept_mask,
+        tiles=tiles,
+        tiles_per_split=tiles_per_split,
+        parts=parts,
+        block=block,
+        reference=reference if tile_maxima is None else tile_maxima,
         store_tile_maxima=offsets or tile_maxima is not None,
         gate=gate,
     )
@@ -235,15 +252,15 @@ def refresh_exponentials(
     _launch(
         hidden,
         weight,
-        target_column,
-        temperature,
-        kept_mask,
-        tiles,
-        tiles_per_split,
-        unwritten_parts,
-        block,
-        reference,
-        refresh,
+        target_column=target_column,
+        temperature=temperature,
+        kept_mask=kept_mask,
+        tiles=tiles,
+        tiles_per_split=tiles_per_split,
+        parts=unwritten_parts,
+        block=block,
+        reference=reference,
+        refresh=refresh,
     )
 
 

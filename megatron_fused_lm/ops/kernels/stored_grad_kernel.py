@@ -63,14 +63,14 @@ def stored_grad_kernel(
     target_column, lse, mean_logit, grad_logprob, grad_entropy = row_upstream(
         rows,
         row_valid,
-        target_column_ptr,
-        lse_ptr,
-        mean_logit_ptr,
-        grad_logprob_ptr,
-        grad_entropy_ptr,
-        HAS_GRAD_LOGPROB,
-        HAS_GRAD_ENTROPY,
-        NUM_TARGETS,
+        target_column_ptr=target_column_ptr,
+        lse_ptr=lse_ptr,
+        mean_logit_ptr=mean_logit_ptr,
+        grad_logprob_ptr=grad_logprob_ptr,
+        grad_entropy_ptr=grad_entropy_ptr,
+        HAS_GRAD_LOGPROB=HAS_GRAD_LOGPROB,
+        HAS_GRAD_ENTROPY=HAS_GRAD_ENTROPY,
+        NUM_TARGETS=NUM_TARGETS,
     )
     if OFFSETS_TILE_N > 0:
         # Every column of this program lies in one column tile of the forward kernel.
@@ -96,7 +96,15 @@ def stored_grad_kernel(
     if NUM_TARGETS == 1:
         grad = tl.where(cols[None, :] == target_column[:, None], 0.0, grad)
     else:
-        grad = zero_targets(grad, rows, row_valid, tl.program_id(0) * BLOCK_N, target_column_ptr, NUM_TARGETS, BLOCK_N)
+        grad = zero_targets(
+            grad,
+            rows,
+            row_valid=row_valid,
+            first_col=tl.program_id(0) * BLOCK_N,
+            target_column_ptr=target_column_ptr,
+            NUM_TARGETS=NUM_TARGETS,
+            BLOCK_N=BLOCK_N,
+        )
     grad_out = grad_ptr + wide_rows * stride_grad_row + cols[None, :]
     inv_temperature = inverse_temperature(temperature_ptr, rows, row_valid, UNIFORM_TEMPERATURE)
     tl.store(grad_out, (grad * inv_temperature).to(grad_ptr.dtype.element_ty), mask=valid)

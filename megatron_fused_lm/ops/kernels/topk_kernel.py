@@ -77,7 +77,15 @@ def collect_candidates_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     row0, split, col0, k_step, k_steps, num_steps = split_walk(
-        num_tokens, vocab, hidden_size, tiles_per_split, num_splits, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M
+        num_tokens,
+        vocab,
+        hidden_size=hidden_size,
+        tiles_per_split=tiles_per_split,
+        num_splits=num_splits,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        GROUP_M=GROUP_M,
     )
     rows = row0 + tl.arange(0, BLOCK_M)
     row_valid = rows < num_tokens
@@ -88,23 +96,44 @@ def collect_candidates_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for _ in range(0, num_steps):
         col0, k_step, acc = split_step(
-            hidden_desc, weight_desc, row0, col0, k_step, k_steps, acc, BLOCK_N, BLOCK_K, DOT_PRECISION
+            hidden_desc,
+            weight_desc,
+            row0=row0,
+            col0=col0,
+            k_step=k_step,
+            k_steps=k_steps,
+            acc=acc,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K,
+            DOT_PRECISION=DOT_PRECISION,
         )
         if k_step == k_steps - 1:
             # Top-k keeps every column: no kept-columns mask.
-            logits = split_logits(acc, inv_temperature, vocab, col0, rows, row_valid, None, 0, 0, False, BLOCK_N)[0]
+            logits = split_logits(
+                acc,
+                inv_temperature,
+                vocab=vocab,
+                col0=col0,
+                rows=rows,
+                row_valid=row_valid,
+                kept_ptr=None,
+                stride_kept_row=0,
+                kept_words=0,
+                HAS_KEPT=False,
+                BLOCK_N=BLOCK_N,
+            )[0]
             count = pick_candidates(
                 logits,
                 threshold,
-                count,
-                row_slots,
-                row_valid,
-                col0,
-                candidates_ptr,
-                candidate_columns_ptr,
-                slots,
-                PICKS,
-                BLOCK_N,
+                count=count,
+                row_slots=row_slots,
+                row_valid=row_valid,
+                first_col=col0,
+                candidates_ptr=candidates_ptr,
+                candidate_columns_ptr=candidate_columns_ptr,
+                slots=slots,
+                PICKS=PICKS,
+                BLOCK_N=BLOCK_N,
             )
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     tl.store(slot_count_ptr + rows.to(tl.int64) * num_splits + split, count, mask=row_valid)

@@ -74,11 +74,15 @@ def new_summary(target_column: Tensor) -> SoftmaxSummary:
     return SoftmaxSummary(empty(*target_column.shape), *(empty(target_column.shape[0]) for _ in range(4)))
 
 
-def _summarized(backend, stats, hidden, weight, target_column, temperature, options, several_logits) -> Statistics:
-    out = new_summary(target_column)
+def summarize_rows(
+    backend, local: Tensor, *, hidden, weight, target_column, temperature, out, options, several_logits=gathered_logits
+) -> SoftmaxSummary:
+    """Rows' summary into ``out`` (``new_summary``'s, returned): for several targets per row their
+    logits read first by ``several_logits(hidden, weight, target_column, temperature)``, then
+    ``merge_and_summarize``."""
     several = several_logits(hidden, weight, target_column, temperature) if target_column.dim() == 2 else None
-    merge_and_summarize(backend, stats, target_column=target_column, target_logits=several, out=out, options=options)
-    return tuple(out[:4])
+    merge_and_summarize(backend, local, target_column=target_column, target_logits=several, out=out, options=options)
+    return out
 
 
 # The four-GEMM path: eagerly ``Recompute``, in a compiled graph ``fused_forward`` and its backward
@@ -92,16 +96,18 @@ def recompute_statistics(hidden, weight, target_column, temperature, kept_mask, 
     problem = ShardProblem(hidden, weight, statistics_column(target_column), temperature, kept_mask)
     with autocast_off(hidden.device):
         stats = backend.local_statistics(problem, options)
-        return _summarized(
+        out = new_summary(target_column)
+        summary = summarize_rows(
             backend,
             stats,
             hidden=hidden,
             weight=weight,
             target_column=target_column,
             temperature=temperature,
+            out=out,
             options=options,
-            several_logits=gathered_logits,
         )
+        return tuple(summary[:4])
 
 
 def recompute_gradients(problem, saved, upstream, needed, options: HeadOptions) -> Gradients:
@@ -233,16 +239,18 @@ class Logits(torch.autograd.Function):
             stats = blocked_statistics(_scaled(logits, temperature), statistics_column(target_column), kept_mask, rows)
             several = lambda logits, _, columns, temperature: taken_logits(logits, columns, temperature)  # noqa: E731
             torch_backend = registry.by_name("torch")
-            return _summarized(
+            summary = summarize_rows(
                 torch_backend,
                 stats,
                 hidden=logits,
                 weight=None,
                 target_column=target_column,
                 temperature=temperature,
+                out=new_summary(target_column),
                 options=options,
                 several_logits=several,
             )
+            return tuple(summary[:4])
 
     @staticmethod
     def setup_context(ctx, inputs, output):

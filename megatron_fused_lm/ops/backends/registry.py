@@ -75,7 +75,9 @@ def resolve(backend: Union[str, object], device: torch.device):
     cannot (one logged warning)."""
     if isinstance(backend, str):
         return by_name(resolved_backend(backend, device))
-    missing = missing_members(backend)
+    name = getattr(backend, "name", None)
+    registered = isinstance(name, str) and _by_name.get(name) is backend  # checked when it was registered
+    missing = [] if registered else missing_members(backend)
     if missing:
         raise TypeError(
             f"backend must be 'torch', 'triton', 'cute', 'auto' or a backend object (contract.Backend), got {backend!r}, "

@@ -19,10 +19,9 @@ import torch
 
 from ..backends.contract import LossState, ShardProblem, UpstreamGrads, token_chunks
 from ..backends.registry import by_name
-from ..boundary import merge_and_summarize
+from ..boundary import summarize_rows
 from ..inputs import check_on_device, has_values, per_sequence_broadcast
 from ..options import HeadOptions
-from ..several_targets import gathered_logits
 from ..softmax import SoftmaxSummary
 from .compiled import OperatorPhases
 
@@ -333,13 +332,17 @@ def run_loss_pass(
 
 
 def summarize_chunk(backend, problem: ShardProblem, rows: slice, local: Tensor, out: SoftmaxSummary, options) -> None:
-    """A chunk's summary into ``out`` (``boundary.merge_and_summarize``), the logits of several
-    targets per row read beside it."""
-    target_column = problem.target_column[rows]
-    several = None
-    if target_column.dim() == 2:
-        several = gathered_logits(problem.hidden[rows], problem.weight, target_column, problem.temperature[rows])
-    merge_and_summarize(backend, local, target_column=target_column, target_logits=several, out=out, options=options)
+    """A chunk's summary into ``out`` (``boundary.summarize_rows``)."""
+    summarize_rows(
+        backend,
+        local,
+        hidden=problem.hidden[rows],
+        weight=problem.weight,
+        target_column=problem.target_column[rows],
+        temperature=problem.temperature[rows],
+        out=out,
+        options=options,
+    )
 
 
 class EagerPhases:

@@ -13,9 +13,8 @@ import torch
 
 from ..backends.contract import LossState, NeededGrads, ShardProblem, UpstreamGrads
 from ..backends.registry import by_name
-from ..boundary import PROBLEM_SCHEMA, merge_and_summarize, new_summary, operator
+from ..boundary import PROBLEM_SCHEMA, new_summary, operator, summarize_rows
 from ..options import HeadOptions
-from ..several_targets import gathered_logits
 from ..softmax import NUM_STATISTICS, SoftmaxSummary
 
 Tensor = torch.Tensor
@@ -51,14 +50,18 @@ def _(hidden, *tensors, **fields) -> Tensor:
 
 @operator("loss_summary", f"Tensor local, {PROBLEM_SCHEMA}", "Tensor[]")
 def loss_summary(local, hidden, weight, target_column, temperature, kept_mask, options) -> List[Tensor]:
-    """A chunk's ``merge_and_summarize`` (its ``k`` rows), as ``SoftmaxSummary``'s tensors."""
-    out, several = new_summary(target_column), None
-    if target_column.dim() == 2:
-        several = gathered_logits(hidden, weight, target_column, temperature)
-    merge_and_summarize(
-        by_name(options.backend), local, target_column=target_column, target_logits=several, out=out, options=options
+    """A chunk's ``boundary.summarize_rows`` (its ``k`` rows), as ``SoftmaxSummary``'s tensors."""
+    summary = summarize_rows(
+        by_name(options.backend),
+        local,
+        hidden=hidden,
+        weight=weight,
+        target_column=target_column,
+        temperature=temperature,
+        out=new_summary(target_column),
+        options=options,
     )
-    return list(out)
+    return list(summary)
 
 
 @loss_summary.register_fake

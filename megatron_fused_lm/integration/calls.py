@@ -143,6 +143,7 @@ def _op_arguments(call: HeadCall, config: FusedLMConfig) -> Dict[str, Any]:
         backend=config.backend,
         token_chunk=config.token_chunk,
         reduce_hidden_grad=call.reduce_hidden_grad,
+        vocab_size=config.vocab_size,
     )
 
 
@@ -158,6 +159,7 @@ def answer(call: HeadCall, config: FusedLMConfig, hidden: torch.Tensor, request:
             temperature=request.temperature,
             backend=config.backend,
             token_chunk=config.token_chunk,
+            vocab_size=config.vocab_size,
         )
     arguments = dict(
         _op_arguments(call, config),
@@ -196,7 +198,12 @@ def answer_from_logits(
         tp_group = None  # gathered: nothing to merge across ranks
     if isinstance(request, TopkRequest):
         return logits_topk(
-            logits, request.k, tp_group=tp_group, temperature=request.temperature, token_chunk=config.token_chunk
+            logits,
+            request.k,
+            tp_group=tp_group,
+            temperature=request.temperature,
+            token_chunk=config.token_chunk,
+            vocab_size=config.vocab_size,
         )
     arguments = dict(
         tp_group=tp_group,
@@ -205,6 +212,7 @@ def answer_from_logits(
         max_rows=request.max_rows,
         token_chunk=config.token_chunk,
         kept_tokens=request.kept_tokens,
+        vocab_size=config.vocab_size,
     )
     if isinstance(request, LogprobRequest):
         return logits_logprob(

@@ -1,4 +1,4 @@
-"""The four trainer settings that turn the fused LM head on and tune it.
+"""The five trainer settings that turn the fused LM head on and tune it.
 
 Each key is the package's own: a trainer's key of its own (SkyRL's and verl's
 ``logprobs_chunk_size``, which size their logits loops) never reaches the head, whose Triton path
@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from .._logging import warn_once
-from ..ops.options import check_backend, check_batch_invariant, check_token_chunk
+from ..ops.options import check_backend, check_batch_invariant, check_token_chunk, check_vocab_size
 
 # Trainer key -> FusedLMConfig field.
 TRAINER_KEYS = {
@@ -22,6 +22,7 @@ TRAINER_KEYS = {
     "fused_linear_logprob_backend": "backend",
     "fused_linear_logprob_token_chunk": "token_chunk",
     "fused_linear_logprob_batch_invariant": "batch_invariant",
+    "fused_linear_logprob_vocab_size": "vocab_size",
 }
 
 # Trainers' own settings whose names resemble the keys: not misspellings of them.
@@ -46,17 +47,25 @@ class FusedLMConfig:
         batch_invariant: ``True`` makes each row's hidden gradient, as its log-prob and entropy
             already are, bitwise independent of the other rows of a call (the ops'
             ``batch_invariant``; the Triton backend only, so ``backend="torch"`` is refused).
+        vocab_size: the tokenizer's vocabulary, or ``None`` (the default: every row of the padded
+            head, as the stock model). Megatron pads the head to a multiple of
+            ``make_vocab_size_divisible_by x TP``; with ``vocab_size`` (Megatron's
+            ``args.vocab_size``, a Hugging Face config's ``vocab_size``) the padded ids enter no
+            log-sum-exp, entropy, top-k or gradient of the head, as in vLLM's and SGLang's
+            log-probs (the ops' ``vocab_size``). The stock logits keep every row.
     """
 
     enabled: bool = False
     backend: str = "torch"
     token_chunk: Optional[int] = None
     batch_invariant: bool = False
+    vocab_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
             raise TypeError(f"enabled (fused_linear_logprob) must be true or false, got {self.enabled!r}")
-        for field_name, check in (("backend", check_backend), ("token_chunk", check_token_chunk)):
+        checks = (("backend", check_backend), ("token_chunk", check_token_chunk), ("vocab_size", check_vocab_size))
+        for field_name, check in checks:
             key = next(key for key, name in TRAINER_KEYS.items() if name == field_name)
             try:
                 # The op's own check, which also stores an Integral that is not an int as an int.
@@ -71,8 +80,8 @@ class FusedLMConfig:
     @classmethod
     def from_trainer_config(cls, trainer_config: Any, section: Optional[str] = None) -> "FusedLMConfig":
         """Read ``fused_linear_logprob``, ``fused_linear_logprob_backend``,
-        ``fused_linear_logprob_token_chunk`` and ``fused_linear_logprob_batch_invariant`` from a
-        trainer config.
+        ``fused_linear_logprob_token_chunk``, ``fused_linear_logprob_batch_invariant`` and
+        ``fused_linear_logprob_vocab_size`` from a trainer config.
 
         Args:
             trainer_config: a mapping (dict, OmegaConf ``DictConfig``) or an object with attributes

@@ -381,7 +381,8 @@ class FusedLMHead:
                 head's cost follows the number of selected positions.
             max_rows: with ``mask``, an upper bound on the positions it selects, for a static
                 shape (no host synchronization; see ``fused_linear_logprob``).
-            kept_tokens: ``(offsets [rows + 1], token_ids [nnz])`` integer (int32 or int64), each computed position's
+            kept_tokens: ``KeptTokens(offsets=[rows + 1], token_ids=[nnz])`` integer (int32 or int64; also the pair
+                ``(offsets, token_ids)`` or vLLM's ``SamplingMask``, read by name), each computed position's
                 kept set (the ids the rollout's top-k / top-p sampler kept), the positions in
                 ``[b, s]`` order (with ``mask``, the selected ones): log-prob and entropy over the
                 set, renormalized (``fused_linear_logprob``). Its target must be in it.

@@ -17,10 +17,11 @@ from .inputs import (
     check_linear_inputs,
     check_logits,
     check_weight_grad_into,
+    live_columns,
     row_temperatures,
     select_rows,
 )
-from .kept_tokens import KeptTokens, checked_sets, every_column
+from .kept_tokens import KeptTokens, as_kept_tokens, checked_sets, every_column
 from .loss_pass.chunks import (
     ChunkLoss,
     LossFn,
@@ -62,13 +63,16 @@ def _fused_rows(
     out_of_vocab: str = "error",
     several: bool = False,
     loss_inputs: Optional[Dict[str, Tensor]] = None,
+    vocab_size: Optional[int] = None,
     **options,
 ) -> tuple[HeadOptions, RowSelection, ShardProblem]:
     """The public fused op ``op``'s inputs checked across the ranks of ``tp_group`` (before anything
     communicates), its checked options (its backend resolved once), its selected rows
     (``several``: ``k`` targets each) and their ``ShardProblem``: their hidden states in the
-    weight's dtype (the products run in it, detached), their target columns, temperatures ``[k]``
-    float32 and ``kept_mask``."""
+    weight's dtype (the products run in it, detached), the weight's rows below ``vocab_size``
+    (``inputs.live_columns``; a view, through which the padded rows get no gradient), their target
+    columns, temperatures ``[k]`` float32 and ``kept_mask``."""
+    kept_tokens = as_kept_tokens(kept_tokens)
     check_across_ranks(
         op,
         tp_group,
@@ -79,27 +83,34 @@ def _fused_rows(
         temperature=temperature,
         kept_tokens=kept_tokens,
         loss_inputs=loss_inputs,
+        vocab_size=vocab_size,
     )
     check_linear_inputs(hidden, weight)
     resolved = registry.resolve(backend, hidden.device)
     options = HeadOptions.checked(backend=resolved.name, tp_group=tp_group, **options)
+    vocab_shard = weight.shape[0]
+    live = live_columns(vocab_shard, vocab_size, tp_group)  # checked before the targets are read against it
     selection = select_rows(
         targets,
         hidden.shape[:-1],
         mask=mask,
         max_rows=max_rows,
-        vocab_shard=weight.shape[0],
+        vocab_shard=vocab_shard,
         tp_group=tp_group,
         out_of_vocab=out_of_vocab,
         several=several,
+        vocab_size=vocab_size,
     )
+    weight = weight[:live]
     selected = selection.take(hidden).to(weight.dtype)
     temperature = row_temperatures(temperature, selection, hidden.device)
     kept_mask = _kept_mask(
         kept_tokens,
         selection,
         targets,
-        vocab_shard=weight.shape[0],
+        vocab_shard=vocab_shard,
+        vocab_size=vocab_size,
+        live=weight.shape[0],
         backend=resolved,
         tp_group=tp_group,
         several=several,
@@ -114,12 +125,15 @@ def _kept_mask(
     targets: Tensor,
     *,
     vocab_shard: int,
+    vocab_size: Optional[int],
+    live: int,
     backend,
     tp_group,
     several: bool,
     out_of_vocab: str = "error",
 ) -> Tensor:
-    """The selected rows' ``kept_mask`` on this shard (``kept_tokens``' form), built by ``backend``."""
+    """The selected rows' ``kept_mask`` over this shard's ``live`` columns below ``vocab_size``
+    (``kept_tokens``' form), built by ``backend``."""
     if kept_tokens is None:
         return every_column(targets.device)
     if several:
@@ -131,8 +145,10 @@ def _kept_mask(
         raise ValueError(
             "kept_tokens takes targets inside the vocabulary, each in its row's set (out_of_vocab='error')"
         )
-    sets = checked_sets(kept_tokens, selection, targets, vocab_shard=vocab_shard, tp_group=tp_group)
-    return backend.kept_mask(sets, vocab_shard)
+    sets = checked_sets(
+        kept_tokens, selection, targets, vocab_shard=vocab_shard, tp_group=tp_group, vocab_size=vocab_size
+    )
+    return backend.kept_mask(sets, live)
 
 
 def fused_linear_logprob(
@@ -152,6 +168,7 @@ def fused_linear_logprob(
     out_of_vocab: str = "error",
     batch_invariant: bool = False,
     kept_tokens: Optional[KeptTokens] = None,
+    vocab_size: Optional[int] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Log-probs (and entropy) of ``targets`` under ``softmax(hidden @ weight.T / temperature)``,
     the vocabulary spread over ``tp_group``, without materializing the logits; the backward
@@ -213,7 +230,8 @@ def fused_linear_logprob(
             invariance"; cost in ``docs/benchmarks/features.md``). ``ValueError`` on the torch backend and
             for tensor-parallel groups of more than two ranks (their sums' order follows the
             message size); ``fused_linear_loss`` also refuses float32 weights.
-        kept_tokens: optional ``(offsets, token_ids)``, each row's kept set (the ids a top-k /
+        kept_tokens: optional ``KeptTokens(offsets=..., token_ids=...)`` (or the pair ``(offsets,
+            token_ids)``, or vLLM's ``SamplingMask``: read by name), each row's kept set (the ids a top-k /
             top-p / min-p sampler kept): ``offsets [rows + 1]`` and ``token_ids [nnz]`` integer (int32 or int64) on
             hidden's device, row ``i``'s global ids ``token_ids[offsets[i]:offsets[i + 1]]``, the
             rows those computed, in the order of ``targets`` flattened (with ``mask=``, the selected
@@ -224,6 +242,14 @@ def fused_linear_logprob(
             vocabulary and malformed offsets are errors (checked as the targets are). The sets
             travel as a bitmask of ``ceil(vocab_shard / 32)`` int32 words per row (``kept_tokens``
             module), saved for the backward. Not with several targets per row.
+        vocab_size: the true vocabulary (the tokenizer's), global ids ``[0, vocab_size)``; ``None``
+            (default): every row of every shard, as the stock head. Megatron pads the head to a
+            multiple of ``make_vocab_size_divisible_by x TP`` (the padded ids last, on the last
+            ranks), and the padded rows' mass enters the stock log-sum-exp and entropy where vLLM
+            and SGLang compute over the tokenizer's vocabulary. With ``vocab_size`` the ids at or
+            past it never enter the log-sum-exp, the entropy or a gradient (the padded weight rows
+            get 0; the products skip them), and a target there is outside the vocabulary. Every
+            rank must hold at least one id below it, and all pass the same.
 
     Returns:
         ``logprob [...]`` (``[..., k]`` for several targets) float32, or ``(logprob, entropy)`` with
@@ -252,6 +278,7 @@ def fused_linear_logprob(
         entropy_grad=entropy_grad,
         reduce_hidden_grad=reduce_hidden_grad,
         batch_invariant=batch_invariant,
+        vocab_size=vocab_size,
     )
     logprob, entropy, _, _ = crossed(*problem, options=options)
     return _results(selection, logprob, entropy if return_entropy else None, options.entropy_grad)
@@ -293,6 +320,7 @@ def logits_logprob(
     mask: Optional[Tensor] = None,
     max_rows: Optional[int] = None,
     kept_tokens: Optional[KeptTokens] = None,
+    vocab_size: Optional[int] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Log-probs (and entropy) of ``targets`` under ``softmax(logits / temperature)``, the
     vocabulary spread over ``tp_group``: the stock (unfused) path.
@@ -302,7 +330,8 @@ def logits_logprob(
             columns: rank ``r`` owns global ids ``[r * vocab_shard, (r + 1) * vocab_shard)``.
         targets: ``[...]`` (``logits.shape[:-1]``) integer global vocabulary ids, or ``[..., k]``
             (as for ``fused_linear_logprob``).
-        tp_group, temperature, return_entropy, entropy_grad, kept_tokens: as for ``fused_linear_logprob``.
+        tp_group, temperature, return_entropy, entropy_grad, kept_tokens, vocab_size: as for
+            ``fused_linear_logprob`` (the logits' columns at or past ``vocab_size`` get no gradient).
         token_chunk: rows per chunk of the float32 softmax, which bounds its ``[token_chunk,
             vocab_shard]`` working set; ``None`` keeps one chunk's float32 block near 256 MiB.
         mask, max_rows: only rows where ``mask`` is True are computed; the others are 0 with zero
@@ -317,6 +346,7 @@ def logits_logprob(
         backend="torch", token_chunk=token_chunk, tp_group=tp_group, entropy_grad=entropy_grad
     )
     several = _several_targets(targets, logits.shape[:-1], "error", False)
+    kept_tokens = as_kept_tokens(kept_tokens)
     check_across_ranks(
         "logits_logprob",
         tp_group,
@@ -326,22 +356,29 @@ def logits_logprob(
         mask=mask,
         temperature=temperature,
         kept_tokens=kept_tokens,
+        vocab_size=vocab_size,
     )
+    vocab_shard = logits.shape[-1]
+    live = live_columns(vocab_shard, vocab_size, tp_group)
     selection = select_rows(
         targets,
         logits.shape[:-1],
         mask=mask,
         max_rows=max_rows,
-        vocab_shard=logits.shape[-1],
+        vocab_shard=vocab_shard,
         tp_group=tp_group,
         several=several,
+        vocab_size=vocab_size,
     )
-    rows, temperature = selection.take(logits), row_temperatures(temperature, selection, logits.device)
+    rows = selection.take(logits)[:, :live]
+    temperature = row_temperatures(temperature, selection, logits.device)
     kept_mask = _kept_mask(
         kept_tokens,
         selection,
         targets,
-        vocab_shard=logits.shape[-1],
+        vocab_shard=vocab_shard,
+        vocab_size=vocab_size,
+        live=live,
         backend=registry.by_name("torch"),
         tp_group=tp_group,
         several=several,
@@ -368,6 +405,7 @@ def fused_linear_loss(
     weight_grad_scale: float = 1.0,
     batch_invariant: bool = False,
     kept_tokens: Optional[KeptTokens] = None,
+    vocab_size: Optional[int] = None,
 ) -> FusedLoss:
     """``sum_t loss_fn(logprob_t, entropy_t, inputs_t)`` over the rows of
     ``softmax(hidden @ weight.T / temperature)``, with its gradients computed in the forward
@@ -387,7 +425,7 @@ def fused_linear_loss(
 
     Args:
         hidden, weight, targets, tp_group, temperature, backend, reduce_hidden_grad,
-            batch_invariant, kept_tokens: as for ``fused_linear_logprob`` (``targets [..., k]``:
+            batch_invariant, kept_tokens, vocab_size: as for ``fused_linear_logprob`` (``targets [..., k]``:
             several per row, their logits read beside each chunk's statistics, one all-reduce of
             ``[rows, k]`` per chunk more under tensor parallelism; each target's term of the
             logits' gradient is added in float32, as for one).
@@ -441,10 +479,11 @@ def fused_linear_loss(
         entropy_grad=entropy_grad,
         reduce_hidden_grad=reduce_hidden_grad,
         batch_invariant=batch_invariant,
+        vocab_size=vocab_size,
     )
     if selection.row_index is not None:
         inputs = {name: value.index_select(0, selection.row_index) for name, value in inputs.items()}
-    sink = _weight_grad_sink(weight, problem.hidden.shape[0], weight_grad_into, weight_grad_scale)
+    sink = _weight_grad_sink(weight, problem, weight_grad_into, weight_grad_scale)
     padding = selection.padding
     chunk_loss = ChunkLoss(
         loss_fn,
@@ -456,7 +495,7 @@ def fused_linear_loss(
         save_grads=sink is not None and sink.weight_grad_into is not None,
     )
     loss, summary = run_held_pass(
-        problem.hidden, weight, problem=_detached(problem), options=options, sink=sink, loss=chunk_loss
+        problem.hidden, problem.weight, problem=_detached(problem), options=options, sink=sink, loss=chunk_loss
     )
     return FusedLoss(loss, selection.place(summary.logprob), selection.place(summary.entropy))
 
@@ -466,10 +505,11 @@ def _detached(problem: ShardProblem) -> ShardProblem:
 
 
 def _weight_grad_sink(
-    weight: Tensor, rows: int, weight_grad_into: Optional[Tensor], weight_grad_scale: float
+    weight: Tensor, problem: ShardProblem, weight_grad_into: Optional[Tensor], weight_grad_scale: float
 ) -> Optional[WeightGradSink]:
-    """Where a three-GEMM op's weight gradient goes: ``None`` where none is needed, the caller's
-    ``weight_grad_into`` (checked) where given, else parts of the pass's own."""
+    """Where a three-GEMM op's weight gradient goes: ``None`` where none is needed, the rows of the
+    caller's ``weight_grad_into`` (checked against the whole ``weight``) that ``problem``'s weight
+    has, where given, else parts of the pass's own."""
     if not (torch.is_grad_enabled() and weight.requires_grad):
         return None
     if weight_grad_into is None:
@@ -477,7 +517,8 @@ def _weight_grad_sink(
     if torch.compiler.is_compiling():
         raise NotImplementedError("weight_grad_into runs eagerly only, not under torch.compile")
     check_weight_grad_into(weight_grad_into, weight)
-    return WeightGradSink.into(weight_grad_into, check_weight_grad_scale(weight_grad_scale), rows)
+    scale = check_weight_grad_scale(weight_grad_scale)
+    return WeightGradSink.into(weight_grad_into, scale, problem.hidden.shape[0], vocab_rows=problem.weight.shape[0])
 
 
 def fused_linear_cross_entropy(
@@ -494,6 +535,7 @@ def fused_linear_cross_entropy(
     weight_grad_into: Optional[Tensor] = None,
     weight_grad_scale: float = 1.0,
     out_of_vocab: str = "error",
+    vocab_size: Optional[int] = None,
 ) -> Tensor:
     """Per-token cross-entropy ``-logprob [...]`` (float32), its gradients computed in the forward
     (three GEMMs) for an upstream gradient declared up to a scalar: ``c * declared_weights``.
@@ -513,8 +555,8 @@ def fused_linear_cross_entropy(
             no gradient, the same on every rank of ``tp_group``.
         weight_grad_into, weight_grad_scale: as for ``fused_linear_loss``, the upstream gradient
             declared as ``weight_grad_scale * declared_weights``.
-        out_of_vocab: as for ``fused_linear_logprob`` (``"max_logit"``: the stock labels path's
-            loss, ``lse - max``, for a target id outside the vocabulary).
+        out_of_vocab, vocab_size: as for ``fused_linear_logprob`` (``"max_logit"``: the stock labels
+            path's loss, ``lse - max``, for a target id outside the vocabulary).
         the rest: as for ``fused_linear_loss``. There is no ``batch_invariant``; the four-GEMM
             ``fused_linear_logprob(..., batch_invariant=True)`` gives the same loss's gradients.
     """
@@ -531,13 +573,19 @@ def fused_linear_cross_entropy(
         backend=backend,
         entropy_grad=False,
         reduce_hidden_grad=reduce_hidden_grad,
+        vocab_size=vocab_size,
     )
     declared = check_per_token("declared_weights", declared_weights, hidden.shape[:-1], hidden.device)
     if not declared.dtype.is_floating_point and declared.dtype != torch.bool:
         raise TypeError(f"declared_weights must be float or bool, got {declared.dtype}")
-    sink = _weight_grad_sink(weight, problem.hidden.shape[0], weight_grad_into, weight_grad_scale)
+    sink = _weight_grad_sink(weight, problem, weight_grad_into, weight_grad_scale)
     loss, _ = run_held_pass(
-        problem.hidden, weight, problem=_detached(problem), options=options, sink=sink, declared=declared.float()
+        problem.hidden,
+        problem.weight,
+        problem=_detached(problem),
+        options=options,
+        sink=sink,
+        declared=declared.float(),
     )
     return selection.place(loss)
 
@@ -554,11 +602,13 @@ def logits_loss(
     max_rows: Optional[int] = None,
     token_chunk: Optional[int] = None,
     kept_tokens: Optional[KeptTokens] = None,
+    vocab_size: Optional[int] = None,
 ) -> FusedLoss:
     """``fused_linear_loss`` on a materialized logits shard: the same loss, the same contract for
-    ``loss_fn`` and ``loss_inputs`` (``max_rows`` checked as there), the gradient (to ``logits``) by
+    ``loss_fn`` and ``loss_inputs`` (``max_rows`` and ``vocab_size`` as there), the gradient (to ``logits``) by
     the usual backward; with ``mask`` the number of selected rows is read on the host."""
     inputs = check_loss_inputs(loss_fn, loss_inputs, logits.shape[:-1], logits.device)
+    kept_tokens = as_kept_tokens(kept_tokens)
     check_across_ranks(
         "logits_loss",
         tp_group,
@@ -569,6 +619,7 @@ def logits_loss(
         temperature=temperature,
         kept_tokens=kept_tokens,
         loss_inputs=inputs,
+        vocab_size=vocab_size,
     )
     logprob, entropy = logits_logprob(
         logits,
@@ -580,6 +631,7 @@ def logits_loss(
         mask=mask,
         max_rows=max_rows,
         kept_tokens=kept_tokens,
+        vocab_size=vocab_size,
     )
     check_declared_inputs(loss_fn, targets, inputs=inputs, mask=mask, lead_shape=logits.shape[:-1])
     logprob_rows = logprob.reshape(entropy.numel(), *logprob.shape[entropy.dim() :])  # [rows] or [rows, k]

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 
 from .distributed import group_rank, group_size
-from .options import checked_number
+from .options import check_vocab_size, checked_number
 from .softmax import OUTSIDE_VOCAB
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -142,10 +142,11 @@ def select_rows(
     tp_group: Optional[dist.ProcessGroup],
     out_of_vocab: str = "error",
     several: bool = False,
+    vocab_size: Optional[int] = None,
 ) -> RowSelection:
     """Check ``targets`` (and ``mask``) against ``lead_shape`` and select the rows to compute:
     every row without a mask, else those where ``mask`` is True (their targets only are read);
-    ``out_of_vocab`` as for ``target_columns``. With ``several``, ``targets [*lead_shape, k]`` hold
+    ``out_of_vocab`` and ``vocab_size`` as for ``target_columns``. With ``several``, ``targets [*lead_shape, k]`` hold
     ``k`` ids per row and the selection's ``target_column`` is ``[rows, k]``.
 
     With ``max_rows`` the selection has a static shape, ``[max_rows]``: the selected rows padded
@@ -164,7 +165,7 @@ def select_rows(
     flat = targets.reshape(lead_shape.numel(), targets.shape[-1]) if several else targets.reshape(-1)
 
     def columns(chosen: torch.Tensor) -> torch.Tensor:  # [rows] or [rows, k]
-        return target_columns(chosen.reshape(-1), vocab_shard, tp_group, out_of_vocab).view(chosen.shape)
+        return target_columns(chosen.reshape(-1), vocab_shard, tp_group, out_of_vocab, vocab_size).view(chosen.shape)
 
     if mask is None:
         if max_rows is not None:
@@ -210,29 +211,53 @@ def check_out_of_vocab(out_of_vocab: str) -> str:
     return out_of_vocab
 
 
+def live_columns(vocab_shard: int, vocab_size: Optional[int], tp_group: Optional[dist.ProcessGroup]) -> int:
+    """How many of this rank's ``vocab_shard`` columns lie below the true vocabulary ``vocab_size``
+    (global ids; ``None``: every column, as the stock head). Megatron pads the head to a multiple of
+    ``make_vocab_size_divisible_by x TP``: the padded ids are the last, on the last ranks. The same
+    check on every rank: ``ValueError`` unless each rank holds at least one id of the vocabulary."""
+    vocab_size = check_vocab_size(vocab_size)
+    if vocab_size is None:
+        return vocab_shard
+    ranks = group_size(tp_group)
+    if not (ranks - 1) * vocab_shard < vocab_size <= ranks * vocab_shard:
+        raise ValueError(
+            f"vocab_size={vocab_size} must lie in ({(ranks - 1) * vocab_shard}, {ranks * vocab_shard}]: at most the "
+            f"head's {vocab_shard} rows x {ranks} ranks, and every rank holding at least one id of it"
+        )
+    return min(vocab_shard, vocab_size - group_rank(tp_group) * vocab_shard)
+
+
 def target_columns(
-    targets: torch.Tensor, vocab_shard: int, tp_group: Optional[dist.ProcessGroup], out_of_vocab: str = "error"
+    targets: torch.Tensor,
+    vocab_shard: int,
+    tp_group: Optional[dist.ProcessGroup],
+    out_of_vocab: str = "error",
+    vocab_size: Optional[int] = None,
 ) -> torch.Tensor:
     """Flat global ``targets [n]`` as ``target_column [n]`` int64 on this rank's vocabulary shard:
     rank ``r`` owns global ids ``[r * vocab_shard, (r + 1) * vocab_shard)``; -1 where another rank
-    owns the id. An id outside the vocabulary is an error (``check_on_device``: at once on the CPU,
+    owns the id. The vocabulary is ``[0, vocab_size)`` (``None``: every rank's columns, padded ones
+    included). An id outside the vocabulary is an error (``check_on_device``: at once on the CPU,
     asynchronous on a GPU) unless ``out_of_vocab="max_logit"``, which gives it ``OUTSIDE_VOCAB`` on
     every rank: no rank owns it, its logit counts as the row's largest and takes no gradient, as in
     Megatron's vocabulary-parallel cross-entropy."""
-    vocab = vocab_shard * group_size(tp_group)
+    vocab = vocab_shard * group_size(tp_group) if vocab_size is None else vocab_size
     targets = targets.long()
     inside = targets.clamp(0, vocab - 1) == targets
     column = targets
-    if vocab_shard != vocab:  # another rank's ids: -1
+    if group_size(tp_group) > 1:  # another rank's ids: -1
         column = targets - group_rank(tp_group) * vocab_shard
         column = torch.where(column.clamp(0, vocab_shard - 1) == column, column, -1)
     if check_out_of_vocab(out_of_vocab) == "max_logit":
         return torch.where(inside, column, OUTSIDE_VOCAB)
     if targets.numel() > 0:
+        bound = (
+            "vocab_size" if vocab_size is not None else f"{vocab_shard} rows per rank x {group_size(tp_group)} ranks"
+        )
         check_on_device(
             inside.all(),
-            f"a target id is outside the vocabulary [0, {vocab}) ({vocab_shard} rows per rank x "
-            f"{group_size(tp_group)} ranks); leave such positions out with mask=",
+            f"a target id is outside the vocabulary [0, {vocab}) ({bound}); leave such positions out with mask=",
         )
     return column
 

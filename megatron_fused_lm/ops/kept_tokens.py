@@ -1,9 +1,10 @@
 """Kept-token sets (sampling-mask replay): each row's distribution renormalized over the ids its
 sampler kept, ``logprob = z_y - logsumexp_{j in kept} z_j`` and the entropy over the kept set.
 
-The public form, ``kept_tokens=(offsets, token_ids)``: ``offsets [rows + 1]`` and ``token_ids
-[nnz]`` int64, row ``i``'s set ``token_ids[offsets[i]:offsets[i + 1]]`` (global ids, repeats
-allowed), the rows those an op computes, in order. The backends read one form, ``kept_mask [n,
+The public form, ``kept_tokens=KeptTokens(offsets=..., token_ids=...)`` (or the pair ``(offsets,
+token_ids)``, or any object with those two attributes: vLLM's ``SamplingMask``): ``offsets [rows +
+1]`` and ``token_ids [nnz]`` integer, row ``i``'s set ``token_ids[offsets[i]:offsets[i + 1]]``
+(global ids, repeats allowed), the rows those an op computes, in order. The backends read one form, ``kept_mask [n,
 words]`` int32 for this shard: bit ``c % 32`` of word ``c // 32`` set where column ``c`` is kept
 (``words = ceil(vocab_shard / 32)``); a ``[0]`` tensor keeps every column. A column outside the set
 counts as ``z = -inf``: probability and gradient 0, and a shard keeping none of a row's ids gives
@@ -13,7 +14,7 @@ bitmask.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,8 +23,64 @@ from .distributed import group_rank, group_size
 from .inputs import RowSelection, check_on_device, checked_at_once
 
 Tensor = torch.Tensor
-KeptTokens = Tuple[Tensor, Tensor]  # (offsets [rows + 1], token_ids [nnz]), int32 or int64
 WORD_BITS = 32
+
+
+class KeptTokens(NamedTuple):
+    """Each computed row's kept set in CSR form: ``offsets [rows + 1]`` and ``token_ids [nnz]``
+    integer tensors (int32 or int64) on the rows' device, row ``i``'s global ids
+    ``token_ids[offsets[i]:offsets[i + 1]]``. Engines hand the two arrays over in either order
+    (vLLM's ``SamplingMask(token_ids, offsets)``, our pair ``(offsets, token_ids)``): build it by
+    name, ``KeptTokens(token_ids=..., offsets=...)``, or with a constructor below."""
+
+    offsets: Tensor
+    token_ids: Tensor
+
+    @classmethod
+    def from_sampling_masks(cls, masks: Iterable[Any], device: torch.device) -> KeptTokens:
+        """One set per token of each completion, completions in order, from vLLM's per-completion
+        ``SamplingMask`` (or anything with ``token_ids [nnz_i]`` and ``offsets [tokens_i + 1]``,
+        as lists, numpy arrays or tensors): the rows of the completions' tokens concatenated."""
+        offsets, token_ids, start = [torch.zeros(1, dtype=torch.long)], [], 0
+        for index, mask in enumerate(masks):
+            ids, spans = (
+                torch.as_tensor(getattr(mask, name), dtype=torch.long, device="cpu")
+                for name in ("token_ids", "offsets")
+            )
+            if spans.dim() != 1 or spans.numel() == 0 or spans[0] != 0 or spans[-1] != ids.numel():
+                raise ValueError(
+                    f"sampling mask {index}: its offsets must run from 0 to its {ids.numel()} token ids, got "
+                    f"{spans.tolist()[:3]}...{spans.tolist()[-1:]}"
+                )
+            offsets.append(spans[1:] + start)
+            token_ids.append(ids)
+            start += ids.numel()
+        return cls(torch.cat(offsets).to(device), torch.cat([torch.zeros(0, dtype=torch.long), *token_ids]).to(device))
+
+    @classmethod
+    def from_id_lists(cls, id_lists: Sequence[Sequence[int]], device: torch.device) -> KeptTokens:
+        """One set per row from a list of each row's ids (SGLang's ``output_token_sampling_mask``
+        in ``meta_info``: one list per output token)."""
+        counts = torch.tensor([len(ids) for ids in id_lists], dtype=torch.long)
+        token_ids = torch.tensor([token for ids in id_lists for token in ids], dtype=torch.long)
+        return cls(torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(device), token_ids.to(device))
+
+
+def as_kept_tokens(kept_tokens: Any) -> Optional[KeptTokens]:
+    """The ops' ``kept_tokens`` argument as a ``KeptTokens``: read by name from an object with
+    ``offsets`` and ``token_ids`` attributes (a ``KeptTokens``, vLLM's ``SamplingMask``), else a pair
+    taken as ``(offsets, token_ids)``; ``None`` stays ``None``. The values are checked later
+    (``checked_sets``)."""
+    if kept_tokens is None:
+        return None
+    if hasattr(kept_tokens, "offsets") and hasattr(kept_tokens, "token_ids"):
+        return KeptTokens(kept_tokens.offsets, kept_tokens.token_ids)
+    if isinstance(kept_tokens, (tuple, list)) and len(kept_tokens) == 2:
+        return KeptTokens(*kept_tokens)
+    raise TypeError(
+        "kept_tokens must be a KeptTokens(offsets=..., token_ids=...), an object with offsets and token_ids "
+        f"(vLLM's SamplingMask), or a pair (offsets [rows + 1], token_ids [nnz]); got {type(kept_tokens).__name__}"
+    )
 
 
 def every_column(device: torch.device) -> Tensor:
@@ -53,17 +110,17 @@ class KeptSets(NamedTuple):
 
 
 def checked_sets(
-    kept_tokens: Sequence[Tensor],
+    kept_tokens: KeptTokens,
     selection: RowSelection,
     targets: Tensor,
     vocab_shard: int,
     tp_group: Optional[dist.ProcessGroup],
+    vocab_size: Optional[int] = None,
 ) -> KeptSets:
     """``kept_tokens`` against the selected rows and the op's global ``targets`` (``[*selection.
     lead_shape]``): ``TypeError`` / ``ValueError`` for a wrong type, shape or count of sets (with
-    ``max_rows``, the count the mask selects is checked by ``check_on_device``)."""
-    if not isinstance(kept_tokens, (tuple, list)) or len(kept_tokens) != 2:
-        raise TypeError("kept_tokens must be a pair (offsets [rows + 1], token_ids [nnz]) of integer tensors")
+    ``max_rows``, the count the mask selects is checked by ``check_on_device``); ids at or past
+    ``vocab_size`` (``None``: the padded shards' end) are outside the vocabulary."""
     offsets, token_ids = kept_tokens
     for name, tensor in (("offsets", offsets), ("token_ids", token_ids)):
         if not isinstance(tensor, Tensor) or tensor.dtype.is_floating_point or tensor.dtype == torch.bool:
@@ -92,7 +149,8 @@ def checked_sets(
     first_id = group_rank(tp_group) * vocab_shard
     # Contiguous: the Triton builder reads them at unit stride.
     offsets, token_ids, chosen = (tensor.long().contiguous() for tensor in (offsets, token_ids, chosen))
-    return KeptSets(offsets, token_ids, chosen, num_sets, first_id, vocab_shard * group_size(tp_group))
+    vocab = vocab_shard * group_size(tp_group) if vocab_size is None else vocab_size
+    return KeptSets(offsets, token_ids, chosen, num_sets, first_id, vocab)
 
 
 # What a builder finds wrong, as flags [3] int32 (nonzero: found): offsets that do not start at 0,

@@ -36,6 +36,16 @@ def checked_number(name: str, value: Union[int, float], *, integral: bool = Fals
     return int(value) if integral else float(value)
 
 
+def check_vocab_size(vocab_size: Optional[int]) -> Optional[int]:
+    """``vocab_size`` as an ``int`` (or ``None``); ``ValueError`` unless it is positive."""
+    if vocab_size is None:
+        return None
+    vocab_size = checked_number("vocab_size", vocab_size, integral=True)
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be a positive int (the tokenizer's vocabulary) or None, got {vocab_size}")
+    return vocab_size
+
+
 def check_token_chunk(token_chunk: Optional[int]) -> Optional[int]:
     """``token_chunk`` as an ``int`` (or ``None``); ``ValueError`` unless it is positive."""
     if token_chunk is not None and checked_number("token_chunk", token_chunk, integral=True) <= 0:

@@ -71,6 +71,7 @@ NAMES = (
     "the rows' shape",
     "the hidden size",
     "the shard's vocabulary rows",
+    "vocab_size",
     "targets",
     "mask",
     "temperature",
@@ -90,6 +91,7 @@ def check_across_ranks(
     temperature=1.0,
     kept_tokens=None,
     loss_inputs: Optional[Mapping[str, torch.Tensor]] = None,
+    vocab_size: Optional[int] = None,
 ) -> None:
     """``ValueError`` where the ranks of ``tp_group`` disagree on ``op``'s inputs: ``hidden [..., H]``
     and ``shard [V / P, H]`` the rank's weight shard, or a logits shard ``[..., V / P]`` and ``None``
@@ -116,6 +118,7 @@ def check_across_ranks(
             temperature=temperature,
             kept_tokens=kept_tokens,
             loss_inputs=loss_inputs,
+            vocab_size=vocab_size,
         )
     except BaseException:
         # Every rank reads the same gathered digest, so all refuse alike: a refused call, caught and
@@ -125,13 +128,16 @@ def check_across_ranks(
         raise
 
 
-def _check(op, tp_group, hidden, shard, vocab_shard, targets, mask, temperature, kept_tokens, loss_inputs) -> None:
+def _check(
+    op, tp_group, hidden, shard, vocab_shard, targets, mask, temperature, kept_tokens, loss_inputs, vocab_size
+) -> None:
     """The digest's all-gather and the comparison of ``check_across_ranks``."""
     temperature = temperature if isinstance(temperature, torch.Tensor) else torch.tensor(float(temperature))
     inputs = _Inputs(targets, mask, temperature, kept_tokens, loss_inputs)
     if shard is None:  # the logits' columns as rows, built on the first call only
         shard = hidden.reshape(-1, vocab_shard).t()
-    local = torch.tensor([hidden.shape[:-1].numel(), hidden.shape[-1], vocab_shard], device=hidden.device)
+    vocab = -1 if vocab_size is None else vocab_size
+    local = torch.tensor([hidden.shape[:-1].numel(), hidden.shape[-1], vocab_shard, vocab], device=hidden.device)
     digest = torch.cat([local, _digests(inputs, hidden.device), _shard_digest(shard)])
     gathered = all_gather_stacked(digest[None], tp_group)[:, 0].cpu()  # the one read on the host
     differing = [

@@ -22,7 +22,7 @@ from .backends import registry
 from .boundary import autocast_off
 from .chunking import chunk_rows
 from .distributed import all_gather_stacked, group_rank, group_size, merge_across_group
-from .inputs import RowSelection, check_linear_inputs, check_logits, row_temperatures
+from .inputs import RowSelection, check_linear_inputs, check_logits, live_columns, row_temperatures
 from .options import HeadOptions, checked_number
 from .products import float32_product
 from .rank_check import check_across_ranks
@@ -41,11 +41,13 @@ def fused_linear_topk(
     temperature: Union[float, Tensor] = 1.0,
     backend: Union[str, object] = "torch",
     token_chunk: Optional[int] = None,
+    vocab_size: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Each row's ``k`` largest log-probs under ``softmax(hidden @ weight.T / temperature)`` (the
     whole vocabulary's, spread over ``tp_group``) and their global vocabulary ids, without
     materializing the logits. Forward only: the results carry no gradient. Every row is
-    computed (no mask), and padded vocabulary rows count as tokens, as in the stock logits.
+    computed (no mask), and padded vocabulary rows count as tokens, as in the stock logits, unless
+    ``vocab_size`` excludes them.
 
     Args:
         hidden: ``[..., H]`` float32, bfloat16 or float16, the same on every rank; cast to
@@ -53,8 +55,9 @@ def fused_linear_topk(
         weight: ``[vocab_shard, H]``, this rank's vocabulary rows, as many on every rank (Megatron
             pads the vocabulary so): rank ``r`` owns global ids ``[r * vocab_shard, (r + 1) *
             vocab_shard)``.
-        k: how many tokens per row, from 1 to the whole vocabulary (``vocab_shard * tp_size``).
-        tp_group, temperature: as for ``fused_linear_logprob``.
+        k: how many tokens per row, from 1 to the whole vocabulary (``vocab_shard * tp_size``, or
+            ``vocab_size``).
+        tp_group, temperature, vocab_size: as for ``fused_linear_logprob``.
         backend: as for ``fused_linear_logprob``. Triton: two launches of its forward kernel,
             no logits stored (``backends.triton_topk``; a row whose largest logits crowd into a
             few column tiles, and every row where ``k`` exceeds a quarter of the shard's column
@@ -76,12 +79,13 @@ def fused_linear_topk(
         rows for the torch form).
     """
     check_linear_inputs(hidden, weight)
-    check_across_ranks("fused_linear_topk", tp_group, hidden, weight, temperature=temperature)
+    check_across_ranks("fused_linear_topk", tp_group, hidden, weight, temperature=temperature, vocab_size=vocab_size)
     resolved = registry.resolve(backend, hidden.device)
     options = HeadOptions.checked(backend=resolved.name, token_chunk=token_chunk, tp_group=tp_group)
     temperature = row_temperatures(temperature, RowSelection(hidden.shape[:-1], None, None, None), hidden.device)
-    rows, weight = hidden.reshape(-1, hidden.shape[-1]).detach().to(weight.dtype), weight.detach()
-    first_id = group_rank(options.tp_group) * weight.shape[0]
+    first_id, vocab = _shard_ids(weight.shape[0], vocab_size, tp_group)
+    rows = hidden.reshape(-1, hidden.shape[-1]).detach().to(weight.dtype)
+    weight = weight.detach()[: live_columns(weight.shape[0], vocab_size, tp_group)]
 
     def block_logits(index):  # a slice or indices of rows
         return float32_product(rows[index], weight.t()).div_(temperature[index, None])
@@ -98,7 +102,7 @@ def fused_linear_topk(
         )
 
     logprobs, ids = _topk_pass(
-        local_keys, rows.shape[0], vocab_shard=weight.shape[0], k=k, options=options, device=rows.device
+        local_keys, rows.shape[0], vocab_shard=weight.shape[0], vocab=vocab, k=k, options=options, device=rows.device
     )
     return logprobs.view(*hidden.shape[:-1], k), ids.view(*hidden.shape[:-1], k)
 
@@ -110,19 +114,18 @@ def logits_topk(
     tp_group: Optional[dist.ProcessGroup] = None,
     temperature: Union[float, Tensor] = 1.0,
     token_chunk: Optional[int] = None,
+    vocab_size: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor]:
     """``fused_linear_topk`` on a materialized logits shard ``[..., vocab_shard]`` (float32,
     bfloat16 or float16; rank ``r`` owns global ids ``[r * vocab_shard, (r + 1) * vocab_shard)``):
     the same results, forward only."""
     check_logits(logits)
-    check_across_ranks("logits_topk", tp_group, logits, None, temperature=temperature)
+    check_across_ranks("logits_topk", tp_group, logits, None, temperature=temperature, vocab_size=vocab_size)
     options = HeadOptions.checked(backend="torch", token_chunk=token_chunk, tp_group=tp_group)
     temperature = row_temperatures(temperature, RowSelection(logits.shape[:-1], None, None, None), logits.device)
-    flat = logits.detach().reshape(-1, logits.shape[-1])
-    first_id, rows_per_chunk = (
-        group_rank(options.tp_group) * flat.shape[1],
-        chunk_rows(options.token_chunk, flat.shape[1]),
-    )
+    first_id, vocab = _shard_ids(logits.shape[-1], vocab_size, tp_group)
+    flat = logits.detach().reshape(-1, logits.shape[-1])[:, : live_columns(logits.shape[-1], vocab_size, tp_group)]
+    rows_per_chunk = chunk_rows(options.token_chunk, flat.shape[1])
 
     def local_keys(local_k):
         block_logits = lambda chunk: flat[chunk].float() / temperature[chunk, None]  # noqa: E731
@@ -131,23 +134,29 @@ def logits_topk(
         )
 
     logprobs, ids = _topk_pass(
-        local_keys, flat.shape[0], vocab_shard=flat.shape[1], k=k, options=options, device=flat.device
+        local_keys, flat.shape[0], vocab_shard=flat.shape[1], vocab=vocab, k=k, options=options, device=flat.device
     )
     return logprobs.view(*logits.shape[:-1], k), ids.view(*logits.shape[:-1], k)
+
+
+def _shard_ids(vocab_shard: int, vocab_size: Optional[int], tp_group) -> Tuple[int, int]:
+    """This rank's first global id (counting the padded ids of the shards before it) and the whole vocabulary's size."""
+    return group_rank(tp_group) * vocab_shard, vocab_shard * group_size(tp_group) if vocab_size is None else vocab_size
 
 
 def _topk_pass(
     local_keys: Callable[[int], Tuple[Tensor, Tensor]],
     num_rows: int,
     vocab_shard: int,
+    vocab: int,
     k: int,
     options: HeadOptions,
     device: torch.device,
 ) -> Tuple[Tensor, Tensor]:
     """Steps 1-3 above, this shard's statistics ``[n, 4]`` and ``local_k`` largest keys ``[n,
-    local_k]`` given by ``local_keys(local_k)``: ``(logprobs [n, k], ids [n, k])``."""
+    local_k]`` given by ``local_keys(local_k)`` (``vocab_shard``: the shard's columns of the
+    ``vocab`` ids): ``(logprobs [n, k], ids [n, k])``."""
     group = options.tp_group
-    vocab = vocab_shard * group_size(group)
     if not 1 <= checked_number("k", k, integral=True) <= vocab:
         raise ValueError(f"k must be between 1 and the vocabulary size {vocab}, got {k}")
     if vocab > MAX_ID:

@@ -32,7 +32,7 @@ LOGITS_ONLY_OPTIONS = ("calculate_sum_pi_squared", "distillation_use_topk", "dis
 
 @dataclass
 class FusedLMSettings:
-    """The four settings, for a subclass of verl's ``McoreEngineConfig`` (the ``megatron`` section of
+    """The five settings, for a subclass of verl's ``McoreEngineConfig`` (the ``megatron`` section of
     ``actor_rollout_ref.actor``): verl instantiates that section from its ``_target_``, whose
     dataclass must declare every key."""
 
@@ -40,6 +40,7 @@ class FusedLMSettings:
     fused_linear_logprob_backend: str = "torch"
     fused_linear_logprob_token_chunk: Optional[int] = None
     fused_linear_logprob_batch_invariant: bool = False
+    fused_linear_logprob_vocab_size: Optional[int] = None
 
 
 def head_temperature(temperature: Union[float, Tensor]) -> Union[float, Tensor]:

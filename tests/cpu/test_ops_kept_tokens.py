@@ -12,6 +12,9 @@ accuracy (``FLOAT32_TOL``, as in test_ops_temperature.py), the three-GEMM loss b
 recompute path's own error as there.
 """
 
+import itertools
+from dataclasses import dataclass
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -28,7 +31,7 @@ from devkit.oracle import (
     within_recompute,
 )
 from devkit.spawn import run_ranks
-from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, logits_logprob, logits_loss, losses
+from megatron_fused_lm import KeptTokens, fused_linear_logprob, fused_linear_loss, logits_logprob, logits_loss, losses
 from megatron_fused_lm.ops.inputs import select_rows
 from megatron_fused_lm.ops.kept_tokens import checked_sets
 
@@ -216,6 +219,49 @@ def test_calls_as_a_trainer_makes_them():
     for actual, name in ((leaf_hidden.grad, "grad_hidden"), (leaf_weight.grad, "grad_weight")):
         expected = getattr(expected_one, name) + getattr(expected_two, name)
         assert relative_error(actual, expected) <= FLOAT32_TOL
+
+
+@dataclass
+class SamplingMask:
+    """vLLM's per-completion sampling mask: its fields in its order, ids first."""
+
+    token_ids: object
+    offsets: object
+
+
+def test_the_engines_layouts_by_name():
+    """The sets as engines hand them over give the oracle's log-probs: ``KeptTokens`` built by name
+    in vLLM's order, a ``SamplingMask`` passed as it is, vLLM's per-completion masks joined, and
+    SGLang's list of ids per token. A pair is read as ``(offsets, token_ids)``: vLLM's order in a
+    plain pair is refused, not read swapped."""
+    hidden, weight, targets = make_case(LEAD, H, V, torch.float32, peaky=True, seed=21)
+    (offsets, ids), kept = kept_sets(targets, every_row(LEAD), V, 9, seed=22, leave_out=largest(hidden, weight))
+    expected = reference(hidden, weight, targets, kept=kept).logprob
+    per_row = [
+        ids[start:stop].tolist() for start, stop in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)
+    ]
+    # Three completions of ten tokens each, as vLLM returns them: lists, each one's offsets from 0.
+    completions = [
+        SamplingMask(sum(rows, []), [0, *itertools.accumulate(len(row) for row in rows)])
+        for rows in (per_row[first : first + 10] for first in (0, 10, 20))
+    ]
+    layouts = {
+        "by name": KeptTokens(token_ids=ids, offsets=offsets),
+        "a SamplingMask": SamplingMask(token_ids=ids, offsets=offsets),
+        "vLLM's masks joined": KeptTokens.from_sampling_masks(completions, device=hidden.device),
+        "SGLang's lists": KeptTokens.from_id_lists(per_row, device=hidden.device),
+    }
+    pair = fused_linear_logprob(hidden, weight, targets, kept_tokens=(offsets, ids))
+    assert relative_error(pair, expected) <= FLOAT32_TOL
+    assert max_abs_error(pair, reference(hidden, weight, targets).logprob) > 0.1  # the sets matter
+    for name, kept_tokens in layouts.items():
+        assert torch.equal(fused_linear_logprob(hidden, weight, targets, kept_tokens=kept_tokens), pair), name
+    with pytest.raises(ValueError, match="sets for the 30 rows"):
+        fused_linear_logprob(hidden, weight, targets, kept_tokens=(ids, offsets))
+    with pytest.raises(ValueError, match="sampling mask 1: its offsets must run from 0"):
+        KeptTokens.from_sampling_masks([completions[0], SamplingMask([1, 2], [1, 2])], device=hidden.device)
+    with pytest.raises(TypeError, match="vLLM's SamplingMask"):
+        fused_linear_logprob(hidden, weight, targets, kept_tokens={"offsets": offsets, "token_ids": ids})
 
 
 def test_errors():

@@ -494,7 +494,9 @@ def default_tuning_case(case: dict) -> dict:
     """The public ops with ``backend="triton"`` and no tuning, on CPU tensors, as a user debugging a
     kernel runs them: the rules that read the device's properties (multiprocessors, shared memory,
     memory) take the CPU for an H100. Log-prob, entropy and both gradients of the recompute op, and
-    the three-GEMM loss's gradients, against the float64 oracle."""
+    the three-GEMM loss's gradients, against the float64 oracle. With ``vocab_size``, over the
+    weight's first rows only (the padded rows large, so that one leaking in shows), and the padded
+    rows' gradients (``padded_weight_grad``: how many of their entries are not 0)."""
     import torch
 
     from devkit.oracle import max_abs_error, reference, relative_error
@@ -502,28 +504,34 @@ def default_tuning_case(case: dict) -> dict:
 
     torch.manual_seed(case["seed"])
     tokens, hidden_size, vocab = case["shape"]
+    vocab_size = case.get("vocab_size") or vocab
     hidden, weight = torch.randn(tokens, hidden_size) * 2, torch.randn(vocab, hidden_size) / hidden_size**0.5
-    targets = torch.randint(0, vocab, (tokens,))
+    weight[vocab_size:] *= 20
+    targets = torch.randint(0, vocab_size, (tokens,))
     grad_logprob, grad_entropy = torch.randn(tokens), torch.randn(tokens)
-    expected = reference(hidden, weight, targets, grad_logprob=grad_logprob, grad_entropy=grad_entropy)
+    true = weight[:vocab_size]
+    expected = reference(hidden, true, targets, grad_logprob=grad_logprob, grad_entropy=grad_entropy)
+    options = dict(backend="triton", vocab_size=case.get("vocab_size"))
     hidden_leaf, weight_leaf = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    logprob, entropy = fused_linear_logprob(hidden_leaf, weight_leaf, targets, return_entropy=True, backend="triton")
+    logprob, entropy = fused_linear_logprob(hidden_leaf, weight_leaf, targets, return_entropy=True, **options)
     (logprob * grad_logprob + entropy * grad_entropy).sum().backward()
     errors = {
         "logprob": max_abs_error(logprob, expected.logprob),
         "entropy": max_abs_error(entropy, expected.entropy),
         "hidden_grad": relative_error(hidden_leaf.grad, expected.grad_hidden),
-        "weight_grad": relative_error(weight_leaf.grad, expected.grad_weight),
+        "weight_grad": relative_error(weight_leaf.grad[:vocab_size], expected.grad_weight),
+        "padded_weight_grad": float(torch.count_nonzero(weight_leaf.grad[vocab_size:])),
     }
     hidden_leaf, weight_leaf = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     weights = torch.full((tokens,), 1.0 / tokens)
     result = fused_linear_loss(
-        hidden_leaf, weight_leaf, targets, losses.cross_entropy, loss_inputs={"weight": weights}, backend="triton"
+        hidden_leaf, weight_leaf, targets, losses.cross_entropy, loss_inputs={"weight": weights}, **options
     )
     result.loss.backward()
-    expected = reference(hidden, weight, targets, grad_logprob=-weights)
+    expected = reference(hidden, true, targets, grad_logprob=-weights)
     errors["loss_hidden_grad"] = relative_error(hidden_leaf.grad, expected.grad_hidden)
-    errors["loss_weight_grad"] = relative_error(weight_leaf.grad, expected.grad_weight)
+    errors["loss_weight_grad"] = relative_error(weight_leaf.grad[:vocab_size], expected.grad_weight)
+    errors["loss_padded_weight_grad"] = float(torch.count_nonzero(weight_leaf.grad[vocab_size:]))
     return errors
 
 
@@ -1022,6 +1030,14 @@ def test_the_public_ops_with_the_default_tuning_on_cpu_tensors():
     # No CUDA device to ask for its properties: the default tuning takes an H100's. float32 inputs
     # run the float32 tiles' IEEE products, a few 1e-6 from float64.
     errors = run_case(kind="default_tuning", shape=[12, 32, 300], seed=5)
+    assert all(error <= 1e-5 for error in errors.values()), errors
+
+
+def test_the_public_ops_over_the_true_vocabulary():
+    # vocab_size=291 of a head padded to 300 rows, whose padded rows score 20 times higher: a padded
+    # column in a softmax costs O(1), and their weight rows must get no gradient at all.
+    errors = run_case(kind="default_tuning", shape=[12, 32, 300], vocab_size=291, seed=6)
+    assert errors["padded_weight_grad"] == 0 and errors["loss_padded_weight_grad"] == 0, errors
     assert all(error <= 1e-5 for error in errors.values()), errors
 
 

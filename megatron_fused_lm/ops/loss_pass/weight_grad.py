@@ -39,11 +39,14 @@ class WeightGradSink:
     pending: Optional[PendingWeightGrad] = None
 
     @classmethod
-    def into(cls, weight_grad_into: Tensor, weight_grad_scale: float, num_rows: int) -> WeightGradSink:
+    def into(
+        cls, weight_grad_into: Tensor, weight_grad_scale: float, num_rows: int, vocab_rows: Optional[int] = None
+    ) -> WeightGradSink:
         """The caller's ``weight_grad_into`` (checked by the public op), its record opened for
-        ``num_rows`` rows."""
+        ``num_rows`` rows; the pass adds into its first ``vocab_rows`` rows (``None``: all), those of
+        the true vocabulary."""
         pending = PendingWeightGrad(weight_grad_into, weight_grad_scale, num_rows)
-        return cls(weight_grad_into, weight_grad_scale, pending)
+        return cls(weight_grad_into[:vocab_rows], weight_grad_scale, pending)
 
 
 # The ledger: the losses whose forward added into a weight_grad_into, until their backward.

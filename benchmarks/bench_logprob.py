@@ -78,6 +78,7 @@ from methods import (
     rl_loss_step,
     rl_step,
     sft_logprob,
+    sft_mean_loss,
     sft_step,
     sft_weights,
 )
@@ -124,6 +125,18 @@ def loss_oracle(inputs, sample, loss_fn, loss_inputs):
         rows = {name: value[sample].double() for name, value in loss_inputs.items()}
         (grad_hidden,) = torch.autograd.grad(loss_fn(logprob, entropy, **rows).sum(), hidden)
     return logprob.detach(), entropy.detach(), grad_hidden
+
+
+def mean_loss_oracle(inputs, rows_per_chunk=1024):
+    """The float64 mean cross-entropy over every row (temperature 1), the logits a chunk of rows at
+    a time."""
+    hidden, weight, targets = inputs.hidden.detach(), inputs.weight.detach().double(), inputs.targets
+    total = 0.0
+    for start in range(0, hidden.shape[0], rows_per_chunk):
+        logits = hidden[start : start + rows_per_chunk].double() @ weight.t()
+        chosen = logits.gather(1, targets[start : start + rows_per_chunk, None]).squeeze(1)
+        total += float((torch.logsumexp(logits, dim=1) - chosen).sum())
+    return total / hidden.shape[0]
 
 
 def grad_error(grad, sample, reference):
@@ -229,19 +242,21 @@ class Benchmark:
         add_floor_ratios(self.rows[first:], FLOORS["sft"])
 
     def sft_oracle(self, inputs, sample):
-        """Float64 log-prob and hidden gradient of the mean cross-entropy on the rows ``sample``."""
+        """Float64 log-prob and hidden gradient of the mean cross-entropy on the rows ``sample``,
+        and the mean cross-entropy over every row."""
         logprob, _, grad_hidden = loss_oracle(inputs, sample, losses.cross_entropy, {"weight": sft_weights(inputs)})
-        return logprob, grad_hidden
+        return logprob, grad_hidden, mean_loss_oracle(inputs)
 
     def record_sft_error(self, row, method, inputs, sample, reference, grad):
         """The hidden gradient's error (``grad``: what the timed step left), then the log-prob
-        error of the method's per-token forward."""
-        ref_logprob, ref_grad = reference
+        error of the method's per-token forward and the error of the mean loss it returns."""
+        ref_logprob, ref_grad, ref_loss = reference
         try:
             row["grad_hidden_error"] = grad_error(grad, sample, ref_grad)
             del grad
             logprob = sft_logprob(method, self.competitors, inputs)
             row["logprob_max_error"] = sample_error(logprob, sample, ref_logprob)
+            row["mean_loss_error"] = abs(float(sft_mean_loss(method, self.competitors, inputs)) - ref_loss)
         except Exception as error:  # keep the timing; say why the error check is absent
             row["note"] = f"error check failed: {type(error).__name__}: {error}"
         release_memory()

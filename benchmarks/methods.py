@@ -25,7 +25,9 @@ FORWARD_METHODS = ("floor1", "triton", "cute", *PEERS)
 # "ours" finishes the gradients in the forward (fused_linear_loss: three GEMMs), "recompute" is the
 # mean of the per-token op's log-probs (fused_linear_logprob: the logits again in the backward, four).
 # "liger_native" is the mean of its per-token NLL (no entropy term).
-SFT_METHODS = ("floor", "stock", "ours", "ours_main_grad", "recompute", "liger", "cce", "liger_native")
+# "torch_lce" is PyTorch's own torch.nn.functional.linear_cross_entropy with its default chunking
+# options (torch_linear_cross_entropy says where it comes from on an older torch).
+SFT_METHODS = ("floor", "stock", "ours", "ours_main_grad", "recompute", "liger", "cce", "torch_lce", "liger_native")
 # A policy loss known in the forward (the RL loss); "floor3" is the three GEMMs, as for SFT. The
 # peers compute it as "recompute" does: the loss on their log-prob and entropy, then autograd.
 RL_LOSS_METHODS = ("floor3", "stock", "recompute", "ours", "ours_main_grad", *PEERS)
@@ -60,6 +62,10 @@ def import_competitors(native_shapes=None, device="cuda"):
     except ImportError as error:
         missing["cce"] = f"cut-cross-entropy is not installed ({error})"
     try:
+        found["torch_lce"] = torch_linear_cross_entropy()
+    except (ImportError, OSError) as error:
+        missing["torch_lce"] = f"torch.nn.functional.linear_cross_entropy cannot run here ({error})"
+    try:
         found["liger_flsce"] = liger_scaled_cross_entropy()
     except (ImportError, RuntimeError) as error:
         missing["liger_flsce"] = f"liger-kernel's CuTe kernel cannot run here ({error})"
@@ -73,6 +79,49 @@ def import_competitors(native_shapes=None, device="cuda"):
         except Exception as error:  # a peer's setup failing must not lose the run: say why instead
             missing["liger_native"] = f"liger-kernel's native kernel cannot run here ({type(error).__name__}: {error})"
     return found, missing
+
+
+# Where PyTorch's own op comes from on a torch older than 2.13 (the GPU hosts have 2.11): a folder
+# holding a torch 2.13 wheel's torch/nn/functional.py and torch/nn/modules/linear_cross_entropy*.py,
+# read at run time and never kept in this repository.
+TORCH_LCE_SOURCE = "TORCH_LCE_SOURCE"
+
+
+def torch_linear_cross_entropy():
+    """PyTorch's ``linear_cross_entropy`` with ``LinearCrossEntropyOptions()`` (its chunked path) as
+    ``(hidden, weight, targets, reduction=...)``: this torch's own where it has one, else the
+    release's modules from the folder ``$TORCH_LCE_SOURCE`` names (the two modules registered
+    under their own names, the function taken from the release's ``functional.py`` and run with
+    this torch's ``torch.nn.functional`` globals). ``ImportError`` where neither is there."""
+    import ast
+    import importlib.util
+    import os
+    import sys
+    from pathlib import Path
+
+    function = getattr(torch.nn.functional, "linear_cross_entropy", None)
+    if function is not None:
+        from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
+    else:
+        folder = os.environ.get(TORCH_LCE_SOURCE)
+        if not folder:
+            raise ImportError(f"torch {torch.__version__} has none, and ${TORCH_LCE_SOURCE} names no copy of 2.13's")
+        for name in ("linear_cross_entropy_options", "linear_cross_entropy"):
+            spec = importlib.util.spec_from_file_location(f"torch.nn.modules.{name}", Path(folder) / f"{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+        LinearCrossEntropyOptions = sys.modules["torch.nn.modules.linear_cross_entropy_options"].LinearCrossEntropyOptions
+        tree = ast.parse((Path(folder) / "functional.py").read_text())
+        definition = next(node for node in tree.body if getattr(node, "name", None) == "linear_cross_entropy")
+        namespace = dict(vars(torch.nn.functional))
+        exec(compile(ast.Module([definition], type_ignores=[]), str(Path(folder) / "functional.py"), "exec"), namespace)
+        function = namespace["linear_cross_entropy"]
+
+    def loss(hidden, weight, targets, reduction="mean"):
+        return function(hidden, weight, targets, reduction=reduction, options=LinearCrossEntropyOptions())
+
+    return loss
 
 
 def liger_scaled_cross_entropy():
@@ -189,7 +238,7 @@ def sft_loss(method, competitors, hidden, weight, targets, reduction, weights=No
     log-prob of the per-token op, as Megatron's labels path computes it; ``ours`` is
     ``fused_linear_loss`` with ``losses.cross_entropy`` and token-mean ``weights`` (made here when
     not given); ``ours_main_grad`` the same through ``main_grad_route`` with ``main_grad``."""
-    if method in ("liger", "cce"):
+    if method in ("liger", "cce", "torch_lce"):
         return competitors[method](hidden, weight, targets, reduction=reduction)
     if method == "liger_native":
         logprob, _ = competitors[method](hidden, weight, targets, 1.0, return_entropy=False)
@@ -233,6 +282,13 @@ def sft_logprob(method, competitors, inputs):
     timed step returns only the mean."""
     with torch.no_grad():
         return -sft_loss(method, competitors, inputs.hidden.detach(), inputs.weight.detach(), inputs.targets, "none")
+
+
+def sft_mean_loss(method, competitors, inputs):
+    """The mean cross-entropy the method returns (forward only, for the error check)."""
+    with torch.no_grad():
+        weights = sft_weights(inputs)
+        return sft_loss(method, competitors, inputs.hidden.detach(), inputs.weight.detach(), inputs.targets, "mean", weights)
 
 
 def policy_loss(kl_coef=0.0, entropy_coef=ENTROPY_COEF):

@@ -36,6 +36,7 @@ METHOD_STYLES = {
     "liger_native": ("liger-kernel native CUTLASS + NVSHMEM (fused linear scaled CE, TP=1)", "tab:olive", "*"),
     "cute": ("ours (CuTe DSL forward statistics)", "tab:cyan", "h"),
     "cce": ("cut-cross-entropy", "tab:brown", "D"),
+    "torch_lce": ("PyTorch linear_cross_entropy (default options)", "tab:gray", "d"),
     "recompute": ("recompute (our per-token op, then the loss: 4 GEMMs)", "tab:green", "v"),
     "ours_main_grad": ("ours, weight gradient into Megatron's main_grad", "tab:red", "X"),
     "floor": ("GEMM floor (cuBLAS products alone)", "0.35", None),
@@ -53,6 +54,7 @@ SHORT_NAMES = {
     "recompute": "recompute",
     "liger": "liger-kernel",
     "cce": "cut-cross-entropy",
+    "torch_lce": "PyTorch's linear_cross_entropy",
 }
 # The policy loss of the RL-loss section, for titles.
 RL_LOSS_TITLE = "RL loss known in the forward: clipped policy loss + entropy bonus, token mean"
@@ -493,7 +495,7 @@ def write_plots(results, folder):
     if "sft" in sections:
         path = os.path.join(folder, "bench_sft.png")
         title = "SFT: mean cross-entropy"
-        methods = ("stock", "liger", "cce", "liger_native", "recompute", "ours", "floor")
+        methods = ("stock", "liger", "cce", "torch_lce", "liger_native", "recompute", "ours", "floor")
         bar_panels(pyplot, results, "sft", methods, title, path)
         written.append(path)
     if "rl_loss" in sections:

@@ -507,6 +507,11 @@ def default_tuning_case(case: dict) -> dict:
     vocab_size = case.get("vocab_size") or vocab
     hidden, weight = torch.randn(tokens, hidden_size) * 2, torch.randn(vocab, hidden_size) / hidden_size**0.5
     weight[vocab_size:] *= 20
+    # Extreme logits: ``spread`` scales them; ``shift`` moves every one through a constant feature
+    # that every weight row reads, so the products themselves carry it, as a model's would.
+    hidden = hidden * case.get("spread", 1.0)
+    if "shift" in case:
+        hidden[:, -1], weight[:, -1] = case["shift"] / 10, 10.0
     targets = torch.randint(0, vocab_size, (tokens,))
     grad_logprob, grad_entropy = torch.randn(tokens), torch.randn(tokens)
     true = weight[:vocab_size]
@@ -1031,6 +1036,20 @@ def test_the_public_ops_with_the_default_tuning_on_cpu_tensors():
     # run the float32 tiles' IEEE products, a few 1e-6 from float64.
     errors = run_case(kind="default_tuning", shape=[12, 32, 300], seed=5)
     assert all(error <= 1e-5 for error in errors.values()), errors
+
+
+@pytest.mark.parametrize(
+    "extreme",
+    [{"shift": -3000.0}, {"shift": 3000.0}, {"spread": 400.0}],
+    ids=["all_negative", "all_positive", "huge_spread"],
+)
+def test_the_public_ops_with_extreme_logits(extreme):
+    # A shift of every logit changes no log-prob, entropy or gradient; a running maximum that
+    # starts at 0, or an exponential that overflows, costs O(1) or NaN. The bound: float32 rounding
+    # of logits of magnitude 3000 (8 ulps, 2.9e-3), which every probability, hence every gradient,
+    # inherits (measured 1.4e-3 to 2.2e-3 relative at a shift of 3000, 1e-5 unshifted).
+    errors = run_case(kind="default_tuning", shape=[12, 32, 300], seed=7, **extreme)
+    assert all(error <= 8 * 2**-23 * 3000 + 2e-5 for error in errors.values()), errors
 
 
 def test_the_public_ops_over_the_true_vocabulary():

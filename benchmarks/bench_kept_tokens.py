@@ -44,7 +44,7 @@ def extra_steps(inputs, kept_tokens):
 
     def sparse_forward():
         with torch.no_grad():
-            return gathered_logits(hidden, weight, ids.view(targets.shape[0], -1), temperature)
+            return gathered_logits(hidden, weight, ids.view(targets.shape[0], -1), temperature, None)
 
     return {"bitmask": bitmask, "sparse_forward": sparse_forward}
 

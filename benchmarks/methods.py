@@ -111,7 +111,9 @@ def torch_linear_cross_entropy():
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module
             spec.loader.exec_module(module)
-        LinearCrossEntropyOptions = sys.modules["torch.nn.modules.linear_cross_entropy_options"].LinearCrossEntropyOptions
+        LinearCrossEntropyOptions = sys.modules[
+            "torch.nn.modules.linear_cross_entropy_options"
+        ].LinearCrossEntropyOptions
         tree = ast.parse((Path(folder) / "functional.py").read_text())
         definition = next(node for node in tree.body if getattr(node, "name", None) == "linear_cross_entropy")
         namespace = dict(vars(torch.nn.functional))
@@ -288,7 +290,9 @@ def sft_mean_loss(method, competitors, inputs):
     """The mean cross-entropy the method returns (forward only, for the error check)."""
     with torch.no_grad():
         weights = sft_weights(inputs)
-        return sft_loss(method, competitors, inputs.hidden.detach(), inputs.weight.detach(), inputs.targets, "mean", weights)
+        return sft_loss(
+            method, competitors, inputs.hidden.detach(), inputs.weight.detach(), inputs.targets, "mean", weights
+        )
 
 
 def policy_loss(kl_coef=0.0, entropy_coef=ENTROPY_COEF):

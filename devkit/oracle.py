@@ -48,6 +48,11 @@ def logprob_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature=1.0
     return logprob if several else logprob.squeeze(-1), entropy
 
 
+def capped(logits: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
+    """Gemma-2's logit softcapping, ``softcap * tanh(logits / softcap)`` (``None``: the logits)."""
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+
+
 def _reference(
     logits_of, inputs, targets, temperature, grad_logprob, grad_entropy, kept=None, out_of_vocab="error"
 ) -> Reference:
@@ -71,15 +76,23 @@ def reference(
     grad_entropy: Optional[torch.Tensor] = None,
     kept: Optional[torch.Tensor] = None,
     out_of_vocab: str = "error",
+    softcap: Optional[float] = None,
 ) -> Reference:
     """Log-probs and entropy of ``targets [...]`` (or ``[..., k]``, as ``logprob_entropy``) under
-    ``softmax(hidden [..., H] @ weight.T / T)`` (``T`` a number or a tensor ``[...]``)
+    ``softmax(capped(hidden [..., H] @ weight.T, softcap) / T)`` (``T`` a number or a tensor ``[...]``)
     over the whole vocabulary ``weight [V, H]`` (``kept [..., V]`` bool: each row's kept columns;
     ``out_of_vocab`` as ``logprob_entropy``'s); given upstream gradients (of the log-probs' and the
     entropy's shapes), the gradients of ``sum(logprob * grad_logprob + entropy * grad_entropy)``
     with respect to hidden and weight."""
     return _reference(
-        lambda h, w: h @ w.t(), (hidden, weight), targets, temperature, grad_logprob, grad_entropy, kept, out_of_vocab
+        lambda h, w: capped(h @ w.t(), softcap),
+        (hidden, weight),
+        targets,
+        temperature,
+        grad_logprob,
+        grad_entropy,
+        kept,
+        out_of_vocab,
     )
 
 
@@ -90,10 +103,13 @@ def reference_from_logits(
     grad_logprob: Optional[torch.Tensor] = None,
     grad_entropy: Optional[torch.Tensor] = None,
     kept: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
 ) -> Reference:
     """As ``reference`` from materialized logits ``[..., V]``; ``grad_logits`` (``grad_hidden``)
     holds the gradient with respect to the logits."""
-    return _reference(lambda logits: logits, (logits,), targets, temperature, grad_logprob, grad_entropy, kept)
+    return _reference(
+        lambda logits: capped(logits, softcap), (logits,), targets, temperature, grad_logprob, grad_entropy, kept
+    )
 
 
 class LossReference(NamedTuple):
@@ -116,6 +132,7 @@ def loss_reference(
     temperature=1.0,
     mask: Optional[torch.Tensor] = None,
     kept: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
 ) -> LossReference:
     """``sum_t loss_fn(logprob_t, entropy_t, **inputs_t)`` over the rows ``mask [...]`` selects
     (every row without one) under ``softmax(hidden [..., H] @ weight.T / T)`` over the whole
@@ -123,13 +140,13 @@ def loss_reference(
     ``targets [...]``, or ``[..., k]`` for several per row. ``loss_fn`` receives the selected rows
     flattened: ``logprob [rows]`` (``[rows, k]``), ``entropy [rows]`` and each input ``[..., *]`` as
     ``[rows, *]``; unselected targets are not read. ``kept [..., V]`` bool: each row's softmax over
-    its kept columns."""
+    its kept columns; ``softcap`` as ``reference``'s."""
     leaves = [tensor.detach().double().requires_grad_() for tensor in (hidden, weight)]
     lead = hidden.shape[:-1]
     selected = torch.ones(lead, dtype=torch.bool, device=hidden.device) if mask is None else mask.to(torch.bool)
     per_target = selected if targets.dim() == len(lead) else selected.unsqueeze(-1)
     readable_targets = torch.where(per_target, targets, torch.zeros_like(targets))
-    logprob, entropy = logprob_entropy(leaves[0] @ leaves[1].t(), readable_targets, temperature, kept)
+    logprob, entropy = logprob_entropy(capped(leaves[0] @ leaves[1].t(), softcap), readable_targets, temperature, kept)
     rows = selected.reshape(-1)
 
     def flat(value):  # [..., *] -> the selected rows [rows, *]

@@ -144,6 +144,7 @@ def _op_arguments(call: HeadCall, config: FusedLMConfig) -> Dict[str, Any]:
         token_chunk=config.token_chunk,
         reduce_hidden_grad=call.reduce_hidden_grad,
         vocab_size=config.vocab_size,
+        softcap=config.softcap,
     )
 
 
@@ -160,6 +161,7 @@ def answer(call: HeadCall, config: FusedLMConfig, hidden: torch.Tensor, request:
             backend=config.backend,
             token_chunk=config.token_chunk,
             vocab_size=config.vocab_size,
+            softcap=config.softcap,
         )
     arguments = dict(
         _op_arguments(call, config),
@@ -204,6 +206,7 @@ def answer_from_logits(
             temperature=request.temperature,
             token_chunk=config.token_chunk,
             vocab_size=config.vocab_size,
+            softcap=config.softcap,
         )
     arguments = dict(
         tp_group=tp_group,
@@ -213,6 +216,7 @@ def answer_from_logits(
         token_chunk=config.token_chunk,
         kept_tokens=request.kept_tokens,
         vocab_size=config.vocab_size,
+        softcap=config.softcap,
     )
     if isinstance(request, LogprobRequest):
         return logits_logprob(

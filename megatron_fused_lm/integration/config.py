@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from .._logging import warn_once
-from ..ops.options import check_backend, check_batch_invariant, check_token_chunk, check_vocab_size
+from ..ops.options import check_backend, check_batch_invariant, check_softcap, check_token_chunk, check_vocab_size
 
 # Trainer key -> FusedLMConfig field.
 TRAINER_KEYS = {
@@ -23,6 +23,7 @@ TRAINER_KEYS = {
     "fused_linear_logprob_token_chunk": "token_chunk",
     "fused_linear_logprob_batch_invariant": "batch_invariant",
     "fused_linear_logprob_vocab_size": "vocab_size",
+    "fused_linear_logprob_softcap": "softcap",
 }
 
 # Trainers' own settings whose names resemble the keys: not misspellings of them.
@@ -31,6 +32,9 @@ TRAINERS_OWN_KEYS = (
     "fused_lm_head_logprob_backend",
     "use_fused_linear_logprobs",  # NeMo-RL's Linear-CE fusion (policy.megatron_cfg)
 )
+# A key spelt with a trainer's own word for it (SkyRL's and verl's logprobs_chunk_size), which
+# resembles another key more closely by its letters.
+KEYS_BY_TRAINERS_WORDS = {"fused_linear_logprob_chunk_size": "fused_linear_logprob_token_chunk"}
 _ABSENT = object()
 
 
@@ -53,6 +57,12 @@ class FusedLMConfig:
             ``args.vocab_size``, a Hugging Face config's ``vocab_size``) the padded ids enter no
             log-sum-exp, entropy, top-k or gradient of the head, as in vLLM's and SGLang's
             log-probs (the ops' ``vocab_size``). The stock logits keep every row.
+        softcap: the head's logit softcap, ``logits = softcap * tanh(logits / softcap)`` before the
+            temperature (Gemma-2's ``final_logit_softcapping``: 30.0), a positive number, or
+            ``None`` (the default: none). Megatron-Core's output layer has no softcap, so its stock
+            logits (a forward without a request) stay uncapped; every answer of the head (log-probs,
+            entropy, top-k, losses, on the fused and the stock-logits routes) is the capped head's
+            (the ops' ``softcap``).
     """
 
     enabled: bool = False
@@ -60,11 +70,17 @@ class FusedLMConfig:
     token_chunk: Optional[int] = None
     batch_invariant: bool = False
     vocab_size: Optional[int] = None
+    softcap: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
             raise TypeError(f"enabled (fused_linear_logprob) must be true or false, got {self.enabled!r}")
-        checks = (("backend", check_backend), ("token_chunk", check_token_chunk), ("vocab_size", check_vocab_size))
+        checks = (
+            ("backend", check_backend),
+            ("token_chunk", check_token_chunk),
+            ("vocab_size", check_vocab_size),
+            ("softcap", check_softcap),
+        )
         for field_name, check in checks:
             key = next(key for key, name in TRAINER_KEYS.items() if name == field_name)
             try:
@@ -80,8 +96,8 @@ class FusedLMConfig:
     @classmethod
     def from_trainer_config(cls, trainer_config: Any, section: Optional[str] = None) -> "FusedLMConfig":
         """Read ``fused_linear_logprob``, ``fused_linear_logprob_backend``,
-        ``fused_linear_logprob_token_chunk``, ``fused_linear_logprob_batch_invariant`` and
-        ``fused_linear_logprob_vocab_size`` from a trainer config.
+        ``fused_linear_logprob_token_chunk``, ``fused_linear_logprob_batch_invariant``,
+        ``fused_linear_logprob_vocab_size`` and ``fused_linear_logprob_softcap`` from a trainer config.
 
         Args:
             trainer_config: a mapping (dict, OmegaConf ``DictConfig``) or an object with attributes
@@ -173,7 +189,9 @@ def _warn_of_misspellings(sections: List[Tuple[str, Any]], config: FusedLMConfig
                 continue
             if name in TRAINERS_OWN_KEYS:
                 continue
-            close = difflib.get_close_matches(name.lower().replace("-", "_"), TRAINER_KEYS, n=1, cutoff=0.75)
+            spelt = name.lower().replace("-", "_")
+            close = [KEYS_BY_TRAINERS_WORDS[spelt]] if spelt in KEYS_BY_TRAINERS_WORDS else None
+            close = close or difflib.get_close_matches(spelt, TRAINER_KEYS, n=1, cutoff=0.75)
             if close:
                 suspects.append(f"{prefix}{name} (did you mean {close[0]}?)")
     if suspects:

@@ -64,6 +64,7 @@ def _fused_rows(
     several: bool = False,
     loss_inputs: Optional[Dict[str, Tensor]] = None,
     vocab_size: Optional[int] = None,
+    softcap: Optional[float] = None,
     **options,
 ) -> tuple[HeadOptions, RowSelection, ShardProblem]:
     """The public fused op ``op``'s inputs checked across the ranks of ``tp_group`` (before anything
@@ -84,10 +85,11 @@ def _fused_rows(
         kept_tokens=kept_tokens,
         loss_inputs=loss_inputs,
         vocab_size=vocab_size,
+        softcap=softcap,
     )
     check_linear_inputs(hidden, weight)
     resolved = registry.resolve(backend, hidden.device)
-    options = HeadOptions.checked(backend=resolved.name, tp_group=tp_group, **options)
+    options = HeadOptions.checked(backend=resolved.name, tp_group=tp_group, softcap=softcap, **options)
     vocab_shard = weight.shape[0]
     live = live_columns(vocab_shard, vocab_size, tp_group)  # checked before the targets are read against it
     selection = select_rows(
@@ -169,6 +171,7 @@ def fused_linear_logprob(
     batch_invariant: bool = False,
     kept_tokens: Optional[KeptTokens] = None,
     vocab_size: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Log-probs (and entropy) of ``targets`` under ``softmax(hidden @ weight.T / temperature)``,
     the vocabulary spread over ``tp_group``, without materializing the logits; the backward
@@ -279,6 +282,7 @@ def fused_linear_logprob(
         reduce_hidden_grad=reduce_hidden_grad,
         batch_invariant=batch_invariant,
         vocab_size=vocab_size,
+        softcap=softcap,
     )
     logprob, entropy, _, _ = crossed(*problem, options=options)
     return _results(selection, logprob, entropy if return_entropy else None, options.entropy_grad)
@@ -321,6 +325,7 @@ def logits_logprob(
     max_rows: Optional[int] = None,
     kept_tokens: Optional[KeptTokens] = None,
     vocab_size: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Log-probs (and entropy) of ``targets`` under ``softmax(logits / temperature)``, the
     vocabulary spread over ``tp_group``: the stock (unfused) path.
@@ -343,7 +348,7 @@ def logits_logprob(
     """
     check_logits(logits)
     options = HeadOptions.checked(
-        backend="torch", token_chunk=token_chunk, tp_group=tp_group, entropy_grad=entropy_grad
+        backend="torch", token_chunk=token_chunk, tp_group=tp_group, entropy_grad=entropy_grad, softcap=softcap
     )
     several = _several_targets(targets, logits.shape[:-1], "error", False)
     kept_tokens = as_kept_tokens(kept_tokens)
@@ -357,6 +362,7 @@ def logits_logprob(
         temperature=temperature,
         kept_tokens=kept_tokens,
         vocab_size=vocab_size,
+        softcap=softcap,
     )
     vocab_shard = logits.shape[-1]
     live = live_columns(vocab_shard, vocab_size, tp_group)
@@ -406,6 +412,7 @@ def fused_linear_loss(
     batch_invariant: bool = False,
     kept_tokens: Optional[KeptTokens] = None,
     vocab_size: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> FusedLoss:
     """``sum_t loss_fn(logprob_t, entropy_t, inputs_t)`` over the rows of
     ``softmax(hidden @ weight.T / temperature)``, with its gradients computed in the forward
@@ -480,6 +487,7 @@ def fused_linear_loss(
         reduce_hidden_grad=reduce_hidden_grad,
         batch_invariant=batch_invariant,
         vocab_size=vocab_size,
+        softcap=softcap,
     )
     if selection.row_index is not None:
         inputs = {name: value.index_select(0, selection.row_index) for name, value in inputs.items()}
@@ -536,6 +544,7 @@ def fused_linear_cross_entropy(
     weight_grad_scale: float = 1.0,
     out_of_vocab: str = "error",
     vocab_size: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> Tensor:
     """Per-token cross-entropy ``-logprob [...]`` (float32), its gradients computed in the forward
     (three GEMMs) for an upstream gradient declared up to a scalar: ``c * declared_weights``.
@@ -574,6 +583,7 @@ def fused_linear_cross_entropy(
         entropy_grad=False,
         reduce_hidden_grad=reduce_hidden_grad,
         vocab_size=vocab_size,
+        softcap=softcap,
     )
     declared = check_per_token("declared_weights", declared_weights, hidden.shape[:-1], hidden.device)
     if not declared.dtype.is_floating_point and declared.dtype != torch.bool:
@@ -603,6 +613,7 @@ def logits_loss(
     token_chunk: Optional[int] = None,
     kept_tokens: Optional[KeptTokens] = None,
     vocab_size: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> FusedLoss:
     """``fused_linear_loss`` on a materialized logits shard: the same loss, the same contract for
     ``loss_fn`` and ``loss_inputs`` (``max_rows`` and ``vocab_size`` as there), the gradient (to ``logits``) by
@@ -620,6 +631,7 @@ def logits_loss(
         kept_tokens=kept_tokens,
         loss_inputs=inputs,
         vocab_size=vocab_size,
+        softcap=softcap,
     )
     logprob, entropy = logits_logprob(
         logits,
@@ -632,6 +644,7 @@ def logits_loss(
         max_rows=max_rows,
         kept_tokens=kept_tokens,
         vocab_size=vocab_size,
+        softcap=softcap,
     )
     check_declared_inputs(loss_fn, targets, inputs=inputs, mask=mask, lead_shape=logits.shape[:-1])
     logprob_rows = logprob.reshape(entropy.numel(), *logprob.shape[entropy.dim() :])  # [rows] or [rows, k]

@@ -23,7 +23,7 @@ from .chunking import BlockLogits, blocked_statistics, chunk_logit_grads, chunk_
 from .distributed import all_gather_stacked, all_reduce_sum, group_size, merge_across_group
 from .options import OPTIONS_SCHEMA, HeadOptions
 from .several_targets import gathered_logits, statistics_column, taken_logits
-from .softmax import SoftmaxSummary, summarize
+from .softmax import SoftmaxSummary, softcapped, summarize
 
 Tensor = torch.Tensor
 Statistics = tuple[Tensor, Tensor, Tensor, Tensor]  # logprob, entropy, lse, mean_logit: [n] float32
@@ -78,9 +78,13 @@ def summarize_rows(
     backend, local: Tensor, *, hidden, weight, target_column, temperature, out, options, several_logits=gathered_logits
 ) -> SoftmaxSummary:
     """Rows' summary into ``out`` (``new_summary``'s, returned): for several targets per row their
-    logits read first by ``several_logits(hidden, weight, target_column, temperature)``, then
+    logits read first by ``several_logits(hidden, weight, target_column, temperature, softcap)``, then
     ``merge_and_summarize``."""
-    several = several_logits(hidden, weight, target_column, temperature) if target_column.dim() == 2 else None
+    several = (
+        several_logits(hidden, weight, target_column, temperature, options.softcap)
+        if target_column.dim() == 2
+        else None
+    )
     merge_and_summarize(backend, local, target_column=target_column, target_logits=several, out=out, options=options)
     return out
 
@@ -236,8 +240,9 @@ class Logits(torch.autograd.Function):
     def forward(logits, target_column, temperature, kept_mask, options: HeadOptions) -> Statistics:
         with autocast_off(logits.device):
             rows = chunk_rows(options.token_chunk, logits.shape[-1])
-            stats = blocked_statistics(_scaled(logits, temperature), statistics_column(target_column), kept_mask, rows)
-            several = lambda logits, _, columns, temperature: taken_logits(logits, columns, temperature)  # noqa: E731
+            block_logits = _scaled(logits, temperature, options.softcap)
+            stats = blocked_statistics(block_logits, statistics_column(target_column), kept_mask, rows)
+            several = lambda logits, _, *columns_and_scale: taken_logits(logits, *columns_and_scale)  # noqa: E731
             torch_backend = registry.by_name("torch")
             summary = summarize_rows(
                 torch_backend,
@@ -266,11 +271,12 @@ class Logits(torch.autograd.Function):
         with autocast_off(logits.device):
             rows, saved = chunk_rows(ctx.options.token_chunk, logits.shape[-1]), SavedStatistics(lse, mean_logit)
             chunks = chunk_logit_grads(
-                _scaled(logits, temperature),
+                _scaled(logits, temperature, ctx.options.softcap),
                 target_column,
                 saved=saved,
                 upstream=upstream,
                 temperature=temperature,
+                softcap=ctx.options.softcap,
                 kept_mask=kept_mask,
                 token_chunk=rows,
             )
@@ -279,9 +285,9 @@ class Logits(torch.autograd.Function):
         return grad_logits, None, None, None, None
 
 
-def _scaled(logits: Tensor, temperature: Tensor) -> BlockLogits:
-    # Out of place: logits.float() is logits itself when it is float32 already.
-    return lambda rows: logits[rows].float() / temperature[rows, None]
+def _scaled(logits: Tensor, temperature: Tensor, softcap: Optional[float]) -> BlockLogits:
+    # A copy: logits.float() is logits itself when it is float32 already.
+    return lambda rows: softcapped(logits[rows].to(torch.float32, copy=True), softcap).div_(temperature[rows, None])
 
 
 def _save_statistics(ctx, inputs: tuple, options: HeadOptions, output: Statistics) -> None:

@@ -1,6 +1,6 @@
 """Walking the rows in chunks of float32 logits: the loops the torch backend's recompute path and the
 unfused logits path share. ``block_logits(rows)`` produces one chunk's float32 logits
-``[rows, vocab_shard]``, already divided by each row's temperature; nothing larger than one chunk's block
+``[rows, vocab_shard]``, already softcapped and divided by each row's temperature; nothing larger than one chunk's block
 exists at a time."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from .backends.contract import SavedStatistics, UpstreamGrads, token_chunks
 from .kept_tokens import kept_block
-from .softmax import NUM_STATISTICS, block_logit_grad, block_statistics
+from .softmax import NUM_STATISTICS, block_logit_grad, block_statistics, product_grad
 
 BlockLogits = Callable[[slice], torch.Tensor]
 BLOCK_BYTES = 256 * 2**20  # one float32 logits block, when token_chunk is None
@@ -43,10 +43,11 @@ def chunk_logit_grads(
     temperature: torch.Tensor,
     kept_mask: torch.Tensor,
     token_chunk: int,
+    softcap: Optional[float],
 ) -> Iterator[Tuple[slice, torch.Tensor]]:
-    """Yield ``(rows, grad)``: the float32 gradient with respect to the *unscaled* logits of each
-    chunk (``dz / temperature``, ``temperature [n]`` per row; 0 outside the kept columns), its
-    logits recomputed by ``block_logits``."""
+    """Yield ``(rows, grad)``: the float32 gradient with respect to the products ``h . w`` of each
+    chunk (``softmax.product_grad``: ``dz / temperature``, ``temperature [n]`` per row, times the
+    softcap's slope; 0 outside the kept columns), its logits recomputed by ``block_logits``."""
     for rows in token_chunks(target_column.shape[0], token_chunk):
         logits = block_logits(rows)
         chunk_upstream = upstream.rows(rows)
@@ -59,4 +60,4 @@ def chunk_logit_grads(
             grad_entropy=chunk_upstream.entropy,
             kept=kept_block(kept_mask, rows, logits.shape[1]),
         )
-        yield rows, grad.div_(temperature[rows, None])
+        yield rows, product_grad(grad, logits, temperature[rows, None], softcap)

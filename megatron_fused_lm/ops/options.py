@@ -46,6 +46,18 @@ def check_vocab_size(vocab_size: Optional[int]) -> Optional[int]:
     return vocab_size
 
 
+def check_softcap(softcap: Optional[float]) -> Optional[float]:
+    """``softcap`` as a ``float`` (or ``None``); ``ValueError`` unless it is positive and finite."""
+    if softcap is None:
+        return None
+    softcap = checked_number("softcap", softcap)
+    if not (softcap > 0 and math.isfinite(softcap)):
+        raise ValueError(
+            f"softcap must be a positive finite number (logits = softcap * tanh(logits / softcap)) or None, got {softcap}"
+        )
+    return softcap
+
+
 def check_token_chunk(token_chunk: Optional[int]) -> Optional[int]:
     """``token_chunk`` as an ``int`` (or ``None``); ``ValueError`` unless it is positive."""
     if token_chunk is not None and checked_number("token_chunk", token_chunk, integral=True) <= 0:
@@ -108,7 +120,7 @@ def _cute_unavailable_reason(device: torch.device) -> Optional[str]:
 
 _SCHEMA_TYPES = {
     "str": "str", "Optional[int]": "SymInt?", "Optional[str]": "str?", "bool": "bool", "float": "float",
-    "int": "SymInt", "torch.dtype": "ScalarType",
+    "int": "SymInt", "torch.dtype": "ScalarType", "Optional[float]": "float?",
 }  # fmt: skip
 
 
@@ -136,6 +148,7 @@ class HeadOptions(Keywords):
     entropy_grad: bool = True
     reduce_hidden_grad: bool = True
     batch_invariant: bool = False
+    softcap: Optional[float] = None  # logits = softcap * tanh(products / softcap), before the temperature
 
     @classmethod
     def checked(
@@ -147,6 +160,7 @@ class HeadOptions(Keywords):
         entropy_grad: bool = True,
         reduce_hidden_grad: bool = True,
         batch_invariant: bool = False,
+        softcap: Optional[float] = None,
     ) -> HeadOptions:
         """The options of a public call whose backend ``backend`` (a name) is resolved already, each
         checked (``TypeError`` / ``ValueError``)."""
@@ -163,6 +177,7 @@ class HeadOptions(Keywords):
             entropy_grad=bool(entropy_grad),
             reduce_hidden_grad=bool(reduce_hidden_grad),
             batch_invariant=batch_invariant,
+            softcap=check_softcap(softcap),
         )
 
     @property

@@ -19,6 +19,7 @@ tensors, compiled graphs, CUDA-graph capture) and turned off for the process wit
 
 from __future__ import annotations
 
+import struct
 import threading
 import zlib
 from typing import List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
@@ -72,6 +73,7 @@ NAMES = (
     "the hidden size",
     "the shard's vocabulary rows",
     "vocab_size",
+    "softcap",
     "targets",
     "mask",
     "temperature",
@@ -92,6 +94,7 @@ def check_across_ranks(
     kept_tokens=None,
     loss_inputs: Optional[Mapping[str, torch.Tensor]] = None,
     vocab_size: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> None:
     """``ValueError`` where the ranks of ``tp_group`` disagree on ``op``'s inputs: ``hidden [..., H]``
     and ``shard [V / P, H]`` the rank's weight shard, or a logits shard ``[..., V / P]`` and ``None``
@@ -119,6 +122,7 @@ def check_across_ranks(
             kept_tokens=kept_tokens,
             loss_inputs=loss_inputs,
             vocab_size=vocab_size,
+            softcap=softcap,
         )
     except BaseException:
         # Every rank reads the same gathered digest, so all refuse alike: a refused call, caught and
@@ -129,7 +133,7 @@ def check_across_ranks(
 
 
 def _check(
-    op, tp_group, hidden, shard, vocab_shard, targets, mask, temperature, kept_tokens, loss_inputs, vocab_size
+    op, tp_group, hidden, shard, vocab_shard, targets, mask, temperature, kept_tokens, loss_inputs, vocab_size, softcap
 ) -> None:
     """The digest's all-gather and the comparison of ``check_across_ranks``."""
     temperature = temperature if isinstance(temperature, torch.Tensor) else torch.tensor(float(temperature))
@@ -137,7 +141,8 @@ def _check(
     if shard is None:  # the logits' columns as rows, built on the first call only
         shard = hidden.reshape(-1, vocab_shard).t()
     vocab = -1 if vocab_size is None else vocab_size
-    local = torch.tensor([hidden.shape[:-1].numel(), hidden.shape[-1], vocab_shard, vocab], device=hidden.device)
+    cap = -1 if softcap is None else struct.unpack("<q", struct.pack("<d", float(softcap)))[0]  # its exact bits
+    local = torch.tensor([hidden.shape[:-1].numel(), hidden.shape[-1], vocab_shard, vocab, cap], device=hidden.device)
     digest = torch.cat([local, _digests(inputs, hidden.device), _shard_digest(shard)])
     gathered = all_gather_stacked(digest[None], tp_group)[:, 0].cpu()  # the one read on the host
     differing = [

@@ -15,7 +15,11 @@ as the maximum itself, so that its ``1 - p`` carries no rounding of theirs (``do
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+
+from .softmax import softcapped
 
 Tensor = torch.Tensor
 # Gathered weight rows per chunk, float32 elements: bounds the [rows, k, H] working set (256 MiB).
@@ -30,9 +34,12 @@ def statistics_column(target_column: Tensor) -> Tensor:
     return torch.full_like(target_column[:, 0], -1)
 
 
-def gathered_logits(hidden: Tensor, weight: Tensor, target_column: Tensor, temperature: Tensor) -> Tensor:
-    """``[n, k]`` float32: ``hidden [n, H] . weight[target_column] / temperature [n]`` where this
-    shard owns the id (``target_column >= 0``), else 0; products in float32, in chunks of rows."""
+def gathered_logits(
+    hidden: Tensor, weight: Tensor, target_column: Tensor, temperature: Tensor, softcap: Optional[float]
+) -> Tensor:
+    """``[n, k]`` float32: the logits ``hidden [n, H] . weight[target_column]`` (``softcapped``) over
+    ``temperature [n]`` where this shard owns the id (``target_column >= 0``), else 0; products in
+    float32, in chunks of rows."""
     logits = hidden.new_zeros(target_column.shape, dtype=torch.float32)
     chunk = max(1, GATHER_ELEMENTS // max(target_column.shape[1] * hidden.shape[1], 1))
     for start in range(0, target_column.shape[0], chunk):
@@ -40,10 +47,10 @@ def gathered_logits(hidden: Tensor, weight: Tensor, target_column: Tensor, tempe
         gathered = weight[target_column[rows].clamp(min=0)].float()  # [rows, k, H]
         # A reduction, not a matmul: float32 whatever TF32 setting the caller chose.
         logits[rows] = torch.linalg.vecdot(gathered, hidden[rows].float().unsqueeze(1))
-    return torch.where(target_column >= 0, logits / temperature[:, None], 0.0)
+    return torch.where(target_column >= 0, softcapped(logits, softcap).div_(temperature[:, None]), 0.0)
 
 
-def taken_logits(logits: Tensor, target_column: Tensor, temperature: Tensor) -> Tensor:
+def taken_logits(logits: Tensor, target_column: Tensor, temperature: Tensor, softcap: Optional[float]) -> Tensor:
     """``gathered_logits`` from a materialized logits shard ``[n, vocab_shard]``."""
-    taken = logits.gather(-1, target_column.clamp(min=0)).float() / temperature[:, None]
+    taken = softcapped(logits.gather(-1, target_column.clamp(min=0)).float(), softcap).div_(temperature[:, None])
     return torch.where(target_column >= 0, taken, 0.0)

@@ -106,6 +106,36 @@ def summarize(
     )
 
 
+def softcapped(products: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
+    """``softcap * tanh(products / softcap)`` in place (``softcap`` ``None``: ``products`` as they
+    are): the logits of a softcapped head (Gemma-2's ``final_logit_softcapping``), before the
+    temperature divides them. Returns ``products``."""
+    if softcap is not None:
+        products.div_(softcap).tanh_().mul_(softcap)
+    return products
+
+
+def target_logits(summary: SoftmaxSummary) -> torch.Tensor:
+    """The targets' logits ``logprob + lse`` (``[n]``, or ``[n, k]`` for several), where
+    ``product_grad`` reads the softcap's slope for the chosen tokens' terms."""
+    return summary.logprob + (summary.lse if summary.logprob.dim() == 1 else summary.lse.unsqueeze(1))
+
+
+def product_grad(
+    grad: torch.Tensor, logits: Optional[torch.Tensor], temperature: torch.Tensor, softcap: Optional[float]
+) -> torch.Tensor:
+    """The gradient with respect to the products ``h . w`` from ``grad``, that with respect to the
+    logits ``z = softcap tanh(h . w / softcap) / T``, in place: ``grad (1 - tanh^2) / T``, the tanh
+    read back from ``z`` itself (``z T / softcap``, as autograd's tanh backward reads its output).
+    ``logits`` as ``grad`` (a block, or the targets' logits; read with a ``softcap`` only),
+    ``temperature`` broadcast against both; a column left out (``-inf``) gets slope 0. Returns
+    ``grad``."""
+    if softcap is not None:
+        tanh = torch.mul(logits, temperature).div_(softcap).clamp_(-1.0, 1.0)
+        grad.mul_(tanh.square_().neg_().add_(1.0))
+    return grad.div_(temperature)
+
+
 def logit_grad(prob, mean_minus_logit, grad_logprob, grad_entropy, HAS_GRAD_LOGPROB, HAS_GRAD_ENTROPY):
     """``dz = p * (g_H * (mean - z) - g_lp)``: the gradient with respect to every logit but the
     chosen token's, which adds ``g_lp`` (``chosen_logit_grad`` gives its whole term).

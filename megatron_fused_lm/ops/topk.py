@@ -26,7 +26,7 @@ from .inputs import RowSelection, check_linear_inputs, check_logits, live_column
 from .options import HeadOptions, checked_number
 from .products import float32_product
 from .rank_check import check_across_ranks
-from .softmax import summarize
+from .softmax import softcapped, summarize
 from .top_keys import MAX_ID, NO_KEY, keyed_logits, shard_top_keys
 
 Tensor = torch.Tensor
@@ -42,6 +42,7 @@ def fused_linear_topk(
     backend: Union[str, object] = "torch",
     token_chunk: Optional[int] = None,
     vocab_size: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Each row's ``k`` largest log-probs under ``softmax(hidden @ weight.T / temperature)`` (the
     whole vocabulary's, spread over ``tp_group``) and their global vocabulary ids, without
@@ -57,7 +58,7 @@ def fused_linear_topk(
             vocab_shard)``.
         k: how many tokens per row, from 1 to the whole vocabulary (``vocab_shard * tp_size``, or
             ``vocab_size``).
-        tp_group, temperature, vocab_size: as for ``fused_linear_logprob``.
+        tp_group, temperature, vocab_size, softcap: as for ``fused_linear_logprob``.
         backend: as for ``fused_linear_logprob``. Triton: two launches of its forward kernel,
             no logits stored (``backends.triton_topk``; a row whose largest logits crowd into a
             few column tiles, and every row where ``k`` exceeds a quarter of the shard's column
@@ -79,22 +80,25 @@ def fused_linear_topk(
         rows for the torch form).
     """
     check_linear_inputs(hidden, weight)
-    check_across_ranks("fused_linear_topk", tp_group, hidden, weight, temperature=temperature, vocab_size=vocab_size)
+    check_across_ranks(
+        "fused_linear_topk", tp_group, hidden, weight, temperature=temperature, vocab_size=vocab_size, softcap=softcap
+    )
     resolved = registry.resolve(backend, hidden.device)
-    options = HeadOptions.checked(backend=resolved.name, token_chunk=token_chunk, tp_group=tp_group)
+    options = HeadOptions.checked(backend=resolved.name, token_chunk=token_chunk, tp_group=tp_group, softcap=softcap)
     temperature = row_temperatures(temperature, RowSelection(hidden.shape[:-1], None, None, None), hidden.device)
     first_id, vocab = _shard_ids(weight.shape[0], vocab_size, tp_group)
     rows = hidden.reshape(-1, hidden.shape[-1]).detach().to(weight.dtype)
     weight = weight.detach()[: live_columns(weight.shape[0], vocab_size, tp_group)]
 
     def block_logits(index):  # a slice or indices of rows
-        return float32_product(rows[index], weight.t()).div_(temperature[index, None])
+        return softcapped(float32_product(rows[index], weight.t()), options.softcap).div_(temperature[index, None])
 
     def local_keys(local_k):
         return resolved.top_keys(
             rows,
             weight,
             temperature=temperature,
+            softcap=options.softcap,
             k=local_k,
             first_id=first_id,
             block_logits=block_logits,
@@ -115,20 +119,25 @@ def logits_topk(
     temperature: Union[float, Tensor] = 1.0,
     token_chunk: Optional[int] = None,
     vocab_size: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> Tuple[Tensor, Tensor]:
     """``fused_linear_topk`` on a materialized logits shard ``[..., vocab_shard]`` (float32,
     bfloat16 or float16; rank ``r`` owns global ids ``[r * vocab_shard, (r + 1) * vocab_shard)``):
     the same results, forward only."""
     check_logits(logits)
-    check_across_ranks("logits_topk", tp_group, logits, None, temperature=temperature, vocab_size=vocab_size)
-    options = HeadOptions.checked(backend="torch", token_chunk=token_chunk, tp_group=tp_group)
+    check_across_ranks(
+        "logits_topk", tp_group, logits, None, temperature=temperature, vocab_size=vocab_size, softcap=softcap
+    )
+    options = HeadOptions.checked(backend="torch", token_chunk=token_chunk, tp_group=tp_group, softcap=softcap)
     temperature = row_temperatures(temperature, RowSelection(logits.shape[:-1], None, None, None), logits.device)
     first_id, vocab = _shard_ids(logits.shape[-1], vocab_size, tp_group)
     flat = logits.detach().reshape(-1, logits.shape[-1])[:, : live_columns(logits.shape[-1], vocab_size, tp_group)]
     rows_per_chunk = chunk_rows(options.token_chunk, flat.shape[1])
 
     def local_keys(local_k):
-        block_logits = lambda chunk: flat[chunk].float() / temperature[chunk, None]  # noqa: E731
+        block_logits = lambda chunk: softcapped(  # noqa: E731
+            flat[chunk].to(torch.float32, copy=True), options.softcap
+        ).div_(temperature[chunk, None])
         return shard_top_keys(
             block_logits, flat.shape[0], k=local_k, first_id=first_id, rows_per_chunk=rows_per_chunk, device=flat.device
         )

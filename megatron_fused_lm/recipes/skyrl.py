@@ -82,6 +82,7 @@ class FusedLMSettings:
     fused_linear_logprob_token_chunk: Optional[int] = None
     fused_linear_logprob_batch_invariant: bool = False
     fused_linear_logprob_vocab_size: Optional[int] = None
+    fused_linear_logprob_softcap: Optional[float] = None
 
 
 def wrap_actor_module(actor_module: list, trainer_cfg: Any) -> FusedLMHead:

@@ -41,6 +41,7 @@ class FusedLMSettings:
     fused_linear_logprob_token_chunk: Optional[int] = None
     fused_linear_logprob_batch_invariant: bool = False
     fused_linear_logprob_vocab_size: Optional[int] = None
+    fused_linear_logprob_softcap: Optional[float] = None
 
 
 def head_temperature(temperature: Union[float, Tensor]) -> Union[float, Tensor]:

@@ -197,8 +197,9 @@ def opcheck_cases():
     kept = torch_kept_mask(KeptSets(offsets, kept_ids, targets, ROWS, 0, VOCAB), VOCAB)
     problem = ShardProblem(hidden, weight, targets, temperature, every)
     backend = TorchBackend()
-    state = backend.allocate(problem, NeededGrads(True, True), HeadOptions(token_chunk=7))
-    local = backend.chunk_statistics(problem, state, slice(0, 7))
+    head_options = HeadOptions(token_chunk=7)
+    state = backend.allocate(problem, NeededGrads(True, True), head_options)
+    local = backend.chunk_statistics(problem, state, slice(0, 7), head_options)
     summary = list(summarize(local, targets[:7]))
     chunk_problem = (hidden[:7], weight, targets[:7], temperature[:7], kept[:7])
     held_weight = [torch.randn(VOCAB // 2, HIDDEN), torch.randn(VOCAB - VOCAB // 2, HIDDEN)]

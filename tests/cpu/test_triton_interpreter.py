@@ -243,7 +243,7 @@ def several_targets_case(case: dict) -> dict:
         logprob = torch.empty(tokens, k)
 
         def chunk_step(rows, local):
-            target_logits = gathered_logits(hidden[rows], weight, ids[rows], temperature[rows])
+            target_logits = gathered_logits(hidden[rows], weight, ids[rows], temperature[rows], None)
             summary = summarize(local, statistics_column(ids[rows]), target_logits)
             logprob[rows] = summary.logprob
             upstream = UpstreamGrads(grad_logprob[rows], None if grad_entropy is None else grad_entropy[rows])
@@ -253,7 +253,7 @@ def several_targets_case(case: dict) -> dict:
     else:
         stats = backend.local_statistics(problem._replace(target_column=statistics_column(ids)), options)
         summary = summarize(stats)
-        logprob = summarize(stats, None, gathered_logits(hidden, weight, ids, temperature)).logprob
+        logprob = summarize(stats, None, gathered_logits(hidden, weight, ids, temperature, None)).logprob
         grads = backend.local_gradients(
             problem, SavedStatistics(summary.lse, summary.mean_logit), UpstreamGrads(grad_logprob, grad_entropy),
             NeededGrads(hidden=True, weight=True), options,
@@ -362,7 +362,7 @@ def topk_case(case: dict) -> dict:
     others = torch.arange(tokens) != nan_row
     results, in_vocabulary = {}, True
     for k in case["ks"]:
-        stats, keys = top_keys(hidden, weight, temperature, k, 0, block_logits, token_chunk=17, tuning=tuning)
+        stats, keys = top_keys(hidden, weight, temperature, None, k, 0, block_logits, token_chunk=17, tuning=tuning)
         logits, ids = keyed_logits(keys)
         in_vocabulary &= bool(((ids[nan_row] >= 0) & (ids[nan_row] < vocab)).all())
         logprob = logits - summarize(stats).lse[:, None]
@@ -515,8 +515,10 @@ def default_tuning_case(case: dict) -> dict:
     targets = torch.randint(0, vocab_size, (tokens,))
     grad_logprob, grad_entropy = torch.randn(tokens), torch.randn(tokens)
     true = weight[:vocab_size]
-    expected = reference(hidden, true, targets, grad_logprob=grad_logprob, grad_entropy=grad_entropy)
-    options = dict(backend="triton", vocab_size=case.get("vocab_size"))
+    expected = reference(
+        hidden, true, targets, grad_logprob=grad_logprob, grad_entropy=grad_entropy, softcap=case.get("softcap")
+    )
+    options = dict(backend="triton", vocab_size=case.get("vocab_size"), softcap=case.get("softcap"))
     hidden_leaf, weight_leaf = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     logprob, entropy = fused_linear_logprob(hidden_leaf, weight_leaf, targets, return_entropy=True, **options)
     (logprob * grad_logprob + entropy * grad_entropy).sum().backward()
@@ -533,7 +535,7 @@ def default_tuning_case(case: dict) -> dict:
         hidden_leaf, weight_leaf, targets, losses.cross_entropy, loss_inputs={"weight": weights}, **options
     )
     result.loss.backward()
-    expected = reference(hidden, true, targets, grad_logprob=-weights)
+    expected = reference(hidden, true, targets, grad_logprob=-weights, softcap=case.get("softcap"))
     errors["loss_hidden_grad"] = relative_error(hidden_leaf.grad, expected.grad_hidden)
     errors["loss_weight_grad"] = relative_error(weight_leaf.grad[:vocab_size], expected.grad_weight)
     errors["loss_padded_weight_grad"] = float(torch.count_nonzero(weight_leaf.grad[vocab_size:]))
@@ -647,7 +649,7 @@ def run_case_here(case: dict) -> dict:
     backend = TritonBackend(tuning)
     options = HeadOptions(
         token_chunk=case.get("token_chunk"), batch_invariant=case.get("batch_invariant", False),
-        entropy_grad=case["entropy_grad"],
+        entropy_grad=case["entropy_grad"], softcap=case.get("softcap"),
     )  # fmt: skip
     if case.get("three_gemm"):
 
@@ -674,7 +676,9 @@ def run_case_here(case: dict) -> dict:
         rows_alone_equal = all(
             torch.equal(part, whole[: part.shape[0]]) for part, whole in zip(alone[:2], (logprob, entropy), strict=True)
         ) and torch.equal(alone[2].hidden, grads.hidden[: alone[2].hidden.shape[0]])
-    expected = reference(hidden, weight, targets, temperature, grad_logprob, grad_entropy, kept=kept)
+    expected = reference(
+        hidden, weight, targets, temperature, grad_logprob, grad_entropy, kept=kept, softcap=case.get("softcap")
+    )
     sampled = weight[:: -(-weight.shape[0] // case["reference_rows"])] if case.get("reference_rows") else weight
     logits = hidden.double() @ weight.double().t() / temperature.double()[:, None]
     sampled_max = (hidden.double() @ sampled.double().t() / temperature.double()[:, None]).amax(1)
@@ -1050,6 +1054,38 @@ def test_the_public_ops_with_extreme_logits(extreme):
     # inherits (measured 1.4e-3 to 2.2e-3 relative at a shift of 3000, 1e-5 unshifted).
     errors = run_case(kind="default_tuning", shape=[12, 32, 300], seed=7, **extreme)
     assert all(error <= 8 * 2**-23 * 3000 + 2e-5 for error in errors.values()), errors
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True], ids=["exponentials", "entropy"])
+@pytest.mark.parametrize("three_gemm", [False, True], ids=["recompute", "three_gemm"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_softcap(dtype, three_gemm, entropy_grad):
+    # Logits of spread about 8 (peaked rows reach 30) under a cap of 5: tanh saturates on each
+    # row's largest columns, so a cap left out, or a slope missing from a gradient (the recompute
+    # kernel's, the dz kernel's from exponentials or float16 offsets, the chosen token's), costs
+    # O(0.1). Per-row temperatures, backward blocks of 256 columns, the bounds of check().
+    result = run_case(
+        dtype=dtype, shape=[40, 33, 601], temperature="per_row", hidden_scale=8.0, token_chunk=16,
+        dz_block_bytes=16 * 256 * 4, seed=12, three_gemm=three_gemm, entropy_grad=entropy_grad, softcap=5.0,
+    )  # fmt: skip
+    check(result, dtype)
+
+
+def test_softcap_on_two_shards():
+    # The three-GEMM pass per shard of two, one vocabulary row far above the others (capped) and
+    # not among the rows the reference samples.
+    result = run_case(
+        dtype="float32", shape=[40, 33, 600], hidden_scale=4.0, token_chunk=16, seed=13, three_gemm=True,
+        entropy_grad=False, softcap=20.0, shards=2, dominant_row=333, reference_rows=8,
+    )  # fmt: skip
+    check(result, "float32")
+
+
+def test_the_public_ops_with_a_softcap():
+    # The public ops with backend="triton" (default tuning): log-probs, entropy, gradients, the
+    # three-GEMM loss's, under a cap of 3 on logits of order 10.
+    errors = run_case(kind="default_tuning", shape=[12, 32, 300], seed=8, spread=3.0, softcap=3.0)
+    assert all(error <= 1e-5 for error in errors.values()), errors
 
 
 def test_the_public_ops_over_the_true_vocabulary():

@@ -125,7 +125,7 @@ class Backend(Protocol):
     ) -> LossState:
         """The pass's tensors; the weight gradient added into ``held_weight`` where given."""
 
-    def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice) -> Optional[torch.Tensor]:
+    def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice, options) -> Optional[torch.Tensor]:
         """GEMM 1 over a chunk: its statistics ``[k, 4]``, the block kept in ``state``."""
 
     def summarize(self, parts: torch.Tensor, target_column: torch.Tensor, out) -> None:
@@ -167,7 +167,7 @@ class Backend(Protocol):
     def kept_mask(self, sets, vocab_shard: int) -> torch.Tensor:
         """The bitmask of kept sets (``kept_tokens``' form), its values checked."""
 
-    def top_keys(self, hidden, weight, temperature, k, first_id, block_logits, token_chunk):
+    def top_keys(self, hidden, weight, temperature, softcap, k, first_id, block_logits, token_chunk):
         """Each row's ``k`` largest logits' keys on this shard (``top_keys``)."""
 
 

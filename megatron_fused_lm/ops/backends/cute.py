@@ -22,9 +22,12 @@ from .triton_tuning import TritonTuning
 TILES_PER_SPLIT = 8
 
 
-def statistics_unsupported(problem: ShardProblem) -> Optional[str]:
-    """Why the CuTe statistics kernel does not take ``problem``, or ``None`` where it does."""
+def statistics_unsupported(problem: ShardProblem, softcap: Optional[float] = None) -> Optional[str]:
+    """Why the CuTe statistics kernel does not take ``problem`` (under the logits' ``softcap``), or
+    ``None`` where it does."""
     hidden, weight = problem.hidden, problem.weight
+    if softcap is not None:
+        return "softcap is not in the CuTe kernel yet"
     if hidden.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != hidden.dtype:
         return f"it takes bfloat16 or float16 operands of one dtype, got {hidden.dtype} and {weight.dtype}"
     if problem.kept_mask.numel():
@@ -52,7 +55,7 @@ class CuteBackend(TritonBackend):
         ``merge_parts`` (its order fixed by the number of parts)."""
         if problem.hidden.shape[0] == 0:
             return problem.hidden.new_empty(0, NUM_STATISTICS, dtype=torch.float32)
-        reason = statistics_unsupported(problem)
+        reason = statistics_unsupported(problem, options.softcap)
         if reason is not None:
             warn_once(f"backend='cute' computes these forward statistics with Triton: {reason}")
             return super().local_statistics(problem, options)

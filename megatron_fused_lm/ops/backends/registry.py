@@ -27,8 +27,8 @@ class TorchBackend(TorchRecompute, TorchLoss):
         """The ``kept_mask`` of ``sets`` (``kept_tokens``' form), its values checked."""
         return torch_kept_mask(sets, vocab_shard)
 
-    def top_keys(self, hidden, weight, temperature, k, first_id, block_logits, token_chunk):
-        """``triton_topk.top_keys``' contract by the torch form alone."""
+    def top_keys(self, hidden, weight, temperature, softcap, k, first_id, block_logits, token_chunk):
+        """``triton_topk.top_keys``' contract by the torch form alone (``block_logits`` capped already)."""
         rows = chunk_rows(token_chunk, weight.shape[0])
         return shard_top_keys(
             block_logits, hidden.shape[0], k=k, first_id=first_id, rows_per_chunk=rows, device=hidden.device

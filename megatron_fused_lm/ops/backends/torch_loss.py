@@ -19,7 +19,10 @@ from ..softmax import (
     block_statistics,
     chosen_logit_grad,
     merge_statistics,
+    product_grad,
+    softcapped,
     summarize,
+    target_logits,
     zero_chosen,
 )
 from . import contract
@@ -47,11 +50,13 @@ class TorchLoss:
         block = hidden.new_empty(rows, weight.shape[0], dtype=torch.float32)
         return LossState(block, hidden.new_empty(0), *contract.allocate_state(problem, needed, held_weight))
 
-    def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice) -> torch.Tensor:
+    def chunk_statistics(
+        self, problem: ShardProblem, state: LossState, rows: slice, options: HeadOptions
+    ) -> torch.Tensor:
         """The chunk's float32 logits into the block (GEMM 1) and their statistics ``[k, 4]``."""
         logits = state.block[: rows.stop - rows.start]
-        temperature = problem.temperature[rows, None]
-        add_product(logits, problem.hidden[rows], problem.weight.t(), accumulate=False).div_(temperature)
+        products = add_product(logits, problem.hidden[rows], problem.weight.t(), accumulate=False)
+        softcapped(products, options.softcap).div_(problem.temperature[rows, None])
         # Several targets per row: the statistics run with none, their logits are read apart.
         target_column = statistics_column(problem.target_column[rows])
         return block_statistics(logits, target_column, kept_block(problem.kept_mask, rows, logits.shape[1]))
@@ -91,7 +96,7 @@ class TorchLoss:
             with_chosen=False,
         )
         zero_chosen(grad, target_column)  # its whole term is added in float32 (add_chosen, add_chosen_rows)
-        operand = grad.div_(temperature[:, None]).to(weight.dtype)
+        operand = product_grad(grad, logits, temperature[:, None], options.softcap).to(weight.dtype)
         if state.held_hidden.dim() == 2:
             add_product(state.held_hidden[rows], operand, weight, accumulate=False)
         if state.held_weight:
@@ -99,7 +104,8 @@ class TorchLoss:
                 operand = grad.mul_(weight_row_scale[:, None]).to(weight.dtype)
             contract.add_weight_product(state.held_weight, operand, problem.hidden[rows], accumulate)
         per_row = temperature.view(-1, *[1] * (target_column.dim() - 1))  # beside one or several targets' terms
-        chosen = chosen_logit_grad(target_column, summary, *upstream) / per_row
+        logits = target_logits(summary) if options.softcap is not None else None  # read for the cap's slope only
+        chosen = product_grad(chosen_logit_grad(target_column, summary, *upstream), logits, per_row, options.softcap)
         if state.held_hidden.dim() == 2:
             self.add_chosen(state.held_hidden[rows], target_column, chosen, weight)
         if state.held_weight:

@@ -5,19 +5,23 @@ for ``grad_weight`` (``contract.allocate_parts``), narrowed into its own memory 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..chunking import BlockLogits, blocked_statistics, chunk_logit_grads, chunk_rows
 from ..options import HeadOptions
 from ..products import add_product, float32_product
+from ..softmax import softcapped
 from . import contract
 from .contract import Gradients, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
 
 
-def block_logits(problem: ShardProblem) -> BlockLogits:
-    """A chunk's float32 logits ``[rows, vocab_shard]``, divided by each row's temperature."""
+def block_logits(problem: ShardProblem, softcap: Optional[float]) -> BlockLogits:
+    """A chunk's float32 logits ``[rows, vocab_shard]``, ``softcapped`` and divided by each row's
+    temperature."""
     hidden, weight_t, temperature = problem.hidden, problem.weight.t(), problem.temperature
-    return lambda rows: float32_product(hidden[rows], weight_t).div_(temperature[rows, None])
+    return lambda rows: softcapped(float32_product(hidden[rows], weight_t), softcap).div_(temperature[rows, None])
 
 
 class TorchRecompute:
@@ -27,7 +31,8 @@ class TorchRecompute:
     def local_statistics(self, problem: ShardProblem, options: HeadOptions) -> torch.Tensor:
         """This shard's statistics ``[n, 4]`` (float32)."""
         rows = chunk_rows(options.token_chunk, problem.weight.shape[0])
-        return blocked_statistics(block_logits(problem), problem.target_column, problem.kept_mask, rows)
+        logits = block_logits(problem, options.softcap)
+        return blocked_statistics(logits, problem.target_column, problem.kept_mask, rows)
 
     def local_gradients(
         self,
@@ -44,7 +49,7 @@ class TorchRecompute:
         grad_hidden = torch.empty_like(hidden) if needed.hidden else None
         _, held_weight = contract.allocate_parts(hidden, weight, NeededGrads(hidden=False, weight=needed.weight))
         rows = chunk_rows(options.token_chunk, weight.shape[0])
-        for chunk, grad in _logit_grads(problem, saved, upstream, rows):
+        for chunk, grad in _logit_grads(problem, saved, upstream, rows, options.softcap):
             grad = grad.to(weight.dtype)
             if grad_hidden is not None:
                 add_product(grad_hidden[chunk], grad, weight, accumulate=False)
@@ -55,14 +60,17 @@ class TorchRecompute:
         return Gradients(grad_hidden, grad_weight)
 
 
-def _logit_grads(problem: ShardProblem, saved: SavedStatistics, upstream: UpstreamGrads, rows: int):
+def _logit_grads(
+    problem: ShardProblem, saved: SavedStatistics, upstream: UpstreamGrads, rows: int, softcap: Optional[float]
+):
     """``chunking.chunk_logit_grads`` of the problem's rows, ``rows`` at a time."""
     return chunk_logit_grads(
-        block_logits(problem),
+        block_logits(problem, softcap),
         problem.target_column,
         saved=saved,
         upstream=upstream,
         temperature=problem.temperature,
         kept_mask=problem.kept_mask,
         token_chunk=rows,
+        softcap=softcap,
     )

@@ -31,12 +31,13 @@ class TritonBackend(TritonRecompute, TritonLoss):
         """The ``kept_mask`` of ``sets`` by one program per row (``kernels.kept_mask_kernel``)."""
         return kept_mask(sets, vocab_shard)
 
-    def top_keys(self, hidden, weight, temperature, k, first_id, block_logits, token_chunk):
+    def top_keys(self, hidden, weight, temperature, softcap, k, first_id, block_logits, token_chunk):
         """``triton_topk.top_keys`` with this tuning."""
         return triton_topk.top_keys(
             hidden,
             weight,
             temperature=temperature,
+            softcap=softcap,
             k=k,
             first_id=first_id,
             block_logits=block_logits,

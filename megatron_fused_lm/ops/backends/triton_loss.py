@@ -32,7 +32,7 @@ from ..kernels.stored_grad_kernel import stored_logit_grads
 from ..options import HeadOptions
 from ..products import add_product
 from ..several_targets import statistics_column
-from ..softmax import SoftmaxSummary, chosen_logit_grad, logit_grad, zero_chosen
+from ..softmax import SoftmaxSummary, chosen_logit_grad, logit_grad, product_grad, target_logits, zero_chosen
 from . import contract, torch_loss
 from .contract import LossState, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
 from .triton_reference import (
@@ -64,12 +64,16 @@ def chunk_reference(state: LossState, rows: slice) -> torch.Tensor:
     return state.reference[: rows.stop - rows.start]
 
 
-def reads_block_directly(state: LossState, weight: torch.Tensor, upstream: UpstreamGrads) -> bool:
+def reads_block_directly(
+    state: LossState, weight: torch.Tensor, upstream: UpstreamGrads, softcap: Optional[float]
+) -> bool:
     """The fast-path predicate: the block holds exponentials in the weight's dtype and the loss has
     no entropy term, so ``dz = f * exp(z - r)`` for every column but the chosen token's and the
-    products read the block as it is, scaled per row."""
+    products read the block as it is, scaled per row; not under a ``softcap``, whose slope varies
+    along the row."""
     block_dtype = state.block.dtype
-    return block_dtype == weight.dtype and not stores_offsets(block_dtype) and upstream.entropy is None
+    plain = upstream.entropy is None and softcap is None
+    return block_dtype == weight.dtype and not stores_offsets(block_dtype) and plain
 
 
 class TritonLoss:
@@ -115,7 +119,9 @@ class TritonLoss:
         reference = hidden.new_empty(shape, dtype=torch.float32)
         return LossState(block, reference, *contract.allocate_state(problem, needed, held_weight))
 
-    def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice) -> torch.Tensor:
+    def chunk_statistics(
+        self, problem: ShardProblem, state: LossState, rows: slice, options: HeadOptions
+    ) -> torch.Tensor:
         """The forward kernel over the chunk: its statistics ``[k, 4]``, its stored block and what
         the block is stored against (``state.reference``). A correcting pass (``state.gate``) stores
         the block alone, against the forward's references, which ``state.reference`` holds already:
@@ -130,10 +136,10 @@ class TritonLoss:
         reference = chunk_reference(state, rows)
         splits = (hidden, weight, columns, temperature, kept_mask, tiles, tiles_per_split, block, reference)
         if state.gate is not None:
-            split_statistics(*splits, gate=state.gate)
+            split_statistics(*splits, gate=state.gate, softcap=options.softcap)
             return None
         if stores_offsets(block.dtype):
-            return merge_parts(split_statistics(*splits))
+            return merge_parts(split_statistics(*splits, softcap=options.softcap))
         sample_rows = self.tuning.reference_rows or REFERENCE_ROWS
         row_references(
             hidden,
@@ -143,13 +149,14 @@ class TritonLoss:
             sample_rows=sample_rows,
             headroom=REFERENCE_HEADROOM,
             out=reference,
+            softcap=options.softcap,
         )
-        parts = split_statistics(*splits)
+        parts = split_statistics(*splits, softcap=options.softcap)
         refresh = torch.empty(num_rows, dtype=torch.int8, device=hidden.device)
         local = merge_parts(
             parts, StaleCheck(reference, refresh, MAX_ABOVE_REFERENCE, MAX_BELOW_REFERENCE, EMPTY_REFERENCE)
         )
-        refresh_exponentials(*splits, refresh)
+        refresh_exponentials(*splits, refresh, softcap=options.softcap)
         return local
 
     def summarize(self, parts: torch.Tensor, target_column: torch.Tensor, out: SoftmaxSummary) -> None:
@@ -173,7 +180,7 @@ class TritonLoss:
         weight, hidden = addressable(problem.weight), addressable(problem.hidden[rows])
         columns = problem.target_column[rows].contiguous()
         block = state.block[: rows.stop - rows.start]
-        direct = reads_block_directly(state, weight, upstream)
+        direct = reads_block_directly(state, weight, upstream, options.softcap)
         if direct and columns.dim() == 2:  # the forward kernel zeroed one target's element, not several's
             zero_chosen(block, columns)
         terms = self.row_terms if columns.dim() == 1 else self.several_row_terms
@@ -185,9 +192,12 @@ class TritonLoss:
             upstream=upstream,
             weight_row_scale=weight_row_scale,
             direct=direct,
+            softcap=options.softcap,
         )
         if not direct:
-            block = self.dz_operand(problem, state, rows=rows, summary=summary, upstream=upstream)
+            block = self.dz_operand(
+                problem, state, rows=rows, summary=summary, upstream=upstream, softcap=options.softcap
+            )
         self.products(
             problem,
             state,
@@ -200,7 +210,7 @@ class TritonLoss:
         if state.held_hidden.dim() == 2:
             self.add_chosen(state.held_hidden[rows], columns, chosen=chosen, weight=weight, factor=factor)
 
-    def row_terms(self, problem, state, rows, summary, upstream, weight_row_scale, direct):
+    def row_terms(self, problem, state, rows, summary, upstream, weight_row_scale, direct, softcap):
         """``(chosen, factor, weight operand)`` of a chunk's rows, one target each
         (``kernels.row_terms_kernel``); the weight operand ``None`` where it is the hidden rows."""
         hidden = addressable(problem.hidden[rows])
@@ -220,15 +230,17 @@ class TritonLoss:
             hidden=hidden,
             operand=operand,
             chosen_weight=chosen_weight,
+            softcap=softcap,
         )
         return chosen, factor, operand
 
-    def several_row_terms(self, problem, state, rows, summary, upstream, weight_row_scale, direct):
+    def several_row_terms(self, problem, state, rows, summary, upstream, weight_row_scale, direct, softcap):
         """``row_terms`` for several targets per row, in torch: each distinct target's chosen term
         (``softmax.chosen_logit_grad``), the shared term taking the row sum of their gradients."""
         columns, hidden = problem.target_column[rows], problem.hidden[rows]
         temperature = problem.temperature[rows]
-        chosen = chosen_logit_grad(columns, summary, *upstream).div_(temperature.unsqueeze(1))
+        logits = target_logits(summary) if softcap is not None else None  # read for the cap's slope only
+        chosen = product_grad(chosen_logit_grad(columns, summary, *upstream), logits, temperature.unsqueeze(1), softcap)
         factor = None
         if direct:
             grad_logprob = None if upstream.logprob is None else upstream.logprob.sum(1)
@@ -242,7 +254,13 @@ class TritonLoss:
         return chosen, factor, operand
 
     def dz_operand(
-        self, problem: ShardProblem, state: LossState, rows: slice, summary: SoftmaxSummary, upstream: UpstreamGrads
+        self,
+        problem: ShardProblem,
+        state: LossState,
+        rows: slice,
+        summary: SoftmaxSummary,
+        upstream: UpstreamGrads,
+        softcap: Optional[float],
     ) -> torch.Tensor:
         """``dz / T`` in the weight's dtype (chosen tokens' elements 0), formed by the ``dz`` kernel
         over the stored block itself, which has the weight's element size (``stored_dtype``)."""
@@ -261,6 +279,7 @@ class TritonLoss:
             upstream=upstream,
             temperature=problem.temperature[rows],
             offsets_tile_n=tiles.block_n if stores_offsets(block.dtype) else 0,
+            softcap=softcap,
         )
 
     def products(

@@ -45,6 +45,7 @@ class TritonRecompute:
             kept_mask=problem.kept_mask,
             tiles=tiles,
             tiles_per_split=tiles_per_split,
+            softcap=options.softcap,
         )
         return merge_parts(parts)
 
@@ -100,6 +101,7 @@ class TritonRecompute:
                     kept_mask=problem.kept_mask[tokens],
                     tiles=tiles,
                     num_programs=programs,
+                    softcap=options.softcap,
                 )
                 if hidden_acc is not None and options.batch_invariant:
                     # Each vocabulary chunk continues the row's float32 sum where the last left it

@@ -50,6 +50,7 @@ def top_keys(
     hidden: Tensor,
     weight: Tensor,
     temperature: Tensor,
+    softcap: Optional[float],
     k: int,
     first_id: int,
     block_logits: Callable[[Tensor], Tensor],
@@ -60,8 +61,9 @@ def top_keys(
     ``k`` largest keys (``top_keys.logit_keys``, ids from ``first_id``), steps 1 to 5 above.
 
     ``hidden [n, H]`` and ``weight [vocab_shard, H]`` share a 16-bit or float32 dtype;
-    ``temperature [n]`` float32 (stride 0: one for all rows); ``block_logits(rows)``: the float32
-    logits ``[len(rows), vocab_shard]`` of rows (a slice or indices), divided by their temperature,
+    ``temperature [n]`` float32 (stride 0: one for all rows), ``softcap`` (``None``: no cap) as for
+    ``split_statistics``; ``block_logits(rows)``: the float32 logits ``[len(rows), vocab_shard]`` of
+    rows (a slice or indices), softcapped and divided by their temperature,
     for step 5. ``token_chunk``: rows per chunk, else as many as keep a chunk's tile maxima and
     slots within ``chunking.BLOCK_BYTES`` (the torch form's chunks as ``chunking.chunk_rows``);
     ``tuning``: fixed launch choices (the interpreter tests' small tiles)."""
@@ -94,6 +96,7 @@ def top_keys(
             tiles=tiles,
             tiles_per_split=tiles_per_split,
             tile_maxima=tile_maxima,
+            softcap=softcap,
         )
         stats[rows] = merge_parts(parts)
         # 2. k tiles hold a logit at or above the k-th largest maximum.
@@ -112,6 +115,7 @@ def top_keys(
             candidates=candidates,
             candidate_columns=columns,
             picks=picks,
+            softcap=softcap,
         )
         filled = torch.arange(slots, device=device) < slot_count[:, :, None]
         chunk_keys = torch.where(filled, logit_keys(candidates, columns.long() + first_id), NO_KEY)

@@ -103,10 +103,33 @@ def split_step(
     )
 
 
+def softcap_arguments(softcap) -> tuple:
+    """The launch arguments ``capped_tanh`` reads: the cap (1.0 standing in for none) and whether
+    there is one, a compile-time flag, so a head without a cap runs the kernels it always ran."""
+    return (1.0 if softcap is None else softcap), dict(HAS_SOFTCAP=softcap is not None)
+
+
+@triton.jit
+def capped_tanh(acc, softcap):
+    """``tanh(acc / softcap)`` in float32 as ``1 - 2 / (exp(2 acc / softcap) + 1)``, which saturates
+    to +-1 where the exponential overflows or vanishes (no NaN); the softcapped logit is ``softcap``
+    times it (``softmax.softcapped``), its slope ``1 - tanh^2`` (``softmax.product_grad``)."""
+    return 1.0 - 2.0 / (tl.exp(acc * (2.0 / softcap)) + 1.0)
+
+
+@triton.jit
+def capped_products(acc, softcap, HAS_SOFTCAP: tl.constexpr):
+    """The products ``acc`` softcapped (``softcap * tanh(acc / softcap)``), or as they are."""
+    if HAS_SOFTCAP:
+        acc = softcap * capped_tanh(acc, softcap)
+    return acc
+
+
 @triton.jit
 def split_logits(
     acc,
     inv_temperature,
+    softcap,
     vocab,
     col0,
     rows,
@@ -115,10 +138,11 @@ def split_logits(
     stride_kept_row,
     kept_words,
     HAS_KEPT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """``(logits, col_valid)`` of a finished tile ``acc [BLOCK_M, BLOCK_N]`` of a split's walk: the
-    float32 logits divided by the temperature, -inf on the columns past ``vocab`` and those the
+    float32 logits (``capped_products``) divided by the temperature, -inf on the columns past ``vocab`` and those the
     rows do not keep (``kept_tile``), which ``col_valid`` (bool, ``[1 or BLOCK_M, BLOCK_N]``) names.
     Every launch over the splits computes its logits here, so those of one tile are the same bits
     in all of them."""
@@ -134,7 +158,7 @@ def split_logits(
             first_col=col0,
             BLOCK_N=BLOCK_N,
         )
-    return tl.where(col_valid, acc * inv_temperature, float("-inf")), col_valid
+    return tl.where(col_valid, capped_products(acc, softcap, HAS_SOFTCAP) * inv_temperature, float("-inf")), col_valid
 
 
 def temperature_arguments(temperature) -> tuple:

@@ -7,6 +7,8 @@ tile's loads are in flight during a tile's epilogue and store.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -15,6 +17,7 @@ from ..backends.contract import SavedStatistics, UpstreamGrads
 from .descriptors import descriptor
 from .epilogue import (
     add_targets,
+    capped_tanh,
     grouped_tile,
     inverse_temperature,
     kept_arguments,
@@ -24,6 +27,7 @@ from .epilogue import (
     product_step,
     row_upstream,
     row_upstream_arguments,
+    softcap_arguments,
     temperature_arguments,
 )
 from .tiles import Tiles
@@ -44,6 +48,7 @@ def logit_grad_kernel(
     hidden_size,
     first_column,
     temperature_ptr,
+    softcap,
     kept_ptr,
     stride_kept_row,
     kept_words,
@@ -52,6 +57,7 @@ def logit_grad_kernel(
     HAS_GRAD_ENTROPY: tl.constexpr,
     NUM_TARGETS: tl.constexpr,
     UNIFORM_TEMPERATURE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -104,7 +110,11 @@ def logit_grad_kernel(
                 NUM_TARGETS=NUM_TARGETS,
             )
             inv_temperature = inverse_temperature(temperature_ptr, rows, rows < num_tokens, UNIFORM_TEMPERATURE)
-            logits = acc * inv_temperature
+            if HAS_SOFTCAP:
+                tanh = capped_tanh(acc, softcap)
+                logits = softcap * tanh * inv_temperature
+            else:
+                logits = acc * inv_temperature
             grad = logit_grad_tile(
                 tl.exp(logits - lse[:, None]),
                 mean_logit[:, None] - logits,
@@ -139,6 +149,8 @@ def logit_grad_kernel(
                     NUM_TARGETS=NUM_TARGETS,
                     BLOCK_N=BLOCK_N,
                 )
+            if HAS_SOFTCAP:  # the cap's slope (softmax.product_grad)
+                grad = grad * (1.0 - tanh * tanh)
             out_desc.store([row0, col0], (grad * inv_temperature).to(out_desc.dtype))
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
 
@@ -155,6 +167,7 @@ def logit_grad_block(
     kept_mask: torch.Tensor,
     tiles: Tiles,
     num_programs: int,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Fill ``out [n, v]`` (the weight's dtype, unit last stride, rows 16-byte aligned) with the
     gradient with respect to ``hidden @ weight.T`` for ``hidden [n >= 1, H]`` and the vocabulary
@@ -162,7 +175,8 @@ def logit_grad_block(
     ``descriptors.addressable``).
 
     ``target_column [n]`` (int64, the shard's encoding); ``temperature [n]`` (float32; stride 0:
-    one for all rows) divides each row's logits; ``kept_mask`` (``kept_tokens``' form, the rows'
+    one for all rows) divides each row's logits, ``softcap`` (``None``: none) caps them first and
+    its slope multiplies their gradient; ``kept_mask`` (``kept_tokens``' form, the rows'
     over the whole shard, or ``[0]``) zeroes the columns left out; ``saved`` and ``upstream`` hold ``[n]``
     float32 contiguous tensors; a ``None`` upstream gradient contributes nothing. The grid has
     ``num_programs`` programs (fewer if there are fewer tiles).
@@ -172,6 +186,7 @@ def logit_grad_block(
     num_tiles = triton.cdiv(num_tokens, tiles.block_m) * triton.cdiv(vocab, tiles.block_n)
     row_pointers, row_flags = row_upstream_arguments(target_column, saved, upstream)
     temperature, temperature_flag = temperature_arguments(temperature)
+    softcap, softcap_flag = softcap_arguments(softcap)
     kept_pointers, kept_flag = kept_arguments(kept_mask)
     logit_grad_kernel[(min(num_tiles, num_programs),)](
         descriptor(hidden, [tiles.block_m, tiles.block_k]),
@@ -183,10 +198,12 @@ def logit_grad_block(
         hidden_size,
         first_column,
         temperature,
+        softcap,
         *kept_pointers,
         **kept_flag,
         **row_flags,
         **temperature_flag,
+        **softcap_flag,
         **tiles.launch_options(),
     )
     return out

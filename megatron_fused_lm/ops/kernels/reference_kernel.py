@@ -1,13 +1,17 @@
 """The rows' exponentials references in one launch (``devkit.kernel_references`` has the torch form
 it follows): each row's largest logit among evenly spaced weight rows and its chosen token,
-divided by its temperature, plus a headroom. An estimate the statistics check afterwards
+softcapped where the head is and divided by its temperature, plus a headroom. An estimate the statistics check afterwards
 (``merge_kernel``'s stale check), so its products need only be those of the weight's dtype."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
+
+from .epilogue import capped_products, softcap_arguments
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
 
@@ -20,6 +24,7 @@ def reference_kernel(
     stride_weight,
     target_column_ptr,
     temperature_ptr,
+    softcap,
     reference_ptr,
     num_tokens,
     hidden_size,
@@ -27,6 +32,7 @@ def reference_kernel(
     sample_stride,
     HEADROOM: tl.constexpr,
     UNIFORM_TEMPERATURE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -61,6 +67,7 @@ def reference_kernel(
         hidden = tl.load(hidden_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         chosen += tl.sum(hidden * tl.load(chosen_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32), axis=1)
     estimate = tl.where(target_column >= 0, tl.maximum(estimate, chosen), estimate)
+    estimate = capped_products(estimate, softcap, HAS_SOFTCAP)  # increasing: the capped maximum
     if UNIFORM_TEMPERATURE:
         temperature = tl.load(temperature_ptr)
     else:
@@ -76,14 +83,17 @@ def row_references(
     sample_rows: int,
     headroom: float,
     out: torch.Tensor,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Each row's reference (above) into ``out [n]`` (float32, contiguous), which it returns:
     ``hidden [n, H]`` and ``weight [V, H]`` of one dtype with unit last strides, ``target_column [n]``
-    int64 (-1: another shard's), ``temperature [n]`` float32 (stride 0: one for all rows)."""
+    int64 (-1: another shard's), ``temperature [n]`` float32 (stride 0: one for all rows), the logits'
+    ``softcap`` (``None``: none)."""
     num_tokens, hidden_size = hidden.shape
     sample_stride = -(-weight.shape[0] // sample_rows)
     num_sampled = -(-weight.shape[0] // sample_stride)
     uniform = temperature.stride(0) == 0 or temperature.numel() <= 1
+    softcap, softcap_flag = softcap_arguments(softcap)
     if num_tokens:
         reference_kernel[(triton.cdiv(num_tokens, BLOCK_M),)](
             hidden,
@@ -92,6 +102,7 @@ def row_references(
             weight.stride(0),
             target_column,
             temperature,
+            softcap,
             out,
             num_tokens,
             hidden_size,
@@ -99,6 +110,7 @@ def row_references(
             sample_stride,
             HEADROOM=headroom,
             UNIFORM_TEMPERATURE=uniform,
+            **softcap_flag,
             BLOCK_M=BLOCK_M,
             BLOCK_N=BLOCK_N,
             BLOCK_K=BLOCK_K,

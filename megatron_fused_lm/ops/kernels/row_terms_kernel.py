@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..softmax import SoftmaxSummary
-from .epilogue import temperature_arguments
+from .epilogue import softcap_arguments, temperature_arguments
 
 BLOCK_H = 1024
 
@@ -44,6 +44,7 @@ def row_terms_kernel(
     grad_logprob_ptr,
     grad_entropy_ptr,
     temperature_ptr,
+    softcap,
     weight_row_scale_ptr,
     hidden_ptr,
     stride_hidden,
@@ -56,6 +57,7 @@ def row_terms_kernel(
     HAS_GRAD_LOGPROB: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
     UNIFORM_TEMPERATURE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     DIRECT: tl.constexpr,
     HAS_WEIGHT_ROW_SCALE: tl.constexpr,
     OPERAND: tl.constexpr,
@@ -77,6 +79,10 @@ def row_terms_kernel(
             factor = -grad_logprob * tl.exp(tl.load(reference_ptr + row) - tl.load(lse_ptr + row)) * inverse
     if HAS_GRAD_ENTROPY:
         chosen += tl.load(grad_entropy_ptr + row) * tl.exp(logprob) * tl.load(mean_minus_target_ptr + row)
+    if HAS_SOFTCAP:  # the cap's slope at the target's logit logprob + lse (softmax.product_grad)
+        tanh = (logprob + tl.load(lse_ptr + row)) / (softcap * inverse)
+        tanh = tl.minimum(tl.maximum(tanh, -1.0), 1.0)
+        chosen *= 1.0 - tanh * tanh
     chosen = tl.where(tl.load(target_column_ptr + row) >= 0, chosen * inverse, 0.0)
     weight_factor = factor if DIRECT else tl.full([], 1.0, tl.float32)
     if HAS_WEIGHT_ROW_SCALE:
@@ -106,6 +112,7 @@ def row_terms(
     hidden: torch.Tensor,
     operand: Optional[torch.Tensor],
     chosen_weight: Optional[torch.Tensor],
+    softcap: Optional[float] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(chosen [k], factor [k] or None)`` of a chunk's ``k`` rows (one target each), and where
     given, ``operand [k, H]`` (the weight's dtype, unit last stride) and ``chosen_weight [k]``
@@ -114,7 +121,8 @@ def row_terms(
     ``target_column [k]`` int64; ``summary``'s and ``upstream``'s (``UpstreamGrads``; ``None``: no
     term) ``[k]`` float32 tensors contiguous; ``temperature [k]`` (stride 0: one for all rows);
     ``reference [k]`` float32 where the products read stored exponentials (the fast path: ``factor``
-    returned), ``None`` otherwise; ``weight_row_scale [k]`` float32 or ``None`` (1); ``hidden [k, H]``
+    returned; not with a ``softcap``, whose slope varies along the row), ``None`` otherwise;
+    ``softcap``: the logits' cap (``None``: none); ``weight_row_scale [k]`` float32 or ``None`` (1); ``hidden [k, H]``
     with a unit last stride."""
     rows, hidden_size = hidden.shape
     chosen = torch.empty(rows, dtype=torch.float32, device=hidden.device)
@@ -123,6 +131,7 @@ def row_terms(
         return chosen, factor
     grad_logprob, grad_entropy = upstream
     temperature, temperature_flag = temperature_arguments(temperature)
+    softcap, softcap_flag = softcap_arguments(softcap)
     grid = (rows, triton.cdiv(hidden_size, BLOCK_H) if operand is not None else 1)
     row_terms_kernel[grid](
         target_column,
@@ -133,6 +142,7 @@ def row_terms(
         grad_logprob,
         grad_entropy,
         temperature,
+        softcap,
         weight_row_scale,
         hidden,
         hidden.stride(0),
@@ -150,6 +160,7 @@ def row_terms(
         CHOSEN_WEIGHT=chosen_weight is not None,
         BLOCK_H=BLOCK_H,
         **temperature_flag,
+        **softcap_flag,
         num_warps=4,
     )
     return chosen, factor

@@ -26,6 +26,7 @@ from .descriptors import addressable, descriptor
 from .epilogue import (
     inverse_temperature,
     kept_arguments,
+    softcap_arguments,
     split_logits,
     split_step,
     split_walk,
@@ -58,6 +59,7 @@ def softmax_stats_kernel(
     stride_parts_split,
     stride_parts_token,
     temperature_ptr,
+    softcap,
     block_desc,
     reference_ptr,
     stride_reference_row,
@@ -72,6 +74,7 @@ def softmax_stats_kernel(
     REFRESH: tl.constexpr,
     GATED: tl.constexpr,
     UNIFORM_TEMPERATURE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -123,6 +126,7 @@ def softmax_stats_kernel(
             logits, col_valid = split_logits(
                 acc,
                 inv_temperature,
+                softcap,
                 vocab=vocab,
                 col0=col0,
                 rows=rows,
@@ -131,6 +135,7 @@ def softmax_stats_kernel(
                 stride_kept_row=stride_kept_row,
                 kept_words=kept_words,
                 HAS_KEPT=HAS_KEPT,
+                HAS_SOFTCAP=HAS_SOFTCAP,
                 BLOCK_N=BLOCK_N,
             )
             tile_max = tl.max(logits, axis=1)
@@ -194,12 +199,14 @@ def split_statistics(
     reference: Optional[torch.Tensor] = None,
     tile_maxima: Optional[torch.Tensor] = None,
     gate: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Statistics ``[num_splits, n, 4]`` (float32) of each vocabulary split.
 
     ``hidden [n >= 1, H]`` and ``weight [V, H]`` share a dtype (any strides); ``target_column
     [n]`` (int64, contiguous) is the target's row in ``weight``, or -1 where this shard does not
-    own it; ``temperature [n]`` (float32; stride 0: one for all rows) divides each row's logits;
+    own it; ``temperature [n]`` (float32; stride 0: one for all rows) divides each row's logits,
+    ``softcap`` (a positive float, or ``None``) caps them first (``epilogue.capped_products``);
     ``kept_mask`` (``kept_tokens``' form: ``[n, words]`` int32 with unit last stride, or ``[0]``)
     names the columns that enter. Columns are the ``softmax`` order (MAX, SUMEXP, SUMEXP_Z, TARGET).
 
@@ -229,6 +236,7 @@ def split_statistics(
         reference=reference if tile_maxima is None else tile_maxima,
         store_tile_maxima=offsets or tile_maxima is not None,
         gate=gate,
+        softcap=softcap,
     )
     return parts
 
@@ -244,6 +252,7 @@ def refresh_exponentials(
     block: torch.Tensor,
     reference: torch.Tensor,
     refresh: torch.Tensor,
+    softcap: Optional[float] = None,
 ) -> None:
     """Rewrite an exponentials ``block`` as ``exp(z - reference[row])`` in every token tile that holds a row
     with ``refresh`` set (``[n]`` int8); other tiles are left alone, so no host synchronization is
@@ -261,6 +270,7 @@ def refresh_exponentials(
         block=block,
         reference=reference,
         refresh=refresh,
+        softcap=softcap,
     )
 
 
@@ -278,12 +288,14 @@ def _launch(
     refresh=None,
     store_tile_maxima=False,
     gate=None,
+    softcap=None,
 ):
     num_tokens, hidden_size = hidden.shape
     vocab = weight.shape[0]
     num_splits = triton.cdiv(triton.cdiv(vocab, tiles.block_n), tiles_per_split)
     grid = (triton.cdiv(num_tokens, tiles.block_m) * num_splits,)
     temperature, temperature_flag = temperature_arguments(temperature)
+    softcap, softcap_flag = softcap_arguments(softcap)
     kept_pointers, kept_flag = kept_arguments(kept_mask)
     softmax_stats_kernel[grid](
         descriptor(addressable(hidden), [tiles.block_m, tiles.block_k]),
@@ -298,6 +310,7 @@ def _launch(
         parts.stride(0),
         parts.stride(1),
         temperature,
+        softcap,
         None if block is None else descriptor(block, [tiles.block_m, tiles.block_n // 2]),
         reference,
         reference.stride(0) if reference is not None else 0,
@@ -310,5 +323,6 @@ def _launch(
         REFRESH=refresh is not None,
         GATED=gate is not None,
         **temperature_flag,
+        **softcap_flag,
         **tiles.with_kept_columns(kept_flag["HAS_KEPT"] and block is not None).launch_options(),
     )

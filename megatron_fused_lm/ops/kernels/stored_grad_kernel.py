@@ -10,6 +10,8 @@ written as 0: its term is added in float32 from the statistics (``chosen_token_k
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -20,6 +22,7 @@ from .epilogue import (
     logit_grad_tile,
     row_upstream,
     row_upstream_arguments,
+    softcap_arguments,
     temperature_arguments,
     zero_targets,
 )
@@ -46,10 +49,12 @@ def stored_grad_kernel(
     num_tokens,
     vocab,
     temperature_ptr,
+    softcap,
     HAS_GRAD_LOGPROB: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
     NUM_TARGETS: tl.constexpr,
     UNIFORM_TEMPERATURE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     OFFSETS_TILE_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -107,6 +112,11 @@ def stored_grad_kernel(
         )
     grad_out = grad_ptr + wide_rows * stride_grad_row + cols[None, :]
     inv_temperature = inverse_temperature(temperature_ptr, rows, row_valid, UNIFORM_TEMPERATURE)
+    if HAS_SOFTCAP:  # the cap's slope 1 - tanh^2 at the stored logit, tanh = z T / softcap (softmax.product_grad)
+        if OFFSETS_TILE_N == 0:
+            logits = reference[:, None] + tl.log(tl.maximum(stored, 1e-30))
+        tanh = tl.minimum(tl.maximum(logits / (softcap * inv_temperature), -1.0), 1.0)
+        grad = grad * (1.0 - tanh * tanh)
     tl.store(grad_out, (grad * inv_temperature).to(grad_ptr.dtype.element_ty), mask=valid)
 
 
@@ -119,6 +129,7 @@ def stored_logit_grads(
     upstream: UpstreamGrads,
     temperature: torch.Tensor,
     offsets_tile_n: int = 0,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """``dz / T`` ``[n, V]`` but the chosen tokens' elements (0), written into ``out`` (``[n, V]``,
     unit last stride, any dtype; it may be ``block`` itself viewed as a dtype of its element size),
@@ -129,7 +140,8 @@ def stored_logit_grads(
     maxima ``reference [n, ceil(V / offsets_tile_n)]`` (float32, unit last stride) of column tiles
     of that width; ``target_column [n]`` (int64, -1: another shard's; ``[n, k]`` contiguous for
     several targets, whose ``upstream`` log-prob gradients are then ``[n, k]``); ``temperature [n]`` (float32;
-    stride 0: one for all rows) divides each row's logits; ``saved`` and ``upstream``
+    stride 0: one for all rows) divides each row's logits; the logits' ``softcap`` (``None``: none),
+    whose slope multiplies ``dz``; ``saved`` and ``upstream``
     hold ``[n]`` float32 contiguous tensors (``None``: no term). Each program reads its elements
     before it writes them, and no two programs share an element, so ``out`` may alias ``block``.
     """
@@ -138,6 +150,7 @@ def stored_logit_grads(
     columns = min(COLUMNS_PER_PROGRAM, offsets_tile_n) if offsets_tile_n else COLUMNS_PER_PROGRAM
     row_pointers, row_flags = row_upstream_arguments(target_column, saved, upstream)
     temperature, temperature_flag = temperature_arguments(temperature)
+    softcap, softcap_flag = softcap_arguments(softcap)
     grid = (triton.cdiv(vocab, columns), triton.cdiv(num_tokens, ROWS_PER_PROGRAM))
     stored_grad_kernel[grid](
         block,
@@ -150,8 +163,10 @@ def stored_logit_grads(
         num_tokens,
         vocab,
         temperature,
+        softcap,
         **row_flags,
         **temperature_flag,
+        **softcap_flag,
         OFFSETS_TILE_N=offsets_tile_n,
         BLOCK_M=ROWS_PER_PROGRAM,
         BLOCK_N=columns,

@@ -8,12 +8,21 @@ from the tile maxima") says why slots and picks.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from .descriptors import addressable, descriptor
-from .epilogue import inverse_temperature, split_logits, split_step, split_walk, temperature_arguments
+from .epilogue import (
+    inverse_temperature,
+    softcap_arguments,
+    split_logits,
+    split_step,
+    split_walk,
+    temperature_arguments,
+)
 from .tiles import Tiles
 
 
@@ -63,6 +72,7 @@ def collect_candidates_kernel(
     tiles_per_split,
     num_splits,
     temperature_ptr,
+    softcap,
     threshold_ptr,
     candidates_ptr,
     candidate_columns_ptr,
@@ -70,6 +80,7 @@ def collect_candidates_kernel(
     slots,
     PICKS: tl.constexpr,
     UNIFORM_TEMPERATURE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -112,6 +123,7 @@ def collect_candidates_kernel(
             logits = split_logits(
                 acc,
                 inv_temperature,
+                softcap,
                 vocab=vocab,
                 col0=col0,
                 rows=rows,
@@ -120,6 +132,7 @@ def collect_candidates_kernel(
                 stride_kept_row=0,
                 kept_words=0,
                 HAS_KEPT=False,
+                HAS_SOFTCAP=HAS_SOFTCAP,
                 BLOCK_N=BLOCK_N,
             )[0]
             count = pick_candidates(
@@ -149,6 +162,7 @@ def collect_candidates(
     candidates: torch.Tensor,
     candidate_columns: torch.Tensor,
     picks: int,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Each row's logits at or above its ``threshold [n]`` (float32) and their columns, into the
     row's slots of each split, ``candidates [n, num_splits, slots]`` (float32) and
@@ -162,6 +176,7 @@ def collect_candidates(
     num_splits = candidates.shape[1]
     slot_count = torch.empty(candidates.shape[:2], dtype=torch.int32, device=hidden.device)
     temperature, temperature_flag = temperature_arguments(temperature)
+    softcap, softcap_flag = softcap_arguments(softcap)
     collect_candidates_kernel[(triton.cdiv(num_tokens, tiles.block_m) * num_splits,)](
         descriptor(addressable(hidden), [tiles.block_m, tiles.block_k]),
         descriptor(addressable(weight), [tiles.block_n, tiles.block_k]),
@@ -171,6 +186,7 @@ def collect_candidates(
         tiles_per_split,
         num_splits,
         temperature,
+        softcap,
         threshold,
         candidates,
         candidate_columns,
@@ -178,6 +194,7 @@ def collect_candidates(
         candidates.shape[2],
         PICKS=picks,
         **temperature_flag,
+        **softcap_flag,
         **tiles.launch_options(),
     )
     return slot_count

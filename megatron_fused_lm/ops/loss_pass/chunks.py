@@ -315,7 +315,7 @@ def run_loss_pass(
     ``weight_grad_into``, a correction's parts); then each row's chosen-token term of the weight
     gradient, once."""
     for rows in token_chunks(problem.hidden.shape[0], state.token_chunk):
-        summary, upstream, weight_row_scale = chunk_step(rows, phases.chunk_statistics(problem, state, rows))
+        summary, upstream, weight_row_scale = chunk_step(rows, phases.chunk_statistics(problem, state, rows, options))
         if state.held_hidden.dim() == 2 or state.held_weight:
             phases.chunk_gradients(
                 problem,

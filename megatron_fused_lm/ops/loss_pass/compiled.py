@@ -40,7 +40,7 @@ def loss_statistics(hidden, weight, target_column, temperature, kept_mask, block
     """The backend's ``chunk_statistics`` for a chunk's ``k`` rows, into the block's first ``k`` rows."""
     problem = ShardProblem(hidden, weight, target_column, temperature, kept_mask)
     state = LossState(block, reference, hidden.new_empty(0), [], hidden.new_empty(0))
-    return by_name(options.backend).chunk_statistics(problem, state, slice(0, hidden.shape[0]))
+    return by_name(options.backend).chunk_statistics(problem, state, slice(0, hidden.shape[0]), options)
 
 
 @loss_statistics.register_fake
@@ -137,7 +137,7 @@ class OperatorPhases:
         block, reference, held_hidden, chosen, *parts = loss_allocate(*problem, *needed, **self.fields)
         return LossState(block, reference, held_hidden, parts, chosen)
 
-    def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice) -> Tensor:
+    def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice, options) -> Tensor:
         chunk = _chunk(problem, rows)
         return loss_statistics(*chunk, block=state.block, reference=state.reference, **self.fields)
 

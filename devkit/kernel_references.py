@@ -5,6 +5,8 @@ bounds are ``megatron_fused_lm.ops.backends.triton_reference``'s."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from megatron_fused_lm.ops.backends.triton_reference import (
@@ -14,6 +16,7 @@ from megatron_fused_lm.ops.backends.triton_reference import (
     REFERENCE_HEADROOM,
 )
 from megatron_fused_lm.ops.products import float32_product
+from megatron_fused_lm.ops.softmax import softcapped
 
 
 def torch_row_references(
@@ -22,10 +25,11 @@ def torch_row_references(
     target_column: torch.Tensor,
     temperature: torch.Tensor,
     sample_rows: int,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """``r [n]``: the largest logit among ``sample_rows`` evenly spaced rows of the shard and the
-    row's chosen token (where ``target_column >= 0``), divided by the row's temperature, plus
-    ``REFERENCE_HEADROOM``.
+    row's chosen token (where ``target_column >= 0``), softcapped (``softcap``; ``None``: none) and
+    divided by the row's temperature, plus ``REFERENCE_HEADROOM``.
 
     ``hidden [n, H]``, ``weight [V, H]`` (one dtype), ``target_column [n]`` int64 (-1: another
     shard's), ``temperature [n]``. An estimate: ``torch_stale_references`` checks it once the statistics are known.
@@ -34,7 +38,7 @@ def torch_row_references(
     estimate = float32_product(hidden, sampled.t()).amax(dim=1)
     chosen_logit = (hidden * weight[target_column.clamp(min=0)]).sum(dim=1, dtype=torch.float32)
     estimate = torch.where(target_column >= 0, torch.maximum(estimate, chosen_logit), estimate)
-    return estimate.div_(temperature).add_(REFERENCE_HEADROOM)
+    return softcapped(estimate, softcap).div_(temperature).add_(REFERENCE_HEADROOM)
 
 
 def torch_stale_references(reference: torch.Tensor, local_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,9 +60,10 @@ class FusedLMConfig:
         softcap: the head's logit softcap, ``logits = softcap * tanh(logits / softcap)`` before the
             temperature (Gemma-2's ``final_logit_softcapping``: 30.0), a positive number, or
             ``None`` (the default: none). Megatron-Core's output layer has no softcap, so its stock
-            logits (a forward without a request) stay uncapped; every answer of the head (log-probs,
-            entropy, top-k, losses, on the fused and the stock-logits routes) is the capped head's
-            (the ops' ``softcap``).
+            logits (a forward without a request) stay uncapped, and so does Megatron's own labels
+            loss on a stock route (``head.stock_logits()``); every answer of the head (log-probs,
+            entropy, top-k, losses and the labels path's loss, on the fused and the stock-logits
+            routes) is the capped head's (the ops' ``softcap``).
     """
 
     enabled: bool = False

@@ -34,7 +34,7 @@ from .loss_pass.chunks import (
 )
 from .loss_pass.held import run_held_pass
 from .loss_pass.weight_grad import WeightGradSink
-from .options import HeadOptions, check_weight_grad_scale
+from .options import HeadOptions, check_softcap, check_weight_grad_scale
 from .rank_check import check_across_ranks
 
 Tensor = torch.Tensor
@@ -74,6 +74,7 @@ def _fused_rows(
     (``inputs.live_columns``; a view, through which the padded rows get no gradient), their target
     columns, temperatures ``[k]`` float32 and ``kept_mask``."""
     kept_tokens = as_kept_tokens(kept_tokens)
+    softcap = check_softcap(softcap)  # before the ranks compare it
     check_across_ranks(
         op,
         tp_group,
@@ -253,6 +254,10 @@ def fused_linear_logprob(
             past it never enter the log-sum-exp, the entropy or a gradient (the padded weight rows
             get 0; the products skip them), and a target there is outside the vocabulary. Every
             rank must hold at least one id below it, and all pass the same.
+        softcap: a positive number caps the logits as Gemma-2's head does (its
+            ``final_logit_softcapping``), ``softcap * tanh(hidden @ weight.T / softcap)``, before
+            the temperature divides them; the gradients are exact (``docs/DESIGN.md``, "The math").
+            ``None`` (default): no cap, as Megatron-Core's output layer. The same on every rank.
 
     Returns:
         ``logprob [...]`` (``[..., k]`` for several targets) float32, or ``(logprob, entropy)`` with
@@ -335,8 +340,9 @@ def logits_logprob(
             columns: rank ``r`` owns global ids ``[r * vocab_shard, (r + 1) * vocab_shard)``.
         targets: ``[...]`` (``logits.shape[:-1]``) integer global vocabulary ids, or ``[..., k]``
             (as for ``fused_linear_logprob``).
-        tp_group, temperature, return_entropy, entropy_grad, kept_tokens, vocab_size: as for
-            ``fused_linear_logprob`` (the logits' columns at or past ``vocab_size`` get no gradient).
+        tp_group, temperature, return_entropy, entropy_grad, kept_tokens, vocab_size, softcap: as for
+            ``fused_linear_logprob`` (the logits' columns at or past ``vocab_size`` get no gradient;
+            ``softcap`` caps the logits given).
         token_chunk: rows per chunk of the float32 softmax, which bounds its ``[token_chunk,
             vocab_shard]`` working set; ``None`` keeps one chunk's float32 block near 256 MiB.
         mask, max_rows: only rows where ``mask`` is True are computed; the others are 0 with zero
@@ -352,6 +358,7 @@ def logits_logprob(
     )
     several = _several_targets(targets, logits.shape[:-1], "error", False)
     kept_tokens = as_kept_tokens(kept_tokens)
+    softcap = check_softcap(softcap)
     check_across_ranks(
         "logits_logprob",
         tp_group,
@@ -432,7 +439,7 @@ def fused_linear_loss(
 
     Args:
         hidden, weight, targets, tp_group, temperature, backend, reduce_hidden_grad,
-            batch_invariant, kept_tokens, vocab_size: as for ``fused_linear_logprob`` (``targets [..., k]``:
+            batch_invariant, kept_tokens, vocab_size, softcap: as for ``fused_linear_logprob`` (``targets [..., k]``:
             several per row, their logits read beside each chunk's statistics, one all-reduce of
             ``[rows, k]`` per chunk more under tensor parallelism; each target's term of the
             logits' gradient is added in float32, as for one).
@@ -564,7 +571,7 @@ def fused_linear_cross_entropy(
             no gradient, the same on every rank of ``tp_group``.
         weight_grad_into, weight_grad_scale: as for ``fused_linear_loss``, the upstream gradient
             declared as ``weight_grad_scale * declared_weights``.
-        out_of_vocab, vocab_size: as for ``fused_linear_logprob`` (``"max_logit"``: the stock labels
+        out_of_vocab, vocab_size, softcap: as for ``fused_linear_logprob`` (``"max_logit"``: the stock labels
             path's loss, ``lse - max``, for a target id outside the vocabulary).
         the rest: as for ``fused_linear_loss``. There is no ``batch_invariant``; the four-GEMM
             ``fused_linear_logprob(..., batch_invariant=True)`` gives the same loss's gradients.
@@ -616,10 +623,11 @@ def logits_loss(
     softcap: Optional[float] = None,
 ) -> FusedLoss:
     """``fused_linear_loss`` on a materialized logits shard: the same loss, the same contract for
-    ``loss_fn`` and ``loss_inputs`` (``max_rows`` and ``vocab_size`` as there), the gradient (to ``logits``) by
+    ``loss_fn`` and ``loss_inputs`` (``max_rows``, ``vocab_size`` and ``softcap`` as there), the gradient (to ``logits``) by
     the usual backward; with ``mask`` the number of selected rows is read on the host."""
     inputs = check_loss_inputs(loss_fn, loss_inputs, logits.shape[:-1], logits.device)
     kept_tokens = as_kept_tokens(kept_tokens)
+    softcap = check_softcap(softcap)
     check_across_ranks(
         "logits_loss",
         tp_group,

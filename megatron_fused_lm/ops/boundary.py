@@ -242,7 +242,7 @@ class Logits(torch.autograd.Function):
             rows = chunk_rows(options.token_chunk, logits.shape[-1])
             block_logits = _scaled(logits, temperature, options.softcap)
             stats = blocked_statistics(block_logits, statistics_column(target_column), kept_mask, rows)
-            several = lambda logits, _, *columns_and_scale: taken_logits(logits, *columns_and_scale)  # noqa: E731
+            several = lambda logits, _, *column_temperature_softcap: taken_logits(logits, *column_temperature_softcap)  # noqa: E731
             torch_backend = registry.by_name("torch")
             summary = summarize_rows(
                 torch_backend,

@@ -151,8 +151,8 @@ def _check(
     if differing:
         raise RanksDisagree(
             f"{op}: the ranks of tp_group disagree on {', '.join(differing)}; under tensor parallelism every rank "
-            "passes the same rows, targets, mask, temperatures, kept sets and loss inputs, and its own shard of the "
-            "vocabulary",
+            "passes the same rows, targets, mask, temperatures, kept sets, loss inputs, vocab_size and softcap, "
+            "and its own shard of the vocabulary",
             differing,
         )
     sampled, rows_vary = gathered[:, -2], gathered[:, -1]

@@ -127,12 +127,12 @@ def product_grad(
     """The gradient with respect to the products ``h . w`` from ``grad``, that with respect to the
     logits ``z = softcap tanh(h . w / softcap) / T``, in place: ``grad (1 - tanh^2) / T``, the tanh
     read back from ``z`` itself (``z T / softcap``, as autograd's tanh backward reads its output).
-    ``logits`` as ``grad`` (a block, or the targets' logits; read with a ``softcap`` only),
-    ``temperature`` broadcast against both; a column left out (``-inf``) gets slope 0. Returns
-    ``grad``."""
+    ``logits`` as ``grad`` (a block, or the targets' logits; read with a ``softcap`` only, and then
+    consumed: the slope is formed in its memory, no block more), ``temperature`` broadcast against
+    both; a column left out (``-inf``) gets slope 0. Returns ``grad``."""
     if softcap is not None:
-        tanh = torch.mul(logits, temperature).div_(softcap).clamp_(-1.0, 1.0)
-        grad.mul_(tanh.square_().neg_().add_(1.0))
+        slope = logits.mul_(temperature).div_(softcap).clamp_(-1.0, 1.0).square_().neg_().add_(1.0)
+        grad.mul_(slope)
     return grad.div_(temperature)
 
 

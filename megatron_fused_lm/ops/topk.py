@@ -23,7 +23,7 @@ from .boundary import autocast_off
 from .chunking import chunk_rows
 from .distributed import all_gather_stacked, group_rank, group_size, merge_across_group
 from .inputs import RowSelection, check_linear_inputs, check_logits, live_columns, row_temperatures
-from .options import HeadOptions, checked_number
+from .options import HeadOptions, check_softcap, checked_number
 from .products import float32_product
 from .rank_check import check_across_ranks
 from .softmax import softcapped, summarize
@@ -80,6 +80,7 @@ def fused_linear_topk(
         rows for the torch form).
     """
     check_linear_inputs(hidden, weight)
+    softcap = check_softcap(softcap)
     check_across_ranks(
         "fused_linear_topk", tp_group, hidden, weight, temperature=temperature, vocab_size=vocab_size, softcap=softcap
     )
@@ -125,6 +126,7 @@ def logits_topk(
     bfloat16 or float16; rank ``r`` owns global ids ``[r * vocab_shard, (r + 1) * vocab_shard)``):
     the same results, forward only."""
     check_logits(logits)
+    softcap = check_softcap(softcap)
     check_across_ranks(
         "logits_topk", tp_group, logits, None, temperature=temperature, vocab_size=vocab_size, softcap=softcap
     )

@@ -67,8 +67,11 @@ def wrap_policy_model(model: Any, policy_cfg: Dict[str, Any]) -> FusedLMHead:
         ValueError: ``policy.megatron_cfg.use_fused_linear_logprobs`` (NeMo-RL's own Linear-CE
             fusion replaces GPTModel's forward; the two cannot both own the output layer).
         NotImplementedError: ``policy.generation.top_k`` / ``top_p`` filtering (NeMo-RL then
-            renormalizes the trainer's log-probs over the kept tokens of the full logits) and
-            ``policy.sequence_packing.fuse_loss`` (its loss wrapper takes no custom ``prepare_fn``).
+            renormalizes the trainer's log-probs over the kept tokens of the full logits),
+            ``policy.sequence_packing.fuse_loss`` (its loss wrapper takes no custom ``prepare_fn``) and
+            ``fused_linear_logprob_softcap`` at a ``policy.generation.temperature`` other than 1
+            (NeMo-RL divides the hidden states by it before the head: that commutes with the
+            product, not with the cap).
     """
     config = FusedLMConfig.from_trainer_config(policy_cfg)
     if config.enabled:
@@ -81,6 +84,14 @@ def wrap_policy_model(model: Any, policy_cfg: Dict[str, Any]) -> FusedLMHead:
             raise NotImplementedError(
                 "policy.sequence_packing.fuse_loss: NeMo-RL's SequencePackingFusionLossWrapper takes no custom "
                 "prepare_fn; set it to false (SequencePackingLossWrapper then serves the fused head)"
+            )
+        temperature = generation.get("temperature", 1.0)
+        if config.softcap is not None and temperature not in (None, 1, 1.0):
+            raise NotImplementedError(
+                f"fused_linear_logprob_softcap at policy.generation.temperature={temperature}: NeMo-RL divides the "
+                "model's output, here the hidden states, by the temperature before the head, which commutes with "
+                "the product but not with the cap (softcap * tanh(z / softcap) / T); sample at temperature 1 or "
+                "leave the softcap off"
             )
     return wrap_model(model, config)
 

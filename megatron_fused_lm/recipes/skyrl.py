@@ -92,11 +92,19 @@ def wrap_actor_module(actor_module: list, trainer_cfg: Any) -> FusedLMHead:
     Refused (``ValueError``): SkyRL's own fused path (``trainer.fused_lm_head_logprob``) on as well, as
     the two cannot both own the output layer; a model with multi-token-prediction heads, which
     SkyRL 0.4.0 trains whenever the model has them, distilling them against the main logits that the
-    fused model does not return.
+    fused model does not return; and ``fused_linear_logprob_softcap``: SkyRL divides the model's
+    output, here the hidden states, by the sampling temperature before the head, which commutes with
+    the product but not with the cap.
     """
     config = FusedLMConfig.from_trainer_config(trainer_cfg)
     if config.enabled and getattr(trainer_cfg, "fused_lm_head_logprob", False):
         raise ValueError("set either trainer.fused_linear_logprob or SkyRL's trainer.fused_lm_head_logprob, not both")
+    if config.enabled and config.softcap is not None:
+        raise ValueError(
+            "fused_linear_logprob_softcap with SkyRL: SkyRL divides the model's output, here the hidden states, by "
+            "the sampling temperature before the head, which commutes with the product but not with the cap "
+            "(softcap * tanh(z / softcap) / T); this recipe does not undo it yet"
+        )
     head = wrap_model(actor_module, config)
     if head.fused and any(getattr(chunk.config, "mtp_num_layers", None) for chunk, _ in head._stock_layers):
         unwrap_model(actor_module)  # the model as it was

@@ -44,7 +44,7 @@ _head: Optional[FusedLMHead] = None
 
 
 def add_fused_lm_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The four settings as slime flags: pass this as ``parse_args(add_custom_arguments=...)``.
+    """The six settings as slime flags: pass this as ``parse_args(add_custom_arguments=...)``.
     (slime's own ``--log-probs-chunk-size`` chunks its logits path and is not read;
     ``--fused-linear-logprob-token-chunk`` is the fused head's tokens per chunk, best left unset.)"""
     parser.add_argument("--fused-linear-logprob", action="store_true", help="fuse the LM head (megatron-fused-lm)")
@@ -56,6 +56,18 @@ def add_fused_lm_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         "--fused-linear-logprob-batch-invariant",
         action="store_true",
         help="each row's hidden gradient independent of the other rows of a call (Triton backend)",
+    )
+    parser.add_argument(
+        "--fused-linear-logprob-vocab-size",
+        type=int,
+        default=None,
+        help="the tokenizer's vocabulary: Megatron's padded ids out of the fused head's softmax",
+    )
+    parser.add_argument(
+        "--fused-linear-logprob-softcap",
+        type=float,
+        default=None,
+        help="the head's logit softcap, softcap * tanh(z / softcap) (Gemma-2: 30.0)",
     )
     return parser
 

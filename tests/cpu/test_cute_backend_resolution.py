@@ -56,13 +56,13 @@ def test_the_registry_names_the_cute_backend_without_importing_cutlass():
     ],
 )
 def test_the_kernel_names_what_it_does_not_take(case, reason):
-    assert reason in statistics_unsupported(problem(**case))
+    assert reason in statistics_unsupported(problem(**case), None)
 
 
 def test_a_softcap_is_named_too():
-    assert "softcap" in statistics_unsupported(problem(), softcap=30.0)
+    assert "softcap" in statistics_unsupported(problem(), 30.0)
 
 
 def test_the_kernel_takes_a_plain_16_bit_forward():
-    assert statistics_unsupported(problem()) is None
-    assert statistics_unsupported(problem(dtype=torch.float16)) is None
+    assert statistics_unsupported(problem(), None) is None
+    assert statistics_unsupported(problem(dtype=torch.float16), None) is None

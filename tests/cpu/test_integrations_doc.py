@@ -178,6 +178,20 @@ def test_slime_command_line_enables_the_fused_head():
     assert FusedLMConfig.from_trainer_config(args) == FusedLMConfig(enabled=True, backend="auto")
 
 
+def test_slime_has_a_flag_for_every_key():
+    # Each trainer key as slime's command line spells it, read back by the config.
+    flags = {key: "--" + key.replace("_", "-") for key in TRAINER_KEYS}
+    values = {"fused_linear_logprob_backend": "triton", "fused_linear_logprob_token_chunk": "512",
+              "fused_linear_logprob_vocab_size": "151665", "fused_linear_logprob_softcap": "30"}  # fmt: skip
+    words = [word for key, flag in flags.items() for word in ([flag, values[key]] if key in values else [flag])]
+    config = FusedLMConfig.from_trainer_config(
+        slime.add_fused_lm_arguments(argparse.ArgumentParser()).parse_args(words)
+    )
+    assert config == FusedLMConfig(
+        enabled=True, backend="triton", token_chunk=512, batch_invariant=True, vocab_size=151665, softcap=30.0
+    )
+
+
 def test_settings_table_names_the_keys_and_defaults():
     rows = re.findall(r"^\| `(fused_linear_logprob\w*)` \| `([^`]+)` \|", INDEX.read_text(), flags=re.M)
     assert [key for key, _ in rows] == list(TRAINER_KEYS), rows

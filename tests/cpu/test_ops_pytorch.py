@@ -53,12 +53,12 @@ def logits_step(logits, targets, upstream, loss_fn=logits_loss, **options):
     return with_grads(loss_fn, (logits,), targets, upstream, **options)
 
 
-@pytest.mark.parametrize("masked", [False, True], ids=["all rows", "mask with max_rows"])
-def test_fullgraph_compile_of_forward_and_backward_equals_eager(masked):
+@pytest.mark.parametrize("case", ["all rows", "mask with max_rows", "softcap"])
+def test_fullgraph_compile_of_forward_and_backward_equals_eager(case):
     hidden, weight, targets, upstream, mask = inputs()
     hidden.requires_grad_()
     weight.requires_grad_()
-    options = dict(mask=mask, max_rows=ROWS) if masked else {}
+    options = {"all rows": {}, "mask with max_rows": dict(mask=mask, max_rows=ROWS), "softcap": dict(softcap=3.0)}[case]
     eager = fused_step(hidden, weight, targets, upstream, **options)
     compiled_loss = torch.compile(fused_loss, fullgraph=True)
     compiled = fused_step(hidden, weight, targets, upstream, loss_fn=compiled_loss, **options)
@@ -286,8 +286,10 @@ def user_policy_loss(logprob, entropy, *, old_logprob, advantages):
     return -torch.minimum(advantages * ratio, advantages * ratio.clamp(0.8, 1.2)) - 0.01 * entropy
 
 
-@pytest.mark.parametrize("loss_fn", [POLICY, user_policy_loss], ids=["ready-made", "user"])
-def test_fullgraph_compile_of_the_loss_path_equals_eager(loss_fn):
+@pytest.mark.parametrize(
+    "loss_fn, softcap", [(POLICY, None), (user_policy_loss, None), (POLICY, 3.0)], ids=["ready-made", "user", "softcap"]
+)
+def test_fullgraph_compile_of_the_loss_path_equals_eager(loss_fn, softcap):
     hidden, weight, targets, upstream, _ = inputs()
     with torch.no_grad():
         current = fused_linear_logprob(hidden, weight, targets)
@@ -296,11 +298,15 @@ def test_fullgraph_compile_of_the_loss_path_equals_eager(loss_fn):
         loss_inputs.update(ref_logprob=current - 0.1 * upstream[0], weight=torch.full((ROWS,), 1.0 / ROWS))
 
     def loss_of(hidden, weight):
-        result = fused_linear_loss(hidden, weight, targets, loss_fn, loss_inputs=loss_inputs, token_chunk=7)
+        result = fused_linear_loss(
+            hidden, weight, targets, loss_fn, loss_inputs=loss_inputs, token_chunk=7, softcap=softcap
+        )
         return result.logprob, result.entropy, 0.37 * result.loss
 
     def declared_of(hidden, weight):
-        per_token = fused_linear_cross_entropy(hidden, weight, targets, loss_inputs["advantages"].abs(), token_chunk=7)
+        per_token = fused_linear_cross_entropy(
+            hidden, weight, targets, loss_inputs["advantages"].abs(), token_chunk=7, softcap=softcap
+        )
         return per_token, 0.37 * (per_token * loss_inputs["advantages"].abs()).sum()
 
     def declared_other_of(hidden, weight):

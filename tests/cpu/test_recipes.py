@@ -203,6 +203,9 @@ def check_skyrl(tied: bool) -> None:
         skyrl.packed_layout(packed, cu_seqlens, attention_mask, ACTIONS, sub_seq_lengths=[[5, 4]])
     with pytest.raises(ValueError, match="not both"):
         skyrl.wrap_actor_module([model], FusedSkyRLTrainerSection(**SETTINGS, fused_lm_head_logprob=True))
+    # SkyRL divides the hidden states by the temperature before the head: a cap would see u / T.
+    with pytest.raises(ValueError, match="commutes with the product but not with the cap"):
+        skyrl.wrap_actor_module([model], FusedSkyRLTrainerSection(**SETTINGS, fused_linear_logprob_softcap=30.0))
     unwrap_model(model)
 
 

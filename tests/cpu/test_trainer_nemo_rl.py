@@ -410,6 +410,12 @@ def refusals_worker(source: str) -> None:
             classes.logprobs(cfg=cfg, sampling_params=sampling, head=head)
     # top_k -1 and top_p 1.0 are NeMo-RL's "no filtering".
     recipe.wrap_policy_model(model, {**cfg, "generation": {"temperature": 1.0, "top_k": -1, "top_p": 1.0}})
+    # A softcap: NeMo-RL divides the hidden states by the temperature first, which the cap does not
+    # commute with; at temperature 1 it is served.
+    capped = {**cfg, "fused_linear_logprob_softcap": 30.0}
+    with pytest.raises(NotImplementedError, match="not with the cap"):
+        recipe.wrap_policy_model(model, {**capped, "generation": {**cfg["generation"], "temperature": 0.7}})
+    recipe.wrap_policy_model(model, {**capped, "generation": {**cfg["generation"], "temperature": 1.0}})
     head = recipe.wrap_policy_model(model, cfg)
 
     # The packed fused-loss wrapper, NeMo-RL's own Linear-CE fusion, a prepare_fn of the caller's, a draft model.

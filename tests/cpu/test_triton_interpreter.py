@@ -135,6 +135,13 @@ def held_gradient_kernels(case: dict) -> dict:
     errors["reference"] = relative_error(
         kernel_reference, torch_row_references(hidden, weight, columns, temperature, 5)
     )
+    # Under a cap of 2 (the products here reach about 10): the estimate capped before the temperature.
+    capped_reference = kernel_row_references(
+        hidden, weight, columns, temperature, 5, REFERENCE_HEADROOM, torch.empty(tokens), softcap=2.0
+    )
+    errors["capped_reference"] = relative_error(
+        capped_reference, torch_row_references(hidden, weight, columns, temperature, 5, softcap=2.0)
+    )
     local = torch.randn(2, tokens, 4).abs()
     local[..., 0] = kernel_reference + torch.tensor([-100.0, -20.0, 0.0, 50.0])[torch.arange(tokens) % 4]
     local[0, ::5, 0] = -torch.inf
@@ -209,10 +216,11 @@ def finished_pass(backend, problem, chunk_step, options):
 def several_targets_case(case: dict) -> dict:
     """The four-GEMM path's backend with ``k`` targets per row (``target_column [n, k]``, a repeated
     id among them), as ``fused_forward`` and ``fused_backward`` drive it, against the float64
-    oracle of ``log_softmax(...).gather``: relative errors of the log-probs and both gradients."""
+    oracle of ``log_softmax(...).gather``: relative errors of the log-probs and both gradients; with
+    ``softcap``, of the capped head."""
     import torch
 
-    from devkit.oracle import relative_error
+    from devkit.oracle import capped, relative_error
     from megatron_fused_lm.ops.backends.contract import NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
     from megatron_fused_lm.ops.backends.triton import TritonBackend
     from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
@@ -229,8 +237,9 @@ def several_targets_case(case: dict) -> dict:
     torch.manual_seed(case["seed"])
     tokens, hidden_size, vocab, k = case["shape"]
     dtype = getattr(torch, case["dtype"])
-    hidden = (torch.randn(tokens, hidden_size) * 2).to(dtype)
+    hidden = (torch.randn(tokens, hidden_size) * case.get("hidden_scale", 2.0)).to(dtype)
     weight = (torch.randn(vocab, hidden_size) / hidden_size**0.5).to(dtype)
+    softcap = case.get("softcap")
     ids = torch.randint(0, vocab, (tokens, k))
     ids[:, 1] = ids[:, 0]
     temperature = torch.rand(tokens) * 1.5 + 0.5
@@ -238,12 +247,12 @@ def several_targets_case(case: dict) -> dict:
     if case.get("zero_entropy_grad"):
         grad_entropy = None
     problem = ShardProblem(hidden, weight, ids, temperature, every_column(hidden.device))
-    options = HeadOptions(token_chunk=16, entropy_grad=grad_entropy is not None)
+    options = HeadOptions(token_chunk=16, entropy_grad=grad_entropy is not None, softcap=softcap)
     if case.get("three_gemm"):  # the loss-in-forward pass, its chunk step reading the k logits
         logprob = torch.empty(tokens, k)
 
         def chunk_step(rows, local):
-            target_logits = gathered_logits(hidden[rows], weight, ids[rows], temperature[rows], None)
+            target_logits = gathered_logits(hidden[rows], weight, ids[rows], temperature[rows], softcap)
             summary = summarize(local, statistics_column(ids[rows]), target_logits)
             logprob[rows] = summary.logprob
             upstream = UpstreamGrads(grad_logprob[rows], None if grad_entropy is None else grad_entropy[rows])
@@ -253,13 +262,13 @@ def several_targets_case(case: dict) -> dict:
     else:
         stats = backend.local_statistics(problem._replace(target_column=statistics_column(ids)), options)
         summary = summarize(stats)
-        logprob = summarize(stats, None, gathered_logits(hidden, weight, ids, temperature, None)).logprob
+        logprob = summarize(stats, None, gathered_logits(hidden, weight, ids, temperature, softcap)).logprob
         grads = backend.local_gradients(
             problem, SavedStatistics(summary.lse, summary.mean_logit), UpstreamGrads(grad_logprob, grad_entropy),
             NeededGrads(hidden=True, weight=True), options,
         )  # fmt: skip
     leaves = [tensor.double().requires_grad_() for tensor in (hidden, weight)]
-    log_probs = torch.log_softmax(leaves[0] @ leaves[1].t() / temperature.double()[:, None], dim=-1)
+    log_probs = torch.log_softmax(capped(leaves[0] @ leaves[1].t(), softcap) / temperature.double()[:, None], dim=-1)
     exact, entropy = log_probs.gather(-1, ids), -(log_probs.exp() * log_probs).sum(-1)
     entropy_term = 0.0 if grad_entropy is None else (entropy * grad_entropy.double()).sum()
     ((exact * grad_logprob.double()).sum() + entropy_term).backward()
@@ -563,7 +572,7 @@ def run_case_here(case: dict) -> dict:
     if case.get("kind") == "default_tuning":
         return default_tuning_case(case)
 
-    from devkit.oracle import max_abs_error, reference, relative_error
+    from devkit.oracle import capped, max_abs_error, reference, relative_error
     from megatron_fused_lm.ops.backends.contract import NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
     from megatron_fused_lm.ops.backends.triton import TritonBackend
     from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
@@ -680,8 +689,9 @@ def run_case_here(case: dict) -> dict:
         hidden, weight, targets, temperature, grad_logprob, grad_entropy, kept=kept, softcap=case.get("softcap")
     )
     sampled = weight[:: -(-weight.shape[0] // case["reference_rows"])] if case.get("reference_rows") else weight
-    logits = hidden.double() @ weight.double().t() / temperature.double()[:, None]
-    sampled_max = (hidden.double() @ sampled.double().t() / temperature.double()[:, None]).amax(1)
+    softcap = case.get("softcap")
+    logits = capped(hidden.double() @ weight.double().t(), softcap) / temperature.double()[:, None]
+    sampled_max = (capped(hidden.double() @ sampled.double().t(), softcap) / temperature.double()[:, None]).amax(1)
     return {
         "rows_far_above_sample": int((logits.amax(1) - sampled_max > 60).sum()),
         "logprob": max_abs_error(logprob, expected.logprob),
@@ -1071,21 +1081,44 @@ def test_softcap(dtype, three_gemm, entropy_grad):
     check(result, dtype)
 
 
+@pytest.mark.parametrize("three_gemm", [False, True], ids=["recompute", "three_gemm"])
+def test_softcap_with_kept_tokens(three_gemm):
+    # Each row's softmax over its kept set of a capped head: the kept mask and the cap's slope in
+    # the same kernels (float16: offsets with an entropy term, exponentials without).
+    for entropy_grad in (True, False):
+        result = run_case(
+            dtype="float16", shape=[37, 45, 212], temperature="per_row", hidden_scale=8.0, three_gemm=three_gemm,
+            kept=12, entropy_grad=entropy_grad, token_chunk=16, softcap=5.0,
+        )  # fmt: skip
+        check(result, "float16")
+        assert result["grad_weight_left_out"] == 0.0, result
+
+
 def test_softcap_on_two_shards():
-    # The three-GEMM pass per shard of two, one vocabulary row far above the others (capped) and
-    # not among the rows the reference samples.
+    # The three-GEMM pass per shard of two; one vocabulary row far above the others for half the rows
+    # (logits near 90, capped to about 72) and not among the rows the reference samples: their
+    # stored exponentials are refreshed against the capped maximum.
     result = run_case(
-        dtype="float32", shape=[40, 33, 600], hidden_scale=4.0, token_chunk=16, seed=13, three_gemm=True,
-        entropy_grad=False, softcap=20.0, shards=2, dominant_row=333, reference_rows=8,
+        dtype="float32", shape=[40, 33, 600], token_chunk=16, seed=13, three_gemm=True,
+        entropy_grad=False, softcap=100.0, shards=2, dominant_row=333, reference_rows=8,
     )  # fmt: skip
-    check(result, "float32")
+    assert result["rows_far_above_sample"] > 0, result
+    # Logits near 72: their float32 rounding alone is some 1e-5 (as test_peaky_logits' bound).
+    assert result["logprob"] <= 1e-4 and result["entropy"] <= 1e-4, result
+    assert result["grad_hidden"] <= 1e-5 and result["grad_weight"] <= 1e-5, result
 
 
-def test_the_public_ops_with_a_softcap():
+@pytest.mark.parametrize("softcap", [3.0, 0.3])
+def test_the_public_ops_with_a_softcap(softcap):
     # The public ops with backend="triton" (default tuning): log-probs, entropy, gradients, the
-    # three-GEMM loss's, under a cap of 3 on logits of order 10.
-    errors = run_case(kind="default_tuning", shape=[12, 32, 300], seed=8, spread=3.0, softcap=3.0)
-    assert all(error <= 1e-5 for error in errors.values()), errors
+    # three-GEMM loss's, under a cap of 3 on logits of order 10; and of 0.3, where the largest reach
+    # 100 caps and exp(2 u / softcap) overflows to inf (tanh must then be 1, not NaN). There the
+    # gradients come from the few columns not yet saturated, whose slope 1 - t^2, read back from a
+    # float32 t within 1e-4 of 1 (as autograd's tanh backward reads its output), keeps 1e-3.
+    errors = run_case(kind="default_tuning", shape=[12, 32, 300], seed=8, spread=3.0, softcap=softcap)
+    grad_bound = 1e-5 if softcap == 3.0 else 1e-3
+    assert errors.pop("logprob") <= 1e-5 and errors.pop("entropy") <= 1e-5, errors
+    assert all(error <= grad_bound for error in errors.values()), errors
 
 
 def test_the_public_ops_over_the_true_vocabulary():
@@ -1177,6 +1210,20 @@ def test_several_targets_per_row_three_gemm(dtype, entropy):
         zero_entropy_grad=not entropy,
     )  # fmt: skip
     value_tol, grad_tol = TOLERANCE[dtype]
+    assert result["logprob"] <= value_tol, result
+    assert result["grad_hidden"] <= grad_tol and result["grad_weight"] <= grad_tol, result
+
+
+@pytest.mark.parametrize("entropy", [True, False], ids=["entropy", "no_entropy"])
+@pytest.mark.parametrize("three_gemm", [False, True], ids=["recompute", "three_gemm"])
+def test_several_targets_per_row_with_a_softcap(three_gemm, entropy):
+    # k = 3 ids per row under a cap of 4 on logits of spread 8: each id's chosen term takes the
+    # cap's slope at its own logit (softmax.product_grad in several_row_terms, the kernels' tiles).
+    result = run_case(
+        kind="several_targets", dtype="float32", shape=[24, 40, 131, 3], seed=14, three_gemm=three_gemm,
+        zero_entropy_grad=not entropy, hidden_scale=8.0, softcap=4.0,
+    )  # fmt: skip
+    value_tol, grad_tol = TOLERANCE["float32"]
     assert result["logprob"] <= value_tol, result
     assert result["grad_hidden"] <= grad_tol and result["grad_weight"] <= grad_tol, result
 

@@ -22,7 +22,7 @@ from .triton_tuning import TritonTuning
 TILES_PER_SPLIT = 8
 
 
-def statistics_unsupported(problem: ShardProblem, softcap: Optional[float] = None) -> Optional[str]:
+def statistics_unsupported(problem: ShardProblem, softcap: Optional[float]) -> Optional[str]:
     """Why the CuTe statistics kernel does not take ``problem`` (under the logits' ``softcap``), or
     ``None`` where it does."""
     hidden, weight = problem.hidden, problem.weight

@@ -89,7 +89,8 @@ def stored_grad_kernel(
         prob = stored * tl.exp(reference - lse)[:, None]
         # z = reference + log(stored): finite where the exponential underflowed, whose p = 0 then
         # zeroes the term.
-        mean_minus_logit = (mean_logit - reference)[:, None] - tl.log(tl.maximum(stored, 1e-30))
+        log_stored = tl.log(tl.maximum(stored, 1e-30))
+        mean_minus_logit = (mean_logit - reference)[:, None] - log_stored
     grad = logit_grad_tile(
         prob,
         mean_minus_logit,
@@ -114,7 +115,7 @@ def stored_grad_kernel(
     inv_temperature = inverse_temperature(temperature_ptr, rows, row_valid, UNIFORM_TEMPERATURE)
     if HAS_SOFTCAP:  # the cap's slope 1 - tanh^2 at the stored logit, tanh = z T / softcap (softmax.product_grad)
         if OFFSETS_TILE_N == 0:
-            logits = reference[:, None] + tl.log(tl.maximum(stored, 1e-30))
+            logits = reference[:, None] + log_stored
         tanh = tl.minimum(tl.maximum(logits / (softcap * inv_temperature), -1.0), 1.0)
         grad = grad * (1.0 - tanh * tanh)
     tl.store(grad_out, (grad * inv_temperature).to(grad_ptr.dtype.element_ty), mask=valid)

@@ -257,10 +257,14 @@ def check_verl(sequence_parallel: bool, tied: bool, label: str) -> None:
                         ours[key], expected, VALUE_ATOL * max(1.0, float(expected.abs().max())), where
                     )
             if name == "forward only":
-                for got, want in zip(ours["log_probs"].unbind(), oracle, strict=True):
-                    harness.assert_max_error(got[:-1], want[0], VALUE_ATOL, f"{where} log-probs vs float64")
-                for got, want in zip(ours["entropy"].unbind(), oracle, strict=True):
-                    harness.assert_max_error(got[:-1], want[1], VALUE_ATOL, f"{where} entropy vs float64")
+                # The oracle runs each sample alone through the stock model; a packed (THD) forward's
+                # own float32 differences reach the logits too, so the bound is also 1.5x the stock
+                # path's own error on the same forward.
+                for key, outputs in (("log_probs", 0), ("entropy", 1)):
+                    for got, baseline, want in zip(ours[key].unbind(), stock[key].unbind(), oracle, strict=True):
+                        stock_error = float((baseline[:-1].double() - want[outputs]).abs().max())
+                        bound = max(VALUE_ATOL, 1.5 * stock_error)
+                        harness.assert_max_error(got[:-1], want[outputs], bound, f"{where} {key} vs float64")
             unwrap_model(model)
     from verl.workers.utils.losses import ppo_loss
 

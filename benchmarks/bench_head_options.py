@@ -12,13 +12,20 @@ median of ``--repeats`` timed calls after ``--warmup``; the report gives each pa
 
 from __future__ import annotations
 
-import json
 import statistics
 
 import torch
-from harness import make_inputs, op_steps, parse_shapes, result_row, shape_name, timing_parser, try_measure
+from harness import (
+    make_inputs,
+    op_steps,
+    parse_shapes,
+    result_row,
+    shape_name,
+    timing_parser,
+    try_measure,
+    write_rows,
+)
 
-from devkit.measure import environment
 from megatron_fused_lm import fused_linear_loss, losses
 
 PADDED_IDS = 271  # Qwen2.5: a tokenizer of 151665 ids, a head of 151936 rows
@@ -73,9 +80,7 @@ def main():
                 rows.append(summary)
                 print(summary, flush=True)
         del inputs
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"meta": environment(torch.device(device), torch.bfloat16), "rows": rows}, handle, indent=1)
+    write_rows(args.json, device, rows)
 
 
 if __name__ == "__main__":

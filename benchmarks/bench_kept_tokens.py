@@ -11,12 +11,18 @@ alternative's forward, the ``K`` logits of each row by a gathered product
 
 from __future__ import annotations
 
-import json
-
 import torch
-from harness import make_inputs, op_steps, parse_shapes, result_row, shape_name, timing_parser, try_measure
+from harness import (
+    make_inputs,
+    op_steps,
+    parse_shapes,
+    result_row,
+    shape_name,
+    timing_parser,
+    try_measure,
+    write_rows,
+)
 
-from devkit.measure import environment
 from megatron_fused_lm.ops.backends.registry import by_name
 from megatron_fused_lm.ops.inputs import select_rows
 from megatron_fused_lm.ops.kept_tokens import checked_sets
@@ -71,9 +77,7 @@ def main():
                 rows.append(row)
                 print(row, flush=True)
         del inputs
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"meta": environment(torch.device(device), torch.bfloat16), "rows": rows}, handle, indent=1)
+    write_rows(args.json, device, rows)
 
 
 if __name__ == "__main__":

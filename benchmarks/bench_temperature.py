@@ -9,12 +9,17 @@ bf16, the inputs of ``harness.make_inputs``): the forward (``no_grad``), the rec
 
 from __future__ import annotations
 
-import json
-
 import torch
-from harness import make_inputs, op_steps, parse_shapes, result_row, shape_name, timing_parser, try_measure
-
-from devkit.measure import environment
+from harness import (
+    make_inputs,
+    op_steps,
+    parse_shapes,
+    result_row,
+    shape_name,
+    timing_parser,
+    try_measure,
+    write_rows,
+)
 
 
 def main():
@@ -33,9 +38,7 @@ def main():
                 rows.append(row)
                 print(row)
         del inputs
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"meta": environment(torch.device(device), torch.bfloat16), "rows": rows}, handle, indent=1)
+    write_rows(args.json, device, rows)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ times come from the host clock and there is no memory figure.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import traceback
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from devkit.measure import elapsed_ms, peak_memory_bytes, release_memory, reset_peak_memory
+from devkit.measure import elapsed_ms, environment, peak_memory_bytes, release_memory, reset_peak_memory
 from devkit.oracle import logprob_entropy, max_abs_error
 
 REFERENCE_SHAPES = (
@@ -136,6 +137,13 @@ def result_row(measurement, failure, **fields):
     elif failure != "oom":
         row["note"] = failure
     return row
+
+
+def write_rows(path: Optional[str], device: str, rows: list) -> None:
+    """The rows, under the environment of ``device`` (bf16 inputs), as the JSON record at ``path`` (``None``: none)."""
+    if path:
+        with open(path, "w") as handle:
+            json.dump({"meta": environment(torch.device(device), torch.bfloat16), "rows": rows}, handle, indent=1)
 
 
 def kernel_timeline(run: Callable[[], object]) -> list:

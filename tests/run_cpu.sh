@@ -11,11 +11,12 @@
 #   Python >= 3.12) on top of one Python 3.12 environment under .venvs/. The integration tests run
 #   on each, after a check that the release imported is the one installed.
 # - Every environment pins torch, triton and pytest; pip keeps no cache. pytest-xdist spreads each
-#   run over the machine's cores (-n auto). The environments other than the pinned one install in
-#   the background while ruff and the CPU suite run (their downloads wait on the network, the suite
-#   on the cores). pip compiles their bytecode as it installs: where PYTHONDONTWRITEBYTECODE is set
-#   (the development machines set it), Python would otherwise compile torch and Megatron anew in
-#   every process.
+#   run over the machine's cores (-n auto). The environments other than the pinned one install
+#   first, before ruff and the CPU suite: beside them, on CI's two cores, their writes (Python
+#   3.12's CUDA torch is several GB) had slowed the suite from 6 to 13 minutes, and the whole run
+#   took 22 minutes where one after the other takes about 17. pip compiles their bytecode as it
+#   installs: where PYTHONDONTWRITEBYTECODE is set (the development machines set it), Python would
+#   otherwise compile torch and Megatron anew in every process.
 #
 # - The trainers the recipes are tested against run as released, SkyRL 0.4.0 and verl 0.9.1 from
 #   PyPI, in an overlay of their own with megatron-core 0.19.2 (constraints-trainers.txt).
@@ -37,9 +38,8 @@ esac
 started=$SECONDS
 logs=$(mktemp -d)
 installing=""
-# A run that ends early (a failure, Ctrl-C) stops the background installs too, their whole process
-# group: an overlay left half-made is made again next time, and pip completes the Python 3.12
-# environment.
+# A run that ends early (Ctrl-C) stops the installs too, their whole process group: an overlay left
+# half-made is made again next time, and pip completes the Python 3.12 environment.
 trap 'exit 130' INT TERM
 trap '[ -n "$installing" ] && kill -- "-$installing" 2>/dev/null; rm -rf "$logs"' EXIT
 summary=()
@@ -151,11 +151,19 @@ for line in importlib.metadata.requires("torch"):
 python -m pip install -q -c constraints.txt -e ".[test]"
 if ! $quick; then
   set -m  # a process group of its own, which the exit trap can stop
-  # Not "install_environments && ...": errexit holds in the function only where its call is no
-  # list's left-hand side.
+  # A job waited for at once, not "if install_environments": errexit holds in the function only
+  # where its call is no condition.
   { install_environments; echo $(( (SECONDS - started) / 60 )) >"$logs/installs.minutes"; } >"$logs/installs.log" 2>&1 &
   installing=$!
   set +m
+  if ! wait "$installing"; then
+    installing=""
+    cat "$logs/installs.log" >&2
+    echo "tests/run_cpu.sh: installing the other environments failed (its output above)" >&2
+    exit 1
+  fi
+  installing=""
+  summary+=("the other environments (.venvs/): ready $(cat "$logs/installs.minutes") min into the run")
 fi
 # Tracked files only: a scratch file of the user's in the clone is not the project's.
 git ls-files -z '*.py' | xargs -0 ruff check --force-exclude
@@ -169,15 +177,6 @@ if $quick; then
   print_summary
   exit 0
 fi
-
-if ! wait "$installing"; then
-  installing=""
-  cat "$logs/installs.log" >&2
-  echo "tests/run_cpu.sh: installing the other environments failed (its output above)" >&2
-  exit 1
-fi
-installing=""
-summary+=("the other environments (.venvs/): ready $(cat "$logs/installs.minutes") min into the run, alongside the CPU suite")
 
 imported=$(PYTHONPATH="$trainers" python -W ignore -c 'import megatron.core, skyrl, verl, importlib.metadata as m
 print(m.version("megatron-core"), m.version("skyrl"), m.version("verl"))' 2>/dev/null | tail -n 1) || true

@@ -14,7 +14,7 @@
 #   run over the machine's cores (-n auto). The environments other than the pinned one install
 #   first, before ruff and the CPU suite: beside them, on CI's two cores, their writes (Python
 #   3.12's CUDA torch is several GB) had slowed the suite from 6 to 13 minutes, and the whole run
-#   took 22 minutes where one after the other takes about 17. pip compiles their bytecode as it
+#   took 22 minutes where one after the other takes 15 (docs/TESTING.md). pip compiles their bytecode as it
 #   installs: where PYTHONDONTWRITEBYTECODE is set (the development machines set it), Python would
 #   otherwise compile torch and Megatron anew in every process.
 #

@@ -330,10 +330,11 @@ def topk_case(case: dict) -> dict:
     empty slots) for every ``k``."""
     import torch
 
+    from devkit.oracle import capped
     from megatron_fused_lm.ops.backends.triton_topk import top_keys
     from megatron_fused_lm.ops.backends.triton_tuning import TritonTuning
     from megatron_fused_lm.ops.kernels.tiles import Tiles
-    from megatron_fused_lm.ops.softmax import summarize
+    from megatron_fused_lm.ops.softmax import softcapped, summarize
     from megatron_fused_lm.ops.top_keys import keyed_logits
 
     small = Tiles(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1, dot_precision="ieee")
@@ -359,19 +360,20 @@ def topk_case(case: dict) -> dict:
         temperature = torch.rand(tokens) * 1.5 + 0.5
     else:
         temperature = torch.full((1,), 0.7).expand(tokens)
-    exact_logits = hidden.double() @ weight.double().t() / temperature.double()[:, None]
+    softcap = case.get("softcap")
+    exact_logits = capped(hidden.double() @ weight.double().t(), softcap) / temperature.double()[:, None]
     exact, scale = torch.log_softmax(exact_logits, -1), float(exact_logits.abs().max())
     order = torch.sort(exact, dim=1, descending=True, stable=True).indices  # equal: the lower id first
 
     def block_logits(index):
-        return (hidden[index].float() @ weight.float().t()) / temperature[index, None]
+        return softcapped(hidden[index].float() @ weight.float().t(), softcap) / temperature[index, None]
 
     nan_row = 5
     hidden[nan_row] = float("nan")  # its neighbours' keys must not notice it
     others = torch.arange(tokens) != nan_row
     results, in_vocabulary = {}, True
     for k in case["ks"]:
-        stats, keys = top_keys(hidden, weight, temperature, None, k, 0, block_logits, token_chunk=17, tuning=tuning)
+        stats, keys = top_keys(hidden, weight, temperature, softcap, k, 0, block_logits, token_chunk=17, tuning=tuning)
         logits, ids = keyed_logits(keys)
         in_vocabulary &= bool(((ids[nan_row] >= 0) & (ids[nan_row] < vocab)).all())
         logprob = logits - summarize(stats).lse[:, None]
@@ -882,6 +884,15 @@ def test_kept_tokens_far_below_reference(dtype):
     )  # fmt: skip
     assert result["rows_far_above_sample"] == 0  # the dominant row is sampled: the reference is high, not low
     check(result, dtype)
+
+
+def test_topk_with_a_softcap():
+    # The same rows under a cap of 150 (the crowded rows' logits of 93 bend by a third): the
+    # candidates and statistics kernels cap each tile's logits, the torch form its block's.
+    results = run_case(kind="topk", dtype="float32", shape=[20, 24, 1280], ks=[1, 2, 9, 12], seed=6, softcap=150.0)
+    assert results.pop("nan")
+    for k, (ids_equal, logprob_error) in results.items():
+        assert ids_equal and logprob_error <= 1e-6, (k, ids_equal, logprob_error)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

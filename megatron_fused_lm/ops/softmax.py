@@ -185,7 +185,7 @@ def block_logit_grad(
     grad = logit_grad(
         prob,
         mean_minus_logit,
-        None if grad_logprob is None else grad_logprob.sum(-1, keepdim=True),
+        grad_logprob if grad_logprob is None or grad_logprob.shape[-1] == 1 else grad_logprob.sum(-1, keepdim=True),
         None if grad_entropy is None else grad_entropy.unsqueeze(-1),
         grad_logprob is not None,
         grad_entropy is not None,

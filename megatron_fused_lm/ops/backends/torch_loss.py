@@ -155,7 +155,7 @@ class TorchLoss:
         for target in range(columns.shape[1]):
             column, term = columns[:, target], chosen.view(columns.shape)[:, target]
             coefficient = torch.where(column >= 0, term, 0.0).unsqueeze(1)
-            product.addcmul_(coefficient, weight[column.clamp(min=0)].float())
+            product.addcmul_(coefficient, weight[column.clamp(min=0)])  # promoted to float32 in the op
 
     @staticmethod
     def add_chosen_rows(

@@ -1,4 +1,4 @@
-"""The five trainer settings that turn the fused LM head on and tune it.
+"""The six trainer settings that turn the fused LM head on and tune it.
 
 Each key is the package's own: a trainer's key of its own (SkyRL's and verl's
 ``logprobs_chunk_size``, which size their logits loops) never reaches the head, whose Triton path
@@ -191,8 +191,10 @@ def _warn_of_misspellings(sections: List[Tuple[str, Any]], config: FusedLMConfig
             if name in TRAINERS_OWN_KEYS:
                 continue
             spelt = name.lower().replace("-", "_")
-            close = [KEYS_BY_TRAINERS_WORDS[spelt]] if spelt in KEYS_BY_TRAINERS_WORDS else None
-            close = close or difflib.get_close_matches(spelt, TRAINER_KEYS, n=1, cutoff=0.75)
+            if spelt in KEYS_BY_TRAINERS_WORDS:
+                close = [KEYS_BY_TRAINERS_WORDS[spelt]]
+            else:
+                close = difflib.get_close_matches(spelt, TRAINER_KEYS, n=1, cutoff=0.75)
             if close:
                 suspects.append(f"{prefix}{name} (did you mean {close[0]}?)")
     if suspects:

@@ -19,11 +19,11 @@ import torch
 
 from .backends import registry
 from .backends.contract import Gradients, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
-from .chunking import BlockLogits, blocked_statistics, chunk_logit_grads, chunk_rows
+from .chunking import blocked_statistics, chunk_logit_grads, chunk_rows, given_logits
 from .distributed import all_gather_stacked, all_reduce_sum, group_size, merge_across_group
 from .options import OPTIONS_SCHEMA, HeadOptions
 from .several_targets import gathered_logits, statistics_column, taken_logits
-from .softmax import SoftmaxSummary, softcapped, summarize
+from .softmax import SoftmaxSummary, summarize
 
 Tensor = torch.Tensor
 Statistics = tuple[Tensor, Tensor, Tensor, Tensor]  # logprob, entropy, lse, mean_logit: [n] float32
@@ -240,7 +240,7 @@ class Logits(torch.autograd.Function):
     def forward(logits, target_column, temperature, kept_mask, options: HeadOptions) -> Statistics:
         with autocast_off(logits.device):
             rows = chunk_rows(options.token_chunk, logits.shape[-1])
-            block_logits = _scaled(logits, temperature, options.softcap)
+            block_logits = given_logits(logits, temperature, options.softcap)
             stats = blocked_statistics(block_logits, statistics_column(target_column), kept_mask, rows)
             several = lambda logits, _, *column_temperature_softcap: taken_logits(logits, *column_temperature_softcap)  # noqa: E731
             torch_backend = registry.by_name("torch")
@@ -271,7 +271,7 @@ class Logits(torch.autograd.Function):
         with autocast_off(logits.device):
             rows, saved = chunk_rows(ctx.options.token_chunk, logits.shape[-1]), SavedStatistics(lse, mean_logit)
             chunks = chunk_logit_grads(
-                _scaled(logits, temperature, ctx.options.softcap),
+                given_logits(logits, temperature, ctx.options.softcap),
                 target_column,
                 saved=saved,
                 upstream=upstream,
@@ -283,11 +283,6 @@ class Logits(torch.autograd.Function):
             for chunk, grad in chunks:
                 grad_logits[chunk] = grad
         return grad_logits, None, None, None, None
-
-
-def _scaled(logits: Tensor, temperature: Tensor, softcap: Optional[float]) -> BlockLogits:
-    # A copy: logits.float() is logits itself when it is float32 already.
-    return lambda rows: softcapped(logits[rows].to(torch.float32, copy=True), softcap).div_(temperature[rows, None])
 
 
 def _save_statistics(ctx, inputs: tuple, options: HeadOptions, output: Statistics) -> None:

@@ -11,10 +11,26 @@ import torch
 
 from .backends.contract import SavedStatistics, UpstreamGrads, token_chunks
 from .kept_tokens import kept_block
-from .softmax import NUM_STATISTICS, block_logit_grad, block_statistics, product_grad
+from .products import float32_product
+from .softmax import NUM_STATISTICS, block_logit_grad, block_statistics, product_grad, softcapped
 
 BlockLogits = Callable[[slice], torch.Tensor]
 BLOCK_BYTES = 256 * 2**20  # one float32 logits block, when token_chunk is None
+
+
+def product_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, temperature: torch.Tensor, softcap: Optional[float]
+) -> BlockLogits:
+    """``block_logits`` of the products ``hidden [n, H] @ weight.T`` (float32), ``softcapped`` and
+    over each row's ``temperature [n]``; rows by a slice or indices."""
+    weight_t = weight.t()
+    return lambda rows: softcapped(float32_product(hidden[rows], weight_t), softcap).div_(temperature[rows, None])
+
+
+def given_logits(logits: torch.Tensor, temperature: torch.Tensor, softcap: Optional[float]) -> BlockLogits:
+    """``block_logits`` of materialized logits ``[n, v]``: a float32 copy (``.float()`` would be the
+    logits themselves when float32), ``softcapped`` and over each row's ``temperature [n]``."""
+    return lambda rows: softcapped(logits[rows].to(torch.float32, copy=True), softcap).div_(temperature[rows, None])
 
 
 def chunk_rows(token_chunk: Optional[int], vocab_shard: int) -> int:

@@ -115,12 +115,6 @@ def softcapped(products: torch.Tensor, softcap: Optional[float]) -> torch.Tensor
     return products
 
 
-def target_logits(summary: SoftmaxSummary) -> torch.Tensor:
-    """The targets' logits ``logprob + lse`` (``[n]``, or ``[n, k]`` for several), where
-    ``product_grad`` reads the softcap's slope for the chosen tokens' terms."""
-    return summary.logprob + (summary.lse if summary.logprob.dim() == 1 else summary.lse.unsqueeze(1))
-
-
 def product_grad(
     grad: torch.Tensor, logits: Optional[torch.Tensor], temperature: torch.Tensor, softcap: Optional[float]
 ) -> torch.Tensor:
@@ -232,6 +226,25 @@ def chosen_logit_grad(
     if grad_entropy is not None:
         grad = grad - grad_entropy.unsqueeze(1) * prob * (summary.entropy.unsqueeze(1) + logprob)
     return torch.where(first & (target_column >= 0), grad, 0.0)
+
+
+def chosen_product_grad(
+    target_column: torch.Tensor,
+    summary: SoftmaxSummary,
+    grad_logprob: Optional[torch.Tensor],
+    grad_entropy: Optional[torch.Tensor],
+    temperature: torch.Tensor,
+    softcap: Optional[float],
+) -> torch.Tensor:
+    """``chosen_logit_grad`` taken back to the products (``product_grad``): over ``temperature``
+    (``[n]`` as a column against several targets' ``[n, k]``), and with a ``softcap`` times its
+    slope at each target's own logit, ``logprob + lse``."""
+    grad = chosen_logit_grad(target_column, summary, grad_logprob, grad_entropy)
+    per_row = temperature.view(-1, *[1] * (target_column.dim() - 1))
+    logits = None
+    if softcap is not None:
+        logits = summary.logprob + (summary.lse if summary.logprob.dim() == 1 else summary.lse.unsqueeze(1))
+    return product_grad(grad, logits, per_row, softcap)
 
 
 def zero_chosen(block: torch.Tensor, target_column: torch.Tensor) -> None:

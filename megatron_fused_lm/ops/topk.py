@@ -20,13 +20,12 @@ import torch.distributed as dist
 
 from .backends import registry
 from .boundary import autocast_off
-from .chunking import chunk_rows
+from .chunking import chunk_rows, given_logits, product_logits
 from .distributed import all_gather_stacked, group_rank, group_size, merge_across_group
 from .inputs import RowSelection, check_linear_inputs, check_logits, live_columns, row_temperatures
 from .options import HeadOptions, check_softcap, checked_number
-from .products import float32_product
 from .rank_check import check_across_ranks
-from .softmax import softcapped, summarize
+from .softmax import summarize
 from .top_keys import MAX_ID, NO_KEY, keyed_logits, shard_top_keys
 
 Tensor = torch.Tensor
@@ -91,8 +90,7 @@ def fused_linear_topk(
     rows = hidden.reshape(-1, hidden.shape[-1]).detach().to(weight.dtype)
     weight = weight.detach()[: live_columns(weight.shape[0], vocab_size, tp_group)]
 
-    def block_logits(index):  # a slice or indices of rows
-        return softcapped(float32_product(rows[index], weight.t()), options.softcap).div_(temperature[index, None])
+    block_logits = product_logits(rows, weight, temperature, options.softcap)
 
     def local_keys(local_k):
         return resolved.top_keys(
@@ -137,9 +135,7 @@ def logits_topk(
     rows_per_chunk = chunk_rows(options.token_chunk, flat.shape[1])
 
     def local_keys(local_k):
-        block_logits = lambda chunk: softcapped(  # noqa: E731
-            flat[chunk].to(torch.float32, copy=True), options.softcap
-        ).div_(temperature[chunk, None])
+        block_logits = given_logits(flat, temperature, options.softcap)
         return shard_top_keys(
             block_logits, flat.shape[0], k=local_k, first_id=first_id, rows_per_chunk=rows_per_chunk, device=flat.device
         )

@@ -17,12 +17,11 @@ from ..softmax import (
     SoftmaxSummary,
     block_logit_grad,
     block_statistics,
-    chosen_logit_grad,
+    chosen_product_grad,
     merge_statistics,
     product_grad,
     softcapped,
     summarize,
-    target_logits,
     zero_chosen,
 )
 from . import contract
@@ -103,13 +102,13 @@ class TorchLoss:
             if weight_row_scale is not None:  # the weight's own operand, rounded once as the hidden's is
                 operand = grad.mul_(weight_row_scale[:, None]).to(weight.dtype)
             contract.add_weight_product(state.held_weight, operand, problem.hidden[rows], accumulate)
-        per_row = temperature.view(-1, *[1] * (target_column.dim() - 1))  # beside one or several targets' terms
-        logits = target_logits(summary) if options.softcap is not None else None  # read for the cap's slope only
-        chosen = product_grad(chosen_logit_grad(target_column, summary, *upstream), logits, per_row, options.softcap)
+        chosen = chosen_product_grad(target_column, summary, *upstream, temperature, options.softcap)
         if state.held_hidden.dim() == 2:
             self.add_chosen(state.held_hidden[rows], target_column, chosen, weight)
+        if state.held_weight and weight_row_scale is not None:  # per row, beside one or several targets' terms
+            chosen = chosen * weight_row_scale.view(-1, *[1] * (chosen.dim() - 1))
         if state.held_weight:
-            state.chosen[rows] = chosen if weight_row_scale is None else chosen * weight_row_scale.view(per_row.shape)
+            state.chosen[rows] = chosen
 
     # The steps on the held gradients; the Triton backend has kernels for each.
 

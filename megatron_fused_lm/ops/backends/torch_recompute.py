@@ -9,19 +9,16 @@ from typing import Optional
 
 import torch
 
-from ..chunking import BlockLogits, blocked_statistics, chunk_logit_grads, chunk_rows
+from ..chunking import BlockLogits, blocked_statistics, chunk_logit_grads, chunk_rows, product_logits
 from ..options import HeadOptions
-from ..products import add_product, float32_product
-from ..softmax import softcapped
+from ..products import add_product
 from . import contract
 from .contract import Gradients, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
 
 
 def block_logits(problem: ShardProblem, softcap: Optional[float]) -> BlockLogits:
-    """A chunk's float32 logits ``[rows, vocab_shard]``, ``softcapped`` and divided by each row's
-    temperature."""
-    hidden, weight_t, temperature = problem.hidden, problem.weight.t(), problem.temperature
-    return lambda rows: softcapped(float32_product(hidden[rows], weight_t), softcap).div_(temperature[rows, None])
+    """A chunk's float32 logits ``[rows, vocab_shard]`` (``chunking.product_logits``)."""
+    return product_logits(problem.hidden, problem.weight, problem.temperature, softcap)
 
 
 class TorchRecompute:

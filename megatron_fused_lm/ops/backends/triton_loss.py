@@ -32,7 +32,7 @@ from ..kernels.stored_grad_kernel import stored_logit_grads
 from ..options import HeadOptions
 from ..products import add_product
 from ..several_targets import statistics_column
-from ..softmax import SoftmaxSummary, chosen_logit_grad, logit_grad, product_grad, target_logits, zero_chosen
+from ..softmax import SoftmaxSummary, chosen_product_grad, logit_grad, zero_chosen
 from . import contract, torch_loss
 from .contract import LossState, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
 from .triton_reference import (
@@ -239,8 +239,7 @@ class TritonLoss:
         (``softmax.chosen_logit_grad``), the shared term taking the row sum of their gradients."""
         columns, hidden = problem.target_column[rows], problem.hidden[rows]
         temperature = problem.temperature[rows]
-        logits = target_logits(summary) if softcap is not None else None  # read for the cap's slope only
-        chosen = product_grad(chosen_logit_grad(columns, summary, *upstream), logits, temperature.unsqueeze(1), softcap)
+        chosen = chosen_product_grad(columns, summary, *upstream, temperature, softcap)
         factor = None
         if direct:
             grad_logprob = None if upstream.logprob is None else upstream.logprob.sum(1)

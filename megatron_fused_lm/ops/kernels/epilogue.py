@@ -118,6 +118,14 @@ def capped_tanh(acc, softcap):
 
 
 @triton.jit
+def capped_slope(logits, softcap, inv_temperature):
+    """The cap's slope ``1 - tanh^2`` at logits ``z`` already divided by the temperature, the tanh
+    read back as ``z T / softcap`` and clamped to [-1, 1] (``softmax.product_grad``)."""
+    tanh = tl.minimum(tl.maximum(logits / (softcap * inv_temperature), -1.0), 1.0)
+    return 1.0 - tanh * tanh
+
+
+@triton.jit
 def capped_products(acc, softcap, HAS_SOFTCAP: tl.constexpr):
     """The products ``acc`` softcapped (``softcap * tanh(acc / softcap)``), or as they are."""
     if HAS_SOFTCAP:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..softmax import SoftmaxSummary
-from .epilogue import softcap_arguments, temperature_arguments
+from .epilogue import capped_slope, softcap_arguments, temperature_arguments
 
 BLOCK_H = 1024
 
@@ -79,10 +79,8 @@ def row_terms_kernel(
             factor = -grad_logprob * tl.exp(tl.load(reference_ptr + row) - tl.load(lse_ptr + row)) * inverse
     if HAS_GRAD_ENTROPY:
         chosen += tl.load(grad_entropy_ptr + row) * tl.exp(logprob) * tl.load(mean_minus_target_ptr + row)
-    if HAS_SOFTCAP:  # the cap's slope at the target's logit logprob + lse (softmax.product_grad)
-        tanh = (logprob + tl.load(lse_ptr + row)) / (softcap * inverse)
-        tanh = tl.minimum(tl.maximum(tanh, -1.0), 1.0)
-        chosen *= 1.0 - tanh * tanh
+    if HAS_SOFTCAP:  # the cap's slope at the target's logit, logprob + lse
+        chosen *= capped_slope(logprob + tl.load(lse_ptr + row), softcap, inverse)
     chosen = tl.where(tl.load(target_column_ptr + row) >= 0, chosen * inverse, 0.0)
     weight_factor = factor if DIRECT else tl.full([], 1.0, tl.float32)
     if HAS_WEIGHT_ROW_SCALE:

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ..backends.contract import SavedStatistics, UpstreamGrads
 from .epilogue import (
+    capped_slope,
     inverse_temperature,
     logit_grad_tile,
     row_upstream,
@@ -113,11 +114,10 @@ def stored_grad_kernel(
         )
     grad_out = grad_ptr + wide_rows * stride_grad_row + cols[None, :]
     inv_temperature = inverse_temperature(temperature_ptr, rows, row_valid, UNIFORM_TEMPERATURE)
-    if HAS_SOFTCAP:  # the cap's slope 1 - tanh^2 at the stored logit, tanh = z T / softcap (softmax.product_grad)
+    if HAS_SOFTCAP:  # the cap's slope at the stored logit
         if OFFSETS_TILE_N == 0:
             logits = reference[:, None] + log_stored
-        tanh = tl.minimum(tl.maximum(logits / (softcap * inv_temperature), -1.0), 1.0)
-        grad = grad * (1.0 - tanh * tanh)
+        grad = grad * capped_slope(logits, softcap, inv_temperature)
     tl.store(grad_out, (grad * inv_temperature).to(grad_ptr.dtype.element_ty), mask=valid)
 
 

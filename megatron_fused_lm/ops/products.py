@@ -9,8 +9,26 @@ def add_product(out: torch.Tensor, left: torch.Tensor, right: torch.Tensor, accu
     """``out = left @ right`` (``+ out`` when ``accumulate``), accumulated in float32; returns ``out``.
 
     ``out`` is float32 or ``left``'s dtype; ``left`` and ``right`` share a dtype. When
-    ``accumulate`` is false, ``out`` may hold anything (beta = 0 ignores it).
+    ``accumulate`` is false, ``out`` may hold anything (beta = 0 ignores it). On CUDA, where
+    ``left``'s contiguous dimension is not a whole number of 16-byte steps (an odd ``vocab_size``
+    or vocabulary: the depth of ``dz @ W``, the rows of ``dz.T @ h``), the product runs as an
+    aligned bulk and a tail under 16 bytes wide: cuBLAS runs the whole product 1.6x (rows) to 6x
+    (depth) slower otherwise (docs/BENCHMARKS.md).
     """
+    step = 16 // left.element_size()
+    if left.is_cuda and left.stride(1) == 1 and left.shape[1] % step and left.shape[1] > step:
+        bulk = left.shape[1] - left.shape[1] % step
+        _addmm(out, left[:, :bulk], right[:bulk], accumulate)
+        return _addmm(out, left[:, bulk:], right[bulk:], True)
+    if left.is_cuda and left.stride(0) == 1 and left.shape[0] % step and left.shape[0] > step:
+        bulk = left.shape[0] - left.shape[0] % step
+        _addmm(out[:bulk], left[:bulk], right, accumulate)
+        _addmm(out[bulk:], left[bulk:], right, accumulate)
+        return out
+    return _addmm(out, left, right, accumulate)
+
+
+def _addmm(out: torch.Tensor, left: torch.Tensor, right: torch.Tensor, accumulate: bool) -> torch.Tensor:
     beta = 1 if accumulate else 0
     if out.dtype == left.dtype:
         torch.addmm(out, left, right, beta=beta, out=out)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from devkit.oracle import logprob_entropy, max_abs_error
+from devkit.oracle import logprob_entropy, max_abs_error, relative_error
 from megatron_fused_lm import fused_linear_logprob, fused_linear_loss, fused_linear_topk, losses
+from megatron_fused_lm.ops import products
 
 pytestmark = [
     pytest.mark.gpu,
@@ -84,3 +85,22 @@ def test_top_k_never_names_a_padded_id():
     want_logprobs, want_ids = fused_linear_topk(hidden, weight[:VOCAB], 8, backend="triton")
     assert torch.equal(ids, want_ids) and torch.equal(logprobs, want_logprobs)
     assert int(ids.max()) < VOCAB and int(fused_linear_topk(hidden, weight, 8, backend="triton")[1].max()) >= VOCAB
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("depth", [VOCAB, 32003, 13])
+def test_products_of_an_odd_depth_or_row_count(depth, accumulate):
+    # products.add_product splits a contiguous dimension that is no whole number of 16-byte steps
+    # (dz @ W over an odd vocabulary, dz.T @ h's rows) into an aligned bulk and a tail: the split
+    # product is as close to float64 as cuBLAS's own whole product (another summation order).
+    gen = torch.Generator(device="cuda").manual_seed(depth)
+    stored = torch.randn(512, -(-depth // 8) * 8, device="cuda", generator=gen).bfloat16()
+    logit_grads = stored[:, :depth]  # the block's layout: rows padded to 16 bytes
+    weight = torch.randn(depth, 256, device="cuda", generator=gen).bfloat16()
+    hidden = torch.randn(512, 256, device="cuda", generator=gen).bfloat16()
+    for left, right in ((logit_grads, weight), (logit_grads.t(), hidden)):
+        start = torch.randn(left.shape[0], right.shape[1], device="cuda", generator=gen)
+        split = products.add_product(start.clone(), left, right, accumulate)
+        whole = torch.addmm(start.clone(), left, right, beta=int(accumulate), out_dtype=torch.float32)
+        exact = left.double() @ right.double() + (start.double() if accumulate else 0)
+        assert relative_error(split, exact) <= 1.5 * relative_error(whole, exact) + 1e-7, (left.shape, right.shape)

@@ -5,9 +5,10 @@
    maximum escaped their reference stored again; or as float16 offsets from each column tile's
    maximum.
 2. ``chunk_gradients``: a bfloat16 exponentials block without an entropy term is ``dz`` up to a
-   per-row factor, the chosen token aside, and cuBLAS reads it as it is (``reads_block_directly``,
-   the fast path); otherwise the ``dz`` kernel forms ``dz`` over the block (``dz_operand``). Then
-   the two products in float32 and the chosen tokens' term (``kernels.chosen_token_kernel``).
+   per-row factor (the cap's slope stored in it under a softcap), the chosen token aside, and cuBLAS
+   reads it as it is (``reads_block_directly``, the fast path); otherwise the ``dz`` kernel forms
+   ``dz`` over the block (``dz_operand``). Then the two products in float32 and the chosen tokens'
+   term (``kernels.chosen_token_kernel``).
 
 ``docs/DESIGN.md`` ("The stored block") derives the factor and says which form each case takes
 and why.
@@ -64,16 +65,12 @@ def chunk_reference(state: LossState, rows: slice) -> torch.Tensor:
     return state.reference[: rows.stop - rows.start]
 
 
-def reads_block_directly(
-    state: LossState, weight: torch.Tensor, upstream: UpstreamGrads, softcap: Optional[float]
-) -> bool:
+def reads_block_directly(block_dtype: torch.dtype, weight: torch.Tensor, options: HeadOptions) -> bool:
     """The fast-path predicate: the block holds exponentials in the weight's dtype and the loss has
-    no entropy term, so ``dz = f * exp(z - r)`` for every column but the chosen token's and the
-    products read the block as it is, scaled per row; not under a ``softcap``, whose slope varies
-    along the row."""
-    block_dtype = state.block.dtype
-    plain = upstream.entropy is None and softcap is None
-    return block_dtype == weight.dtype and not stores_offsets(block_dtype) and plain
+    no entropy term, so ``dz = f * exp(z - r)`` (times the cap's slope under a ``softcap``, which
+    the forward kernel stores with each exponential) for every column but the chosen token's, and
+    the products read the block as it is, scaled per row."""
+    return block_dtype == weight.dtype and not stores_offsets(block_dtype) and not options.entropy_grad
 
 
 class TritonLoss:
@@ -135,11 +132,13 @@ class TritonLoss:
         tiles_per_split = self.tuning.tiles_per_split_for(weight.shape[0], tiles, weight.device)
         reference = chunk_reference(state, rows)
         splits = (hidden, weight, columns, temperature, kept_mask, tiles, tiles_per_split, block, reference)
+        # What the backward reads the block as: dz up to a row factor, the cap's slope included.
+        capping = dict(softcap=options.softcap, slope_in_block=reads_block_directly(block.dtype, weight, options))
         if state.gate is not None:
-            split_statistics(*splits, gate=state.gate, softcap=options.softcap)
+            split_statistics(*splits, gate=state.gate, **capping)
             return None
         if stores_offsets(block.dtype):
-            return merge_parts(split_statistics(*splits, softcap=options.softcap))
+            return merge_parts(split_statistics(*splits, **capping))
         sample_rows = self.tuning.reference_rows or REFERENCE_ROWS
         row_references(
             hidden,
@@ -151,12 +150,12 @@ class TritonLoss:
             out=reference,
             softcap=options.softcap,
         )
-        parts = split_statistics(*splits, softcap=options.softcap)
+        parts = split_statistics(*splits, **capping)
         refresh = torch.empty(num_rows, dtype=torch.int8, device=hidden.device)
         local = merge_parts(
             parts, StaleCheck(reference, refresh, MAX_ABOVE_REFERENCE, MAX_BELOW_REFERENCE, EMPTY_REFERENCE)
         )
-        refresh_exponentials(*splits, refresh, softcap=options.softcap)
+        refresh_exponentials(*splits, refresh, **capping)
         return local
 
     def summarize(self, parts: torch.Tensor, target_column: torch.Tensor, out: SoftmaxSummary) -> None:
@@ -180,7 +179,7 @@ class TritonLoss:
         weight, hidden = addressable(problem.weight), addressable(problem.hidden[rows])
         columns = problem.target_column[rows].contiguous()
         block = state.block[: rows.stop - rows.start]
-        direct = reads_block_directly(state, weight, upstream, options.softcap)
+        direct = reads_block_directly(block.dtype, weight, options)
         if direct and columns.dim() == 2:  # the forward kernel zeroed one target's element, not several's
             zero_chosen(block, columns)
         terms = self.row_terms if columns.dim() == 1 else self.several_row_terms

@@ -119,7 +119,7 @@ def row_terms(
     ``target_column [k]`` int64; ``summary``'s and ``upstream``'s (``UpstreamGrads``; ``None``: no
     term) ``[k]`` float32 tensors contiguous; ``temperature [k]`` (stride 0: one for all rows);
     ``reference [k]`` float32 where the products read stored exponentials (the fast path: ``factor``
-    returned; not with a ``softcap``, whose slope varies along the row), ``None`` otherwise;
+    returned; under a ``softcap`` the block holds each column's slope too), ``None`` otherwise;
     ``softcap``: the logits' cap (``None``: none); ``weight_row_scale [k]`` float32 or ``None`` (1); ``hidden [k, H]``
     with a unit last stride."""
     rows, hidden_size = hidden.shape

@@ -24,6 +24,7 @@ import triton.language as tl
 from ..softmax import NUM_STATISTICS
 from .descriptors import addressable, descriptor
 from .epilogue import (
+    capped_slope,
     inverse_temperature,
     kept_arguments,
     softcap_arguments,
@@ -75,6 +76,7 @@ def softmax_stats_kernel(
     GATED: tl.constexpr,
     UNIFORM_TEMPERATURE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    SLOPE_IN_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -167,7 +169,10 @@ def softmax_stats_kernel(
                     # rows are refreshed against their maximum, which this product stores exactly.
                     # The chosen token's element is 0: its term is added in float32 apart.
                     rebase = tl.exp(new_max - reference)
-                    stored = tl.where(is_target, 0.0, weights * rebase[:, None]).to(block_desc.dtype)
+                    stored = weights * rebase[:, None]
+                    if SLOPE_IN_BLOCK:  # dz's per-column factor, the cap's slope: dz stays f * stored per row
+                        stored *= capped_slope(logits, softcap, inv_temperature)
+                    stored = tl.where(is_target, 0.0, stored).to(block_desc.dtype)
             if STORE_TILE_MAXIMA:
                 where = reference_ptr + rows.to(tl.int64) * stride_reference_row + col0 // BLOCK_N
                 tl.store(where, tile_max, mask=row_valid)
@@ -200,6 +205,7 @@ def split_statistics(
     tile_maxima: Optional[torch.Tensor] = None,
     gate: Optional[torch.Tensor] = None,
     softcap: Optional[float] = None,
+    slope_in_block: bool = False,
 ) -> torch.Tensor:
     """Statistics ``[num_splits, n, 4]`` (float32) of each vocabulary split.
 
@@ -212,7 +218,9 @@ def split_statistics(
 
     With a ``block [n, V]`` (unit last stride, 16-byte aligned rows) the kernel also stores every
     logit: a bfloat16 or float32 block as ``exp(z - reference[row])`` (``reference [n]`` float32,
-    contiguous), the target's element 0 (the loss-in-forward pass adds its term in float32 apart);
+    contiguous), times the cap's slope ``1 - tanh^2`` with ``slope_in_block`` and a ``softcap`` (the
+    products then read ``dz`` from it up to a per-row factor), the target's element 0 (the
+    loss-in-forward pass adds its term in float32 apart);
     a float16 block as ``z - m`` with ``m``, the maximum of its row's column tile of
     ``tiles.block_n`` columns, written to ``reference [n, ceil(V / block_n)]`` (float32, unit last
     stride). Without a block, ``tile_maxima [n, ceil(V / block_n)]`` (float32, unit last stride)
@@ -237,6 +245,7 @@ def split_statistics(
         store_tile_maxima=offsets or tile_maxima is not None,
         gate=gate,
         softcap=softcap,
+        slope_in_block=slope_in_block,
     )
     return parts
 
@@ -253,8 +262,9 @@ def refresh_exponentials(
     reference: torch.Tensor,
     refresh: torch.Tensor,
     softcap: Optional[float] = None,
+    slope_in_block: bool = False,
 ) -> None:
-    """Rewrite an exponentials ``block`` as ``exp(z - reference[row])`` in every token tile that holds a row
+    """Rewrite an exponentials ``block`` as ``exp(z - reference[row])`` (``split_statistics``) in every token tile that holds a row
     with ``refresh`` set (``[n]`` int8); other tiles are left alone, so no host synchronization is
     needed to find the rows. Arguments as for ``split_statistics``, with the same tiles."""
     unwritten_parts = reference.new_empty(1, 1, NUM_STATISTICS)  # refresh mode writes no statistics
@@ -271,6 +281,7 @@ def refresh_exponentials(
         reference=reference,
         refresh=refresh,
         softcap=softcap,
+        slope_in_block=slope_in_block,
     )
 
 
@@ -289,6 +300,7 @@ def _launch(
     store_tile_maxima=False,
     gate=None,
     softcap=None,
+    slope_in_block=False,
 ):
     num_tokens, hidden_size = hidden.shape
     vocab = weight.shape[0]
@@ -324,5 +336,6 @@ def _launch(
         GATED=gate is not None,
         **temperature_flag,
         **softcap_flag,
+        SLOPE_IN_BLOCK=slope_in_block and softcap_flag["HAS_SOFTCAP"],
         **tiles.with_kept_columns(kept_flag["HAS_KEPT"] and block is not None).launch_options(),
     )

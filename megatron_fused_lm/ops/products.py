@@ -10,17 +10,27 @@ def add_product(out: torch.Tensor, left: torch.Tensor, right: torch.Tensor, accu
 
     ``out`` is float32 or ``left``'s dtype; ``left`` and ``right`` share a dtype. When
     ``accumulate`` is false, ``out`` may hold anything (beta = 0 ignores it). On CUDA, where
-    ``left``'s contiguous dimension is not a whole number of 16-byte steps (an odd ``vocab_size``
-    or vocabulary: the depth of ``dz @ W``, the rows of ``dz.T @ h``), the product runs as an
-    aligned bulk and a tail under 16 bytes wide: cuBLAS runs the whole product 1.6x (rows) to 6x
-    (depth) slower otherwise (docs/BENCHMARKS.md).
+    ``left``'s contiguous dimension is not a whole number of 16-byte steps in an otherwise aligned
+    layout (an odd vocabulary in the padded block: the depth of ``dz @ W``, the rows of ``dz.T @
+    h``), the product runs as an aligned bulk and a tail under 16 bytes wide: cuBLAS runs the whole
+    product 1.6x (rows) to 6x (depth) slower otherwise. A split depth sums into float32 and rounds
+    a 16-bit ``out`` once.
     """
     step = 16 // left.element_size()
-    if left.is_cuda and left.stride(1) == 1 and left.shape[1] % step and left.shape[1] > step:
+    aligned = left.is_cuda and left.data_ptr() % 16 == 0
+    if aligned and left.stride(1) == 1 and left.stride(0) % step == 0 and left.shape[1] % step and left.shape[1] > step:
         bulk = left.shape[1] - left.shape[1] % step
-        _addmm(out, left[:, :bulk], right[:bulk], accumulate)
-        return _addmm(out, left[:, bulk:], right[bulk:], True)
-    if left.is_cuda and left.stride(0) == 1 and left.shape[0] % step and left.shape[0] > step:
+        total = (
+            out
+            if out.dtype == torch.float32
+            else out.float()
+            if accumulate
+            else out.new_empty(out.shape, dtype=torch.float32)
+        )
+        _addmm(total, left[:, :bulk], right[:bulk], accumulate)
+        _addmm(total, left[:, bulk:], right[bulk:], True)
+        return out if total is out else out.copy_(total)
+    if aligned and left.stride(0) == 1 and left.stride(1) % step == 0 and left.shape[0] % step and left.shape[0] > step:
         bulk = left.shape[0] - left.shape[0] % step
         _addmm(out[:bulk], left[:bulk], right, accumulate)
         _addmm(out[bulk:], left[bulk:], right, accumulate)

@@ -223,7 +223,8 @@ def allocate_parts(
     held_weight = []
     if needed.weight:
         vocab = weight.shape[0]
-        middle = vocab if weight.dtype == torch.float32 else -(-vocab // 2)
+        # The second half starts on a 16-byte boundary of the block's rows (products.add_product).
+        middle = vocab if weight.dtype == torch.float32 else min(vocab, -(-vocab // 16) * 8)
         held_weight = [
             empty(stop - start, weight.shape[1], dtype=torch.float32)
             for start, stop in ((0, middle), (middle, vocab))

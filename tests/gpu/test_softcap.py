@@ -1,6 +1,6 @@
 """``softcap`` on CUDA (bf16): the Triton and torch backends' recompute op, the Triton three-GEMM
-losses (SFT, which a cap moves off the direct path onto the ``dz`` kernel, and RL with an entropy
-term), the labels path and the Triton top-k kernel, against the float64 oracle of the capped head
+losses (SFT, whose direct path reads each exponential stored times the cap's slope, and RL with an
+entropy term), the labels path and the Triton top-k kernel, against the float64 oracle of the capped head
 (``devkit.oracle.capped``), with the stock path (bf16 logits, then ``logits_logprob`` with the same
 cap) measured on the same inputs.
 

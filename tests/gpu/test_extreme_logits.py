@@ -8,10 +8,12 @@ The shift enters through a constant hidden feature that every weight row reads (
 the products carry it, as a model's would. Bounds: each case may be off by what the same op gets
 wrong on the unshifted inputs plus float32 rounding of the largest logit (8 ulps), which every
 probability and hence every gradient inherits; a maximum started at 0 or an overflow costs O(1) or
-NaN. Gradients are compared in norm: the constant feature's column of the hidden gradient is 16
-times a sum over the vocabulary of bf16-rounded ``dz`` (0 in exact arithmetic, about 3e-3 of the
-gradient's norm on every path, stock's included), and its largest entry moved the largest-entry
-error of the same op on the same inputs from 0.040 to 0.066 between two processes on one H100.
+NaN. The hidden gradient's column of the constant feature is 16 times a sum over the vocabulary of
+bf16-rounded ``dz``: 0 in exact arithmetic, about 3e-3 of the gradient's norm on every path (stock's
+included), its largest entry set by the summation order (the whole gradient's largest-entry error
+read 0.040 and 0.066 on the same inputs in two runs on one H100, between which the depth-32003
+product was split into 32000 and 3 columns). It is compared in norm, against the gradient's; every
+other entry by its largest error.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from devkit.oracle import loss_reference, max_abs_error, reference
+from devkit.oracle import loss_reference, max_abs_error, reference, relative_error
 from megatron_fused_lm import (
     fused_linear_cross_entropy,
     fused_linear_logprob,
@@ -46,13 +48,15 @@ def make_case(shift=0.0, spread=1.0, seed=0):
     return hidden.bfloat16(), weight.bfloat16(), targets
 
 
-def norm_error(actual, expected):
-    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+def constant_column_error(actual, expected):
+    """The constant feature's column's error norm over the whole gradient's norm."""
+    return float((actual[:, -1].double() - expected[:, -1].double()).norm() / expected.double().norm())
 
 
 def errors_of(path, hidden, weight, targets):
-    """Errors against the float64 oracle: log-prob and entropy (absolute), both gradients
-    (relative, in norm), of one path on these inputs."""
+    """Errors against the float64 oracle of one path on these inputs: log-prob and entropy
+    (absolute), both gradients (relative to their largest entry), the hidden gradient's constant
+    column apart (``constant_column_error``)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     grad_logprob, grad_entropy = torch.randn(TOKENS, device="cuda", generator=gen), torch.rand(TOKENS, device="cuda")
     leaf_hidden, leaf_weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -70,8 +74,9 @@ def errors_of(path, hidden, weight, targets):
     return dict(
         logprob=max_abs_error(logprob, expected.logprob),
         entropy=max_abs_error(entropy, expected.entropy),
-        grad_hidden=norm_error(leaf_hidden.grad, expected.grad_hidden),
-        grad_weight=norm_error(leaf_weight.grad, expected.grad_weight),
+        grad_hidden=relative_error(leaf_hidden.grad[:, :-1], expected.grad_hidden[:, :-1]),
+        grad_hidden_constant=constant_column_error(leaf_hidden.grad, expected.grad_hidden),
+        grad_weight=relative_error(leaf_weight.grad, expected.grad_weight),
     )
 
 

@@ -139,11 +139,11 @@ def result_row(measurement, failure, **fields):
     return row
 
 
-def write_rows(path: Optional[str], device: str, rows: list) -> None:
-    """The rows, under the environment of ``device`` (bf16 inputs), as the JSON record at ``path`` (``None``: none)."""
+def write_rows(path: Optional[str], device: str, rows: list, dtype: torch.dtype = torch.bfloat16) -> None:
+    """The rows, under the environment of ``device`` (``dtype`` inputs), as the JSON record at ``path`` (``None``: none)."""
     if path:
         with open(path, "w") as handle:
-            json.dump({"meta": environment(torch.device(device), torch.bfloat16), "rows": rows}, handle, indent=1)
+            json.dump({"meta": environment(torch.device(device), dtype), "rows": rows}, handle, indent=1)
 
 
 def kernel_timeline(run: Callable[[], object]) -> list:

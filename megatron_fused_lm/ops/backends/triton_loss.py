@@ -26,7 +26,7 @@ from ..kernels.fit_kernel import fit_declared
 from ..kernels.merge_kernel import StaleCheck, merge_parts, summarize_parts
 from ..kernels.reference_kernel import row_references
 from ..kernels.row_terms_kernel import row_terms
-from ..kernels.rows_product_kernel import rows_product
+from ..kernels.rows_product_kernel import float32_by_kernel, rows_product
 from ..kernels.scale_kernel import scale_into
 from ..kernels.softmax_stats_kernel import refresh_exponentials, split_statistics, stores_offsets
 from ..kernels.stored_grad_kernel import stored_logit_grads
@@ -77,7 +77,8 @@ class TritonLoss:
     """The three-GEMM path of the Triton backend (``self.tuning``: ``triton_tuning.TritonTuning``).
     ``options.token_chunk``: rows per chunk (``triton_tuning.loss_token_chunk``); the block's form
     follows the loss's entropy term (``triton_reference.stored_dtype``); ``options.batch_invariant``
-    runs the hidden product by ``rows_product`` instead of cuBLAS. The chosen tokens' term and the
+    runs the hidden product by ``rows_product`` instead of cuBLAS, float32 operands both products
+    (``float32_by_kernel``). The chosen tokens' term and the
     scaled copies run the kernels of ``kernels.chosen_token_kernel`` and ``kernels.scale_kernel``."""
 
     gates_on_device = True  # a correcting pass's kernels read its gate (LossState.gate)
@@ -292,20 +293,22 @@ class TritonLoss:
     ) -> None:
         """``operand @ W`` into the held hidden gradient (its factor is applied with the chosen term)
         and ``operand.T @ hidden_operand`` into the weight gradient (added to it with
-        ``accumulate``), in float32."""
-        weight, tiles = problem.weight, self.tuning.backward_tiles_for(problem.weight.dtype)
-        if state.held_hidden.dim() == 2 and options.batch_invariant:
+        ``accumulate``), in float32; by ``rows_product`` for float32 operands (``float32_by_kernel``)."""
+        weight, tiles = problem.weight, self.tuning.backward_tiles_for(problem.weight.dtype, problem.weight.device)
+        by_kernel = float32_by_kernel(weight.dtype)
+        if state.held_hidden.dim() == 2 and (options.batch_invariant or by_kernel):
             rows_product(state.held_hidden[rows], operand, right=weight, accumulate=False, tiles=tiles)
         elif state.held_hidden.dim() == 2:
             add_product(state.held_hidden[rows], operand, weight, accumulate=False)
-        if state.held_weight and state.gate is not None:  # gated: a kernel that reads it, not cuBLAS
+        # Gated: a kernel that reads the gate, where cuBLAS could not skip without the host reading it.
+        if state.held_weight and (state.gate is not None or by_kernel):
             start = 0
             for part in state.held_weight:
                 rows_product(
                     part,
                     operand[:, start : start + part.shape[0]].t(),
                     right=hidden_operand,
-                    accumulate=True,
+                    accumulate=accumulate or state.gate is not None,
                     tiles=tiles,
                     gate=state.gate,
                 )

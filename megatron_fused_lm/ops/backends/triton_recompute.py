@@ -6,7 +6,8 @@
   (``triton_tuning``): per block, ``logit_grad_block`` recomputes the logits and writes ``dz / T``
   in the weight's dtype, then cuBLAS (``rows_product`` with ``batch_invariant``) adds ``dz @ w``
   into a float32 ``[token chunk, H]`` accumulator for ``grad_hidden``, and cuBLAS ``dz.T @ h`` into
-  ``grad_weight`` (rounded to the weight's dtype once per token chunk).
+  ``grad_weight`` (rounded to the weight's dtype once per token chunk); float32 operands take
+  ``rows_product`` for both (``float32_by_kernel``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from ..kernels.descriptors import addressable
 from ..kernels.logit_grad_kernel import logit_grad_block
 from ..kernels.merge_kernel import merge_parts
-from ..kernels.rows_product_kernel import rows_product
+from ..kernels.rows_product_kernel import float32_by_kernel, rows_product
 from ..kernels.softmax_stats_kernel import split_statistics
 from ..options import HeadOptions
 from ..products import add_product
@@ -28,7 +29,8 @@ from .triton_tuning import TOKEN_CHUNK, VOCAB_CHUNK_MULTIPLE
 class TritonRecompute:
     """The four-GEMM path of the Triton backend (``self.tuning``: ``triton_tuning.TritonTuning``).
     ``options.token_chunk``: backward rows per token chunk (``TOKEN_CHUNK``);
-    ``options.batch_invariant``: the hidden product by ``rows_product`` instead of cuBLAS."""
+    ``options.batch_invariant``: the hidden product by ``rows_product`` instead of cuBLAS (float32
+    operands: both products, ``float32_by_kernel``)."""
 
     def local_statistics(self, problem: ShardProblem, options: HeadOptions) -> torch.Tensor:
         """This shard's statistics ``[n, 4]`` (float32)."""
@@ -78,7 +80,8 @@ class TritonRecompute:
         # Row stride a multiple of VOCAB_CHUNK_MULTIPLE: the kernel stores through a tensor descriptor.
         logit_grads = weight.new_empty(token_chunk, -(-vocab_chunk // multiple) * multiple)
         hidden_acc = hidden.new_empty(token_chunk, hidden_size, dtype=torch.float32) if needed.hidden else None
-        tiles = self.tuning.backward_tiles_for(weight.dtype)
+        tiles = self.tuning.backward_tiles_for(weight.dtype, weight.device)
+        by_kernel = float32_by_kernel(weight.dtype)
         programs = self.tuning.programs_for(weight.device)
         hidden_operand, weight_operand = addressable(hidden), addressable(weight)
         target_column, temperature = problem.target_column.contiguous(), problem.temperature
@@ -103,7 +106,7 @@ class TritonRecompute:
                     num_programs=programs,
                     softcap=options.softcap,
                 )
-                if hidden_acc is not None and options.batch_invariant:
+                if hidden_acc is not None and (options.batch_invariant or by_kernel):
                     # Each vocabulary chunk continues the row's float32 sum where the last left it
                     # (chunks start at multiples of the tiles' hidden step): one order whatever the chunks.
                     rows_product(
@@ -115,7 +118,15 @@ class TritonRecompute:
                     )
                 elif hidden_acc is not None:
                     add_product(hidden_acc[:rows], block, weight[columns], accumulate=columns.start > 0)
-                if grad_weight is not None:
+                if grad_weight is not None and by_kernel:
+                    rows_product(
+                        grad_weight[columns],
+                        block.t(),
+                        right=hidden_operand[tokens],
+                        accumulate=tokens.start > 0,
+                        tiles=tiles,
+                    )
+                elif grad_weight is not None:
                     add_product(grad_weight[columns], block.t(), hidden[tokens], accumulate=tokens.start > 0)
             if grad_hidden is not None:
                 grad_hidden[tokens] = hidden_acc[:rows]

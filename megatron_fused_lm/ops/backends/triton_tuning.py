@@ -40,8 +40,11 @@ GPU_16BIT_TILES = Tiles(
 GPU_16BIT_GRAD_TILES = Tiles(
     block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, dot_precision="tf32"
 )
-GPU_FLOAT32_TILES = Tiles(
-    block_m=64, block_n=64, block_k=32, group_m=8, num_warps=8, num_stages=3, dot_precision="ieee"
+# Float32 operands multiply by 3xTF32 ("tf32x3": float32's accuracy on tensor cores), in order of
+# preference: the first tiles whose shared memory fits the device (an H100 or H200: the first).
+GPU_FLOAT32_CANDIDATES = (
+    Tiles(block_m=128, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=3, dot_precision="tf32x3"),
+    Tiles(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=3, dot_precision="tf32x3"),
 )
 # Forward tiles of 16-bit operands that store a (16-bit) block, in order of preference; a kernel
 # takes the first that fits the device with its store (an H100 or H200: the first; the last fits
@@ -68,6 +71,13 @@ def shared_memory_bytes(tiles: Tiles, operand_bytes: int, store_bytes: int) -> i
     return operands + tiles.block_m * tiles.block_n // 2 * store_bytes + SHARED_MEMORY_MARGIN
 
 
+def fitting_tiles(candidates, operand_bytes: int, store_bytes: int, device: Optional[torch.device]) -> Tiles:
+    """The first of ``candidates`` whose shared memory fits ``device`` (``None``: an H100's), else the last."""
+    limit = HOPPER_SHARED_MEMORY if device is None else shared_memory_limit(device)
+    fitting = (tiles for tiles in candidates if shared_memory_bytes(tiles, operand_bytes, store_bytes) <= limit)
+    return next(fitting, candidates[-1])
+
+
 def device_properties(device: torch.device):
     """CUDA's properties of ``device``, or ``H100_PROPERTIES`` where it has none."""
     return torch.cuda.get_device_properties(device) if device.type == "cuda" else H100_PROPERTIES
@@ -85,7 +95,7 @@ class TritonTuning:
     Attributes:
         forward_tiles: the forward kernel's launch shape (also the loss-in-forward pass's).
         backward_tiles: the recompute backward kernel's launch shape, and ``rows_product``'s on both
-            paths (``batch_invariant``).
+            paths (``batch_invariant``, float32 operands).
         tiles_per_split: the forward kernel's column tiles per vocabulary split.
         programs: programs of the persistent backward grid, and the wave size of the split rule
             (the multiprocessor count).
@@ -112,15 +122,15 @@ class TritonTuning:
         if self.forward_tiles is not None:
             return self.forward_tiles
         if dtype == torch.float32:
-            return GPU_FLOAT32_TILES
+            return fitting_tiles(GPU_FLOAT32_CANDIDATES, 4, 0 if stored is None else stored.itemsize, device)
         if stored is None:
             return GPU_16BIT_TILES
-        limit = HOPPER_SHARED_MEMORY if device is None else shared_memory_limit(device)
-        fitting = (tiles for tiles in STORING_CANDIDATES if shared_memory_bytes(tiles, 2, stored.itemsize) <= limit)
-        return next(fitting, STORING_CANDIDATES[-1])
+        return fitting_tiles(STORING_CANDIDATES, 2, stored.itemsize, device)
 
-    def backward_tiles_for(self, dtype: torch.dtype) -> Tiles:
-        return self.backward_tiles or (GPU_FLOAT32_TILES if dtype == torch.float32 else GPU_16BIT_GRAD_TILES)
+    def backward_tiles_for(self, dtype: torch.dtype, device: Optional[torch.device] = None) -> Tiles:
+        if self.backward_tiles is not None:
+            return self.backward_tiles
+        return fitting_tiles(GPU_FLOAT32_CANDIDATES, 4, 0, device) if dtype == torch.float32 else GPU_16BIT_GRAD_TILES
 
     def programs_for(self, device: torch.device) -> int:
         """One program per multiprocessor: the 16-bit tiles take most of its shared memory."""

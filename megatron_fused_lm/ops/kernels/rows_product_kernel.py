@@ -3,7 +3,8 @@ row is summed over the inner dimension in the same order whatever the number of 
 cuBLAS does not promise (it picks an algorithm, split-K included, from the shape). The hidden
 gradient's product under ``batch_invariant=True`` (``docs/DESIGN.md``, "Batch invariance"); and,
 behind a gate on the device, the weight gradient's product of a correction that may not run
-(``left`` read transposed), which cuBLAS cannot skip without the host reading the gate."""
+(``left`` read transposed), which cuBLAS cannot skip without the host reading the gate; and every
+product of float32 operands (``float32_by_kernel``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,14 @@ import triton.language as tl
 from .descriptors import addressable, descriptor
 from .epilogue import grouped_tile
 from .tiles import Tiles
+
+
+def float32_by_kernel(dtype: torch.dtype) -> bool:
+    """Whether the Triton backend runs the products of ``dtype`` operands with this kernel rather
+    than cuBLAS: float32, which its tiles multiply by 3xTF32 on tensor cores (``tl.dot``'s
+    "tf32x3": float32's accuracy, where cuBLAS runs float32 without tensor cores or rounds to
+    TF32)."""
+    return dtype == torch.float32
 
 
 @triton.jit

@@ -11,8 +11,8 @@ class Tiles(NamedTuple):
     ``block_m`` tokens x ``block_n`` vocabulary rows per output tile, ``block_k`` of the hidden
     dimension per ``tl.dot`` step; ``group_m`` token tiles are walked together so that their
     hidden rows and the weight rows they share stay in L2; ``num_warps`` and ``num_stages`` as
-    for any Triton kernel; ``dot_precision`` is ``tl.dot``'s ``input_precision`` ("ieee" for
-    float32 inputs, so float32 means float32 and not tf32).
+    for any Triton kernel; ``dot_precision`` is ``tl.dot``'s ``input_precision`` ("tf32x3" for
+    float32 inputs: three TF32 products, so float32 means float32's accuracy and not TF32's).
     """
 
     block_m: int

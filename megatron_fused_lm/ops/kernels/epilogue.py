@@ -120,8 +120,9 @@ def capped_tanh(acc, softcap):
 @triton.jit
 def capped_slope(logits, softcap, inv_temperature):
     """The cap's slope ``1 - tanh^2`` at logits ``z`` already divided by the temperature, the tanh
-    read back as ``z T / softcap`` and clamped to [-1, 1] (``softmax.product_grad``)."""
-    tanh = tl.minimum(tl.maximum(logits / (softcap * inv_temperature), -1.0), 1.0)
+    read back as ``z T / softcap`` and clamped to [-1, 1] (``softmax.product_grad``); by one
+    reciprocal per row, not a division per element (the special-function unit the exponentials use)."""
+    tanh = tl.minimum(tl.maximum(logits * (1.0 / (softcap * inv_temperature)), -1.0), 1.0)
     return 1.0 - tanh * tanh
 
 

@@ -64,19 +64,26 @@ def stock_values(hidden, weight, targets):
     return log_softmax.gather(-1, targets[:, None]).squeeze(-1), entropy
 
 
-def leaves(hidden, weight):
-    return hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+def compare(hidden, weight, expected, run):
+    """Stock's float32 head (TF32 off) and ours (TF32 on) on the same leaves: ``run(name,
+    leaf_hidden, leaf_weight)`` gives ``(logprob, entropy, weight gradient)`` after its backward;
+    ours must err at most ``FACTOR`` times stock's against ``expected``."""
+    results = {}
+    for name in ("stock", "triton"):
+        leaf_hidden, leaf_weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        tf32(name != "stock")
+        logprob, entropy, grad_weight = run(name, leaf_hidden, leaf_weight)
+        results[name] = errors(logprob, entropy, leaf_hidden.grad, grad_weight, expected)
+    print(results)
+    assert all(results["triton"][key] <= FACTOR * results["stock"][key] for key in results["stock"]), results
 
 
 @pytest.mark.parametrize("token_chunk", [None, 256])
 def test_the_recompute_op(token_chunk):
     hidden, weight, targets, grad_logprob = make_case()
     grad_entropy = torch.rand(TOKENS, device="cuda")
-    expected = reference(hidden, weight, targets, 1.0, grad_logprob, grad_entropy)
-    results = {}
-    for name in ("stock", "triton"):
-        leaf_hidden, leaf_weight = leaves(hidden, weight)
-        tf32(name != "stock")
+
+    def run(name, leaf_hidden, leaf_weight):
         if name == "stock":
             logprob, entropy = stock_values(leaf_hidden, leaf_weight, targets)
         else:
@@ -84,9 +91,9 @@ def test_the_recompute_op(token_chunk):
                 leaf_hidden, leaf_weight, targets, return_entropy=True, backend=name, token_chunk=token_chunk
             )
         torch.autograd.backward([logprob, entropy], [grad_logprob, grad_entropy])
-        results[name] = errors(logprob, entropy, leaf_hidden.grad, leaf_weight.grad, expected)
-    print(results)
-    assert all(results["triton"][key] <= FACTOR * results["stock"][key] for key in results["stock"]), results
+        return logprob, entropy, leaf_weight.grad
+
+    compare(hidden, weight, reference(hidden, weight, targets, 1.0, grad_logprob, grad_entropy), run)
 
 
 @pytest.mark.parametrize("into", [False, True], ids=["returned", "weight_grad_into"])
@@ -100,23 +107,24 @@ def test_the_three_gemm_losses(loss, token_chunk, into):
     else:
         loss_fn = losses.ClippedPolicyLoss(clip_low=0.2, clip_high=0.28, entropy_coef=0.01)
         inputs = {"weight": weights, "advantages": advantages}
-    expected = loss_reference(hidden, weight, targets, loss_fn, loss_inputs=inputs)
-    results = {}
-    for name in ("stock", "triton"):
-        leaf_hidden, leaf_weight = leaves(hidden, weight)
-        tf32(name != "stock")
+
+    def run(name, leaf_hidden, leaf_weight):
         if name == "stock":
             logprob, entropy = stock_values(leaf_hidden, leaf_weight, targets)
             loss_fn(logprob, entropy, **inputs).sum().backward()  # the oracle's loss, on stock's values
-            grad_weight = leaf_weight.grad
-        else:
-            options = dict(backend=name, token_chunk=token_chunk)
-            if into:
-                options["weight_grad_into"] = torch.zeros_like(weight)
-            result = fused_linear_loss(leaf_hidden, leaf_weight, targets, loss_fn, loss_inputs=inputs, **options)
-            result.loss.backward()
-            logprob, entropy = result.logprob, result.entropy
-            grad_weight = options["weight_grad_into"] if into else leaf_weight.grad
-        results[name] = errors(logprob, entropy, leaf_hidden.grad, grad_weight, expected)
-    print(loss, results)
-    assert all(results["triton"][key] <= FACTOR * results["stock"][key] for key in results["stock"]), results
+            return logprob, entropy, leaf_weight.grad
+        into_weight = torch.zeros_like(weight) if into else None
+        result = fused_linear_loss(
+            leaf_hidden,
+            leaf_weight,
+            targets,
+            loss_fn,
+            loss_inputs=inputs,
+            backend=name,
+            token_chunk=token_chunk,
+            weight_grad_into=into_weight,
+        )
+        result.loss.backward()
+        return result.logprob, result.entropy, into_weight if into else leaf_weight.grad
+
+    compare(hidden, weight, loss_reference(hidden, weight, targets, loss_fn, loss_inputs=inputs), run)

@@ -13,8 +13,8 @@ def add_product(out: torch.Tensor, left: torch.Tensor, right: torch.Tensor, accu
     ``left``'s contiguous dimension is not a whole number of 16-byte steps in an otherwise aligned
     layout (an odd vocabulary in the padded block: the depth of ``dz @ W``, the rows of ``dz.T @
     h``), the product runs as an aligned bulk and a tail under 16 bytes wide: cuBLAS runs the whole
-    product 1.6x (rows) to 6x (depth) slower otherwise. A split depth sums into float32 and rounds
-    a 16-bit ``out`` once.
+    product 1.65x (rows) to 6x (depth) slower otherwise (docs/benchmarks/features.md). A split depth
+    sums into float32 and rounds a 16-bit ``out`` once.
     """
     step = 16 // left.element_size()
     aligned = left.is_cuda and left.data_ptr() % 16 == 0

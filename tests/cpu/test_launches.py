@@ -22,7 +22,7 @@ import torch
 pytest.importorskip("triton")
 
 from devkit.launches import CountedLaunches  # noqa: E402
-from megatron_fused_lm import fused_linear_cross_entropy, fused_linear_loss, losses  # noqa: E402
+from megatron_fused_lm import fused_linear_cross_entropy, fused_linear_logprob, fused_linear_loss, losses  # noqa: E402
 from megatron_fused_lm.ops import options as ops_options  # noqa: E402
 from megatron_fused_lm.ops.backends import triton_tuning  # noqa: E402
 
@@ -100,3 +100,43 @@ def test_the_torch_backends_launches_per_chunk(path):
         assert not counted.triton and not counted.host_reads and counted.copies == 0, counted.host_reads
         counts[chunks] = counted.launches
     assert counts[2] - counts[1] <= TORCH_PER_CHUNK[path], (path, counts, counted.aten)
+
+
+@pytest.mark.parametrize("path", ["sft", "recompute"])
+def test_float32_products_run_in_the_triton_kernels(path, monkeypatch):
+    # A float32 head multiplies by 3xTF32 in the Triton kernels: no product of the pass may go to
+    # cuBLAS (addmm or mm), whose float32 follows PyTorch's TF32 switch.
+    hidden = torch.empty(2048, 1024, device="meta", requires_grad=True)
+    weight = torch.empty(32003, 1024, device="meta", requires_grad=True)
+    targets, weights = torch.empty(2048, dtype=torch.long, device="meta"), torch.empty(2048, device="meta")
+    with CountedLaunches() as counted:
+        if path == "sft":
+            loss = fused_linear_loss(
+                hidden, weight, targets, losses.cross_entropy, loss_inputs={"weight": weights}, backend="triton",
+                token_chunk=1024,
+            ).loss  # fmt: skip
+        else:
+            loss = fused_linear_logprob(hidden, weight, targets, backend="triton", token_chunk=1024).sum()
+        loss.backward()
+    assert not {"addmm", "mm", "bmm"} & set(counted.aten), counted.aten
+    assert counted.triton["rows_product_kernel"] >= 2 * 2, counted.triton  # two products, two chunks
+
+
+def test_float32_tiles_fit_the_device(monkeypatch):
+    # 128 x 64 x 32 float32 tiles in 3 stages take about 75 KiB of shared memory (91 KiB with a
+    # stored float32 block's staging, triton_tuning.shared_memory_bytes): a device granting 64 KiB
+    # takes the 64 x 64 tiles.
+    tuning, cuda = triton_tuning.TritonTuning(), torch.device("cuda")
+    assert (
+        tuning.forward_tiles_for(torch.float32, torch.float32, cuda).block_n,
+        tuning.backward_tiles_for(torch.float32, cuda).block_m,
+    ) == (64, 128)
+    small = types.SimpleNamespace(
+        multi_processor_count=40, total_memory=16 * 2**30, shared_memory_per_block_optin=65536
+    )
+    monkeypatch.setattr(triton_tuning, "device_properties", lambda device: small)
+    for tiles in (
+        tuning.forward_tiles_for(torch.float32, torch.float32, cuda),
+        tuning.backward_tiles_for(torch.float32, cuda),
+    ):
+        assert (tiles.block_m, tiles.block_n, tiles.dot_precision) == (64, 64, "tf32x3"), tiles

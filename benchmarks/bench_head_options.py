@@ -6,6 +6,7 @@ is, onto the ``dz`` kernel) and the three-GEMM RL loss (clipped policy loss with
 ``vocab_size`` 271 ids short of the head (Qwen2.5's 151665 of 151936: the ops compute on the
 weight's first rows). ``--pairs`` alternated (plain, option) measurements in one process, each the
 median of ``--repeats`` timed calls after ``--warmup``; the report gives each pair's ratio.
+``--uses`` picks among forward, recompute, sft and rl.
 
     PYTHONPATH=.:benchmarks python benchmarks/bench_head_options.py --shapes 8192x4096x151936 --json options.json
 """
@@ -54,6 +55,7 @@ def main():
     parser = timing_parser(__doc__.splitlines()[0], "4096x2048x151936,8192x4096x151936", warmup=2, repeats=7)
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--options", default="softcap,vocab_size")
+    parser.add_argument("--uses", default="forward,recompute,sft,rl")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
@@ -62,7 +64,7 @@ def main():
         inputs.targets.remainder_(shape[2] - PADDED_IDS)  # inside the true vocabulary for every variant
         for name in args.options.split(","):
             option = option_values(shape[2])[name]
-            for use in steps(inputs, {}):
+            for use in args.uses.split(","):
                 ratios = []
                 for pair in range(args.pairs):
                     times = {}

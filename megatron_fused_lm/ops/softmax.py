@@ -26,6 +26,21 @@ NUM_STATISTICS = 4
 OUTSIDE_VOCAB = -2
 
 
+class TargetIndex(NamedTuple):
+    """What the steps read of ``target_column [n]`` besides its values, alike in each: made once per
+    call (``of``) where a caller keeps it, and sliced per chunk (``rows``)."""
+
+    column: torch.Tensor  # [n] int64: the target column clamped at 0, a column every row may read
+    elsewhere: torch.Tensor  # [n] bool: the block or shard does not hold the target (column < 0)
+
+    @classmethod
+    def of(cls, target_column: torch.Tensor) -> TargetIndex:
+        return cls(target_column.clamp(min=0), target_column < 0)
+
+    def rows(self, rows: slice) -> TargetIndex:
+        return TargetIndex(self.column[rows], self.elsewhere[rows])
+
+
 class SoftmaxSummary(NamedTuple):
     """Per-token results of the merged statistics (each ``[n]`` float32)."""
 
@@ -37,10 +52,15 @@ class SoftmaxSummary(NamedTuple):
 
 
 def block_statistics(
-    logits: torch.Tensor, target_column: torch.Tensor, kept: Optional[torch.Tensor] = None
+    logits: torch.Tensor,
+    target_column: torch.Tensor,
+    kept: Optional[torch.Tensor] = None,
+    index: Optional[TargetIndex] = None,
 ) -> torch.Tensor:
     """Statistics ``[n, 4]`` of one block of float32 logits ``[n, v]``; with ``kept [n, v]`` bool,
-    of the kept columns alone (a row keeping none: ``merge_statistics``' empty block)."""
+    of the kept columns alone (a row keeping none: ``merge_statistics``' empty block). ``index``:
+    ``TargetIndex.of(target_column)``, where the caller keeps it."""
+    index = index or TargetIndex.of(target_column)
     if kept is not None:
         logits = logits.masked_fill(~kept, -torch.inf)
     row_max = logits.amax(dim=-1, keepdim=True)
@@ -49,8 +69,7 @@ def block_statistics(
     weights = shifted.exp()
     # No fourth block for the product; a column left out adds 0, not 0 * -inf.
     sumexp_z = torch.linalg.vecdot(weights, shifted if kept is None else shifted.masked_fill(~kept, 0.0))
-    target_logit = logits.gather(-1, target_column.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    target = torch.where(target_column >= 0, target_logit, 0.0)
+    target = logits.gather(-1, index.column.unsqueeze(-1)).squeeze(-1).masked_fill_(index.elsewhere, 0.0)
     return torch.stack([row_max.squeeze(-1), weights.sum(dim=-1), sumexp_z, target], dim=1)  # MAX ... TARGET
 
 
@@ -89,8 +108,9 @@ def summarize(
     target = stats[:, TARGET]
     if target_column is not None:
         target = torch.where(target_column == OUTSIDE_VOCAB, stats[:, MAX], target)
+    target_offset = target - stats[:, MAX]
     if target_logits is None:
-        logprob = torch.sub(target - stats[:, MAX], log_sumexp, out=out.logprob)
+        logprob = torch.sub(target_offset, log_sumexp, out=out.logprob)
     else:
         offset = (target_logits - stats[:, MAX, None]).clamp(max=0.0)
         # A target holding over half the mass is the largest logit: the maximum is its value from
@@ -102,7 +122,7 @@ def summarize(
         entropy=torch.sub(log_sumexp, spread, out=out.entropy),
         lse=torch.add(stats[:, MAX], log_sumexp, out=out.lse),
         mean_logit=torch.add(stats[:, MAX], spread, out=out.mean_logit),
-        mean_minus_target=torch.add(spread, stats[:, MAX] - target, out=out.mean_minus_target),
+        mean_minus_target=torch.sub(spread, target_offset, out=out.mean_minus_target),
     )
 
 
@@ -197,6 +217,7 @@ def chosen_logit_grad(
     summary: SoftmaxSummary,
     grad_logprob: Optional[torch.Tensor],
     grad_entropy: Optional[torch.Tensor],
+    index: Optional[TargetIndex] = None,
 ) -> torch.Tensor:
     """``dz_y [n]``, the chosen token's whole gradient term, from the merged statistics:
     ``g_lp * (1 - p_y) + g_H * p_y * (mean - z_y)`` where this shard owns the target, else 0.
@@ -206,7 +227,8 @@ def chosen_logit_grad(
     Several targets per row (``target_column``, ``summary.logprob`` and ``grad_logprob`` ``[n, k]``):
     ``[n, k]``, each distinct column's whole term ``G_y (1 - p_y) - (G - G_y) p_y + g_H p_y (mean
     - z_y)`` on its first entry and 0 on its repeats, with ``G_y`` the upstream gradients of the
-    entries naming it and ``G`` their row sum; ``mean - z_y = -H - logprob_y``."""
+    entries naming it and ``G`` their row sum; ``mean - z_y = -H - logprob_y``. ``index`` (one
+    target): ``TargetIndex.of(target_column)``, where the caller keeps it."""
     if target_column.dim() == 1:
         grad = None if grad_logprob is None else torch.expm1(summary.logprob).mul_(grad_logprob).neg_()
         if grad_entropy is not None:
@@ -214,7 +236,7 @@ def chosen_logit_grad(
             grad = entropy_term if grad is None else grad.add_(entropy_term)
         if grad is None:
             return torch.zeros_like(summary.logprob)
-        return torch.where(target_column >= 0, grad, 0.0)
+        return grad.masked_fill_((index or TargetIndex.of(target_column)).elsewhere, 0.0)
     logprob, prob = summary.logprob, summary.logprob.exp()
     same = target_column.unsqueeze(2) == target_column.unsqueeze(1)  # [n, k, k]: entries naming one column
     order = torch.arange(target_column.shape[1], device=target_column.device)
@@ -235,11 +257,12 @@ def chosen_product_grad(
     grad_entropy: Optional[torch.Tensor],
     temperature: torch.Tensor,
     softcap: Optional[float],
+    index: Optional[TargetIndex] = None,
 ) -> torch.Tensor:
     """``chosen_logit_grad`` taken back to the products (``product_grad``): over ``temperature``
     (``[n]`` as a column against several targets' ``[n, k]``), and with a ``softcap`` times its
     slope at each target's own logit, ``logprob + lse``."""
-    grad = chosen_logit_grad(target_column, summary, grad_logprob, grad_entropy)
+    grad = chosen_logit_grad(target_column, summary, grad_logprob, grad_entropy, index)
     per_row = temperature.view(-1, *[1] * (target_column.dim() - 1))
     logits = None
     if softcap is not None:
@@ -247,16 +270,19 @@ def chosen_product_grad(
     return product_grad(grad, logits, per_row, softcap)
 
 
-def zero_chosen(block: torch.Tensor, target_column: torch.Tensor) -> None:
+def zero_chosen(block: torch.Tensor, target_column: torch.Tensor, index: Optional[TargetIndex] = None) -> None:
     """Zero the chosen token's element of each row of ``block [n, v]`` that holds its target (every
     target's, for ``target_column [n, k]``): the loss-in-forward path adds that term in float32
-    instead (``chosen_logit_grad``)."""
-    columns = target_column.view(target_column.shape[0], target_column.shape[1] if target_column.dim() == 2 else 1)
-    owns = columns >= 0
-    if columns.shape[1] > 1:
+    instead (``chosen_logit_grad``). ``index`` (one target): ``TargetIndex.of(target_column)``,
+    where the caller keeps it."""
+    if target_column.dim() == 1:
+        column, elsewhere = index or TargetIndex.of(target_column)
+        column, elsewhere = column.unsqueeze(1), elsewhere.unsqueeze(1)
+    else:
+        elsewhere = target_column < 0
         # An entry of another shard (-1) names its row's largest column, one of the zeroed targets, or
         # where the row has none here column 0, written back as it is: no two writes of one element differ.
-        columns = torch.where(owns, columns, columns.amax(1, keepdim=True))
-        owns = owns.any(1, keepdim=True)
-    columns = columns.clamp(min=0)  # one target: a row without one here writes its column 0 back as it is
-    block.scatter_(1, columns, torch.where(owns, 0, block.gather(1, columns)))
+        column = torch.where(elsewhere, target_column.amax(1, keepdim=True), target_column).clamp(min=0)
+        elsewhere = elsewhere.all(1, keepdim=True)
+    # One target: a row without one here writes its column 0 back as it is.
+    block.scatter_(1, column, torch.where(elsewhere, block.gather(1, column), 0))

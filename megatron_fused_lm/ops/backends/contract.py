@@ -19,6 +19,7 @@ from typing import Callable, Iterator, List, NamedTuple, Optional, Protocol
 import torch
 
 from ..products import add_product
+from ..softmax import TargetIndex
 
 
 class ShardProblem(NamedTuple):
@@ -89,6 +90,9 @@ class LossState(NamedTuple):
     # A correcting pass's 0-dim bool: where it is false, a backend that decides on the device
     # (``gates_on_device``) skips the products; None: the forward's pass, which always runs.
     gate: Optional[torch.Tensor] = None
+    # One target per row: the targets' reads a backend's torch steps share (``softmax.TargetIndex``
+    # of ``ShardProblem.target_column``), made once per pass; None: each step makes its own.
+    target_index: Optional[TargetIndex] = None
 
     @property
     def token_chunk(self) -> int:

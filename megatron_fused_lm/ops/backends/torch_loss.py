@@ -15,6 +15,7 @@ from ..products import add_product
 from ..several_targets import statistics_column
 from ..softmax import (
     SoftmaxSummary,
+    TargetIndex,
     block_logit_grad,
     block_statistics,
     chosen_product_grad,
@@ -47,7 +48,9 @@ class TorchLoss:
         hidden, weight = problem.hidden, problem.weight
         rows = min(chunk_rows(options.token_chunk, weight.shape[0]), max(hidden.shape[0], 1))
         block = hidden.new_empty(rows, weight.shape[0], dtype=torch.float32)
-        return LossState(block, hidden.new_empty(0), *contract.allocate_state(problem, needed, held_weight))
+        state = LossState(block, hidden.new_empty(0), *contract.allocate_state(problem, needed, held_weight))
+        one_target = problem.target_column.dim() == 1  # several: the statistics run with none (statistics_column)
+        return state._replace(target_index=TargetIndex.of(problem.target_column) if one_target else None)
 
     def chunk_statistics(
         self, problem: ShardProblem, state: LossState, rows: slice, options: HeadOptions
@@ -58,7 +61,8 @@ class TorchLoss:
         softcapped(products, options.softcap).div_(problem.temperature[rows, None])
         # Several targets per row: the statistics run with none, their logits are read apart.
         target_column = statistics_column(problem.target_column[rows])
-        return block_statistics(logits, target_column, kept_block(problem.kept_mask, rows, logits.shape[1]))
+        kept = kept_block(problem.kept_mask, rows, logits.shape[1])
+        return block_statistics(logits, target_column, kept, index=rows_of(state.target_index, rows))
 
     def summarize(self, parts: torch.Tensor, target_column: torch.Tensor, out: SoftmaxSummary) -> None:
         """The rows' summary of their statistics merged over ``parts [P, k, 4]`` (one per rank),
@@ -82,6 +86,7 @@ class TorchLoss:
         dtype accumulating in float32; the weight gradient's upstream is ``weight_row_scale`` times the
         hidden gradient's, row by row."""
         weight, target_column, temperature = problem.weight, problem.target_column[rows], problem.temperature[rows]
+        index = rows_of(state.target_index, rows)
         logits = state.block[: rows.stop - rows.start]
         kept = kept_block(problem.kept_mask, rows, logits.shape[1])
         grad = block_logit_grad(
@@ -94,7 +99,7 @@ class TorchLoss:
             kept=kept,
             with_chosen=False,
         )
-        zero_chosen(grad, target_column)  # its whole term is added in float32 (add_chosen, add_chosen_rows)
+        zero_chosen(grad, target_column, index)  # its whole term is added in float32 (add_chosen, add_chosen_rows)
         operand = product_grad(grad, logits, temperature[:, None], options.softcap).to(weight.dtype)
         if state.held_hidden.dim() == 2:
             add_product(state.held_hidden[rows], operand, weight, accumulate=False)
@@ -102,9 +107,9 @@ class TorchLoss:
             if weight_row_scale is not None:  # the weight's own operand, rounded once as the hidden's is
                 operand = grad.mul_(weight_row_scale[:, None]).to(weight.dtype)
             contract.add_weight_product(state.held_weight, operand, problem.hidden[rows], accumulate)
-        chosen = chosen_product_grad(target_column, summary, *upstream, temperature, options.softcap)
+        chosen = chosen_product_grad(target_column, summary, *upstream, temperature, options.softcap, index)
         if state.held_hidden.dim() == 2:
-            self.add_chosen(state.held_hidden[rows], target_column, chosen, weight)
+            add_chosen_terms(state.held_hidden[rows], target_column, chosen, weight, index=index)
         if state.held_weight and weight_row_scale is not None:  # per row, beside one or several targets' terms
             chosen = chosen * weight_row_scale.view(-1, *[1] * (chosen.dim() - 1))
         if state.held_weight:
@@ -148,13 +153,7 @@ class TorchLoss:
         ``factor * product + chosen * weight[target_column]``. ``target_column``, ``chosen`` and
         ``factor`` ``[k]`` (``factor`` ``None``: 1; columns ``< 0``: another shard's token, no
         term); several targets, ``[k, m]``: each column's term added in turn."""
-        if factor is not None:
-            product.mul_(factor.unsqueeze(1))
-        columns = target_column.view(target_column.shape[0], -1)
-        for target in range(columns.shape[1]):
-            column, term = columns[:, target], chosen.view(columns.shape)[:, target]
-            coefficient = torch.where(column >= 0, term, 0.0).unsqueeze(1)
-            product.addcmul_(coefficient, weight[column.clamp(min=0)])  # promoted to float32 in the op
+        add_chosen_terms(product, target_column, chosen, weight, factor)
 
     @staticmethod
     def add_chosen_rows(
@@ -174,3 +173,26 @@ class TorchLoss:
             part_rows = torch.where(inside, columns - start, spare % part.shape[0])
             part.index_put_((part_rows,), torch.where(inside.unsqueeze(1), values, 0.0), accumulate=True)
             start += part.shape[0]
+
+
+def rows_of(index: Optional[TargetIndex], rows: slice) -> Optional[TargetIndex]:
+    return None if index is None else index.rows(rows)
+
+
+def add_chosen_terms(
+    product: torch.Tensor,
+    target_column: torch.Tensor,
+    chosen: torch.Tensor,
+    weight: torch.Tensor,
+    factor: Optional[torch.Tensor] = None,
+    index: Optional[TargetIndex] = None,
+) -> None:
+    """``TorchLoss.add_chosen``; ``index`` (one target): ``TargetIndex.of(target_column)``, where
+    the caller keeps it."""
+    if factor is not None:
+        product.mul_(factor.unsqueeze(1))
+    columns = target_column.view(target_column.shape[0], -1)
+    for target in range(columns.shape[1]):
+        column, elsewhere = index or TargetIndex.of(columns[:, target])
+        coefficient = chosen.view(columns.shape)[:, target].masked_fill(elsewhere, 0.0).unsqueeze(1)
+        product.addcmul_(coefficient, weight[column])  # promoted to float32 in the op

@@ -236,7 +236,7 @@ class ChunkLoss:
     ):
         self.loss_fn, self.inputs, self.entropy_grad, self.gradients = loss_fn, inputs, entropy_grad, gradients
         self.weight_grad_scale, self.valid, self.save_grads = weight_grad_scale, valid, save_grads
-        self.total: Optional[Tensor] = None  # [] float32, after the first chunk
+        self.chunk_losses: list = []  # each chunk's per-token losses (by autograd: their sum), 1-D
         self.chunk_grads: list = []  # with save_grads, each chunk's UpstreamGrads
 
     def __call__(self, rows: slice, logprob: Tensor, entropy: Tensor) -> UpstreamGrads:
@@ -244,27 +244,36 @@ class ChunkLoss:
         check_rows_independent(self.loss_fn, logprob, entropy, inputs)
         valid = None if self.valid is None else self.valid[rows]
 
+        def kept(losses: Tensor) -> Tensor:
+            return losses if valid is None else torch.where(valid, losses, 0.0)
+
         def total(logprob: Tensor, entropy: Tensor) -> Tensor:
-            losses = per_token_losses(self.loss_fn, logprob, entropy, inputs)
-            return (losses if valid is None else torch.where(valid, losses, 0.0)).sum()
+            return kept(per_token_losses(self.loss_fn, logprob, entropy, inputs)).sum()
 
         grads = UpstreamGrads(None, None)
         with_grads = getattr(self.loss_fn, "with_grads", None)  # a ready-made loss's closed form
         if not self.gradients:
-            value = total(logprob, entropy)
+            losses = kept(per_token_losses(self.loss_fn, logprob, entropy, inputs))
         elif with_grads is not None:
             losses, *row_grads = with_grads(logprob, entropy, **inputs)
-            value = (losses if valid is None else torch.where(valid, losses, 0.0)).sum()
-            grads = UpstreamGrads(*row_grads)
+            losses, grads = kept(losses), UpstreamGrads(*row_grads)
         else:
-            grad_logprob, grad_entropy, value = per_token_grads(total, logprob, entropy)
+            grad_logprob, grad_entropy, losses = per_token_grads(total, logprob, entropy)
             grads = UpstreamGrads(grad_logprob, grad_entropy)
-        self.total = value if self.total is None else self.total + value
+        self.chunk_losses.append(losses.reshape(-1))
         grads = grads._replace(entropy=grads.entropy if self.entropy_grad else None)
         grads = UpstreamGrads(*(None if grad is None else self._scaled(grad, valid) for grad in grads))
         if self.save_grads:
             self.chunk_grads.append(grads)
         return grads
+
+    @property
+    def total(self) -> Optional[Tensor]:
+        """The loss, ``[]`` float32: every chunk's losses summed at once (no add per chunk, and the
+        same order however the rows are chunked); ``None`` before the first chunk."""
+        if not self.chunk_losses:
+            return None
+        return (self.chunk_losses[0] if len(self.chunk_losses) == 1 else torch.cat(self.chunk_losses)).sum()
 
     @property
     def saved_grads(self) -> UpstreamGrads:

@@ -145,7 +145,8 @@ def run_held_pass(
 
 
 def _total(loss: ChunkLoss, hidden: Tensor) -> Tensor:
-    return hidden.new_zeros((), dtype=torch.float32) if loss.total is None else loss.total
+    total = loss.total
+    return hidden.new_zeros((), dtype=torch.float32) if total is None else total
 
 
 class HeldGradients(torch.autograd.Function):

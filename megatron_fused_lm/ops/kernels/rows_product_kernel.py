@@ -35,10 +35,12 @@ def rows_product_kernel(
     num_rows,
     inner,
     columns,
-    stride_out,
+    stride_out_row,
+    stride_out_column,
     gate_ptr,
     ACCUMULATE: tl.constexpr,
     LEFT_TRANSPOSED: tl.constexpr,
+    RIGHT_TRANSPOSED: tl.constexpr,
     GATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -56,7 +58,7 @@ def rows_product_kernel(
         is_open = tl.load(gate_ptr) != 0
         valid = valid & is_open
         k_steps = tl.where(is_open, k_steps, 0)
-    out = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
+    out = out_ptr + rows[:, None].to(tl.int64) * stride_out_row + cols[None, :].to(tl.int64) * stride_out_column
     if ACCUMULATE:
         acc = tl.load(out, mask=valid, other=0.0)
     else:
@@ -67,7 +69,10 @@ def rows_product_kernel(
             left = tl.trans(left_desc.load([k_step * BLOCK_K, row0]))
         else:
             left = left_desc.load([row0, k_step * BLOCK_K])
-        right = right_desc.load([k_step * BLOCK_K, col0])
+        if RIGHT_TRANSPOSED:
+            right = tl.trans(right_desc.load([col0, k_step * BLOCK_K]))
+        else:
+            right = right_desc.load([k_step * BLOCK_K, col0])
         acc = tl.dot(left, right, acc, input_precision=DOT_PRECISION)
     tl.store(out, acc, mask=valid)
 
@@ -80,29 +85,50 @@ def rows_product(
     tiles: Tiles,
     gate: Optional[torch.Tensor] = None,
 ) -> None:
-    """``out = left @ right`` (``+ out`` when ``accumulate``): ``out [m, n]`` float32 with a unit
-    last stride, ``left [m, k]`` (or its transpose, ``left.t()`` of a ``[k, m]`` tensor) and
-    ``right [k, n]`` of one dtype (copied where a descriptor cannot address them); ``tiles`` as
-    ``TritonTuning.backward_tiles_for`` gives them. With a ``gate`` (a 0-dim tensor on the
-    device) nothing is read or written where it is 0."""
+    """``out = left @ right`` (``+ out`` when ``accumulate``): ``out [m, n]`` float32 (a unit stride
+    on either dimension), ``left [m, k]`` and ``right [k, n]`` of one dtype, each row-major or the
+    transpose of a row-major tensor (copied where a descriptor cannot address them); ``tiles`` as
+    ``TritonTuning.backward_tiles_for`` gives them. With a ``gate`` (a 0-dim tensor on the device)
+    nothing is read or written where it is 0.
+
+    Float32 operands multiply on tensor cores only with ``right`` read along ``k`` (Hopper's wgmma
+    takes 32-bit operands from shared memory ``k``-major): where ``right`` is row-major, the product
+    runs transposed, ``out.T = right.T @ left.T``, when ``left`` is row-major, else on a
+    ``k``-major copy of ``right``. Either way each element's sum runs over ``k`` in the same steps
+    (docs/benchmarks/features.md, "A float32 head": 1.3-1.4x faster than reading ``right``
+    row-major)."""
+    if left.element_size() == 4 and not _transposed(right):
+        if not _transposed(left):
+            return rows_product(out.t(), right.t(), left.t(), accumulate, tiles, gate)
+        right = right.t().contiguous().t()
     num_rows, inner = left.shape
     columns = right.shape[1]
     if num_rows == 0 or columns == 0:
         return
-    transposed = left.stride(0) == 1 and left.stride(1) != 1
-    stored = addressable(left.t() if transposed else left)
+    left_transposed, right_transposed = _transposed(left), _transposed(right)
+    stored_left = addressable(left.t() if left_transposed else left)
+    stored_right = addressable(right.t() if right_transposed else right)
     grid = (triton.cdiv(num_rows, tiles.block_m) * triton.cdiv(columns, tiles.block_n),)
     rows_product_kernel[grid](
-        descriptor(stored, [tiles.block_k, tiles.block_m] if transposed else [tiles.block_m, tiles.block_k]),
-        descriptor(addressable(right), [tiles.block_k, tiles.block_n]),
+        descriptor(stored_left, [tiles.block_k, tiles.block_m] if left_transposed else [tiles.block_m, tiles.block_k]),
+        descriptor(
+            stored_right, [tiles.block_n, tiles.block_k] if right_transposed else [tiles.block_k, tiles.block_n]
+        ),
         out,
         num_rows,
         inner,
         columns,
         out.stride(0),
+        out.stride(1),
         gate,
         ACCUMULATE=accumulate,
-        LEFT_TRANSPOSED=transposed,
+        LEFT_TRANSPOSED=left_transposed,
+        RIGHT_TRANSPOSED=right_transposed,
         GATED=gate is not None,
         **tiles.launch_options(),
     )
+
+
+def _transposed(operand: torch.Tensor) -> bool:
+    """Whether a 2-D operand is the transpose of a row-major tensor (its first dimension contiguous)."""
+    return operand.stride(0) == 1 and operand.stride(1) != 1

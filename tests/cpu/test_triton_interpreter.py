@@ -554,10 +554,11 @@ def default_tuning_case(case: dict) -> dict:
 
 
 def rows_product_case(case: dict) -> dict:
-    """``rows_product`` with each operand and the output row-major or a transposed view, written or
-    accumulated, ungated or behind an open or a closed gate: each result's largest error against
-    float64, over the float64 product of the operands' absolute values (a summation's bound), and
-    whether a closed gate left the output's bits as they were."""
+    """``rows_product`` with each operand row-major, a transposed view or every other column of a
+    wider tensor, the output row-major or transposed, written or accumulated, ungated or behind an
+    open or a closed gate: each result's largest error against float64, over the float64 product of
+    the operands' absolute values (a summation's bound), and whether a closed gate left the output's
+    bits as they were."""
     import itertools
 
     import torch
@@ -569,24 +570,31 @@ def rows_product_case(case: dict) -> dict:
     (rows, inner, columns), dtype = case["shape"], getattr(torch, case["dtype"])
     tiles = Tiles(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1, dot_precision="tf32x3")
 
-    def laid_out(values: torch.Tensor, transposed: bool) -> torch.Tensor:
-        return values.t().contiguous().t() if transposed else values.clone()
+    def laid_out(values: torch.Tensor, layout: str) -> torch.Tensor:
+        if layout == "transposed":
+            return values.t().contiguous().t()
+        if layout == "strided":
+            wide = values.new_zeros(values.shape[0], 2 * values.shape[1])
+            wide[:, ::2] = values
+            return wide[:, ::2]
+        return values.clone()
 
     left, right = torch.randn(rows, inner).to(dtype), torch.randn(inner, columns).to(dtype)
     start = torch.randn(rows, columns)
     bound = left.double().abs() @ right.double().abs() + start.double().abs()
     errors, closed_gate_changed = {}, 0
-    for left_t, right_t, out_t, accumulate, gate in itertools.product(
-        (False, True), (False, True), (False, True), (False, True), (None, 0, 1)
+    operand_layouts = ("row_major", "transposed", "strided")
+    for left_layout, right_layout, out_layout, accumulate, gate in itertools.product(
+        operand_layouts, operand_layouts, ("row_major", "transposed"), (False, True), (None, 0, 1)
     ):
-        out = laid_out(start, out_t)
+        out = laid_out(start, out_layout)
         gate_tensor = None if gate is None else torch.tensor(gate, dtype=torch.int32)
-        rows_product(out, laid_out(left, left_t), laid_out(right, right_t), accumulate, tiles, gate_tensor)
+        rows_product(out, laid_out(left, left_layout), laid_out(right, right_layout), accumulate, tiles, gate_tensor)
         if gate == 0:
             closed_gate_changed += int(not torch.equal(out, start))
             continue
         expected = left.double() @ right.double() + (start.double() if accumulate else 0.0)
-        name = f"left_t={left_t},right_t={right_t},out_t={out_t},accumulate={accumulate},gate={gate}"
+        name = f"left={left_layout},right={right_layout},out={out_layout},accumulate={accumulate},gate={gate}"
         errors[name] = float(((out.double() - expected).abs() / bound).max())
     return {"errors": errors, "closed_gate_changed": closed_gate_changed}
 
@@ -1204,14 +1212,14 @@ def test_batch_invariant(dtype, three_gemm):
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_rows_product_in_every_layout(dtype):
     # Float32 operands take another route per layout (the product transposed, or a k-major copy of
-    # the right operand); odd sizes cross partial tiles and a depth whose rows a descriptor cannot
-    # address (copied). Each element's error against float64 within 1e-6 of its sum of |terms| (the
-    # interpreter multiplies float32 in float32: measured 9e-8, 45 terms' float32 summation bounded
-    # by 2.7e-6 and near sqrt(45) x 6e-8 = 4e-7 at most in practice; a dropped tile or term costs
-    # O(0.1)); a closed gate writes nothing.
+    # the right operand); odd sizes cross partial tiles, and a depth or a strided operand that a
+    # descriptor cannot address is copied. Each element's error against float64 within 1e-6 of its
+    # sum of |terms| (the interpreter multiplies float32 in float32: measured 9e-8, 45 terms'
+    # float32 summation bounded by 2.7e-6 and near sqrt(45) x 6e-8 = 4e-7 at most in practice; a
+    # dropped tile or term costs O(0.1)); a closed gate writes nothing.
     result = run_case(kind="rows_product", dtype=dtype, shape=[37, 45, 29], seed=3)
     assert result["closed_gate_changed"] == 0, result
-    assert len(result["errors"]) == 32 and max(result["errors"].values()) <= 1e-6, result
+    assert len(result["errors"]) == 72 and max(result["errors"].values()) <= 1e-6, result
 
 
 def test_batch_invariant_three_gemm_refuses_float32_weights():

@@ -187,12 +187,13 @@ def add_chosen_terms(
     factor: Optional[torch.Tensor] = None,
     index: Optional[TargetIndex] = None,
 ) -> None:
-    """``TorchLoss.add_chosen``; ``index`` (one target): ``TargetIndex.of(target_column)``, where
-    the caller keeps it."""
+    """``TorchLoss.add_chosen``; ``index``: ``TargetIndex.of(target_column)`` of one target per row,
+    where the caller keeps it (several targets make their own)."""
     if factor is not None:
         product.mul_(factor.unsqueeze(1))
     columns = target_column.view(target_column.shape[0], -1)
     for target in range(columns.shape[1]):
-        column, elsewhere = index or TargetIndex.of(columns[:, target])
+        one_index = index if index is not None and columns.shape[1] == 1 else None
+        column, elsewhere = one_index or TargetIndex.of(columns[:, target])
         coefficient = chosen.view(columns.shape)[:, target].masked_fill(elsewhere, 0.0).unsqueeze(1)
         product.addcmul_(coefficient, weight[column])  # promoted to float32 in the op

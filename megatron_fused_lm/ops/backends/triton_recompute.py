@@ -17,7 +17,7 @@ import torch
 from ..kernels.descriptors import addressable
 from ..kernels.logit_grad_kernel import logit_grad_block
 from ..kernels.merge_kernel import merge_parts
-from ..kernels.rows_product_kernel import float32_by_kernel, rows_product
+from ..kernels.rows_product_kernel import float32_by_kernel, k_major, rows_product
 from ..kernels.softmax_stats_kernel import split_statistics
 from ..options import HeadOptions
 from ..products import add_product
@@ -91,6 +91,8 @@ class TritonRecompute:
         for tokens in token_chunks(num_tokens, token_chunk):
             rows = tokens.stop - tokens.start
             token_saved = SavedStatistics(*(part[tokens] for part in saved))
+            # The weight products' right operand, k-major once for every vocabulary chunk.
+            hidden_rows = k_major(hidden_operand[tokens]) if grad_weight is not None and by_kernel else None
             for columns in token_chunks(vocab, vocab_chunk):
                 block = logit_grad_block(
                     logit_grads[:rows, : columns.stop - columns.start],
@@ -122,7 +124,7 @@ class TritonRecompute:
                     rows_product(
                         grad_weight[columns],
                         block.t(),
-                        right=hidden_operand[tokens],
+                        right=hidden_rows,
                         accumulate=tokens.start > 0,
                         tiles=tiles,
                     )

@@ -86,25 +86,27 @@ def rows_product(
     gate: Optional[torch.Tensor] = None,
 ) -> None:
     """``out = left @ right`` (``+ out`` when ``accumulate``): ``out [m, n]`` float32 (a unit stride
-    on either dimension), ``left [m, k]`` and ``right [k, n]`` of one dtype, each row-major or the
-    transpose of a row-major tensor (copied where a descriptor cannot address them); ``tiles`` as
-    ``TritonTuning.backward_tiles_for`` gives them. With a ``gate`` (a 0-dim tensor on the device)
-    nothing is read or written where it is 0.
+    on either dimension), ``left [m, k]`` and ``right [k, n]`` of one dtype, in any layout (copied
+    where a descriptor cannot address them: production layouts are row-major or the transpose of a
+    row-major tensor); ``tiles`` as ``TritonTuning.backward_tiles_for`` gives them. With a ``gate``
+    (a 0-dim tensor on the device) nothing is read or written where it is 0.
 
     Float32 operands multiply on tensor cores only with ``right`` read along ``k`` (Hopper's wgmma
-    takes 32-bit operands from shared memory ``k``-major): where ``right`` is row-major, the product
-    runs transposed, ``out.T = right.T @ left.T``, when ``left`` is row-major, else on a
-    ``k``-major copy of ``right``. Either way each element's sum runs over ``k`` in the same steps
-    (docs/benchmarks/features.md, "A float32 head": 1.3-1.4x faster than reading ``right``
-    row-major)."""
-    if left.element_size() == 4 and not _transposed(right):
-        if not _transposed(left):
-            return rows_product(out.t(), right.t(), left.t(), accumulate, tiles, gate)
-        right = right.t().contiguous().t()
+    takes 32-bit operands from shared memory ``k``-major; read row-major, the products took 1.3-1.4x
+    as long, docs/benchmarks/features.md, "A float32 head"): where both operands are row-major the
+    product runs transposed, ``out.T = right.T @ left.T`` (``tiles.block_m`` then tiles ``out``'s
+    columns), and where only ``left`` is not, on ``k_major(right)``. Either way each element's sum
+    runs over ``k`` in the same steps."""
     num_rows, inner = left.shape
     columns = right.shape[1]
     if num_rows == 0 or columns == 0:
         return
+    if left.element_size() == 4 and not _transposed(right):
+        if _transposed(left.t()) and _transposed(right.t()):
+            out, left, right = out.t(), right.t(), left.t()
+            num_rows, columns = columns, num_rows
+        else:
+            right = k_major(right)
     left_transposed, right_transposed = _transposed(left), _transposed(right)
     stored_left = addressable(left.t() if left_transposed else left)
     stored_right = addressable(right.t() if right_transposed else right)
@@ -127,6 +129,13 @@ def rows_product(
         GATED=gate is not None,
         **tiles.launch_options(),
     )
+
+
+def k_major(right: torch.Tensor) -> torch.Tensor:
+    """``right [k, n]`` as ``rows_product`` reads a float32 right operand on tensor cores: the
+    transpose of a row-major ``[n, k]`` tensor (``right`` itself where it is one, else a copy); a
+    caller that passes the same operand to several products makes it once."""
+    return right if _transposed(right) else right.t().contiguous().t()
 
 
 def _transposed(operand: torch.Tensor) -> bool:

@@ -218,7 +218,7 @@ def probe_entropy_term(
 
 
 class ChunkLoss:
-    """``loss_fn`` on each chunk of a pass (the loss half of a ``ChunkStep``): its value added to
+    """``loss_fn`` on each chunk of a pass (the loss half of a ``ChunkStep``): its losses kept for
     ``total`` and, with ``gradients``, its per-row gradients (the entropy's only when
     ``entropy_grad``) times ``weight_grad_scale`` (the upstream gradient the held gradients assume;
     1: as they are), every chunk's saved with ``save_grads`` (``saved_grads``: a correction's
@@ -269,8 +269,9 @@ class ChunkLoss:
 
     @property
     def total(self) -> Optional[Tensor]:
-        """The loss, ``[]`` float32: every chunk's losses summed at once (no add per chunk, and the
-        same order however the rows are chunked); ``None`` before the first chunk."""
+        """The loss, ``[]`` float32: the chunks' per-token losses summed at once, in one order however
+        the rows are chunked (no add per chunk); a loss that autograd differentiates keeps each
+        chunk's sum instead, which the total adds. ``None`` before the first chunk."""
         if not self.chunk_losses:
             return None
         return (self.chunk_losses[0] if len(self.chunk_losses) == 1 else torch.cat(self.chunk_losses)).sum()

@@ -158,7 +158,8 @@ class ClippedPolicyLoss:
         raw = logprob - (logprob.detach() if old_logprob is None else old_logprob)
         ratio = raw.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
         low, high = 1 - self.clip_low, 1 + self.clip_high
-        unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(low, high)
+        negated = -advantages  # once for both sides and the gradient
+        unclipped, clipped = negated * ratio, negated * ratio.clamp(low, high)
         # A tie (the ratio inside the clip range, or a zero advantage) has one derivative either way.
         unclipped_wins = unclipped >= clipped
         loss = torch.where(unclipped_wins, unclipped, clipped)
@@ -170,7 +171,7 @@ class ClippedPolicyLoss:
         grad = grad_entropy = None
         if grads:
             grad_ratio = torch.where(raw.abs() <= LOG_RATIO_LIMIT, ratio, 0.0)  # clamp passes it inside the limits
-            grad = torch.where(unclipped_wins | ((ratio >= low) & (ratio <= high)), -advantages * grad_ratio, 0.0)
+            grad = torch.where(unclipped_wins | ((ratio >= low) & (ratio <= high)), negated * grad_ratio, 0.0)
             grad = grad if capped is None else torch.where(capped, 0.0, grad)
         if self.entropy_coef:
             loss = loss - self.entropy_coef * entropy

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from devkit.measure import median_ms
 from megatron_fused_lm.ops.kernels.epilogue import grouped_tile
 
 VARIANTS = {"tf32x3": 0, "tf32_once": 1, "split_once": 2}
@@ -68,20 +68,6 @@ def tf32_parts(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return high, values - high
 
 
-def median_ms(step, repeats: int = 7) -> float:
-    step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="8192x4096x32768", help="tokens x hidden x vocabulary rows")
@@ -124,13 +110,13 @@ def main():
                     num_stages=stages,
                 )
 
-            ms = median_ms(step) if device == "cuda" else step()
+            ms = median_ms(step, torch.device(device), warmup=1, repeats=7) if device == "cuda" else step()
             error = float((out.double() - expected).norm() / expected.norm())
             rows.append(dict(variant=name, tiles=tiles, ms=ms, error=error))
             print(rows[-1], flush=True)
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
-        ms = median_ms(lambda: torch.mm(a, b.t(), out=out))
+        ms = median_ms(lambda: torch.mm(a, b.t(), out=out), torch.device(device), warmup=1, repeats=7)
         rows.append(
             dict(variant="cublas_float32", ms=ms, error=float((out.double() - expected).norm() / expected.norm()))
         )

@@ -165,7 +165,7 @@ class ClippedPolicyLoss:
         loss = torch.where(unclipped_wins, unclipped, clipped)
         capped = None
         if self.dual_clip is not None:
-            bound = -advantages * self.dual_clip
+            bound = negated * self.dual_clip
             capped = (advantages < 0) & (loss > bound)
             loss = torch.where(capped, bound, loss)
         grad = grad_entropy = None

@@ -596,7 +596,16 @@ def rows_product_case(case: dict) -> dict:
         expected = left.double() @ right.double() + (start.double() if accumulate else 0.0)
         name = f"left={left_layout},right={right_layout},out={out_layout},accumulate={accumulate},gate={gate}"
         errors[name] = float(((out.double() - expected).abs() / bound).max())
-    return {"errors": errors, "closed_gate_changed": closed_gate_changed}
+    # An empty depth: zeros written, nothing added, nothing written behind a closed gate.
+    empty_left, empty_right = left[:, :0], right[:0]
+    empty_depth = []
+    for accumulate, gate in itertools.product((False, True), (None, 0, 1)):
+        out = start.clone()
+        gate_tensor = None if gate is None else torch.tensor(gate, dtype=torch.int32)
+        rows_product(out, empty_left, empty_right, accumulate, tiles, gate_tensor)
+        written = not accumulate and gate != 0
+        empty_depth.append(torch.equal(out, torch.zeros_like(start) if written else start))
+    return {"errors": errors, "closed_gate_changed": closed_gate_changed, "empty_depth": empty_depth}
 
 
 def run_case_here(case: dict) -> dict:
@@ -1216,9 +1225,9 @@ def test_rows_product_in_every_layout(dtype):
     # descriptor cannot address is copied. Each element's error against float64 within 1e-6 of its
     # sum of |terms| (the interpreter multiplies float32 in float32: measured 9e-8, 45 terms'
     # float32 summation bounded by 2.7e-6 and near sqrt(45) x 6e-8 = 4e-7 at most in practice; a
-    # dropped tile or term costs O(0.1)); a closed gate writes nothing.
+    # dropped tile or term costs O(0.1)); a closed gate writes nothing; an empty depth writes zeros.
     result = run_case(kind="rows_product", dtype=dtype, shape=[37, 45, 29], seed=3)
-    assert result["closed_gate_changed"] == 0, result
+    assert result["closed_gate_changed"] == 0 and all(result["empty_depth"]), result
     assert len(result["errors"]) == 72 and max(result["errors"].values()) <= 1e-6, result
 
 

@@ -26,7 +26,7 @@ from ..kernels.fit_kernel import fit_declared
 from ..kernels.merge_kernel import StaleCheck, merge_parts, summarize_parts
 from ..kernels.reference_kernel import row_references
 from ..kernels.row_terms_kernel import row_terms
-from ..kernels.rows_product_kernel import float32_by_kernel, rows_product
+from ..kernels.rows_product_kernel import float32_by_kernel, k_major, rows_product
 from ..kernels.scale_kernel import scale_into
 from ..kernels.softmax_stats_kernel import refresh_exponentials, split_statistics, stores_offsets
 from ..kernels.stored_grad_kernel import stored_logit_grads
@@ -302,12 +302,13 @@ class TritonLoss:
             add_product(state.held_hidden[rows], operand, weight, accumulate=False)
         # Gated: a kernel that reads the gate, where cuBLAS could not skip without the host reading it.
         if state.held_weight and (state.gate is not None or by_kernel):
+            right = k_major(hidden_operand) if by_kernel else hidden_operand  # once for every part
             start = 0
             for part in state.held_weight:
                 rows_product(
                     part,
                     operand[:, start : start + part.shape[0]].t(),
-                    right=hidden_operand,
+                    right=right,
                     accumulate=accumulate or state.gate is not None,
                     tiles=tiles,
                     gate=state.gate,

@@ -86,10 +86,10 @@ def rows_product(
     gate: Optional[torch.Tensor] = None,
 ) -> None:
     """``out = left @ right`` (``+ out`` when ``accumulate``): ``out [m, n]`` float32 (a unit stride
-    on either dimension), ``left [m, k]`` and ``right [k, n]`` of one dtype, in any layout (copied
-    where a descriptor cannot address them: production layouts are row-major or the transpose of a
-    row-major tensor); ``tiles`` as ``TritonTuning.backward_tiles_for`` gives them. With a ``gate``
-    (a 0-dim tensor on the device) nothing is read or written where it is 0.
+    on either dimension), ``left [m, k]`` and ``right [k, n]`` of one dtype, row-major, the transpose
+    of a row-major tensor (the production layouts) or strided otherwise (copied where a descriptor
+    cannot address them); ``tiles`` as ``TritonTuning.backward_tiles_for`` gives them. With a
+    ``gate`` (a 0-dim tensor on the device) nothing is read or written where it is 0.
 
     Float32 operands multiply on tensor cores only with ``right`` read along ``k`` (Hopper's wgmma
     takes 32-bit operands from shared memory ``k``-major; read row-major, the products took 1.3-1.4x
@@ -100,6 +100,12 @@ def rows_product(
     num_rows, inner = left.shape
     columns = right.shape[1]
     if num_rows == 0 or columns == 0:
+        return
+    if inner == 0:  # an empty sum: zeros written, nothing added
+        if not accumulate and gate is None:
+            out.zero_()
+        elif not accumulate:
+            out.masked_fill_(gate != 0, 0.0)
         return
     if left.element_size() == 4 and not _transposed(right):
         if _transposed(left.t()) and _transposed(right.t()):

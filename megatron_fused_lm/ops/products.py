@@ -20,13 +20,12 @@ def add_product(out: torch.Tensor, left: torch.Tensor, right: torch.Tensor, accu
     aligned = left.is_cuda and left.data_ptr() % 16 == 0
     if aligned and left.stride(1) == 1 and left.stride(0) % step == 0 and left.shape[1] % step and left.shape[1] > step:
         bulk = left.shape[1] - left.shape[1] % step
-        total = (
-            out
-            if out.dtype == torch.float32
-            else out.float()
-            if accumulate
-            else out.new_empty(out.shape, dtype=torch.float32)
-        )
+        if out.dtype == torch.float32:
+            total = out
+        elif accumulate:
+            total = out.float()
+        else:
+            total = out.new_empty(out.shape, dtype=torch.float32)
         _addmm(total, left[:, :bulk], right[:bulk], accumulate)
         _addmm(total, left[:, bulk:], right[bulk:], True)
         return out if total is out else out.copy_(total)

@@ -192,8 +192,8 @@ def add_chosen_terms(
     if factor is not None:
         product.mul_(factor.unsqueeze(1))
     columns = target_column.view(target_column.shape[0], -1)
+    index = index if columns.shape[1] == 1 else None
     for target in range(columns.shape[1]):
-        one_index = index if index is not None and columns.shape[1] == 1 else None
-        column, elsewhere = one_index or TargetIndex.of(columns[:, target])
+        column, elsewhere = index or TargetIndex.of(columns[:, target])
         coefficient = chosen.view(columns.shape)[:, target].masked_fill(elsewhere, 0.0).unsqueeze(1)
         product.addcmul_(coefficient, weight[column])  # promoted to float32 in the op

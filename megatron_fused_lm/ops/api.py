@@ -48,10 +48,10 @@ class FusedLoss(NamedTuple):
     entropy: Tensor  # [...] float32, detached: a metric
 
 
-def _fused_rows(
+def _rows(
     op: str,
-    hidden: Tensor,
-    weight: Tensor,
+    source: Tensor,
+    weight: Optional[Tensor],
     targets: Tensor,
     *,
     backend,
@@ -67,18 +67,20 @@ def _fused_rows(
     softcap: Optional[float] = None,
     **options,
 ) -> tuple[HeadOptions, RowSelection, ShardProblem]:
-    """The public fused op ``op``'s inputs checked across the ranks of ``tp_group`` (before anything
-    communicates), its checked options (its backend resolved once), its selected rows
-    (``several``: ``k`` targets each) and their ``ShardProblem``: their hidden states in the
-    weight's dtype (the products run in it, detached), the weight's rows below ``vocab_size``
-    (``inputs.live_columns``; a view, through which the padded rows get no gradient), their target
-    columns, temperatures ``[k]`` float32 and ``kept_mask``."""
+    """The public op ``op``'s inputs checked across the ranks of ``tp_group`` (before anything
+    communicates), its checked options (its backend resolved once), its selected rows (``several``:
+    ``k`` targets each) and their ``ShardProblem``. ``source`` and ``weight`` are the hidden states and
+    the weight, whose problem holds the selected hidden rows in the weight's dtype (the products run
+    in it) and the weight's rows below ``vocab_size`` (``inputs.live_columns``; a view, through which
+    the padded rows get no gradient); or the logits and ``None``, whose problem holds the selected
+    rows' live columns in the place of the hidden rows and no weight."""
     kept_tokens = as_kept_tokens(kept_tokens)
     softcap = check_softcap(softcap)  # before the ranks compare it
+    resolved = registry.resolve(backend, source.device)
     check_across_ranks(
         op,
         tp_group,
-        hidden,
+        source,
         weight,
         targets=targets,
         mask=mask,
@@ -87,15 +89,18 @@ def _fused_rows(
         loss_inputs=loss_inputs,
         vocab_size=vocab_size,
         softcap=softcap,
+        settings=dict(options, backend=resolved.name, max_rows=max_rows, out_of_vocab=out_of_vocab),
     )
-    check_linear_inputs(hidden, weight)
-    resolved = registry.resolve(backend, hidden.device)
+    if weight is None:
+        check_logits(source)
+    else:
+        check_linear_inputs(source, weight)
     options = HeadOptions.checked(backend=resolved.name, tp_group=tp_group, softcap=softcap, **options)
-    vocab_shard = weight.shape[0]
+    vocab_shard = source.shape[-1] if weight is None else weight.shape[0]
     live = live_columns(vocab_shard, vocab_size, tp_group)  # checked before the targets are read against it
     selection = select_rows(
         targets,
-        hidden.shape[:-1],
+        source.shape[:-1],
         mask=mask,
         max_rows=max_rows,
         vocab_shard=vocab_shard,
@@ -104,54 +109,28 @@ def _fused_rows(
         several=several,
         vocab_size=vocab_size,
     )
-    weight = weight[:live]
-    selected = selection.take(hidden).to(weight.dtype)
-    temperature = row_temperatures(temperature, selection, hidden.device)
-    kept_mask = _kept_mask(
-        kept_tokens,
-        selection,
-        targets,
-        vocab_shard=vocab_shard,
-        vocab_size=vocab_size,
-        live=weight.shape[0],
-        backend=resolved,
-        tp_group=tp_group,
-        several=several,
-        out_of_vocab=out_of_vocab,
-    )
-    return options, selection, ShardProblem(selected, weight, selection.target_column, temperature, kept_mask)
-
-
-def _kept_mask(
-    kept_tokens: Optional[KeptTokens],
-    selection: RowSelection,
-    targets: Tensor,
-    *,
-    vocab_shard: int,
-    vocab_size: Optional[int],
-    live: int,
-    backend,
-    tp_group,
-    several: bool,
-    out_of_vocab: str = "error",
-) -> Tensor:
-    """The selected rows' ``kept_mask`` over this shard's ``live`` columns below ``vocab_size``
-    (``kept_tokens``' form), built by ``backend``."""
-    if kept_tokens is None:
-        return every_column(targets.device)
-    if several:
-        raise ValueError(
-            "kept_tokens takes one target per row, not targets [..., k]: a set replays the sampler of the row's one "
-            "sampled token, and several targets (a teacher's ids) need not lie in it (docs/OPS.md)"
+    if weight is None:
+        rows = selection.take(source)[:, :live]
+    else:
+        weight = weight[:live]
+        rows = selection.take(source).to(weight.dtype)
+    temperature = row_temperatures(temperature, selection, source.device)
+    kept_mask = every_column(targets.device)
+    if kept_tokens is not None:
+        if several:
+            raise ValueError(
+                "kept_tokens takes one target per row, not targets [..., k]: a set replays the sampler of the row's "
+                "one sampled token, and several targets (a teacher's ids) need not lie in it (docs/OPS.md)"
+            )
+        if out_of_vocab != "error":
+            raise ValueError(
+                "kept_tokens takes targets inside the vocabulary, each in its row's set (out_of_vocab='error')"
+            )
+        sets = checked_sets(
+            kept_tokens, selection, targets, vocab_shard=vocab_shard, tp_group=tp_group, vocab_size=vocab_size
         )
-    if out_of_vocab != "error":
-        raise ValueError(
-            "kept_tokens takes targets inside the vocabulary, each in its row's set (out_of_vocab='error')"
-        )
-    sets = checked_sets(
-        kept_tokens, selection, targets, vocab_shard=vocab_shard, tp_group=tp_group, vocab_size=vocab_size
-    )
-    return backend.kept_mask(sets, live)
+        kept_mask = resolved.kept_mask(sets, live)
+    return options, selection, ShardProblem(rows, weight, selection.target_column, temperature, kept_mask)
 
 
 def fused_linear_logprob(
@@ -269,7 +248,7 @@ def fused_linear_logprob(
         ``ValueError`` on the CPU and trips a device-side assertion on a GPU.
     """
     several = _several_targets(targets, hidden.shape[:-1], out_of_vocab, batch_invariant)
-    options, selection, problem = _fused_rows(
+    options, selection, problem = _rows(
         "fused_linear_logprob",
         hidden,
         weight,
@@ -352,51 +331,25 @@ def logits_logprob(
         ``logprob [...]`` float32, or ``(logprob, entropy)``. The gradient goes to ``logits`` in
         their dtype (this rank's shard only; nothing is reduced across ranks).
     """
-    check_logits(logits)
-    options = HeadOptions.checked(
-        backend="torch", token_chunk=token_chunk, tp_group=tp_group, entropy_grad=entropy_grad, softcap=softcap
-    )
     several = _several_targets(targets, logits.shape[:-1], "error", False)
-    kept_tokens = as_kept_tokens(kept_tokens)
-    softcap = check_softcap(softcap)
-    check_across_ranks(
+    options, selection, problem = _rows(
         "logits_logprob",
-        tp_group,
         logits,
         None,
-        targets=targets,
-        mask=mask,
-        temperature=temperature,
-        kept_tokens=kept_tokens,
-        vocab_size=vocab_size,
-        softcap=softcap,
-    )
-    vocab_shard = logits.shape[-1]
-    live = live_columns(vocab_shard, vocab_size, tp_group)
-    selection = select_rows(
         targets,
-        logits.shape[:-1],
+        backend="torch",
+        tp_group=tp_group,
+        temperature=temperature,
         mask=mask,
         max_rows=max_rows,
-        vocab_shard=vocab_shard,
-        tp_group=tp_group,
+        kept_tokens=kept_tokens,
         several=several,
         vocab_size=vocab_size,
+        softcap=softcap,
+        token_chunk=token_chunk,
+        entropy_grad=entropy_grad,
     )
-    rows = selection.take(logits)[:, :live]
-    temperature = row_temperatures(temperature, selection, logits.device)
-    kept_mask = _kept_mask(
-        kept_tokens,
-        selection,
-        targets,
-        vocab_shard=vocab_shard,
-        vocab_size=vocab_size,
-        live=live,
-        backend=registry.by_name("torch"),
-        tp_group=tp_group,
-        several=several,
-    )
-    logprob, entropy, _, _ = Logits.apply(rows, selection.target_column, temperature, kept_mask, options)
+    logprob, entropy, _, _ = Logits.apply(problem.hidden, *problem[2:], options)
     return _results(selection, logprob, entropy if return_entropy else None, options.entropy_grad)
 
 
@@ -476,7 +429,7 @@ def fused_linear_loss(
     several = _several_targets(targets, hidden.shape[:-1], "error", batch_invariant)
     check_declared_inputs(loss_fn, targets, inputs=inputs, mask=mask, lead_shape=hidden.shape[:-1])
     entropy_grad = has_entropy_term(loss_fn, inputs, tuple(targets.shape[-1:]) if several else ())
-    options, selection, problem = _fused_rows(
+    options, selection, problem = _rows(
         "fused_linear_loss",
         hidden,
         weight,
@@ -500,23 +453,11 @@ def fused_linear_loss(
         inputs = {name: value.index_select(0, selection.row_index) for name, value in inputs.items()}
     sink = _weight_grad_sink(weight, problem, weight_grad_into, weight_grad_scale)
     padding = selection.padding
-    chunk_loss = ChunkLoss(
-        loss_fn,
-        inputs,
-        entropy_grad,
-        gradients=torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad),
-        weight_grad_scale=sink.weight_grad_scale if sink else 1.0,
-        valid=None if padding is None else ~padding,
-        save_grads=sink is not None and sink.weight_grad_into is not None,
-    )
-    loss, summary = run_held_pass(
-        problem.hidden, problem.weight, problem=_detached(problem), options=options, sink=sink, loss=chunk_loss
-    )
+    gradients = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    valid = None if padding is None else ~padding
+    chunk_loss = ChunkLoss(loss_fn, inputs, entropy_grad, gradients=gradients, sink=sink, valid=valid)
+    loss, summary = run_held_pass(problem, options=options, sink=sink, loss=chunk_loss)
     return FusedLoss(loss, selection.place(summary.logprob), selection.place(summary.entropy))
-
-
-def _detached(problem: ShardProblem) -> ShardProblem:
-    return problem._replace(hidden=problem.hidden.detach(), weight=problem.weight.detach())
 
 
 def _weight_grad_sink(
@@ -576,7 +517,7 @@ def fused_linear_cross_entropy(
         the rest: as for ``fused_linear_loss``. There is no ``batch_invariant``; the four-GEMM
             ``fused_linear_logprob(..., batch_invariant=True)`` gives the same loss's gradients.
     """
-    options, selection, problem = _fused_rows(
+    options, selection, problem = _rows(
         "fused_linear_cross_entropy",
         hidden,
         weight,
@@ -596,14 +537,7 @@ def fused_linear_cross_entropy(
     if not declared.dtype.is_floating_point and declared.dtype != torch.bool:
         raise TypeError(f"declared_weights must be float or bool, got {declared.dtype}")
     sink = _weight_grad_sink(weight, problem, weight_grad_into, weight_grad_scale)
-    loss, _ = run_held_pass(
-        problem.hidden,
-        problem.weight,
-        problem=_detached(problem),
-        options=options,
-        sink=sink,
-        declared=declared.float(),
-    )
+    loss, _ = run_held_pass(problem, options=options, sink=sink, declared=declared.float())
     return selection.place(loss)
 
 
@@ -626,34 +560,25 @@ def logits_loss(
     ``loss_fn`` and ``loss_inputs`` (``max_rows``, ``vocab_size`` and ``softcap`` as there), the gradient (to ``logits``) by
     the usual backward; with ``mask`` the number of selected rows is read on the host."""
     inputs = check_loss_inputs(loss_fn, loss_inputs, logits.shape[:-1], logits.device)
-    kept_tokens = as_kept_tokens(kept_tokens)
-    softcap = check_softcap(softcap)
-    check_across_ranks(
+    several = _several_targets(targets, logits.shape[:-1], "error", False)
+    options, selection, problem = _rows(
         "logits_loss",
-        tp_group,
         logits,
         None,
-        targets=targets,
-        mask=mask,
-        temperature=temperature,
-        kept_tokens=kept_tokens,
-        loss_inputs=inputs,
-        vocab_size=vocab_size,
-        softcap=softcap,
-    )
-    logprob, entropy = logits_logprob(
-        logits,
         targets,
+        backend="torch",
         tp_group=tp_group,
         temperature=temperature,
-        return_entropy=True,
-        token_chunk=token_chunk,
         mask=mask,
         max_rows=max_rows,
         kept_tokens=kept_tokens,
+        several=several,
+        loss_inputs=inputs,
         vocab_size=vocab_size,
         softcap=softcap,
+        token_chunk=token_chunk,
     )
+    logprob, entropy = _results(selection, *Logits.apply(problem.hidden, *problem[2:], options)[:2], True)
     check_declared_inputs(loss_fn, targets, inputs=inputs, mask=mask, lead_shape=logits.shape[:-1])
     logprob_rows = logprob.reshape(entropy.numel(), *logprob.shape[entropy.dim() :])  # [rows] or [rows, k]
     entropy_rows = entropy.reshape(-1)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Optional
 
 import torch
 
@@ -51,22 +50,6 @@ def operator(name: str, tensors: str, returns: str):
     return define
 
 
-def merge_and_summarize(
-    backend, local: Tensor, target_column: Tensor, target_logits: Optional[Tensor], out, options: HeadOptions
-) -> None:
-    """Rows' shard statistics ``local [k, 4]`` merged over the group (one all-gather) and summarized
-    into ``out``'s tensors (``new_summary``): by ``backend.summarize`` for one target per row; for
-    several (``target_column [k, m]``), with their logits ``target_logits [k, m]`` on this shard,
-    summed over the group first."""
-    group = options.tp_group
-    if target_logits is None:
-        parts = all_gather_stacked(local, group) if group_size(group) > 1 else local.unsqueeze(0)
-        backend.summarize(parts, target_column, out)
-        return
-    all_reduce_sum(target_logits, group)  # each rank holds its own ids' logits, 0 elsewhere
-    summarize(merge_across_group(local, group), statistics_column(target_column), target_logits, out=out)
-
-
 def new_summary(target_column: Tensor) -> SoftmaxSummary:
     """Empty float32 tensors for the summary of rows of ``target_column``: ``[n]`` each, the
     log-probs ``[n, m]`` for several targets."""
@@ -75,17 +58,22 @@ def new_summary(target_column: Tensor) -> SoftmaxSummary:
 
 
 def summarize_rows(
-    backend, local: Tensor, *, hidden, weight, target_column, temperature, out, options, several_logits=gathered_logits
+    backend, local: Tensor, problem: ShardProblem, options: HeadOptions, out=None, several_logits=gathered_logits
 ) -> SoftmaxSummary:
-    """Rows' summary into ``out`` (``new_summary``'s, returned): for several targets per row their
-    logits read first by ``several_logits(hidden, weight, target_column, temperature, softcap)``, then
-    ``merge_and_summarize``."""
-    several = (
-        several_logits(hidden, weight, target_column, temperature, options.softcap)
-        if target_column.dim() == 2
-        else None
-    )
-    merge_and_summarize(backend, local, target_column=target_column, target_logits=several, out=out, options=options)
+    """Rows' shard statistics ``local [k, 4]`` merged over the group and summarized into ``out``
+    (``new_summary``'s, returned): by ``backend.summarize`` for one target per row (one all-gather);
+    for several, their logits read by ``several_logits(hidden, weight, target_column, temperature,
+    softcap)`` and summed over the group first."""
+    group, target_column = options.tp_group, problem.target_column
+    out = new_summary(target_column) if out is None else out
+    if target_column.dim() == 1:
+        backend.summarize(
+            all_gather_stacked(local, group) if group_size(group) > 1 else local[None], target_column, out
+        )
+        return out
+    target_logits = several_logits(*problem[:4], options.softcap)
+    all_reduce_sum(target_logits, group)  # each rank holds its own ids' logits, 0 elsewhere
+    summarize(merge_across_group(local, group), statistics_column(target_column), target_logits, out=out)
     return out
 
 
@@ -97,21 +85,10 @@ def recompute_statistics(hidden, weight, target_column, temperature, kept_mask, 
     """Log-prob, entropy and the saved statistics of each row over the whole vocabulary
     (``target_column [n, k]``: log-probs ``[n, k]``)."""
     backend = registry.by_name(options.backend)
-    problem = ShardProblem(hidden, weight, statistics_column(target_column), temperature, kept_mask)
+    problem = ShardProblem(hidden, weight, target_column, temperature, kept_mask)
     with autocast_off(hidden.device):
-        stats = backend.local_statistics(problem, options)
-        out = new_summary(target_column)
-        summary = summarize_rows(
-            backend,
-            stats,
-            hidden=hidden,
-            weight=weight,
-            target_column=target_column,
-            temperature=temperature,
-            out=out,
-            options=options,
-        )
-        return tuple(summary[:4])
+        local = backend.local_statistics(problem._replace(target_column=statistics_column(target_column)), options)
+        return tuple(summarize_rows(backend, local, problem=problem, options=options)[:4])
 
 
 def recompute_gradients(problem, saved, upstream, needed, options: HeadOptions) -> Gradients:
@@ -125,11 +102,7 @@ def recompute_gradients(problem, saved, upstream, needed, options: HeadOptions) 
     return grads
 
 
-@operator("fused_forward", f"{PROBLEM_SCHEMA}", "(Tensor, Tensor, Tensor, Tensor)")
-def fused_forward(hidden, weight, target_column, temperature, kept_mask, options) -> Statistics:
-    return recompute_statistics(
-        hidden, weight, target_column=target_column, temperature=temperature, kept_mask=kept_mask, options=options
-    )
+fused_forward = operator("fused_forward", PROBLEM_SCHEMA, "(Tensor, Tensor, Tensor, Tensor)")(recompute_statistics)
 
 
 @fused_forward.register_fake
@@ -182,11 +155,7 @@ def _(hidden, weight, *statistics_and_upstream, **fields) -> tuple[Tensor, Tenso
 class Recompute(torch.autograd.Function):
     """The four-GEMM path eagerly: ``recompute_statistics``, its backward ``recompute_gradients``."""
 
-    @staticmethod
-    def forward(hidden, weight, target_column, temperature, kept_mask, options: HeadOptions):
-        return recompute_statistics(
-            hidden, weight, target_column=target_column, temperature=temperature, kept_mask=kept_mask, options=options
-        )
+    forward = staticmethod(recompute_statistics)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -243,17 +212,9 @@ class Logits(torch.autograd.Function):
             block_logits = given_logits(logits, temperature, options.softcap)
             stats = blocked_statistics(block_logits, statistics_column(target_column), kept_mask, rows)
             several = lambda logits, _, *column_temperature_softcap: taken_logits(logits, *column_temperature_softcap)  # noqa: E731
-            torch_backend = registry.by_name("torch")
+            problem = ShardProblem(logits, None, target_column, temperature, kept_mask)
             summary = summarize_rows(
-                torch_backend,
-                stats,
-                hidden=logits,
-                weight=None,
-                target_column=target_column,
-                temperature=temperature,
-                out=new_summary(target_column),
-                options=options,
-                several_logits=several,
+                registry.by_name("torch"), stats, problem=problem, options=options, several_logits=several
             )
             return tuple(summary[:4])
 
@@ -267,18 +228,13 @@ class Logits(torch.autograd.Function):
         if upstream is None:
             return None, None, None, None, None
         logits, target_column, temperature, kept_mask, lse, mean_logit = ctx.saved_tensors
+        problem, softcap = ShardProblem(logits, None, target_column, temperature, kept_mask), ctx.options.softcap
         grad_logits = torch.empty_like(logits)
         with autocast_off(logits.device):
             rows, saved = chunk_rows(ctx.options.token_chunk, logits.shape[-1]), SavedStatistics(lse, mean_logit)
+            block_logits = given_logits(logits, temperature, softcap)
             chunks = chunk_logit_grads(
-                given_logits(logits, temperature, ctx.options.softcap),
-                target_column,
-                saved=saved,
-                upstream=upstream,
-                temperature=temperature,
-                softcap=ctx.options.softcap,
-                kept_mask=kept_mask,
-                token_chunk=rows,
+                block_logits, problem, saved=saved, upstream=upstream, token_chunk=rows, softcap=softcap
             )
             for chunk, grad in chunks:
                 grad_logits[chunk] = grad

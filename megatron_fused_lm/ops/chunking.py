@@ -9,7 +9,7 @@ from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 
-from .backends.contract import SavedStatistics, UpstreamGrads, token_chunks
+from .backends.contract import SavedStatistics, ShardProblem, UpstreamGrads, token_chunks
 from .kept_tokens import kept_block
 from .products import float32_product
 from .softmax import NUM_STATISTICS, block_logit_grad, block_statistics, product_grad, softcapped
@@ -53,27 +53,24 @@ def blocked_statistics(
 
 def chunk_logit_grads(
     block_logits: BlockLogits,
-    target_column: torch.Tensor,
+    problem: ShardProblem,
     saved: SavedStatistics,
     upstream: UpstreamGrads,
-    temperature: torch.Tensor,
-    kept_mask: torch.Tensor,
     token_chunk: int,
     softcap: Optional[float],
 ) -> Iterator[Tuple[slice, torch.Tensor]]:
     """Yield ``(rows, grad)``: the float32 gradient with respect to the products ``h . w`` of each
-    chunk (``softmax.product_grad``: ``dz / temperature``, ``temperature [n]`` per row, times the
+    chunk of ``problem``'s rows (``softmax.product_grad``: ``dz / temperature``, per row, times the
     softcap's slope; 0 outside the kept columns), its logits recomputed by ``block_logits``."""
-    for rows in token_chunks(target_column.shape[0], token_chunk):
-        logits = block_logits(rows)
-        chunk_upstream = upstream.rows(rows)
+    for rows in token_chunks(problem.target_column.shape[0], token_chunk):
+        logits, chunk_upstream = block_logits(rows), upstream.rows(rows)
         grad = block_logit_grad(
             logits,
-            target_column[rows],
+            problem.target_column[rows],
             lse=saved.lse[rows],
             mean_logit=saved.mean_logit[rows],
             grad_logprob=chunk_upstream.logprob,
             grad_entropy=chunk_upstream.entropy,
-            kept=kept_block(kept_mask, rows, logits.shape[1]),
+            kept=kept_block(problem.kept_mask, rows, logits.shape[1]),
         )
-        yield rows, product_grad(grad, logits, temperature[rows, None], softcap)
+        yield rows, product_grad(grad, logits, problem.temperature[rows, None], softcap)

@@ -204,13 +204,6 @@ def select_rows(
 OUT_OF_VOCAB = ("error", "max_logit")
 
 
-def check_out_of_vocab(out_of_vocab: str) -> str:
-    """``out_of_vocab`` if it is one of ``OUT_OF_VOCAB``, else ``ValueError``."""
-    if out_of_vocab not in OUT_OF_VOCAB:
-        raise ValueError(f"out_of_vocab must be one of {', '.join(map(repr, OUT_OF_VOCAB))}; got {out_of_vocab!r}")
-    return out_of_vocab
-
-
 def live_columns(vocab_shard: int, vocab_size: Optional[int], tp_group: Optional[dist.ProcessGroup]) -> int:
     """How many of this rank's ``vocab_shard`` columns lie below the true vocabulary ``vocab_size``
     (global ids; ``None``: every column, as the stock head). Megatron pads the head to a multiple of
@@ -242,6 +235,8 @@ def target_columns(
     asynchronous on a GPU) unless ``out_of_vocab="max_logit"``, which gives it ``OUTSIDE_VOCAB`` on
     every rank: no rank owns it, its logit counts as the row's largest and takes no gradient, as in
     Megatron's vocabulary-parallel cross-entropy."""
+    if out_of_vocab not in OUT_OF_VOCAB:
+        raise ValueError(f"out_of_vocab must be one of {', '.join(map(repr, OUT_OF_VOCAB))}; got {out_of_vocab!r}")
     vocab = vocab_shard * group_size(tp_group) if vocab_size is None else vocab_size
     targets = targets.long()
     inside = targets.clamp(0, vocab - 1) == targets
@@ -249,7 +244,7 @@ def target_columns(
     if group_size(tp_group) > 1:  # another rank's ids: -1
         column = targets - group_rank(tp_group) * vocab_shard
         column = torch.where(column.clamp(0, vocab_shard - 1) == column, column, -1)
-    if check_out_of_vocab(out_of_vocab) == "max_logit":
+    if out_of_vocab == "max_logit":
         return torch.where(inside, column, OUTSIDE_VOCAB)
     if targets.numel() > 0:
         bound = (

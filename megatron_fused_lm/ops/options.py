@@ -107,15 +107,9 @@ def resolved_backend(backend: str, device: torch.device) -> str:
     return "triton"
 
 
-@torch.compiler.assume_constant_result
-def _triton_unavailable_reason(device: torch.device) -> Optional[str]:
-    # A fact of the device and the installation: a compiled graph evaluates it once, when traced.
-    return triton_unavailable_reason(device)
-
-
-@torch.compiler.assume_constant_result
-def _cute_unavailable_reason(device: torch.device) -> Optional[str]:
-    return cute_unavailable_reason(device)
+# Facts of the device and the installation: a compiled graph evaluates them once, when traced.
+_triton_unavailable_reason = torch.compiler.assume_constant_result(triton_unavailable_reason)
+_cute_unavailable_reason = torch.compiler.assume_constant_result(cute_unavailable_reason)
 
 
 _SCHEMA_TYPES = {

@@ -1,7 +1,7 @@
 """The raw ops' check that the ranks of a tensor-parallel group agree before their first collective.
 
 Under tensor parallelism every rank must pass the same rows (shapes, targets, mask, temperatures,
-kept sets, a loss's per-token inputs) and its own shard of the vocabulary. A mistake there either
+kept sets, a loss's per-token inputs), the same options and its own shard of the vocabulary. A mistake there either
 gives numbers (a whole weight on every rank: each log-prob off by log P; targets or temperatures
 that differ) or aborts inside a collective (a mask that selects other rows). So the first call of an
 op for each group, weight shape and dtype gathers a digest of its inputs from every rank (one
@@ -22,7 +22,7 @@ from __future__ import annotations
 import struct
 import threading
 import zlib
-from typing import List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import List, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ SAMPLED_WEIGHT_ROWS = 16
 def check_ranks_agree(enabled: Union[bool, str]) -> None:
     """Set for this process when the ops check that the tensor-parallel ranks agree on their inputs:
     ``True`` (the default) on the first call of each op, group, shard size, row width and dtypes;
-    ``"always"`` on every call (one all-gather of ten int64 and one host read per call: what
+    ``"always"`` on every call (one all-gather of a few int64 and one host read per call: what
     catches a mistake that first shows in a later call); ``False`` never. Every rank must set the
     same (``megatron_fused_lm.ops.rank_check`` says what is checked)."""
     if enabled not in (True, False, "always"):
@@ -58,22 +58,13 @@ class RanksDisagree(ValueError):
         self.differing = tuple(differing)
 
 
-class _Inputs(NamedTuple):
-    """What the ranks must agree on, in the order of the digest's entries after the shapes."""
-
-    targets: Optional[torch.Tensor]
-    mask: Optional[torch.Tensor]
-    temperature: Optional[torch.Tensor]
-    kept_tokens: Optional[Tuple[torch.Tensor, torch.Tensor]]
-    loss_inputs: Optional[Mapping[str, torch.Tensor]]
-
-
 NAMES = (
     "the rows' shape",
     "the hidden size",
     "the shard's vocabulary rows",
     "vocab_size",
     "softcap",
+    "the options (backend, token_chunk, max_rows, out_of_vocab, ...)",
     "targets",
     "mask",
     "temperature",
@@ -95,11 +86,14 @@ def check_across_ranks(
     loss_inputs: Optional[Mapping[str, torch.Tensor]] = None,
     vocab_size: Optional[int] = None,
     softcap: Optional[float] = None,
+    settings: Optional[Mapping[str, object]] = None,
 ) -> None:
     """``ValueError`` where the ranks of ``tp_group`` disagree on ``op``'s inputs: ``hidden [..., H]``
     and ``shard [V / P, H]`` the rank's weight shard, or a logits shard ``[..., V / P]`` and ``None``
     (its columns are the vocabulary rows); the rest as the op takes them (``loss_inputs`` a loss's
-    per-token tensors by name, or ``{"declared_weights": ...}``). Once per op, group, shard
+    per-token tensors by name, or ``{"declared_weights": ...}``; ``settings`` its other options by
+    name, numbers, strings or ``None``: ranks whose chunking, row count or collectives differ abort
+    or hang in the op, and its resolved backend's name). Once per op, group, shard
     size, row width, dtypes and device, whatever the number of rows; nothing else on later calls."""
     if not _mode[0] or group_size(tp_group) == 1 or not has_values(hidden):
         return
@@ -110,20 +104,33 @@ def check_across_ranks(
             return
         _checked.add(signature)
     try:
-        _check(
-            op,
-            tp_group,
-            hidden=hidden,
-            shard=shard,
-            vocab_shard=vocab_shard,
-            targets=targets,
-            mask=mask,
-            temperature=temperature,
-            kept_tokens=kept_tokens,
-            loss_inputs=loss_inputs,
-            vocab_size=vocab_size,
-            softcap=softcap,
-        )
+        temperature = temperature if isinstance(temperature, torch.Tensor) else torch.tensor(float(temperature))
+        if shard is None:  # the logits' columns as rows, built on the first call only
+            shard = hidden.reshape(-1, vocab_shard).t()
+        vocab = -1 if vocab_size is None else vocab_size
+        cap = -1 if softcap is None else struct.unpack("<q", struct.pack("<d", float(softcap)))[0]  # its exact bits
+        chosen = zlib.crc32(repr(sorted((settings or {}).items())).encode())
+        local = [hidden.shape[:-1].numel(), hidden.shape[-1], vocab_shard, vocab, cap, chosen]
+        inputs = _digests(targets, mask, temperature, kept_tokens, loss_inputs, hidden.device)
+        digest = torch.cat([torch.tensor(local, device=hidden.device), inputs, _shard_digest(shard)])
+        gathered = all_gather_stacked(digest[None], tp_group)[:, 0].cpu()  # the one read on the host
+        differing = [
+            name for index, name in enumerate(NAMES) if not bool((gathered[:, index] == gathered[0, index]).all())
+        ]
+        if differing:
+            raise RanksDisagree(
+                f"{op}: the ranks of tp_group disagree on {', '.join(differing)}; under tensor parallelism every rank "
+                "passes the same rows, targets, mask, temperatures, kept sets, loss inputs and options, and its own "
+                "shard of the vocabulary",
+                differing,
+            )
+        sampled, rows_vary = gathered[:, -2], gathered[:, -1]
+        if bool((sampled == sampled[0]).all()) and bool(rows_vary.all()):
+            raise RanksDisagree(
+                f"{op}: every rank of tp_group holds the same weight rows; pass each rank its shard of the vocabulary "
+                f"(rows [r V / P, (r + 1) V / P) on rank r of P = {group_size(tp_group)}), or the whole weight without "
+                "tp_group"
+            )
     except BaseException:
         # Every rank reads the same gathered digest, so all refuse alike: a refused call, caught and
         # repeated, is checked again.
@@ -132,58 +139,16 @@ def check_across_ranks(
         raise
 
 
-def _check(
-    op, tp_group, hidden, shard, vocab_shard, targets, mask, temperature, kept_tokens, loss_inputs, vocab_size, softcap
-) -> None:
-    """The digest's all-gather and the comparison of ``check_across_ranks``."""
-    temperature = temperature if isinstance(temperature, torch.Tensor) else torch.tensor(float(temperature))
-    inputs = _Inputs(targets, mask, temperature, kept_tokens, loss_inputs)
-    if shard is None:  # the logits' columns as rows, built on the first call only
-        shard = hidden.reshape(-1, vocab_shard).t()
-    vocab = -1 if vocab_size is None else vocab_size
-    cap = -1 if softcap is None else struct.unpack("<q", struct.pack("<d", float(softcap)))[0]  # its exact bits
-    local = torch.tensor([hidden.shape[:-1].numel(), hidden.shape[-1], vocab_shard, vocab, cap], device=hidden.device)
-    digest = torch.cat([local, _digests(inputs, hidden.device), _shard_digest(shard)])
-    gathered = all_gather_stacked(digest[None], tp_group)[:, 0].cpu()  # the one read on the host
-    differing = [
-        NAMES[index] for index in range(len(NAMES)) if not bool((gathered[:, index] == gathered[0, index]).all())
-    ]
-    if differing:
-        raise RanksDisagree(
-            f"{op}: the ranks of tp_group disagree on {', '.join(differing)}; under tensor parallelism every rank "
-            "passes the same rows, targets, mask, temperatures, kept sets, loss inputs, vocab_size and softcap, "
-            "and its own shard of the vocabulary",
-            differing,
-        )
-    sampled, rows_vary = gathered[:, -2], gathered[:, -1]
-    if bool((sampled == sampled[0]).all()) and bool(rows_vary.all()):
-        raise RanksDisagree(
-            f"{op}: every rank of tp_group holds the same weight rows; pass each rank its shard of the vocabulary "
-            f"(rows [r V / P, (r + 1) V / P) on rank r of P = {group_size(tp_group)}), or the whole weight without "
-            "tp_group"
-        )
-
-
-def _digests(inputs: _Inputs, device: torch.device) -> torch.Tensor:
-    """One int64 per input: a position-weighted sum of its values (wrapping, exact), -1 where absent."""
-    values = []
-    for name, value in zip(_Inputs._fields, inputs, strict=True):
-        if name == "loss_inputs" and value is not None:  # tensors only: the op names a wrong value later
-            value = {key: tensor for key, tensor in value.items() if isinstance(tensor, torch.Tensor)} or None
-        if value is None:
-            values.append(torch.tensor(-1, device=device))
-        elif name == "kept_tokens":
-            values.append(_digest(value[0]) * 1_000_003 + _digest(value[1]))
-        elif name == "loss_inputs":  # by name: the same tensors under other names are other inputs
-            values.append(
-                sum(
-                    (_digest(value[key]) + zlib.crc32(key.encode())) * (index + 1)
-                    for index, key in enumerate(sorted(value))
-                )
-                + len(value)
-            )
-        else:
-            values.append(_digest(value))
+def _digests(targets, mask, temperature, kept_tokens, loss_inputs, device: torch.device) -> torch.Tensor:
+    """One int64 per input, in ``NAMES``' order after the shapes: a position-weighted sum of its values
+    (wrapping, exact), -1 where absent; ``kept_tokens`` by both tensors, ``loss_inputs`` by name (the
+    same tensors under other names are other inputs; tensors only: the op names a wrong value later)."""
+    absent = torch.tensor(-1, device=device)
+    values = [absent if value is None else _digest(value) for value in (targets, mask, temperature)]
+    values.append(absent if kept_tokens is None else _digest(kept_tokens[0]) * 1_000_003 + _digest(kept_tokens[1]))
+    named = {key: value for key, value in (loss_inputs or {}).items() if isinstance(value, torch.Tensor)}
+    keyed = [(_digest(named[key]) + zlib.crc32(key.encode())) * (index + 1) for index, key in enumerate(sorted(named))]
+    values.append(sum(keyed) + len(named) if named else absent)
     return torch.stack([value.to(device) for value in values])
 
 

@@ -80,10 +80,17 @@ def fused_linear_topk(
     """
     check_linear_inputs(hidden, weight)
     softcap = check_softcap(softcap)
-    check_across_ranks(
-        "fused_linear_topk", tp_group, hidden, weight, temperature=temperature, vocab_size=vocab_size, softcap=softcap
-    )
     resolved = registry.resolve(backend, hidden.device)
+    check_across_ranks(
+        "fused_linear_topk",
+        tp_group,
+        hidden,
+        weight,
+        temperature=temperature,
+        vocab_size=vocab_size,
+        softcap=softcap,
+        settings=dict(backend=resolved.name, token_chunk=token_chunk, k=k),
+    )
     options = HeadOptions.checked(backend=resolved.name, token_chunk=token_chunk, tp_group=tp_group, softcap=softcap)
     temperature = row_temperatures(temperature, RowSelection(hidden.shape[:-1], None, None, None), hidden.device)
     first_id, vocab = _shard_ids(weight.shape[0], vocab_size, tp_group)
@@ -126,7 +133,14 @@ def logits_topk(
     check_logits(logits)
     softcap = check_softcap(softcap)
     check_across_ranks(
-        "logits_topk", tp_group, logits, None, temperature=temperature, vocab_size=vocab_size, softcap=softcap
+        "logits_topk",
+        tp_group,
+        logits,
+        None,
+        temperature=temperature,
+        vocab_size=vocab_size,
+        softcap=softcap,
+        settings=dict(token_chunk=token_chunk, k=k),
     )
     options = HeadOptions.checked(backend="torch", token_chunk=token_chunk, tp_group=tp_group, softcap=softcap)
     temperature = row_temperatures(temperature, RowSelection(logits.shape[:-1], None, None, None), logits.device)

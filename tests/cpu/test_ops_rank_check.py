@@ -1,6 +1,6 @@
 """The raw ops under tensor parallelism refuse ranks that disagree (two gloo ranks; four for shards
 that change on some ranks): a whole weight on every rank, rows, targets, temperatures, a mask or
-kept sets that differ between ranks, each named, on the first call of a signature, with one
+kept sets or options (chunking, max_rows, out_of_vocab, k) that differ between ranks, each named, on the first call of a signature, with one
 all-gather that later calls of the signature do not repeat (``check_ranks_agree("always")`` checks
 every call); ``check_ranks_agree(False)`` turns it off. Without the check each of these mistakes
 gives numbers (the whole weight: every log-prob off by log 2) or aborts inside a collective."""
@@ -93,6 +93,15 @@ def check_refusals(rank, world_size):
         h, s, t, weights.roll(rank), tp_group=group))  # fmt: skip
     refused(V + 13, "every rank of tp_group holds the same weight rows", lambda h, s, w, t: fused_linear_topk(
         h, w, 3, tp_group=group))  # fmt: skip
+    # Options that set the chunks, the rows' count or the collectives' sizes: the op would abort or hang.
+    refused(V + 15, "disagree on the options", lambda h, s, w, t: fused_linear_logprob(
+        h, s, t, tp_group=group, token_chunk=4 + rank))  # fmt: skip
+    refused(V + 16, "disagree on the options", lambda h, s, w, t: fused_linear_loss(
+        h, s, t, losses.cross_entropy, loss_inputs={"weight": torch.ones(TOKENS)}, tp_group=group,
+        mask=torch.ones(TOKENS, dtype=torch.bool), max_rows=TOKENS + rank))  # fmt: skip
+    refused(V + 17, "disagree on the options", lambda h, s, w, t: fused_linear_cross_entropy(
+        h, s, t, weights, tp_group=group, out_of_vocab=("error", "max_logit")[rank]))  # fmt: skip
+    refused(V + 18, "disagree on the options", lambda h, s, w, t: fused_linear_topk(h, s, 2 + rank, tp_group=group))
     # A refused call is refused again when repeated: the check stays on until the ranks agree.
     for _ in range(2):
         refused(V + 14, "disagree on targets", lambda h, s, w, t: fused_linear_logprob(

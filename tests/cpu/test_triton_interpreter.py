@@ -41,7 +41,7 @@ def held_gradient_kernels(case: dict) -> dict:
     from devkit.oracle import relative_error
     from megatron_fused_lm.ops.backends import contract
     from megatron_fused_lm.ops.backends.contract import PROPORTIONAL_TOLERANCE, NeededGrads, UpstreamGrads
-    from megatron_fused_lm.ops.backends.torch_loss import TorchLoss
+    from megatron_fused_lm.ops.backends.torch_loss import TorchLoss, add_chosen_terms
     from megatron_fused_lm.ops.backends.triton_loss import direct_factor
     from megatron_fused_lm.ops.backends.triton_reference import (
         EMPTY_REFERENCE,
@@ -68,7 +68,7 @@ def held_gradient_kernels(case: dict) -> dict:
     errors, steps = {}, TorchLoss()
     for with_factor in (False, True):
         expected, actual = product.clone(), product.clone()
-        steps.add_chosen(expected, target_column, chosen, weight, factor if with_factor else None)
+        add_chosen_terms(expected, target_column, chosen, weight, factor if with_factor else None)
         finish_hidden_grad(actual, factor if with_factor else None, chosen, target_column, weight, actual)
         errors[f"finish_hidden_factor_{with_factor}"] = relative_error(actual, expected)
     logit_grads = torch.randn(tokens, vocab, generator=torch.Generator().manual_seed(1)).to(dtype)

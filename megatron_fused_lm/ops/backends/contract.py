@@ -19,7 +19,7 @@ from typing import Callable, Iterator, List, NamedTuple, Optional, Protocol
 import torch
 
 from ..products import add_product
-from ..softmax import TargetIndex
+from ..softmax import SoftmaxSummary, TargetIndex
 
 
 class ShardProblem(NamedTuple):
@@ -31,6 +31,10 @@ class ShardProblem(NamedTuple):
     target_column: torch.Tensor  # [n] (or [n, k]) int64: the target's row in the shard, -1 where another shard owns it
     temperature: torch.Tensor  # [n] float32, positive: divides each row's logits
     kept_mask: torch.Tensor  # [n, words] int32 bitmask of the columns each row keeps (kept_tokens), or [0]: all
+
+    def rows(self, rows: slice) -> ShardProblem:
+        """The problem of a chunk's rows: every per-row tensor sliced, the weight whole."""
+        return ShardProblem(self.hidden[rows], self.weight, *(value[rows] for value in self[2:]))
 
 
 class SavedStatistics(NamedTuple):
@@ -58,6 +62,18 @@ class UpstreamGrads(NamedTuple):
 
     def rows(self, rows: slice) -> UpstreamGrads:
         return UpstreamGrads(*(None if grad is None else grad[rows] for grad in self))
+
+
+class ChunkGrads(NamedTuple):
+    """A chunk of the three-GEMM pass as its gradient phase takes it: its rows, their summary and
+    per-row upstream gradients, the weight gradient's row scale (``None``: 1) times those, and
+    whether the weight gradient adds to what its parts hold."""
+
+    rows: slice
+    summary: SoftmaxSummary
+    upstream: UpstreamGrads
+    weight_row_scale: Optional[torch.Tensor]
+    accumulate: bool
 
 
 class NeededGrads(NamedTuple):
@@ -135,17 +151,7 @@ class Backend(Protocol):
     def summarize(self, parts: torch.Tensor, target_column: torch.Tensor, out) -> None:
         """Rows' statistics merged over ``parts [P, k, 4]`` (one per rank), summarized into ``out``."""
 
-    def chunk_gradients(
-        self,
-        problem: ShardProblem,
-        state: LossState,
-        rows: slice,
-        summary,
-        upstream: UpstreamGrads,
-        weight_row_scale: Optional[torch.Tensor],
-        accumulate: bool,
-        options,
-    ) -> None:
+    def chunk_gradients(self, problem: ShardProblem, state: LossState, chunk: ChunkGrads, options) -> None:
         """GEMMs 2 and 3 over a chunk, into ``state``'s held gradients."""
 
     def add_chosen_rows(
@@ -158,9 +164,6 @@ class Backend(Protocol):
         """Each row's chosen-token term of the weight gradient, once per pass."""
 
     # The steps on the held gradients.
-    def add_chosen(self, product, target_column, chosen, weight, factor=None) -> None:
-        """A chunk's hidden gradient rows finished in place with the chosen tokens' term."""
-
     def scaled_copy(self, source: torch.Tensor, scale: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
         """``out = source * scale``, rounded once into ``out``'s dtype."""
 

@@ -26,7 +26,7 @@ from ..softmax import (
     zero_chosen,
 )
 from . import contract
-from .contract import LossState, NeededGrads, ShardProblem, UpstreamGrads, deviates, proportional_fit
+from .contract import ChunkGrads, LossState, NeededGrads, ShardProblem, deviates, proportional_fit
 
 
 class TorchLoss:
@@ -70,21 +70,12 @@ class TorchLoss:
         merged = parts[0] if parts.shape[0] == 1 else merge_statistics(parts)
         summarize(merged, target_column, out=out)
 
-    def chunk_gradients(
-        self,
-        problem: ShardProblem,
-        state: LossState,
-        rows: slice,
-        summary: SoftmaxSummary,
-        upstream: UpstreamGrads,
-        weight_row_scale: Optional[torch.Tensor],
-        accumulate: bool,
-        options: HeadOptions,
-    ) -> None:
+    def chunk_gradients(self, problem: ShardProblem, state: LossState, chunk: ChunkGrads, options: HeadOptions) -> None:
         """``dz`` in float32 with the chosen tokens' elements zeroed (their term is added in float32
-        by ``add_chosen`` and, once per call, ``add_chosen_rows``), the products in the weight's
+        by ``add_chosen_terms`` and, once per call, ``add_chosen_rows``), the products in the weight's
         dtype accumulating in float32; the weight gradient's upstream is ``weight_row_scale`` times the
         hidden gradient's, row by row."""
+        rows, summary, upstream, weight_row_scale, accumulate = chunk
         weight, target_column, temperature = problem.weight, problem.target_column[rows], problem.temperature[rows]
         index = rows_of(state.target_index, rows)
         logits = state.block[: rows.stop - rows.start]
@@ -99,7 +90,9 @@ class TorchLoss:
             kept=kept,
             with_chosen=False,
         )
-        zero_chosen(grad, target_column, index)  # its whole term is added in float32 (add_chosen, add_chosen_rows)
+        zero_chosen(
+            grad, target_column, index
+        )  # its whole term is added in float32 (add_chosen_terms, add_chosen_rows)
         operand = product_grad(grad, logits, temperature[:, None], options.softcap).to(weight.dtype)
         if state.held_hidden.dim() == 2:
             add_product(state.held_hidden[rows], operand, weight, accumulate=False)
@@ -142,20 +135,6 @@ class TorchLoss:
         return torch.mul(source, scale if scale.dim() == 0 else scale.unsqueeze(1), out=out)
 
     @staticmethod
-    def add_chosen(
-        product: torch.Tensor,
-        target_column: torch.Tensor,
-        chosen: torch.Tensor,
-        weight: torch.Tensor,
-        factor: Optional[torch.Tensor] = None,
-    ) -> None:
-        """Finish a chunk's hidden gradient rows in place: the product ``[k, H]`` (float32) becomes
-        ``factor * product + chosen * weight[target_column]``. ``target_column``, ``chosen`` and
-        ``factor`` ``[k]`` (``factor`` ``None``: 1; columns ``< 0``: another shard's token, no
-        term); several targets, ``[k, m]``: each column's term added in turn."""
-        add_chosen_terms(product, target_column, chosen, weight, factor)
-
-    @staticmethod
     def add_chosen_rows(
         held_weight: List[torch.Tensor], target_column: torch.Tensor, chosen: torch.Tensor, hidden: torch.Tensor
     ) -> None:
@@ -187,8 +166,12 @@ def add_chosen_terms(
     factor: Optional[torch.Tensor] = None,
     index: Optional[TargetIndex] = None,
 ) -> None:
-    """``TorchLoss.add_chosen``; ``index``: ``TargetIndex.of(target_column)`` of one target per row,
-    where the caller keeps it (several targets make their own)."""
+    """Finish a chunk's hidden gradient rows in place: the product ``[k, H]`` (float32) becomes
+    ``factor * product + chosen * weight[target_column]``. ``target_column``, ``chosen`` and
+    ``factor`` ``[k]`` (``factor`` ``None``: 1; columns ``< 0``: another shard's token, no term);
+    several targets, ``[k, m]``: each column's term added in turn. ``index``:
+    ``TargetIndex.of(target_column)`` of one target per row, where the caller keeps it (several
+    targets make their own)."""
     if factor is not None:
         product.mul_(factor.unsqueeze(1))
     columns = target_column.view(target_column.shape[0], -1)

@@ -46,7 +46,15 @@ class TorchRecompute:
         grad_hidden = torch.empty_like(hidden) if needed.hidden else None
         _, held_weight = contract.allocate_parts(hidden, weight, NeededGrads(hidden=False, weight=needed.weight))
         rows = chunk_rows(options.token_chunk, weight.shape[0])
-        for chunk, grad in _logit_grads(problem, saved, upstream, rows, options.softcap):
+        grads = chunk_logit_grads(
+            block_logits(problem, options.softcap),
+            problem,
+            saved=saved,
+            upstream=upstream,
+            token_chunk=rows,
+            softcap=options.softcap,
+        )
+        for chunk, grad in grads:
             grad = grad.to(weight.dtype)
             if grad_hidden is not None:
                 add_product(grad_hidden[chunk], grad, weight, accumulate=False)
@@ -55,19 +63,3 @@ class TorchRecompute:
             held_weight, None, dtype=weight.dtype, narrow_in_place=True, scaled_copy=self.scaled_copy
         )
         return Gradients(grad_hidden, grad_weight)
-
-
-def _logit_grads(
-    problem: ShardProblem, saved: SavedStatistics, upstream: UpstreamGrads, rows: int, softcap: Optional[float]
-):
-    """``chunking.chunk_logit_grads`` of the problem's rows, ``rows`` at a time."""
-    return chunk_logit_grads(
-        block_logits(problem, softcap),
-        problem.target_column,
-        saved=saved,
-        upstream=upstream,
-        temperature=problem.temperature,
-        kept_mask=problem.kept_mask,
-        token_chunk=rows,
-        softcap=softcap,
-    )

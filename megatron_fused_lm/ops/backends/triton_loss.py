@@ -35,7 +35,7 @@ from ..products import add_product
 from ..several_targets import statistics_column
 from ..softmax import SoftmaxSummary, chosen_product_grad, logit_grad, zero_chosen
 from . import contract, torch_loss
-from .contract import LossState, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
+from .contract import ChunkGrads, LossState, NeededGrads, SavedStatistics, ShardProblem, UpstreamGrads
 from .triton_reference import (
     EMPTY_REFERENCE,
     MAX_ABOVE_REFERENCE,
@@ -163,20 +163,11 @@ class TritonLoss:
         """``TorchLoss.summarize`` by the merge kernel (one target per row)."""
         summarize_parts(parts, target_column.contiguous(), out)
 
-    def chunk_gradients(
-        self,
-        problem: ShardProblem,
-        state: LossState,
-        rows: slice,
-        summary: SoftmaxSummary,
-        upstream: UpstreamGrads,
-        weight_row_scale: Optional[torch.Tensor],
-        accumulate: bool,
-        options: HeadOptions,
-    ) -> None:
+    def chunk_gradients(self, problem: ShardProblem, state: LossState, chunk: ChunkGrads, options: HeadOptions) -> None:
         """The chunk's operand (the stored block, or ``dz``), its two products, the chosen term
         (``TorchLoss.chunk_gradients`` says what ``weight_row_scale`` is)."""
-        upstream = UpstreamGrads(*(None if grad is None else grad.contiguous() for grad in upstream))
+        upstream = UpstreamGrads(*(None if grad is None else grad.contiguous() for grad in chunk.upstream))
+        chunk, rows = chunk._replace(upstream=upstream), chunk.rows
         weight, hidden = addressable(problem.weight), addressable(problem.hidden[rows])
         columns = problem.target_column[rows].contiguous()
         block = state.block[: rows.stop - rows.start]
@@ -184,35 +175,18 @@ class TritonLoss:
         if direct and columns.dim() == 2:  # the forward kernel zeroed one target's element, not several's
             zero_chosen(block, columns)
         terms = self.row_terms if columns.dim() == 1 else self.several_row_terms
-        chosen, factor, operand = terms(
-            problem,
-            state,
-            rows=rows,
-            summary=summary,
-            upstream=upstream,
-            weight_row_scale=weight_row_scale,
-            direct=direct,
-            softcap=options.softcap,
-        )
+        chosen, factor, operand = terms(problem, state, chunk=chunk, direct=direct, softcap=options.softcap)
         if not direct:
-            block = self.dz_operand(
-                problem, state, rows=rows, summary=summary, upstream=upstream, softcap=options.softcap
-            )
-        self.products(
-            problem,
-            state,
-            rows=rows,
-            operand=block,
-            hidden_operand=hidden if operand is None else operand,
-            accumulate=accumulate,
-            options=options,
-        )
+            block = self.dz_operand(problem, state, chunk=chunk, softcap=options.softcap)
+        hidden_operand = hidden if operand is None else operand
+        self.products(problem, state, chunk=chunk, operand=block, hidden_operand=hidden_operand, options=options)
         if state.held_hidden.dim() == 2:
             self.add_chosen(state.held_hidden[rows], columns, chosen=chosen, weight=weight, factor=factor)
 
-    def row_terms(self, problem, state, rows, summary, upstream, weight_row_scale, direct, softcap):
+    def row_terms(self, problem, state, chunk, direct, softcap):
         """``(chosen, factor, weight operand)`` of a chunk's rows, one target each
         (``kernels.row_terms_kernel``); the weight operand ``None`` where it is the hidden rows."""
+        rows, summary, upstream, weight_row_scale, _ = chunk
         hidden = addressable(problem.hidden[rows])
         into_weight = bool(state.held_weight)
         operand = None
@@ -234,11 +208,11 @@ class TritonLoss:
         )
         return chosen, factor, operand
 
-    def several_row_terms(self, problem, state, rows, summary, upstream, weight_row_scale, direct, softcap):
+    def several_row_terms(self, problem, state, chunk, direct, softcap):
         """``row_terms`` for several targets per row, in torch: each distinct target's chosen term
         (``softmax.chosen_logit_grad``), the shared term taking the row sum of their gradients."""
-        columns, hidden = problem.target_column[rows], problem.hidden[rows]
-        temperature = problem.temperature[rows]
+        rows, summary, upstream, weight_row_scale, _ = chunk
+        columns, hidden, temperature = problem.target_column[rows], problem.hidden[rows], problem.temperature[rows]
         chosen = chosen_product_grad(columns, summary, *upstream, temperature, softcap)
         factor = None
         if direct:
@@ -253,16 +227,11 @@ class TritonLoss:
         return chosen, factor, operand
 
     def dz_operand(
-        self,
-        problem: ShardProblem,
-        state: LossState,
-        rows: slice,
-        summary: SoftmaxSummary,
-        upstream: UpstreamGrads,
-        softcap: Optional[float],
+        self, problem: ShardProblem, state: LossState, chunk: ChunkGrads, softcap: Optional[float]
     ) -> torch.Tensor:
         """``dz / T`` in the weight's dtype (chosen tokens' elements 0), formed by the ``dz`` kernel
         over the stored block itself, which has the weight's element size (``stored_dtype``)."""
+        rows, summary, upstream, _, _ = chunk
         num_rows, weight = rows.stop - rows.start, problem.weight
         block = state.block[:num_rows]
         if block.dtype.itemsize != weight.dtype.itemsize:  # stored_dtype's promise; a view would misread
@@ -281,19 +250,11 @@ class TritonLoss:
             softcap=softcap,
         )
 
-    def products(
-        self,
-        problem: ShardProblem,
-        state: LossState,
-        rows: slice,
-        operand: torch.Tensor,
-        hidden_operand: torch.Tensor,
-        accumulate: bool,
-        options: HeadOptions,
-    ) -> None:
+    def products(self, problem, state, chunk, operand, hidden_operand, options: HeadOptions) -> None:
         """``operand @ W`` into the held hidden gradient (its factor is applied with the chosen term)
         and ``operand.T @ hidden_operand`` into the weight gradient (added to it with
         ``accumulate``), in float32; by ``rows_product`` for float32 operands (``float32_by_kernel``)."""
+        rows, accumulate = chunk.rows, chunk.accumulate
         weight, tiles = problem.weight, self.tuning.backward_tiles_for(problem.weight.dtype, problem.weight.device)
         by_kernel = float32_by_kernel(weight.dtype)
         if state.held_hidden.dim() == 2 and (options.batch_invariant or by_kernel):
@@ -325,24 +286,14 @@ class TritonLoss:
         scale_into(source, scale.contiguous(), out)
         return out
 
-    def add_chosen(
-        self,
-        product: torch.Tensor,
-        target_column: torch.Tensor,
-        chosen: torch.Tensor,
-        weight: torch.Tensor,
-        factor: Optional[torch.Tensor] = None,
-    ) -> None:
-        """``TorchLoss.add_chosen`` by the chosen-token kernel, one target column at a time
+    def add_chosen(self, product, target_column, chosen, weight, factor=None) -> None:
+        """``torch_loss.add_chosen_terms`` by the chosen-token kernel, one target column at a time
         (``weight`` addressable)."""
-        if target_column.dim() == 1:
-            finish_hidden_grad(product, factor, chosen=chosen, target_column=target_column, weight=weight, out=product)
-            return
-        for target in range(target_column.shape[1]):
-            column, term = target_column[:, target].contiguous(), chosen[:, target].contiguous()
-            finish_hidden_grad(
-                product, factor if target == 0 else None, chosen=term, target_column=column, weight=weight, out=product
-            )
+        columns = target_column if target_column.dim() == 2 else target_column[:, None]
+        for target in range(columns.shape[1]):
+            column, term = columns[:, target].contiguous(), chosen.reshape(columns.shape)[:, target].contiguous()
+            first = factor if target == 0 else None
+            finish_hidden_grad(product, first, chosen=term, target_column=column, weight=weight, out=product)
 
     def fit_declared(
         self, upstream: torch.Tensor, declared: torch.Tensor, weight_grad_scale: Optional[float]
@@ -356,9 +307,8 @@ class TritonLoss:
         self, held_weight: List[torch.Tensor], target_column: torch.Tensor, chosen: torch.Tensor, hidden: torch.Tensor
     ) -> None:
         """``TorchLoss.add_chosen_rows`` by the chosen-token kernel (sorted runs, no atomics)."""
+        columns = target_column if target_column.dim() == 2 else target_column[:, None]
         hidden = addressable(hidden)
-        if target_column.dim() == 1:
-            add_chosen_rows(held_weight, target_column.contiguous(), chosen, hidden)
-            return
-        for target in range(target_column.shape[1]):
-            add_chosen_rows(held_weight, target_column[:, target].contiguous(), chosen[:, target].contiguous(), hidden)
+        for target in range(columns.shape[1]):
+            column, term = columns[:, target].contiguous(), chosen.reshape(columns.shape)[:, target].contiguous()
+            add_chosen_rows(held_weight, column, term, hidden)

@@ -1,5 +1,5 @@
 """The chosen token's gradient term, added in float32 outside the 16-bit operands
-(``TorchLoss.add_chosen`` and ``add_chosen_rows`` compute the same in torch):
+(``torch_loss.add_chosen_terms`` and ``TorchLoss.add_chosen_rows`` compute the same in torch):
 
 - ``finish_hidden_grad``: ``grad_hidden[t] = f[t] * product[t] + c[t] * W[y_t]``, one pass over the
   chunk's float32 product ``[n, H]``;

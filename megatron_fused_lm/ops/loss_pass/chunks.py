@@ -17,13 +17,14 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from ..backends.contract import LossState, ShardProblem, UpstreamGrads, token_chunks
+from ..backends.contract import ChunkGrads, LossState, ShardProblem, UpstreamGrads, token_chunks
 from ..backends.registry import by_name
 from ..boundary import summarize_rows
 from ..inputs import check_on_device, has_values, per_sequence_broadcast
 from ..options import HeadOptions
 from ..softmax import SoftmaxSummary
 from .compiled import OperatorPhases
+from .weight_grad import WeightGradSink
 
 Tensor = torch.Tensor
 LossFn = Callable[..., Tensor]
@@ -220,9 +221,9 @@ def probe_entropy_term(
 class ChunkLoss:
     """``loss_fn`` on each chunk of a pass (the loss half of a ``ChunkStep``): its losses kept for
     ``total`` and, with ``gradients``, its per-row gradients (the entropy's only when
-    ``entropy_grad``) times ``weight_grad_scale`` (the upstream gradient the held gradients assume;
-    1: as they are), every chunk's saved with ``save_grads`` (``saved_grads``: a correction's
-    basis); a ``max_rows`` padding row (``valid`` false) adds neither."""
+    ``entropy_grad``) times ``sink``'s ``weight_grad_scale`` (the upstream gradient the held gradients
+    assume; 1 without a sink), every chunk's saved where the sink is a caller's ``weight_grad_into``
+    (``saved_grads``: a correction's basis); a ``max_rows`` padding row (``valid`` false) adds neither."""
 
     def __init__(
         self,
@@ -230,12 +231,12 @@ class ChunkLoss:
         inputs: Dict[str, Tensor],
         entropy_grad: bool,
         gradients: bool,
-        weight_grad_scale: float = 1.0,
+        sink: Optional[WeightGradSink] = None,
         valid: Optional[Tensor] = None,
-        save_grads: bool = False,
     ):
         self.loss_fn, self.inputs, self.entropy_grad, self.gradients = loss_fn, inputs, entropy_grad, gradients
-        self.weight_grad_scale, self.valid, self.save_grads = weight_grad_scale, valid, save_grads
+        self.weight_grad_scale = sink.weight_grad_scale if sink is not None else 1.0
+        self.valid, self.save_grads = valid, sink is not None and sink.weight_grad_into is not None
         self.chunk_losses: list = []  # each chunk's per-token losses (by autograd: their sum), 1-D
         self.chunk_grads: list = []  # with save_grads, each chunk's UpstreamGrads
 
@@ -325,34 +326,12 @@ def run_loss_pass(
     ``weight_grad_into``, a correction's parts); then each row's chosen-token term of the weight
     gradient, once."""
     for rows in token_chunks(problem.hidden.shape[0], state.token_chunk):
-        summary, upstream, weight_row_scale = chunk_step(rows, phases.chunk_statistics(problem, state, rows, options))
+        step = chunk_step(rows, phases.chunk_statistics(problem, state, rows, options))
         if state.held_hidden.dim() == 2 or state.held_weight:
-            phases.chunk_gradients(
-                problem,
-                state,
-                rows=rows,
-                summary=summary,
-                upstream=upstream,
-                weight_row_scale=weight_row_scale,
-                accumulate=accumulate or rows.start > 0,
-                options=options,
-            )
+            chunk = ChunkGrads(rows, *step, accumulate=accumulate or rows.start > 0)
+            phases.chunk_gradients(problem, state, chunk, options)
     if state.held_weight:
         phases.add_chosen_rows(state.held_weight, problem.target_column, state.chosen, problem.hidden)
-
-
-def summarize_chunk(backend, problem: ShardProblem, rows: slice, local: Tensor, out: SoftmaxSummary, options) -> None:
-    """A chunk's summary into ``out`` (``boundary.summarize_rows``)."""
-    summarize_rows(
-        backend,
-        local,
-        hidden=problem.hidden[rows],
-        weight=problem.weight,
-        target_column=problem.target_column[rows],
-        temperature=problem.temperature[rows],
-        out=out,
-        options=options,
-    )
 
 
 class EagerPhases:
@@ -364,7 +343,7 @@ class EagerPhases:
         self.chunk_gradients, self.add_chosen_rows = backend.chunk_gradients, backend.add_chosen_rows
 
     def summarize_chunk(self, problem: ShardProblem, rows: slice, local: Tensor, out: SoftmaxSummary, options):
-        summarize_chunk(self.backend, problem, rows=rows, local=local, out=out, options=options)
+        summarize_rows(self.backend, local, problem=problem.rows(rows), options=options, out=out)
 
 
 def phases_for(options: HeadOptions):

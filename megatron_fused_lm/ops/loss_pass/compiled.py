@@ -11,7 +11,7 @@ from typing import List, Optional
 
 import torch
 
-from ..backends.contract import LossState, NeededGrads, ShardProblem, UpstreamGrads
+from ..backends.contract import ChunkGrads, LossState, NeededGrads, ShardProblem, UpstreamGrads
 from ..backends.registry import by_name
 from ..boundary import PROBLEM_SCHEMA, new_summary, operator, summarize_rows
 from ..options import HeadOptions
@@ -51,17 +51,8 @@ def _(hidden, *tensors, **fields) -> Tensor:
 @operator("loss_summary", f"Tensor local, {PROBLEM_SCHEMA}", "Tensor[]")
 def loss_summary(local, hidden, weight, target_column, temperature, kept_mask, options) -> List[Tensor]:
     """A chunk's ``boundary.summarize_rows`` (its ``k`` rows), as ``SoftmaxSummary``'s tensors."""
-    summary = summarize_rows(
-        by_name(options.backend),
-        local,
-        hidden=hidden,
-        weight=weight,
-        target_column=target_column,
-        temperature=temperature,
-        out=new_summary(target_column),
-        options=options,
-    )
-    return list(summary)
+    problem = ShardProblem(hidden, weight, target_column, temperature, kept_mask)
+    return list(summarize_rows(by_name(options.backend), local, problem=problem, options=options))
 
 
 @loss_summary.register_fake
@@ -96,15 +87,13 @@ def loss_gradients(
     options,
 ) -> None:
     """The backend's ``chunk_gradients`` for the rows ``[start, stop)``."""
+    upstream, summary = UpstreamGrads(grad_logprob, grad_entropy), SoftmaxSummary(*summary)
+    chunk = ChunkGrads(slice(start, stop), summary, upstream, weight_row_scale, accumulate)
     by_name(options.backend).chunk_gradients(
         ShardProblem(hidden, weight, target_column, temperature, kept_mask),
         LossState(block, reference, held_hidden, held_weight, chosen),
-        rows=slice(start, stop),
-        summary=SoftmaxSummary(*summary),
-        upstream=UpstreamGrads(grad_logprob, grad_entropy),
-        weight_row_scale=weight_row_scale,
-        accumulate=accumulate,
-        options=options,
+        chunk,
+        options,
     )
 
 
@@ -138,24 +127,27 @@ class OperatorPhases:
         return LossState(block, reference, held_hidden, parts, chosen)
 
     def chunk_statistics(self, problem: ShardProblem, state: LossState, rows: slice, options) -> Tensor:
-        chunk = _chunk(problem, rows)
+        chunk = problem.rows(rows)
         return loss_statistics(*chunk, block=state.block, reference=state.reference, **self.fields)
 
     def summarize_chunk(self, problem: ShardProblem, rows: slice, local: Tensor, out: SoftmaxSummary, options) -> None:
-        for field, value in zip(out, loss_summary(local, *_chunk(problem, rows), **self.fields), strict=True):
+        for field, value in zip(out, loss_summary(local, *problem.rows(rows), **self.fields), strict=True):
             field.copy_(value)
 
-    def chunk_gradients(self, problem, state, rows, summary, upstream, weight_row_scale, accumulate: bool, options):
+    def chunk_gradients(self, problem: ShardProblem, state: LossState, chunk: ChunkGrads, options) -> None:
+        rows, summary, upstream, weight_row_scale, accumulate = chunk
         state_tensors = (state.block, state.reference, state.held_hidden, state.held_weight, state.chosen)
-        chunk_rows = (rows.start, rows.stop)
         loss_gradients(
-            *problem, *state_tensors, list(summary), *upstream, weight_row_scale, *chunk_rows, accumulate, **self.fields
+            *problem,
+            *state_tensors,
+            list(summary),
+            *upstream,
+            weight_row_scale,
+            rows.start,
+            rows.stop,
+            accumulate,
+            **self.fields,
         )
 
     def add_chosen_rows(self, held_weight, target_column, chosen, hidden) -> None:
         loss_chosen_rows(held_weight, target_column, chosen, hidden, **self.fields)
-
-
-def _chunk(problem: ShardProblem, rows: slice) -> ShardProblem:
-    """The problem of a chunk's rows: every per-row tensor sliced, the weight whole."""
-    return ShardProblem(problem.hidden[rows], problem.weight, *(value[rows] for value in problem[2:]))

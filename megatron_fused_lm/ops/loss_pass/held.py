@@ -78,10 +78,8 @@ class Held(NamedTuple):
 
 
 def run_held_pass(
-    hidden: Tensor,
-    weight: Tensor,
-    *,
     problem: ShardProblem,
+    *,
     options: HeadOptions,
     sink: Optional[WeightGradSink],
     loss: Optional[ChunkLoss] = None,
@@ -93,6 +91,8 @@ def run_held_pass(
     float32 weights the per-token cross-entropy ``-logprob``, its upstream declared as
     ``sink.weight_grad_scale * declared``. ``sink``: where the weight gradient goes (``None``: none
     is needed)."""
+    hidden, weight = problem.hidden, problem.weight
+    problem = problem._replace(hidden=hidden.detach(), weight=weight.detach())
     enabled = torch.is_grad_enabled()
     needed = NeededGrads(enabled and hidden.requires_grad, enabled and weight.requires_grad and sink is not None)
     phases = phases_for(options)
@@ -266,14 +266,8 @@ def held_backward(upstream: Tensor, tensors: List[Tensor], **fields) -> tuple[Te
     inputs' memory); ``weight_grad_into`` runs eagerly only. An unneeded gradient is empty."""
     spec_fields = {name: fields.pop(name) for name in HeldSpec.__dataclass_fields__}
     spec = HeldSpec(**spec_fields)
-    grads = finish(
-        spec,
-        HeadOptions(**fields),
-        held=Held.unflat(spec, tensors),
-        upstream=upstream,
-        weight_grad_into=None,
-        narrow=False,
-    )
+    held, options = Held.unflat(spec, tensors), HeadOptions(**fields)
+    grads = finish(spec, options, held=held, upstream=upstream, weight_grad_into=None, narrow=False)
     return tuple(tensors[0].new_empty(0) if grad is None else grad for grad in grads)
 
 

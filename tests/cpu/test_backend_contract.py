@@ -91,3 +91,25 @@ def test_a_backend_object_that_lacks_members_is_refused_by_name():
     unnamed.name = 3  # an instance attribute over the class's
     with pytest.raises(TypeError, match=r"lacks name \(a string\)"):
         fused_linear_logprob(hidden, weight, torch.tensor([1, 2, 3]), backend=unnamed)
+
+
+class Doubled(TorchBackend):
+    """A backend of its own behaviour that keeps the torch backend's name."""
+
+    def summarize(self, parts, target_column, out):
+        super().summarize(parts, target_column, out)
+        out.logprob.mul_(2.0)
+
+
+def test_a_backend_object_under_a_taken_name_is_refused_not_swapped():
+    hidden, weight, targets = torch.randn(3, 8), torch.randn(10, 8), torch.tensor([1, 2, 3])
+    expected = fused_linear_logprob(hidden, weight, targets)
+    # An equal object of the registered class runs as the registered one does.
+    assert torch.equal(fused_linear_logprob(hidden, weight, targets, backend=TorchBackend()), expected)
+    # Another class under the name "torch" would have been looked up as the torch backend, silently.
+    with pytest.raises(ValueError, match="named 'torch', the name of another backend object"):
+        fused_linear_logprob(hidden, weight, targets, backend=Doubled())
+    stateful = TorchBackend()
+    stateful.extra = 1  # state the registered object lacks
+    with pytest.raises(ValueError, match="named 'torch'"):
+        fused_linear_logprob(hidden, weight, targets, backend=stateful)

@@ -72,7 +72,8 @@ def resolve(backend: Union[str, object], device: torch.device):
     """The backend a call on tensors of ``device`` runs, chosen once: ``"torch"``, ``"triton"``,
     ``"cute"`` or ``"auto"`` (``options.resolved_backend``), or a backend object
     (``triton.TritonBackend`` with its own tuning), which runs as the torch backend where Triton
-    cannot (one logged warning)."""
+    cannot (one logged warning). An object is registered under its ``name``; an object of another
+    class or state under a name already taken is refused (``ValueError``)."""
     if isinstance(backend, str):
         return by_name(resolved_backend(backend, device))
     name = getattr(backend, "name", None)
@@ -85,4 +86,11 @@ def resolve(backend: Union[str, object], device: torch.device):
         )
     if backend.name != "torch" and resolved_backend("triton", device) == "torch":
         return by_name("torch")
-    return _by_name.setdefault(backend.name, backend)
+    held = _by_name.setdefault(backend.name, backend)
+    # The options carry the name, and the ops look the backend up by it: one name, one behaviour.
+    if held is not backend and (type(held) is not type(backend) or vars(held) != vars(backend)):
+        raise ValueError(
+            f"backend {backend!r} is named {backend.name!r}, the name of another backend object ({held!r}); "
+            "give a backend of its own behaviour a name of its own"
+        )
+    return held

@@ -108,6 +108,7 @@ def _rows(
         out_of_vocab=out_of_vocab,
         several=several,
         vocab_size=vocab_size,
+        device=source.device,
     )
     if weight is None:
         rows = selection.take(source)[:, :live]

@@ -143,6 +143,7 @@ def select_rows(
     out_of_vocab: str = "error",
     several: bool = False,
     vocab_size: Optional[int] = None,
+    device: Optional[torch.device] = None,
 ) -> RowSelection:
     """Check ``targets`` (and ``mask``) against ``lead_shape`` and select the rows to compute:
     every row without a mask, else those where ``mask`` is True (their targets only are read);
@@ -151,7 +152,8 @@ def select_rows(
 
     With ``max_rows`` the selection has a static shape, ``[max_rows]``: the selected rows padded
     with rows whose results go nowhere (no host sync; more selected rows than ``max_rows`` is an
-    error). Without it the number of selected rows is read on the host (``nonzero``).
+    error). Without it the number of selected rows is read on the host (``nonzero``). ``device``:
+    where the rows are, which ``targets`` and ``mask`` must share.
     """
     if not isinstance(targets, torch.Tensor):
         raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
@@ -162,6 +164,9 @@ def select_rows(
             f"targets.shape {tuple(targets.shape)} must equal the leading shape {tuple(lead_shape)} (several "
             "targets per row, [..., k]: every op but fused_linear_cross_entropy takes them)"
         )
+    for name, value in (("targets", targets), ("mask", mask)):
+        if device is not None and isinstance(value, torch.Tensor) and value.device != device:
+            raise ValueError(f"{name} must be on {device}, the rows' device, got {value.device}")
     flat = targets.reshape(lead_shape.numel(), targets.shape[-1]) if several else targets.reshape(-1)
 
     def columns(chosen: torch.Tensor) -> torch.Tensor:  # [rows] or [rows, k]

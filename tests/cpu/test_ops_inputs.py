@@ -42,6 +42,9 @@ def logits_call(**overrides):
         (dict(temperature=-1.0), ValueError, "temperature"),
         (dict(temperature=float("nan")), ValueError, "temperature"),
         (dict(backend="cuda"), ValueError, "'torch', 'triton', 'cute', 'auto'"),
+        # On another device than the rows: a clear error before anything reads them.
+        (dict(targets=torch.randint(0, V, (4,), device="meta")), ValueError, "targets must be on cpu"),
+        (dict(mask=torch.ones(4, dtype=torch.bool, device="meta")), ValueError, "mask must be on cpu"),
     ],
 )
 def test_fused_rejects(overrides, error, message):
@@ -58,6 +61,7 @@ def test_fused_rejects(overrides, error, message):
         (dict(logits=torch.randn(4, 0)), ValueError, "vocab_shard"),
         (dict(token_chunk=0), ValueError, "token_chunk"),
         (dict(temperature=0), ValueError, "temperature"),
+        (dict(targets=torch.randint(0, V, (4,), device="meta")), ValueError, "targets must be on cpu"),
     ],
 )
 def test_logits_rejects(overrides, error, message):

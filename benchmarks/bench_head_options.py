@@ -1,12 +1,12 @@
 """What ``softcap`` and ``vocab_size`` cost beside the plain head, on one GPU (Triton backend, bf16,
 the inputs of ``harness.make_inputs``): the forward (``no_grad``), the recompute op's forward +
 backward, the three-GEMM SFT loss (under a cap the forward stores each exponential times the cap's
-slope, so the backward still reads its stored block as it is) and the three-GEMM RL loss (clipped policy loss with an entropy term, the
-``dz`` kernel either way), each plain and with the option: ``softcap=30`` (Gemma-2's), or
-``vocab_size`` 271 ids short of the head (Qwen2.5's 151665 of 151936: the ops compute on the
-weight's first rows). ``--pairs`` alternated (plain, option) measurements in one process, each the
-median of ``--repeats`` timed calls after ``--warmup``; the report gives each pair's ratio.
-``--uses`` picks among forward, recompute, sft and rl.
+slope, so the backward still reads its stored block as it is) and the three-GEMM RL loss (clipped
+policy loss with an entropy term, the ``dz`` kernel either way), each plain and with the option:
+``softcap=30`` (Gemma-2's), or ``vocab_size`` 271 ids short of the head (Qwen2.5's 151665 of 151936:
+the ops compute on the weight's first rows). ``--pairs`` alternated (plain, option) measurements in
+one process, each the median of ``--repeats`` timed calls after ``--warmup``; the report gives each
+pair's ratio. ``--uses`` picks among forward, recompute, sft and rl.
 
     PYTHONPATH=.:benchmarks python benchmarks/bench_head_options.py --shapes 8192x4096x151936 --json options.json
 """

@@ -16,6 +16,7 @@ from .inputs import (
     RowSelection,
     check_linear_inputs,
     check_logits,
+    check_out_of_vocab,
     check_weight_grad_into,
     live_columns,
     row_temperatures,
@@ -34,7 +35,7 @@ from .loss_pass.chunks import (
 )
 from .loss_pass.held import run_held_pass
 from .loss_pass.weight_grad import WeightGradSink
-from .options import HeadOptions, check_softcap, check_weight_grad_scale
+from .options import HeadOptions, check_weight_grad_scale
 from .rank_check import check_across_ranks
 
 Tensor = torch.Tensor
@@ -48,7 +49,7 @@ class FusedLoss(NamedTuple):
     entropy: Tensor  # [...] float32, detached: a metric
 
 
-def _rows(
+def _prepare(
     op: str,
     source: Tensor,
     weight: Optional[Tensor],
@@ -67,16 +68,22 @@ def _rows(
     softcap: Optional[float] = None,
     **options,
 ) -> tuple[HeadOptions, RowSelection, ShardProblem]:
-    """The public op ``op``'s inputs checked across the ranks of ``tp_group`` (before anything
-    communicates), its checked options (its backend resolved once), its selected rows (``several``:
-    ``k`` targets each) and their ``ShardProblem``. ``source`` and ``weight`` are the hidden states and
+    """The public op ``op``'s inputs and options checked, on this rank and then across the ranks of
+    ``tp_group`` (before anything else communicates), its backend resolved once, its selected rows
+    (``several``: ``k`` targets each) and their ``ShardProblem``. ``source`` and ``weight`` are the hidden states and
     the weight, whose problem holds the selected hidden rows in the weight's dtype (the products run
     in it) and the weight's rows below ``vocab_size`` (``inputs.live_columns``; a view, through which
     the padded rows get no gradient); or the logits and ``None``, whose problem holds the selected
     rows' live columns in the place of the hidden rows and no weight."""
-    kept_tokens = as_kept_tokens(kept_tokens)
-    softcap = check_softcap(softcap)  # before the ranks compare it
+    if weight is None:
+        check_logits(source)
+    else:
+        check_linear_inputs(source, weight)
     resolved = registry.resolve(backend, source.device)
+    options = HeadOptions.checked(backend=resolved.name, tp_group=tp_group, softcap=softcap, **options)
+    kept_tokens, out_of_vocab = as_kept_tokens(kept_tokens), check_out_of_vocab(out_of_vocab)
+    # The checked values, so that ranks passing equal options in other types agree (softcap apart).
+    settings = {name: value for name, value in options.fields().items() if name not in ("tp_group_name", "softcap")}
     check_across_ranks(
         op,
         tp_group,
@@ -88,14 +95,9 @@ def _rows(
         kept_tokens=kept_tokens,
         loss_inputs=loss_inputs,
         vocab_size=vocab_size,
-        softcap=softcap,
-        settings=dict(options, backend=resolved.name, max_rows=max_rows, out_of_vocab=out_of_vocab),
+        softcap=options.softcap,
+        settings=dict(settings, max_rows=max_rows, out_of_vocab=out_of_vocab),
     )
-    if weight is None:
-        check_logits(source)
-    else:
-        check_linear_inputs(source, weight)
-    options = HeadOptions.checked(backend=resolved.name, tp_group=tp_group, softcap=softcap, **options)
     vocab_shard = source.shape[-1] if weight is None else weight.shape[0]
     live = live_columns(vocab_shard, vocab_size, tp_group)  # checked before the targets are read against it
     selection = select_rows(
@@ -111,10 +113,10 @@ def _rows(
         device=source.device,
     )
     if weight is None:
-        rows = selection.take(source)[:, :live]
+        selected = selection.take(source)[:, :live]
     else:
         weight = weight[:live]
-        rows = selection.take(source).to(weight.dtype)
+        selected = selection.take(source).to(weight.dtype)
     temperature = row_temperatures(temperature, selection, source.device)
     kept_mask = every_column(targets.device)
     if kept_tokens is not None:
@@ -131,7 +133,8 @@ def _rows(
             kept_tokens, selection, targets, vocab_shard=vocab_shard, tp_group=tp_group, vocab_size=vocab_size
         )
         kept_mask = resolved.kept_mask(sets, live)
-    return options, selection, ShardProblem(rows, weight, selection.target_column, temperature, kept_mask)
+    problem = ShardProblem(selected, weight, selection.target_column, temperature=temperature, kept_mask=kept_mask)
+    return options, selection, problem
 
 
 def fused_linear_logprob(
@@ -249,7 +252,7 @@ def fused_linear_logprob(
         ``ValueError`` on the CPU and trips a device-side assertion on a GPU.
     """
     several = _several_targets(targets, hidden.shape[:-1], out_of_vocab, batch_invariant)
-    options, selection, problem = _rows(
+    options, selection, problem = _prepare(
         "fused_linear_logprob",
         hidden,
         weight,
@@ -333,7 +336,7 @@ def logits_logprob(
         their dtype (this rank's shard only; nothing is reduced across ranks).
     """
     several = _several_targets(targets, logits.shape[:-1], "error", False)
-    options, selection, problem = _rows(
+    options, selection, problem = _prepare(
         "logits_logprob",
         logits,
         None,
@@ -430,7 +433,7 @@ def fused_linear_loss(
     several = _several_targets(targets, hidden.shape[:-1], "error", batch_invariant)
     check_declared_inputs(loss_fn, targets, inputs=inputs, mask=mask, lead_shape=hidden.shape[:-1])
     entropy_grad = has_entropy_term(loss_fn, inputs, tuple(targets.shape[-1:]) if several else ())
-    options, selection, problem = _rows(
+    options, selection, problem = _prepare(
         "fused_linear_loss",
         hidden,
         weight,
@@ -518,7 +521,7 @@ def fused_linear_cross_entropy(
         the rest: as for ``fused_linear_loss``. There is no ``batch_invariant``; the four-GEMM
             ``fused_linear_logprob(..., batch_invariant=True)`` gives the same loss's gradients.
     """
-    options, selection, problem = _rows(
+    options, selection, problem = _prepare(
         "fused_linear_cross_entropy",
         hidden,
         weight,
@@ -558,11 +561,12 @@ def logits_loss(
     softcap: Optional[float] = None,
 ) -> FusedLoss:
     """``fused_linear_loss`` on a materialized logits shard: the same loss, the same contract for
-    ``loss_fn`` and ``loss_inputs`` (``max_rows``, ``vocab_size`` and ``softcap`` as there), the gradient (to ``logits``) by
-    the usual backward; with ``mask`` the number of selected rows is read on the host."""
+    ``loss_fn`` and ``loss_inputs`` (``max_rows``, ``vocab_size`` and ``softcap`` as there), the
+    gradient (to ``logits``) by the usual backward; with ``mask`` the number of selected rows is
+    read on the host."""
     inputs = check_loss_inputs(loss_fn, loss_inputs, logits.shape[:-1], logits.device)
     several = _several_targets(targets, logits.shape[:-1], "error", False)
-    options, selection, problem = _rows(
+    options, selection, problem = _prepare(
         "logits_loss",
         logits,
         None,

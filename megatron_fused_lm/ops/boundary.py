@@ -208,11 +208,11 @@ class Logits(torch.autograd.Function):
     @staticmethod
     def forward(logits, target_column, temperature, kept_mask, options: HeadOptions) -> Statistics:
         with autocast_off(logits.device):
-            rows = chunk_rows(options.token_chunk, logits.shape[-1])
+            rows_per_chunk = chunk_rows(options.token_chunk, logits.shape[-1])
             block_logits = given_logits(logits, temperature, options.softcap)
-            stats = blocked_statistics(block_logits, statistics_column(target_column), kept_mask, rows)
+            stats = blocked_statistics(block_logits, statistics_column(target_column), kept_mask, rows_per_chunk)
             several = lambda logits, _, *column_temperature_softcap: taken_logits(logits, *column_temperature_softcap)  # noqa: E731
-            problem = ShardProblem(logits, None, target_column, temperature, kept_mask)
+            problem = ShardProblem(logits, None, target_column, temperature=temperature, kept_mask=kept_mask)
             summary = summarize_rows(
                 registry.by_name("torch"), stats, problem=problem, options=options, several_logits=several
             )
@@ -228,13 +228,16 @@ class Logits(torch.autograd.Function):
         if upstream is None:
             return None, None, None, None, None
         logits, target_column, temperature, kept_mask, lse, mean_logit = ctx.saved_tensors
-        problem, softcap = ShardProblem(logits, None, target_column, temperature, kept_mask), ctx.options.softcap
-        grad_logits = torch.empty_like(logits)
+        problem = ShardProblem(logits, None, target_column, temperature=temperature, kept_mask=kept_mask)
+        grad_logits, softcap = torch.empty_like(logits), ctx.options.softcap
         with autocast_off(logits.device):
-            rows, saved = chunk_rows(ctx.options.token_chunk, logits.shape[-1]), SavedStatistics(lse, mean_logit)
+            rows_per_chunk, saved = (
+                chunk_rows(ctx.options.token_chunk, logits.shape[-1]),
+                SavedStatistics(lse, mean_logit),
+            )
             block_logits = given_logits(logits, temperature, softcap)
             chunks = chunk_logit_grads(
-                block_logits, problem, saved=saved, upstream=upstream, token_chunk=rows, softcap=softcap
+                block_logits, problem, saved=saved, upstream=upstream, token_chunk=rows_per_chunk, softcap=softcap
             )
             for chunk, grad in chunks:
                 grad_logits[chunk] = grad

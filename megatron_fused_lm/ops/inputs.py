@@ -209,6 +209,13 @@ def select_rows(
 OUT_OF_VOCAB = ("error", "max_logit")
 
 
+def check_out_of_vocab(out_of_vocab: str) -> str:
+    """``out_of_vocab`` if it is one of ``OUT_OF_VOCAB``, else ``ValueError``."""
+    if out_of_vocab not in OUT_OF_VOCAB:
+        raise ValueError(f"out_of_vocab must be one of {', '.join(map(repr, OUT_OF_VOCAB))}; got {out_of_vocab!r}")
+    return out_of_vocab
+
+
 def live_columns(vocab_shard: int, vocab_size: Optional[int], tp_group: Optional[dist.ProcessGroup]) -> int:
     """How many of this rank's ``vocab_shard`` columns lie below the true vocabulary ``vocab_size``
     (global ids; ``None``: every column, as the stock head). Megatron pads the head to a multiple of
@@ -239,9 +246,7 @@ def target_columns(
     included). An id outside the vocabulary is an error (``check_on_device``: at once on the CPU,
     asynchronous on a GPU) unless ``out_of_vocab="max_logit"``, which gives it ``OUTSIDE_VOCAB`` on
     every rank: no rank owns it, its logit counts as the row's largest and takes no gradient, as in
-    Megatron's vocabulary-parallel cross-entropy."""
-    if out_of_vocab not in OUT_OF_VOCAB:
-        raise ValueError(f"out_of_vocab must be one of {', '.join(map(repr, OUT_OF_VOCAB))}; got {out_of_vocab!r}")
+    Megatron's vocabulary-parallel cross-entropy (``check_out_of_vocab`` checks it first)."""
     vocab = vocab_shard * group_size(tp_group) if vocab_size is None else vocab_size
     targets = targets.long()
     inside = targets.clamp(0, vocab - 1) == targets

@@ -6,13 +6,13 @@ gives numbers (a whole weight on every rank: each log-prob off by log P; targets
 that differ) or aborts inside a collective (a mask that selects other rows). So the first call of an
 op for each group, weight shape and dtype gathers a digest of its inputs from every rank (one
 all-gather of a few int64, one read on the host) and raises a ``ValueError`` naming what differs.
-Later calls with the same signature take no collective and no read, so a mistake that first shows
-in a later call (a mask that selects other rows on one rank in the tenth micro-batch) is not caught
-and the op's own collective fails on it. Each rank decides from its own signature: a mistake that
+Later calls with the same signature take no collective and no read, so a mistake that first shows in
+a later call (a mask that selects other rows on one rank in the tenth micro-batch) is not caught and
+the op's own collective fails on it. Each rank decides from its own signature: a mistake that
 changes it on some ranks only (their shard size) makes only those ranks run the check's all-gather:
-the group then aborts (gloo) or hangs (NCCL). ``check_ranks_agree("always")`` checks every call instead, at one such all-gather
-and read per call. Skipped where values are not available (meta and fake
-tensors, compiled graphs, CUDA-graph capture) and turned off for the process with
+the group then aborts (gloo) or hangs (NCCL). ``check_ranks_agree("always")`` checks every call
+instead, at one such all-gather and read per call. Skipped where values are not available (meta and
+fake tensors, compiled graphs, CUDA-graph capture) and turned off for the process with
 ``check_ranks_agree(False)``. The head's route passes the model's own group and shard; the batch
 (the labels, a mask) is the trainer's, and a disagreement there is named as the labels path's.
 """
@@ -89,12 +89,13 @@ def check_across_ranks(
     settings: Optional[Mapping[str, object]] = None,
 ) -> None:
     """``ValueError`` where the ranks of ``tp_group`` disagree on ``op``'s inputs: ``hidden [..., H]``
-    and ``shard [V / P, H]`` the rank's weight shard, or a logits shard ``[..., V / P]`` and ``None``
-    (its columns are the vocabulary rows); the rest as the op takes them (``loss_inputs`` a loss's
-    per-token tensors by name, or ``{"declared_weights": ...}``; ``settings`` its other options by
-    name, numbers, strings or ``None``: ranks whose chunking, row count or collectives differ abort
-    or hang in the op, and its resolved backend's name). Once per op, group, shard
-    size, row width, dtypes and device, whatever the number of rows; nothing else on later calls."""
+    and ``shard [V / P, H]`` the rank's weight shard, or a logits shard ``[..., V / P]`` and
+    ``None`` (its columns are the vocabulary rows); the rest as the op takes them (``loss_inputs`` a
+    loss's per-token tensors by name, or ``{"declared_weights": ...}``; ``settings`` its other
+    options by name, checked already (numbers, bools, strings or ``None``, compared by their
+    ``repr``): ranks whose backend, chunks, row count or collectives differ abort or hang in the
+    op). Once per op, group, shard size, row width, dtypes and device, whatever the number of rows;
+    nothing else on later calls."""
     if not _mode[0] or group_size(tp_group) == 1 or not has_values(hidden):
         return
     vocab_shard, shard_dtype = (hidden.shape[-1], hidden.dtype) if shard is None else (shard.shape[0], shard.dtype)
@@ -153,12 +154,13 @@ def _digests(targets, mask, temperature, kept_tokens, loss_inputs, device: torch
 
 
 def _digest(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s values and shape as one int64, the same on every rank exactly when they are."""
+    """``tensor``'s values and shape as one int64, the same on every rank exactly when they are
+    (targets ``[n]`` and ``[n, 1]`` differ: one target per row or several, other collectives)."""
     flat = tensor.detach().reshape(-1)
     if flat.dtype.is_floating_point:  # the float32 bits, so that equal values give equal digests
         flat = flat.float().view(torch.int32)
     weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64) * 2_654_435_761
-    return (flat.long() * weights).sum() + flat.numel()
+    return (flat.long() * weights).sum() + zlib.crc32(repr(tuple(tensor.shape)).encode())
 
 
 def _shard_digest(shard: torch.Tensor) -> torch.Tensor:

@@ -113,3 +113,30 @@ def test_a_backend_object_under_a_taken_name_is_refused_not_swapped():
     stateful.extra = 1  # state the registered object lacks
     with pytest.raises(ValueError, match="named 'torch'"):
         fused_linear_logprob(hidden, weight, targets, backend=stateful)
+
+
+class Tabled(TorchBackend):
+    """A backend of its own name holding a tensor, which ``==`` cannot compare to a bool."""
+
+    name = "tabled"
+
+    def __init__(self):
+        self.table = torch.arange(4.0)
+
+
+def test_registered_names_resolve_without_crashing_or_swapping(monkeypatch):
+    from megatron_fused_lm.ops.backends import registry
+    from megatron_fused_lm.ops.backends.registry import by_name, resolve
+
+    first = Tabled()
+    assert resolve(first, torch.device("cpu")) is first
+    assert resolve(first, torch.device("cpu")) is first  # the same object again: no comparison
+    with pytest.raises(ValueError, match="named 'tabled'.*another class or state"):
+        resolve(Tabled(), torch.device("cpu"))  # an equal-looking copy: its state is not known alike
+    # A subclass under a built-in's name, met before the built-in was first used, does not take it
+    # (where Triton runs: elsewhere a Triton-based object runs as the torch backend).
+    monkeypatch.setattr(registry, "resolved_backend", lambda backend, device: "triton")
+    Subclassed = type("Subclassed", (CuteBackend,), {})
+    with pytest.raises(ValueError, match="named 'cute'"):
+        resolve(Subclassed(), torch.device("cpu"))
+    assert type(by_name("cute")) is CuteBackend

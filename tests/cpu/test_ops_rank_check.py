@@ -1,9 +1,10 @@
 """The raw ops under tensor parallelism refuse ranks that disagree (two gloo ranks; four for shards
 that change on some ranks): a whole weight on every rank, rows, targets, temperatures, a mask or
-kept sets or options (chunking, max_rows, out_of_vocab, k) that differ between ranks, each named, on the first call of a signature, with one
-all-gather that later calls of the signature do not repeat (``check_ranks_agree("always")`` checks
-every call); ``check_ranks_agree(False)`` turns it off. Without the check each of these mistakes
-gives numbers (the whole weight: every log-prob off by log 2) or aborts inside a collective."""
+kept sets or options (chunking, max_rows, out_of_vocab, k) that differ between ranks, each named, on
+the first call of a signature, with one all-gather that later calls of the signature do not repeat
+(``check_ranks_agree("always")`` checks every call); ``check_ranks_agree(False)`` turns it off.
+Without the check each of these mistakes gives numbers (the whole weight: every log-prob off by log
+2) or aborts inside a collective."""
 
 import math
 
@@ -102,6 +103,14 @@ def check_refusals(rank, world_size):
     refused(V + 17, "disagree on the options", lambda h, s, w, t: fused_linear_cross_entropy(
         h, s, t, weights, tp_group=group, out_of_vocab=("error", "max_logit")[rank]))  # fmt: skip
     refused(V + 18, "disagree on the options", lambda h, s, w, t: fused_linear_topk(h, s, 2 + rank, tp_group=group))
+    refused(V + 19, "disagree on the options", lambda h, s, w, t: logits_logprob(
+        h @ s.t(), t % (V + 19), tp_group=group, token_chunk=4 + rank))  # fmt: skip
+    # One target per row on one rank, one of several ([n, 1]) on the other: other collectives.
+    refused(V + 20, "disagree on targets", lambda h, s, w, t: fused_linear_logprob(
+        h, s, t[:, None] if rank == 0 else t, tp_group=group))  # fmt: skip
+    # Options equal once checked agree, whatever their types.
+    hidden_b, weight_b, targets_b = case(V + 21, seed=21)
+    fused_linear_logprob(hidden_b, shard_of(weight_b, rank), targets_b, tp_group=group, entropy_grad=(True, 1)[rank])
     # A refused call is refused again when repeated: the check stays on until the ranks agree.
     for _ in range(2):
         refused(V + 14, "disagree on targets", lambda h, s, w, t: fused_linear_logprob(

@@ -24,10 +24,11 @@ from ..softmax import SoftmaxSummary, TargetIndex
 
 class ShardProblem(NamedTuple):
     """One rank's share of the work: the rows, this rank's weight shard, the rows' targets,
-    temperatures and kept columns."""
+    temperatures and kept columns (on the logits path ``hidden`` holds the rows' logits and
+    ``weight`` is ``None``)."""
 
-    hidden: torch.Tensor  # [n, H] float32, bfloat16 or float16
-    weight: torch.Tensor  # [vocab_shard, H], hidden's dtype
+    hidden: torch.Tensor  # [n, H] float32, bfloat16 or float16 (logits: [n, vocab_shard])
+    weight: Optional[torch.Tensor]  # [vocab_shard, H], hidden's dtype
     target_column: torch.Tensor  # [n] (or [n, k]) int64: the target's row in the shard, -1 where another shard owns it
     temperature: torch.Tensor  # [n] float32, positive: divides each row's logits
     kept_mask: torch.Tensor  # [n, words] int32 bitmask of the columns each row keeps (kept_tokens), or [0]: all

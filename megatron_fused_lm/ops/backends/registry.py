@@ -29,9 +29,9 @@ class TorchBackend(TorchRecompute, TorchLoss):
 
     def top_keys(self, hidden, weight, temperature, softcap, k, first_id, block_logits, token_chunk):
         """``triton_topk.top_keys``' contract by the torch form alone (``block_logits`` capped already)."""
-        rows = chunk_rows(token_chunk, weight.shape[0])
+        rows_per_chunk = chunk_rows(token_chunk, weight.shape[0])
         return shard_top_keys(
-            block_logits, hidden.shape[0], k=k, first_id=first_id, rows_per_chunk=rows, device=hidden.device
+            block_logits, hidden.shape[0], k=k, first_id=first_id, rows_per_chunk=rows_per_chunk, device=hidden.device
         )
 
 
@@ -71,8 +71,9 @@ def missing_members(backend: object) -> List[str]:
 def resolve(backend: Union[str, object], device: torch.device):
     """The backend a call on tensors of ``device`` runs, chosen once: ``"torch"``, ``"triton"``,
     ``"cute"`` or ``"auto"`` (``options.resolved_backend``), or a backend object
-    (``triton.TritonBackend`` with its own tuning), which runs as the torch backend where Triton
-    cannot (one logged warning). An object is registered under its ``name``; an object of another
+    (``triton.TritonBackend`` with its own tuning, which runs as the torch backend where Triton
+    cannot, with one logged warning; or one of one's own, which runs as given). An object is
+    registered under its ``name`` (``"triton"`` and ``"cute"`` are the built-ins'); one of another
     class or state under a name already taken is refused (``ValueError``)."""
     if isinstance(backend, str):
         return by_name(resolved_backend(backend, device))
@@ -84,13 +85,40 @@ def resolve(backend: Union[str, object], device: torch.device):
             f"backend must be 'torch', 'triton', 'cute', 'auto' or a backend object (contract.Backend), got {backend!r}, "
             f"which lacks {', '.join(missing)}"
         )
-    if backend.name != "torch" and resolved_backend("triton", device) == "torch":
+    if _runs_triton(backend) and resolved_backend("triton", device) == "torch":
         return by_name("torch")
+    if backend.name in ("triton", "cute"):
+        by_name(backend.name)  # the built-in holds its name, whichever object comes first
     held = _by_name.setdefault(backend.name, backend)
     # The options carry the name, and the ops look the backend up by it: one name, one behaviour.
-    if held is not backend and (type(held) is not type(backend) or vars(held) != vars(backend)):
+    if not _alike(held, backend):
         raise ValueError(
-            f"backend {backend!r} is named {backend.name!r}, the name of another backend object ({held!r}); "
-            "give a backend of its own behaviour a name of its own"
+            f"backend {backend!r} is named {backend.name!r}, the name of another backend object ({held!r}) of "
+            "another class or state; pass that object, or give this one a name of its own"
         )
     return held
+
+
+def _runs_triton(backend: object) -> bool:
+    """Whether ``backend`` runs Triton's kernels (``triton.TritonBackend`` or a subclass); a backend
+    object of one's own runs wherever it is given."""
+    try:
+        from .triton import TritonBackend
+    except ImportError:  # without Triton no object runs its kernels
+        return False
+    return isinstance(backend, TritonBackend)
+
+
+def _alike(held: object, backend: object) -> bool:
+    """Whether ``backend`` behaves as ``held``, registered under its name: the same object, or one of
+    the same class that compares equal (``TritonBackend``'s tuning) or holds no state of its own."""
+    if held is backend:
+        return True
+    if type(held) is not type(backend):
+        return False
+    try:
+        if bool(held == backend):
+            return True
+    except Exception:  # an __eq__ over tensors, say: not known to be alike
+        return False
+    return getattr(held, "__dict__", None) == {} and getattr(backend, "__dict__", None) == {}

@@ -90,9 +90,8 @@ class TorchLoss:
             kept=kept,
             with_chosen=False,
         )
-        zero_chosen(
-            grad, target_column, index
-        )  # its whole term is added in float32 (add_chosen_terms, add_chosen_rows)
+        # The chosen token's whole term is added in float32 (add_chosen_terms, add_chosen_rows).
+        zero_chosen(grad, target_column, index)
         operand = product_grad(grad, logits, temperature[:, None], options.softcap).to(weight.dtype)
         if state.held_hidden.dim() == 2:
             add_product(state.held_hidden[rows], operand, weight, accumulate=False)

@@ -27,9 +27,9 @@ class TorchRecompute:
 
     def local_statistics(self, problem: ShardProblem, options: HeadOptions) -> torch.Tensor:
         """This shard's statistics ``[n, 4]`` (float32)."""
-        rows = chunk_rows(options.token_chunk, problem.weight.shape[0])
+        rows_per_chunk = chunk_rows(options.token_chunk, problem.weight.shape[0])
         logits = block_logits(problem, options.softcap)
-        return blocked_statistics(logits, problem.target_column, problem.kept_mask, rows)
+        return blocked_statistics(logits, problem.target_column, problem.kept_mask, rows_per_chunk)
 
     def local_gradients(
         self,
@@ -45,13 +45,12 @@ class TorchRecompute:
         hidden, weight = problem.hidden, problem.weight
         grad_hidden = torch.empty_like(hidden) if needed.hidden else None
         _, held_weight = contract.allocate_parts(hidden, weight, NeededGrads(hidden=False, weight=needed.weight))
-        rows = chunk_rows(options.token_chunk, weight.shape[0])
         grads = chunk_logit_grads(
             block_logits(problem, options.softcap),
             problem,
             saved=saved,
             upstream=upstream,
-            token_chunk=rows,
+            token_chunk=chunk_rows(options.token_chunk, weight.shape[0]),
             softcap=options.softcap,
         )
         for chunk, grad in grads:

@@ -326,10 +326,16 @@ def run_loss_pass(
     ``weight_grad_into``, a correction's parts); then each row's chosen-token term of the weight
     gradient, once."""
     for rows in token_chunks(problem.hidden.shape[0], state.token_chunk):
-        step = chunk_step(rows, phases.chunk_statistics(problem, state, rows, options))
+        summary, upstream, weight_row_scale = chunk_step(rows, phases.chunk_statistics(problem, state, rows, options))
         if state.held_hidden.dim() == 2 or state.held_weight:
-            chunk = ChunkGrads(rows, *step, accumulate=accumulate or rows.start > 0)
-            phases.chunk_gradients(problem, state, chunk, options)
+            chunk = ChunkGrads(
+                rows,
+                summary=summary,
+                upstream=upstream,
+                weight_row_scale=weight_row_scale,
+                accumulate=accumulate or rows.start > 0,
+            )
+            phases.chunk_gradients(problem, state, chunk=chunk, options=options)
     if state.held_weight:
         phases.add_chosen_rows(state.held_weight, problem.target_column, state.chosen, problem.hidden)
 

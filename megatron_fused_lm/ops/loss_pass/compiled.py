@@ -88,12 +88,14 @@ def loss_gradients(
 ) -> None:
     """The backend's ``chunk_gradients`` for the rows ``[start, stop)``."""
     upstream, summary = UpstreamGrads(grad_logprob, grad_entropy), SoftmaxSummary(*summary)
-    chunk = ChunkGrads(slice(start, stop), summary, upstream, weight_row_scale, accumulate)
+    chunk = ChunkGrads(
+        slice(start, stop), summary, upstream=upstream, weight_row_scale=weight_row_scale, accumulate=accumulate
+    )
     by_name(options.backend).chunk_gradients(
         ShardProblem(hidden, weight, target_column, temperature, kept_mask),
         LossState(block, reference, held_hidden, held_weight, chosen),
-        chunk,
-        options,
+        chunk=chunk,
+        options=options,
     )
 
 

@@ -127,3 +127,24 @@ def test_a_forward_the_kernel_does_not_take_runs_triton_with_one_warning(caplog)
     triton = fused_linear_logprob(hidden, weight, targets, backend="triton")
     messages = [record.getMessage() for record in caplog.records if "backend='cute'" in record.getMessage()]
     assert len(messages) <= 1 and torch.equal(cute, triton) and torch.equal(cute, again)
+
+
+def test_a_kernel_loaded_from_the_file_cache_gives_the_same_bits(tmp_path, monkeypatch):
+    # The first use compiles and stores the kernel; with the process's copy dropped, the next use
+    # loads the stored entry (TVM-FFI's function, called with the same arguments).
+    from megatron_fused_lm.ops.cute_kernels import statistics_kernel
+
+    monkeypatch.setenv("MEGATRON_FUSED_LM_CUTE_CACHE", str(tmp_path))
+    monkeypatch.setattr(statistics_kernel, "_compiled", {})
+    hidden, weight, targets = make_inputs(777, 2048, 32003, torch.bfloat16, logit_scale=20.0)
+    temperature = torch.full((1,), 0.7, device="cuda").expand(777)
+
+    def statistics():
+        return statistics_kernel.cute_split_statistics(hidden, weight, targets, temperature, tiles_per_split=16)
+
+    compiled = statistics()
+    assert len(list(tmp_path.glob("*.o"))) == 1
+    statistics_kernel._compiled.clear()
+    loaded = statistics()
+    assert type(next(iter(statistics_kernel._compiled.values()))).__name__ == "Function"
+    assert torch.equal(compiled, loaded)

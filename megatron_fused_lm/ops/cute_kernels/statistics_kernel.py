@@ -25,6 +25,8 @@ The pipeline of one persistent CTA (three warpgroups):
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import cutlass
 import cutlass.cute as cute
@@ -33,6 +35,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
+
+from .file_cache import cached_kernel
 
 BLOCK_M = 128  # token rows of a tile: two m64 wgmma atoms per consumer warpgroup
 BLOCK_N = 128  # vocabulary columns of a tile
@@ -462,8 +466,9 @@ def cute_split_statistics(
     ``hidden [n >= 1, H]`` and ``weight [V, H]``: bfloat16 or float16, one dtype, unit last stride,
     16-byte aligned rows (H a multiple of 8); ``target_column [n]`` int64 (negative: another
     shard's); ``temperature [n]`` float32 (stride 0: one for all rows). One compilation per
-    configuration and dtype serves every shape (the shapes are dynamic); it is called through
-    TVM-FFI on the current stream, with torch tensors (no DLPack wrappers built per call).
+    configuration and dtype serves every shape (the shapes are dynamic), and later processes load it
+    (``file_cache``); it is called through TVM-FFI on the current stream, with torch tensors (no
+    DLPack wrappers built per call).
     """
     import torch
 
@@ -476,7 +481,14 @@ def cute_split_statistics(
     num_clusters = min(num_row_groups * num_splits, _multiprocessors(hidden.device) // cluster_m)
     key = (hidden.dtype, cluster_m, group_m, stages, uniform)
     if key not in _compiled:
-        _compiled[key] = _compile(StatisticsKernel(cluster_m, group_m, stages, uniform), hidden.dtype)
+        kernel = StatisticsKernel(cluster_m, group_m, stages, uniform)
+        # As the DSL compiles: for CUTE_DSL_ARCH where set, else for the device.
+        architecture = os.environ.get("CUTE_DSL_ARCH") or "sm_{}{}a".format(
+            *torch.cuda.get_device_capability(hidden.device)
+        )
+        _compiled[key] = cached_kernel(
+            Path(__file__), architecture, (str(hidden.dtype), *key[1:]), lambda: _compile(kernel, hidden.dtype)
+        )
     _compiled[key](hidden, weight, target_column, temperature, parts, tiles_per_split, num_splits, num_clusters)
     return parts
 

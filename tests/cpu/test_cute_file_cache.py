@@ -35,7 +35,7 @@ PROCESS = textwrap.dedent(
         return sk._compile(sk.StatisticsKernel(2, 6, 6, True), torch.bfloat16)
 
     start = time.perf_counter()
-    kernel = file_cache.cached_kernel(Path(sk.__file__), "sm_90a", ("torch.bfloat16", 2, 6, 6, True), compile_kernel)
+    kernel = file_cache.cached_kernel(Path(sk.__file__), ("torch.bfloat16", 2, 6, 6, True), compile_kernel)
     print(json.dumps(dict(compiled=len(compiled), seconds=time.perf_counter() - start, kind=type(kernel).__name__)))
     """
 )
@@ -74,29 +74,41 @@ class Compiled:
 
 
 def test_entries_follow_what_decides_the_binary(tmp_path, monkeypatch, caplog):
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    settings = CuTeDSL._get_dsl().envar
+    monkeypatch.setattr(settings, "arch", "sm_90a")
     source = tmp_path / "kernel.py"
     source.write_text("first")
-    name = file_cache.entry_name(source, "sm_90a", ("torch.bfloat16", 2))
-    assert name == file_cache.entry_name(source, "sm_90a", ("torch.bfloat16", 2))
-    assert name != file_cache.entry_name(source, "sm_90a", ("torch.float16", 2))
-    assert name != file_cache.entry_name(source, "sm_100a", ("torch.bfloat16", 2))
+    name = file_cache.entry_name(source, ("torch.bfloat16", 2))
+    assert name == file_cache.entry_name(source, ("torch.bfloat16", 2))
+    assert name != file_cache.entry_name(source, ("torch.float16", 2))
+    monkeypatch.setattr(settings, "arch", "sm_100a")
+    assert name != file_cache.entry_name(source, ("torch.bfloat16", 2))
+    monkeypatch.setattr(settings, "arch", "sm_90a")
+    monkeypatch.setattr(settings, "lineinfo", True)  # CUTE_DSL_LINEINFO: a larger binary, same source
+    assert name != file_cache.entry_name(source, ("torch.bfloat16", 2))
+    monkeypatch.setattr(settings, "lineinfo", False)
     source.write_text("second")  # an edited kernel
-    assert name != file_cache.entry_name(source, "sm_90a", ("torch.bfloat16", 2))
+    assert name != file_cache.entry_name(source, ("torch.bfloat16", 2))
 
     cache = tmp_path / "cache"
     monkeypatch.setenv(file_cache.CACHE_VARIABLE, str(cache))
     Compiled.count = 0
-    kernel = file_cache.cached_kernel(source, "sm_90a", (1,), Compiled)
-    assert isinstance(kernel, Compiled) and Compiled.count == 1 and len(list(cache.glob("*.o"))) == 1
+    kernel = file_cache.cached_kernel(source, (1,), Compiled)
+    assert isinstance(kernel, Compiled) and Compiled.count == 1
+    (entry,) = cache.glob("*.o")
     # A damaged entry is compiled again and replaced, with a warning, not an error.
+    entry.write_bytes(b"damaged")
     with caplog.at_level(logging.WARNING, logger="megatron_fused_lm"):
-        assert isinstance(file_cache.cached_kernel(source, "sm_90a", (1,), Compiled), Compiled)
+        assert isinstance(file_cache.cached_kernel(source, (1,), Compiled), Compiled)
     assert Compiled.count == 2 and "could not be loaded" in caplog.text
+    assert entry.read_bytes() == b"not an object file" and not list(cache.glob("*.tmp"))
 
     # Turned off: every process compiles, nothing is written.
     monkeypatch.setenv(file_cache.CACHE_VARIABLE, "off")
     assert file_cache.cache_folder() is None
-    file_cache.cached_kernel(source, "sm_90a", (2,), Compiled)
+    file_cache.cached_kernel(source, (2,), Compiled)
     assert Compiled.count == 3 and len(list(cache.glob("*.o"))) == 1
 
     # A folder that cannot be made: the compiled kernel, one warning.
@@ -104,5 +116,5 @@ def test_entries_follow_what_decides_the_binary(tmp_path, monkeypatch, caplog):
     blocked.write_text("")
     monkeypatch.setenv(file_cache.CACHE_VARIABLE, str(blocked / "cache"))
     with caplog.at_level(logging.WARNING, logger="megatron_fused_lm"):
-        assert isinstance(file_cache.cached_kernel(source, "sm_90a", (3,), Compiled), Compiled)
-    assert "cannot be written" in caplog.text
+        assert isinstance(file_cache.cached_kernel(source, (3,), Compiled), Compiled)
+    assert "cannot store" in caplog.text

@@ -29,6 +29,12 @@ PEER_SLACK = 1.25
 FLOAT32_ULP = 2.0**-23
 
 
+@pytest.fixture(autouse=True)
+def own_kernel_cache(tmp_path_factory, monkeypatch):
+    # The tests' compiled kernels in a folder of their own, not in the host user's cache.
+    monkeypatch.setenv("MEGATRON_FUSED_LM_CUTE_CACHE", str(tmp_path_factory.getbasetemp() / "cute_cache"))
+
+
 def make_inputs(num_tokens, hidden_size, vocab, dtype, logit_scale, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     hidden = torch.randn(num_tokens, hidden_size, device="cuda", generator=gen)

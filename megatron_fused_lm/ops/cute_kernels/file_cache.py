@@ -1,12 +1,13 @@
-"""A file cache of compiled CuTe kernels, so that a new process loads a kernel (about 0.1 s) where
+"""A file cache of compiled CuTe kernels, so that a new process loads a kernel (milliseconds) where
 it would compile it (3 to 9 s): each configuration is exported once as an object file (the DSL's
 ``export_to_c``) and loaded through TVM-FFI (``cutlass.runtime.load_module``).
 
 The folder is ``$MEGATRON_FUSED_LM_CUTE_CACHE``, else ``~/.cache/megatron_fused_lm/cute``; the value
-``off`` keeps every kernel in its process. An entry's name digests the DSL's and TVM-FFI's
-versions, the target architecture, the kernel module's source and the configuration, so a change
-of any of them compiles anew; deleting the folder clears the cache. Entries are written whole
-(a temporary file renamed into place), so ranks of one host may compile the same entry at once.
+``off`` keeps every kernel in its process. An entry's name digests the kernel module's source, its
+configuration, TVM-FFI's version and what the DSL's own cache keys on (its version and files, and
+the settings that change a binary: the architecture, ``CUTE_DSL_LINEINFO``, ...), so a change of any
+of them compiles anew; deleting the folder clears the cache. Entries are written whole (a temporary
+file renamed into place), so the ranks of a host may compile one entry at once.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -30,42 +32,56 @@ def cache_folder() -> Optional[Path]:
     return Path(chosen) if chosen else Path.home() / ".cache" / "megatron_fused_lm" / "cute"
 
 
-def entry_name(source: Path, architecture: str, configuration: tuple) -> str:
+def entry_name(source: Path, configuration: tuple) -> str:
     """The cache entry's name (also the exported function's): a digest of what decides the binary."""
-    import cutlass
     import tvm_ffi
+    from cutlass.cutlass_dsl import CuTeDSL
 
+    dsl = CuTeDSL._get_dsl()  # the DSL's own cache key: its files' digest and compile settings
     digest = hashlib.sha256(source.read_bytes())
-    digest.update(repr((cutlass.__version__, tvm_ffi.__version__, architecture, configuration)).encode())
+    digest.update(repr((dsl.get_version().hexdigest(), dsl.envar.cache_key_str(), tvm_ffi.__version__)).encode())
+    digest.update(repr(configuration).encode())
     return f"{source.stem}_{digest.hexdigest()[:24]}"
 
 
-def cached_kernel(source: Path, architecture: str, configuration: tuple, compile_kernel: Callable[[], Any]):
-    """The kernel of ``configuration`` (a tuple of plain values) from ``source``'s module for
-    ``architecture`` (``sm_90a``): loaded from the cache where an entry exists, else compiled by
-    ``compile_kernel()`` and stored. Either is called with the kernel's arguments, the stream aside
-    (TVM-FFI's current stream). A cache that cannot be read or written costs a compilation and one
-    logged warning, never the call."""
-    folder = cache_folder()
+def cached_kernel(source: Path, configuration: tuple, compile_kernel: Callable[[], Any]):
+    """The kernel of ``configuration`` (a tuple of plain values) from ``source``'s module: loaded from
+    the cache where an entry exists, else compiled by ``compile_kernel()`` and stored. Either is
+    called with the kernel's arguments, the stream aside (TVM-FFI's current stream). A cache that
+    cannot be found, read or written costs a compilation and a logged warning, never the call."""
+    try:
+        folder = cache_folder()
+        name = None if folder is None else entry_name(source, configuration)
+    except Exception as error:  # no home folder, say
+        warn_once(f"the CuTe kernel cache is not available ({error}); each process compiles its kernels")
+        folder = None
     if folder is None:
         return compile_kernel()
-    name = entry_name(source, architecture, configuration)
     path = folder / f"{name}.o"
-    if path.exists():
-        try:
+    try:
+        if path.exists():
             from cutlass.runtime import load_module
 
             return getattr(load_module(str(path), enable_tvm_ffi=True), name)
-        except Exception as error:  # a damaged entry: compiled again and replaced
-            warn_once(f"the CuTe kernel cache entry {path} could not be loaded ({error}); compiling it again")
+    except Exception as error:  # a damaged entry or an unreadable folder: compiled again below
+        warn_once(f"the CuTe kernel cache entry {path} could not be loaded ({error}); compiling it again")
     compiled = compile_kernel()
-    written = path.with_suffix(f".{os.getpid()}.tmp")
+    _store(compiled, folder, name)
+    return compiled
+
+
+def _store(compiled, folder: Path, name: str) -> None:
+    """``compiled`` exported into ``folder`` as the entry ``name``, whole (a file of its own renamed
+    into place) or not at all (a logged warning)."""
+    written = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        compiled.export_to_c(str(written), function_name=name)
-        os.replace(written, path)
+        handle, written = tempfile.mkstemp(dir=folder, prefix=name, suffix=".tmp")
+        os.close(handle)
+        compiled.export_to_c(written, function_name=name)
+        os.replace(written, folder / f"{name}.o")
     except Exception as error:  # a read-only or full disk, say
-        warn_once(f"the CuTe kernel cache {folder} cannot be written ({error}); each process compiles its kernels")
-        with contextlib.suppress(OSError):  # a partial file, where there is one
-            written.unlink()
-    return compiled
+        warn_once(f"the CuTe kernel cache {folder} cannot store {name} ({error}); each process compiles it")
+        if written is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(written)

@@ -25,7 +25,6 @@ The pipeline of one persistent CTA (three warpgroups):
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import cutlass
@@ -482,13 +481,8 @@ def cute_split_statistics(
     key = (hidden.dtype, cluster_m, group_m, stages, uniform)
     if key not in _compiled:
         kernel = StatisticsKernel(cluster_m, group_m, stages, uniform)
-        # As the DSL compiles: for CUTE_DSL_ARCH where set, else for the device.
-        architecture = os.environ.get("CUTE_DSL_ARCH") or "sm_{}{}a".format(
-            *torch.cuda.get_device_capability(hidden.device)
-        )
-        _compiled[key] = cached_kernel(
-            Path(__file__), architecture, (str(hidden.dtype), *key[1:]), lambda: _compile(kernel, hidden.dtype)
-        )
+        configuration = (str(hidden.dtype), cluster_m, group_m, stages, uniform)
+        _compiled[key] = cached_kernel(Path(__file__), configuration, lambda: _compile(kernel, hidden.dtype))
     _compiled[key](hidden, weight, target_column, temperature, parts, tiles_per_split, num_splits, num_clusters)
     return parts
 

@@ -92,8 +92,8 @@ def check_across_ranks(
     and ``shard [V / P, H]`` the rank's weight shard, or a logits shard ``[..., V / P]`` and
     ``None`` (its columns are the vocabulary rows); the rest as the op takes them (``loss_inputs`` a
     loss's per-token tensors by name, or ``{"declared_weights": ...}``; ``settings`` its other
-    options by name, checked already (numbers, bools, strings or ``None``, compared by their
-    ``repr``): ranks whose backend, chunks, row count or collectives differ abort or hang in the
+    options by name (numbers, bools, strings or ``None``, as far as the op has checked them, compared
+    by their ``repr``): ranks whose backend, chunks, row count or collectives differ abort or hang in the
     op). Once per op, group, shard size, row width, dtypes and device, whatever the number of rows;
     nothing else on later calls."""
     if not _mode[0] or group_size(tp_group) == 1 or not has_values(hidden):
@@ -142,11 +142,16 @@ def check_across_ranks(
 
 def _digests(targets, mask, temperature, kept_tokens, loss_inputs, device: torch.device) -> torch.Tensor:
     """One int64 per input, in ``NAMES``' order after the shapes: a position-weighted sum of its values
-    (wrapping, exact), -1 where absent; ``kept_tokens`` by both tensors, ``loss_inputs`` by name (the
-    same tensors under other names are other inputs; tensors only: the op names a wrong value later)."""
+    (wrapping, exact), -1 where absent; ``targets`` with their shape (``[n]`` and ``[n, 1]``: one target
+    per row or several, other collectives; a temperature may come as ``[b]`` or ``[b, 1]``);
+    ``kept_tokens`` by both tensors, ``loss_inputs`` by name (the same tensors under other names are
+    other inputs). Tensors only: the op names a value of another type later."""
     absent = torch.tensor(-1, device=device)
-    values = [absent if value is None else _digest(value) for value in (targets, mask, temperature)]
-    values.append(absent if kept_tokens is None else _digest(kept_tokens[0]) * 1_000_003 + _digest(kept_tokens[1]))
+    values = [_digest(value) if isinstance(value, torch.Tensor) else absent for value in (targets, mask, temperature)]
+    if isinstance(targets, torch.Tensor):
+        values[0] = values[0] + zlib.crc32(repr(tuple(targets.shape)).encode())
+    tensors = kept_tokens is not None and all(isinstance(part, torch.Tensor) for part in kept_tokens[:2])
+    values.append(_digest(kept_tokens[0]) * 1_000_003 + _digest(kept_tokens[1]) if tensors else absent)
     named = {key: value for key, value in (loss_inputs or {}).items() if isinstance(value, torch.Tensor)}
     keyed = [(_digest(named[key]) + zlib.crc32(key.encode())) * (index + 1) for index, key in enumerate(sorted(named))]
     values.append(sum(keyed) + len(named) if named else absent)
@@ -154,13 +159,12 @@ def _digests(targets, mask, temperature, kept_tokens, loss_inputs, device: torch
 
 
 def _digest(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s values and shape as one int64, the same on every rank exactly when they are
-    (targets ``[n]`` and ``[n, 1]`` differ: one target per row or several, other collectives)."""
+    """``tensor``'s values and their number as one int64, the same on every rank exactly when they are."""
     flat = tensor.detach().reshape(-1)
     if flat.dtype.is_floating_point:  # the float32 bits, so that equal values give equal digests
         flat = flat.float().view(torch.int32)
     weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64) * 2_654_435_761
-    return (flat.long() * weights).sum() + zlib.crc32(repr(tuple(tensor.shape)).encode())
+    return (flat.long() * weights).sum() + flat.numel()
 
 
 def _shard_digest(shard: torch.Tensor) -> torch.Tensor:

@@ -140,3 +140,7 @@ def test_registered_names_resolve_without_crashing_or_swapping(monkeypatch):
     with pytest.raises(ValueError, match="named 'cute'"):
         resolve(Subclassed(), torch.device("cpu"))
     assert type(by_name("cute")) is CuteBackend
+    # An object that runs no Triton kernel cannot take a built-in's name either.
+    named_triton = type("NamedTriton", (TorchBackend,), {"name": "triton"})
+    with pytest.raises(ValueError, match="a built-in's name"):
+        resolve(named_triton(), torch.device("cpu"))

@@ -108,6 +108,12 @@ def check_refusals(rank, world_size):
     # One target per row on one rank, one of several ([n, 1]) on the other: other collectives.
     refused(V + 20, "disagree on targets", lambda h, s, w, t: fused_linear_logprob(
         h, s, t[:, None] if rank == 0 else t, tp_group=group))  # fmt: skip
+    # One temperature per sequence, [b] on one rank and [b, 1] on the other: the same values, agreed.
+    hidden_c, weight_c, targets_c = case(V + 22, seed=22)
+    per_sequence = torch.full((3,), 0.7) if rank == 0 else torch.full((3, 1), 0.7)
+    fused_linear_logprob(
+        hidden_c.view(3, 4, H), shard_of(weight_c, rank), targets_c.view(3, 4), tp_group=group, temperature=per_sequence
+    )
     # Options equal once checked agree, whatever their types.
     hidden_b, weight_b, targets_b = case(V + 21, seed=21)
     fused_linear_logprob(hidden_b, shard_of(weight_b, rank), targets_b, tp_group=group, entropy_grad=(True, 1)[rank])

@@ -5,6 +5,7 @@ options (``by_name``); the Triton and CuTe modules are imported only when a call
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Dict, List, Union
 
 import torch
@@ -87,8 +88,12 @@ def resolve(backend: Union[str, object], device: torch.device):
         )
     if _runs_triton(backend) and resolved_backend("triton", device) == "torch":
         return by_name("torch")
-    if backend.name in ("triton", "cute"):
-        by_name(backend.name)  # the built-in holds its name, whichever object comes first
+    if backend.name in ("triton", "cute"):  # the built-ins' names, whichever object comes first
+        if not _runs_triton(backend):
+            raise ValueError(
+                f"backend {backend!r} is named {backend.name!r}, a built-in's name; give it a name of its own"
+            )
+        by_name(backend.name)
     held = _by_name.setdefault(backend.name, backend)
     # The options carry the name, and the ops look the backend up by it: one name, one behaviour.
     if not _alike(held, backend):
@@ -102,11 +107,9 @@ def resolve(backend: Union[str, object], device: torch.device):
 def _runs_triton(backend: object) -> bool:
     """Whether ``backend`` runs Triton's kernels (``triton.TritonBackend`` or a subclass); a backend
     object of one's own runs wherever it is given."""
-    try:
-        from .triton import TritonBackend
-    except ImportError:  # without Triton no object runs its kernels
-        return False
-    return isinstance(backend, TritonBackend)
+    # No Triton-based object exists unless its module was imported: nothing is imported here.
+    module = sys.modules.get(f"{__package__}.triton")
+    return module is not None and isinstance(backend, module.TritonBackend)
 
 
 def _alike(held: object, backend: object) -> bool:

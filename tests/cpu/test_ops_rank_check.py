@@ -114,6 +114,10 @@ def check_refusals(rank, world_size):
     fused_linear_logprob(
         hidden_c.view(3, 4, H), shard_of(weight_c, rank), targets_c.view(3, 4), tp_group=group, temperature=per_sequence
     )
+    # A list where the mask belongs: the op's own TypeError on every rank, not a crash in the digest.
+    hidden_d, weight_d, targets_d = case(V + 23, seed=23)
+    with pytest.raises(TypeError, match="mask must be a bool tensor"):
+        fused_linear_logprob(hidden_d, shard_of(weight_d, rank), targets_d, tp_group=group, mask=[True] * TOKENS)
     # Options equal once checked agree, whatever their types.
     hidden_b, weight_b, targets_b = case(V + 21, seed=21)
     fused_linear_logprob(hidden_b, shard_of(weight_b, rank), targets_b, tp_group=group, entropy_grad=(True, 1)[rank])

@@ -70,8 +70,8 @@ def _prepare(
 ) -> tuple[HeadOptions, RowSelection, ShardProblem]:
     """The public op ``op``'s inputs and options checked, on this rank and then across the ranks of
     ``tp_group`` (before anything else communicates), its backend resolved once, its selected rows
-    (``several``: ``k`` targets each) and their ``ShardProblem``. ``source`` and ``weight`` are the hidden states and
-    the weight, whose problem holds the selected hidden rows in the weight's dtype (the products run
+    (``several``: ``k`` targets each) and their ``ShardProblem``. ``source`` and ``weight`` are the
+    hidden states and the weight, whose problem holds the selected hidden rows in the weight's dtype (the products run
     in it) and the weight's rows below ``vocab_size`` (``inputs.live_columns``; a view, through which
     the padded rows get no gradient); or the logits and ``None``, whose problem holds the selected
     rows' live columns in the place of the hidden rows and no weight."""
@@ -84,6 +84,7 @@ def _prepare(
     kept_tokens, out_of_vocab = as_kept_tokens(kept_tokens), check_out_of_vocab(out_of_vocab)
     # The checked values, so that ranks passing equal options in other types agree (softcap apart).
     settings = {name: value for name, value in options.fields().items() if name not in ("tp_group_name", "softcap")}
+    settings.update(max_rows=max_rows, out_of_vocab=out_of_vocab)
     check_across_ranks(
         op,
         tp_group,
@@ -96,7 +97,7 @@ def _prepare(
         loss_inputs=loss_inputs,
         vocab_size=vocab_size,
         softcap=options.softcap,
-        settings=dict(settings, max_rows=max_rows, out_of_vocab=out_of_vocab),
+        settings=settings,
     )
     vocab_shard = source.shape[-1] if weight is None else weight.shape[0]
     live = live_columns(vocab_shard, vocab_size, tp_group)  # checked before the targets are read against it

@@ -81,6 +81,7 @@ def fused_linear_topk(
     check_linear_inputs(hidden, weight)
     softcap = check_softcap(softcap)
     resolved = registry.resolve(backend, hidden.device)
+    options = HeadOptions.checked(backend=resolved.name, token_chunk=token_chunk, tp_group=tp_group, softcap=softcap)
     check_across_ranks(
         "fused_linear_topk",
         tp_group,
@@ -89,9 +90,8 @@ def fused_linear_topk(
         temperature=temperature,
         vocab_size=vocab_size,
         softcap=softcap,
-        settings=dict(backend=resolved.name, token_chunk=token_chunk, k=k),
+        settings=dict(backend=resolved.name, token_chunk=options.token_chunk, k=k),
     )
-    options = HeadOptions.checked(backend=resolved.name, token_chunk=token_chunk, tp_group=tp_group, softcap=softcap)
     temperature = row_temperatures(temperature, RowSelection(hidden.shape[:-1], None, None, None), hidden.device)
     first_id, vocab = _shard_ids(weight.shape[0], vocab_size, tp_group)
     rows = hidden.reshape(-1, hidden.shape[-1]).detach().to(weight.dtype)
@@ -132,6 +132,7 @@ def logits_topk(
     the same results, forward only."""
     check_logits(logits)
     softcap = check_softcap(softcap)
+    options = HeadOptions.checked(backend="torch", token_chunk=token_chunk, tp_group=tp_group, softcap=softcap)
     check_across_ranks(
         "logits_topk",
         tp_group,
@@ -140,9 +141,8 @@ def logits_topk(
         temperature=temperature,
         vocab_size=vocab_size,
         softcap=softcap,
-        settings=dict(token_chunk=token_chunk, k=k),
+        settings=dict(token_chunk=options.token_chunk, k=k),
     )
-    options = HeadOptions.checked(backend="torch", token_chunk=token_chunk, tp_group=tp_group, softcap=softcap)
     temperature = row_temperatures(temperature, RowSelection(logits.shape[:-1], None, None, None), logits.device)
     first_id, vocab = _shard_ids(logits.shape[-1], vocab_size, tp_group)
     flat = logits.detach().reshape(-1, logits.shape[-1])[:, : live_columns(logits.shape[-1], vocab_size, tp_group)]

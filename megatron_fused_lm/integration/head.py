@@ -602,23 +602,46 @@ class FusedLMHead:
 
     def _only_candidate(self, output: torch.Tensor, caller: str) -> provenance.Origin:
         """A live forward that could have made ``output``, whose origin nothing establishes, where
-        every such forward computes alike without a graph (one model, one output weight)."""
+        every such forward computes alike without a graph (one model, one output weight).
+
+        The ranks of the tensor-parallel group decide together, at one all-reduce and one host read
+        on this path only: a collective's pending work (gloo's worker threads, NCCL's watchdog) can
+        hold a freed output's memory a moment longer on some ranks, and ranks that decided alone
+        could part, one raising while the others wait in the op's collectives."""
         candidates = provenance.live_origins(output.shape[-1], output.device)
         # The weak reference, not the head: one whose head is gone could still have made the tensor.
-        if len({(id(origin.head_ref), *origin.call.key()) for origin in candidates}) == 1:
+        forwards = len({(id(origin.head_ref), *origin.call.key()) for origin in candidates})
+        fewest, most = self._range_over_ranks(min(forwards, 2), output.device)
+        if fewest == most == 1:
             return candidates[-1]
         unlinked = (
             f"{caller}: nothing links this tensor (shape {tuple(output.shape)}) to the forward that made it: no graph "
             "leads back to one and it shares no forward's memory (a copy made without gradients, such as .float() "
             "or .contiguous() under no_grad, keeps neither)"
         )
-        if not candidates:
-            raise RuntimeError(f"{unlinked}, and no forward's output is alive; pass what the wrapped model returned")
-        names = sorted({origin.head_name for origin in candidates})
-        raise RuntimeError(
-            f"{unlinked}, and forwards of {', '.join(names)} whose outputs are alive could have made it; pass the "
-            "output itself or a view of it, or copy it with gradients on"
-        )
+        copy_advice = "pass the output itself or a view of it, or copy it with gradients on"
+        if forwards > 1:
+            names = sorted({origin.head_name for origin in candidates})
+            raise RuntimeError(
+                f"{unlinked}, and forwards of {', '.join(names)} whose outputs are alive could have made it; {copy_advice}"
+            )
+        if most > 1:
+            raise RuntimeError(
+                f"{unlinked}, and on another rank of the tensor-parallel group several forwards whose outputs are "
+                f"alive could have made it; {copy_advice}"
+            )
+        where = "" if most == 0 else " on some ranks of the tensor-parallel group"
+        raise RuntimeError(f"{unlinked}, and no forward's output is alive{where}; pass what the wrapped model returned")
+
+    def _range_over_ranks(self, value: int, device: torch.device) -> Tuple[int, int]:
+        """The least and the most of ``value`` over the ranks of the head's tensor-parallel group."""
+        group = tensor_parallel_group(*self._stock_layers[-1])
+        if group is None or torch.distributed.get_world_size(group) == 1:
+            return value, value
+        both = torch.tensor([value, -value], device=device)
+        torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=group)
+        most, negated_fewest = both.tolist()
+        return -negated_fewest, most
 
     def _answer(self, output: torch.Tensor, request: Request, caller: str):
         """``request`` for the output of this head's model: fused, or from the stock logits."""

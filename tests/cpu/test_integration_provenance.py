@@ -283,6 +283,42 @@ def test_the_head_computes_each_output_with_its_own_forward():
     harness.spawn(provenance_worker, 2)
 
 
+def ranks_decide_together_worker() -> None:
+    """A tensor nothing links, while the ranks of the group hold different live outputs: what a
+    gloo worker thread or NCCL's watchdog does for a moment with the memory of a freed output that
+    a collective wrote (a sequence-parallel gather's). Here one rank keeps outputs the other frees.
+    Every rank must raise: a rank that computed while another raised would wait in the op's
+    collectives (this worker ends after the checks, so such a rank fails at once, not at a timeout)."""
+    harness.tensor_parallel(2)
+    rank = torch.distributed.get_rank()
+    model, other = harness.build_gpt(), harness.build_gpt(seed=99)
+    head, other_head = wrap_model(model, FUSED), wrap_model(other, FUSED)
+    batch = harness.make_batch(seed=7)
+    targets = batch[3]
+    stray = torch.randn(harness.BATCH, harness.SEQ, harness.HIDDEN)
+    with torch.no_grad():
+        held = harness.forward(model, batch)
+        if rank == 0:
+            del held
+    gc.collect()
+    where = "no forward's output is alive on some ranks of the tensor-parallel group"
+    expect_error(RuntimeError, ("nothing links", where), head.logprobs, stray, targets)
+    with torch.no_grad():
+        held_other = harness.forward(other, batch)
+        if rank == 0:
+            held = held_other
+            del held_other
+    gc.collect()
+    several = ("several forwards", "another rank") if rank == 0 else (head.name, other_head.name, "could have made it")
+    expect_error(RuntimeError, ("nothing links", *several), head.logprobs, stray, targets)
+    unwrap_model(model)
+    unwrap_model(other)
+
+
+def test_the_ranks_decide_together_on_a_tensor_nothing_links():
+    harness.spawn(ranks_decide_together_worker, 2)
+
+
 SQUARE = harness.GPTShape(hidden=16, heads=4, layers=1, vocab=16, seq=16, micro_batch=2)
 
 

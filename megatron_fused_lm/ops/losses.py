@@ -156,13 +156,14 @@ class ClippedPolicyLoss:
         )
         # On-policy without old log-probs: a ratio of 1 whose derivative is 1.
         raw = logprob - (logprob.detach() if old_logprob is None else old_logprob)
-        ratio = raw.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
-        low, high = 1 - self.clip_low, 1 + self.clip_high
+        limited = raw.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+        ratio = limited.exp()
         negated = -advantages  # once for both sides and the gradient
-        unclipped, clipped = negated * ratio, negated * ratio.clamp(low, high)
-        # A tie (the ratio inside the clip range, or a zero advantage) has one derivative either way.
-        unclipped_wins = unclipped >= clipped
-        loss = torch.where(unclipped_wins, unclipped, clipped)
+        unclipped, clipped = negated * ratio, negated * ratio.clamp(1 - self.clip_low, 1 + self.clip_high)
+        # The clipped side wins only off the clip range (inside it the sides are equal), where its
+        # derivative is 0; a tie or a NaN takes the unclipped side, as autograd of this value does.
+        clipped_wins = unclipped < clipped
+        loss = torch.where(clipped_wins, clipped, unclipped)
         capped = None
         if self.dual_clip is not None:
             bound = negated * self.dual_clip
@@ -170,11 +171,11 @@ class ClippedPolicyLoss:
             loss = torch.where(capped, bound, loss)
         grad = grad_entropy = None
         if grads:
-            grad_ratio = torch.where(raw.abs() <= LOG_RATIO_LIMIT, ratio, 0.0)  # clamp passes it inside the limits
-            grad = torch.where(unclipped_wins | ((ratio >= low) & (ratio <= high)), negated * grad_ratio, 0.0)
+            grad_ratio = torch.where(limited == raw, ratio, 0.0)  # clamp passes it inside the limits
+            grad = torch.where(clipped_wins, 0.0, negated * grad_ratio)
             grad = grad if capped is None else torch.where(capped, 0.0, grad)
         if self.entropy_coef:
-            loss = loss - self.entropy_coef * entropy
+            loss = torch.sub(loss, entropy, alpha=self.entropy_coef)
             grad_entropy = -self.entropy_coef * weight if grads else None
         if self.kl_coef:
             if ref_logprob is None:

@@ -98,18 +98,25 @@ def test_entries_follow_what_decides_the_binary(tmp_path, monkeypatch, caplog):
     kernel = file_cache.cached_kernel(source, (1,), Compiled)
     assert isinstance(kernel, Compiled) and Compiled.count == 1
     (entry,) = cache.glob("*.o")
-    # A damaged entry is compiled again and replaced, with a warning, not an error.
-    entry.write_bytes(b"damaged")
+    # An entry whose bytes match its name but that the loader refuses: compiled again, a warning.
     with caplog.at_level(logging.WARNING, logger="megatron_fused_lm"):
         assert isinstance(file_cache.cached_kernel(source, (1,), Compiled), Compiled)
     assert Compiled.count == 2 and "could not be loaded" in caplog.text
-    assert entry.read_bytes() == b"not an object file" and not list(cache.glob("*.tmp"))
+    # An entry damaged on disk, its size kept (it could load and run other code): never loaded,
+    # removed, compiled again and stored under its new bytes' name.
+    entry.write_bytes(b"not an object filf")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megatron_fused_lm"):
+        assert isinstance(file_cache.cached_kernel(source, (1,), Compiled), Compiled)
+    assert Compiled.count == 3 and "is damaged" in caplog.text and "could not be loaded" not in caplog.text
+    (replaced,) = cache.glob("*.o")
+    assert replaced.read_bytes() == b"not an object file" and not list(cache.glob("*.tmp"))
 
     # Turned off: every process compiles, nothing is written.
     monkeypatch.setenv(file_cache.CACHE_VARIABLE, "off")
     assert file_cache.cache_folder() is None
     file_cache.cached_kernel(source, (2,), Compiled)
-    assert Compiled.count == 3 and len(list(cache.glob("*.o"))) == 1
+    assert Compiled.count == 4 and len(list(cache.glob("*.o"))) == 1
 
     # A folder that cannot be made: the compiled kernel, one warning.
     blocked = tmp_path / "a_file"

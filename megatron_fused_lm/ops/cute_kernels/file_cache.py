@@ -7,7 +7,8 @@ The folder is ``$MEGATRON_FUSED_LM_CUTE_CACHE``, else ``~/.cache/megatron_fused_
 configuration, TVM-FFI's version and what the DSL's own cache keys on (its version and files, and
 the settings that change a binary: the architecture, ``CUTE_DSL_LINEINFO``, ...), so a change of any
 of them compiles anew; deleting the folder clears the cache. Entries are written whole (a temporary
-file renamed into place), so the ranks of a host may compile one entry at once.
+file renamed into place), so the ranks of a host may compile one entry at once, and each file's name
+ends in a digest of its bytes, checked before it loads: a damaged entry is compiled again, never run.
 """
 
 from __future__ import annotations
@@ -57,17 +58,36 @@ def cached_kernel(source: Path, configuration: tuple, compile_kernel: Callable[[
         folder = None
     if folder is None:
         return compile_kernel()
-    path = folder / f"{name}.o"
     try:
-        if path.exists():
-            from cutlass.runtime import load_module
-
-            return getattr(load_module(str(path), enable_tvm_ffi=True), name)
-    except Exception as error:  # a damaged entry or an unreadable folder: compiled again below
-        warn_once(f"the CuTe kernel cache entry {path} could not be loaded ({error}); compiling it again")
+        loaded = _load(folder, name)
+        if loaded is not None:
+            return loaded
+    except Exception as error:  # an entry the loader refuses, or an unreadable folder: compiled again below
+        warn_once(f"the CuTe kernel cache entry {name} in {folder} could not be loaded ({error}); compiling it again")
     compiled = compile_kernel()
     _store(compiled, folder, name)
     return compiled
+
+
+def _content_digest(data: bytes) -> str:
+    """What an entry's file name ends in: a digest of its bytes."""
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _load(folder: Path, name: str):
+    """The function of the entry ``name`` whose bytes match its digest, or ``None``; entries that do
+    not match (damaged on disk) are removed, with a warning."""
+    from cutlass.runtime import load_module
+
+    for path in sorted(folder.glob(f"{name}-*.o")):
+        if _content_digest(path.read_bytes()) == path.stem.rpartition("-")[2]:
+            return getattr(load_module(str(path), enable_tvm_ffi=True), name)
+        warn_once(
+            f"the CuTe kernel cache entry {path} is damaged (its bytes do not match its name); compiling it again"
+        )
+        with contextlib.suppress(OSError):
+            path.unlink()
+    return None
 
 
 def _store(compiled, folder: Path, name: str) -> None:
@@ -79,7 +99,7 @@ def _store(compiled, folder: Path, name: str) -> None:
         handle, written = tempfile.mkstemp(dir=folder, prefix=name, suffix=".tmp")
         os.close(handle)
         compiled.export_to_c(written, function_name=name)
-        os.replace(written, folder / f"{name}.o")
+        os.replace(written, folder / f"{name}-{_content_digest(Path(written).read_bytes())}.o")
     except Exception as error:  # a read-only or full disk, say
         warn_once(f"the CuTe kernel cache {folder} cannot store {name} ({error}); each process compiles it")
         if written is not None:

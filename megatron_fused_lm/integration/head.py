@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import enum
 import functools
 import inspect
 import logging
@@ -322,6 +323,17 @@ def _caller_site() -> str:
     )
 
 
+class _Found(enum.IntEnum):
+    """What a rank finds among the live forwards for a tensor nothing links
+    (``FusedLMHead._only_candidate``): none, one of this head's, one of another (or a gone) head's,
+    several; ordered so that the most over the ranks is the worst."""
+
+    NONE = 0
+    OWN = 1
+    OTHER = 2
+    SEVERAL = 3
+
+
 class FusedLMHead:
     """Per-token log-probs and entropy from what a wrapped model returns; made by ``wrap_model``.
 
@@ -611,34 +623,47 @@ class FusedLMHead:
         candidates = provenance.live_origins(output.shape[-1], output.device)
         # The weak reference, not the head: one whose head is gone could still have made the tensor.
         forwards = len({(id(origin.head_ref), *origin.call.key()) for origin in candidates})
-        fewest, most = self._range_over_ranks(min(forwards, 2), output.device)
-        if fewest == most == 1:
+        # What this rank found: none, one of this head's forwards, one of another (or gone) head's, several.
+        if forwards != 1:
+            found = _Found.SEVERAL if forwards else _Found.NONE
+        else:
+            found = _Found.OWN if candidates[-1].head is self else _Found.OTHER
+        fewest, most = self._range_over_ranks(found, output)
+        if fewest == most == _Found.OWN:
             return candidates[-1]
+        if found == _Found.OTHER:
+            self._own(candidates[-1], caller)  # raises, naming whose forward it is
         unlinked = (
             f"{caller}: nothing links this tensor (shape {tuple(output.shape)}) to the forward that made it: no graph "
             "leads back to one and it shares no forward's memory (a copy made without gradients, such as .float() "
             "or .contiguous() under no_grad, keeps neither)"
         )
         copy_advice = "pass the output itself or a view of it, or copy it with gradients on"
-        if forwards > 1:
+        if found == _Found.SEVERAL:
             names = sorted({origin.head_name for origin in candidates})
             raise RuntimeError(
                 f"{unlinked}, and forwards of {', '.join(names)} whose outputs are alive could have made it; {copy_advice}"
             )
-        if most > 1:
+        elsewhere = f"{unlinked}, and on another rank of the tensor-parallel group"
+        if most == _Found.SEVERAL:
             raise RuntimeError(
-                f"{unlinked}, and on another rank of the tensor-parallel group several forwards whose outputs are "
-                f"alive could have made it; {copy_advice}"
+                f"{elsewhere} several forwards whose outputs are alive could have made it; {copy_advice}"
             )
-        where = "" if most == 0 else " on some ranks of the tensor-parallel group"
+        if most == _Found.OTHER:
+            raise RuntimeError(
+                f"{elsewhere} the one live forward that could have made it is not {self.name}'s; {copy_advice}"
+            )
+        where = "" if most == _Found.NONE else " on some ranks of the tensor-parallel group"
         raise RuntimeError(f"{unlinked}, and no forward's output is alive{where}; pass what the wrapped model returned")
 
-    def _range_over_ranks(self, value: int, device: torch.device) -> Tuple[int, int]:
-        """The least and the most of ``value`` over the ranks of the head's tensor-parallel group."""
+    def _range_over_ranks(self, value: int, output: torch.Tensor) -> Tuple[int, int]:
+        """The least and the most of ``value`` over the ranks of the head's tensor-parallel group;
+        ``value`` itself while a CUDA graph is captured (no host read there: each rank decides alone)."""
         group = tensor_parallel_group(*self._stock_layers[-1])
-        if group is None or torch.distributed.get_world_size(group) == 1:
+        capturing = output.is_cuda and torch.cuda.is_current_stream_capturing()
+        if group is None or capturing or torch.distributed.get_world_size(group) == 1:
             return value, value
-        both = torch.tensor([value, -value], device=device)
+        both = torch.tensor([value, -value], device=output.device)
         torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=group)
         most, negated_fewest = both.tolist()
         return -negated_fewest, most

@@ -171,8 +171,8 @@ class ClippedPolicyLoss:
             loss = torch.where(capped, bound, loss)
         grad = grad_entropy = None
         if grads:
-            grad_ratio = torch.where(limited == raw, ratio, 0.0)  # clamp passes it inside the limits
-            grad = torch.where(clipped_wins, 0.0, negated * grad_ratio)
+            # d unclipped / d logprob is unclipped itself, passed by the clamp inside its limits only.
+            grad = torch.where(clipped_wins, 0.0, torch.where(limited == raw, unclipped, 0.0))
             grad = grad if capped is None else torch.where(capped, 0.0, grad)
         if self.entropy_coef:
             loss = torch.sub(loss, entropy, alpha=self.entropy_coef)

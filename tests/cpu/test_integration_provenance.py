@@ -286,7 +286,8 @@ def test_the_head_computes_each_output_with_its_own_forward():
 def ranks_decide_together_worker() -> None:
     """A tensor nothing links, while the ranks of the group hold different live outputs: what a
     gloo worker thread or NCCL's watchdog does for a moment with the memory of a freed output that
-    a collective wrote (a sequence-parallel gather's). Here one rank keeps outputs the other frees.
+    a collective wrote (a sequence-parallel gather's). Here one rank keeps outputs the other frees,
+    or each keeps another model's.
     Every rank must raise: a rank that computed while another raised would wait in the op's
     collectives (this worker ends after the checks, so such a rank fails at once, not at a timeout)."""
     harness.tensor_parallel(2)
@@ -309,8 +310,21 @@ def ranks_decide_together_worker() -> None:
             held = held_other
             del held_other
     gc.collect()
-    several = ("several forwards", "another rank") if rank == 0 else (head.name, other_head.name, "could have made it")
-    expect_error(RuntimeError, ("nothing links", *several), head.logprobs, stray, targets)
+    # Rank 0 holds the other model's output alone (the one it could be), rank 1 both models'.
+    other_model = ("another wrapped model", other_head.name)
+    several = other_model if rank == 0 else ("nothing links", head.name, other_head.name, "could have made it")
+    expect_error(RuntimeError, several, head.logprobs, stray, targets)
+    # One live forward on each rank, but not the same model's: rank 1 now holds this head's alone.
+    if rank == 1:
+        del held_other
+    gc.collect()
+    mixed = other_model if rank == 0 else ("nothing links", f"not {head.name}'s")
+    expect_error(RuntimeError, mixed, head.logprobs, stray, targets)
+    # Both hold the other model's output alone: each names it.
+    with torch.no_grad():
+        held = harness.forward(other, batch)
+    gc.collect()
+    expect_error(RuntimeError, other_model, head.logprobs, stray, targets)
     unwrap_model(model)
     unwrap_model(other)
 

@@ -795,26 +795,24 @@ def test_clipped_policy_loss_on_policy_and_at_the_clip_bounds():
             assert torch.allclose(got, expected, rtol=1e-12, atol=1e-15), (old is None, got, expected)
 
 
-def test_a_nan_in_the_policy_loss_inputs_takes_the_same_derivative_on_both_routes():
-    # A NaN advantage (inside the clip range and off it) or old log-prob is not clipped away: its
-    # token's loss is NaN, and the closed form's derivative is autograd's of the value (NaN for the
-    # advantage; 0 for the old log-prob, where the log-ratio's clamp passes no gradient); the other
-    # tokens keep their numbers.
+def test_a_nan_or_an_infinity_in_the_policy_loss_inputs_takes_autograds_derivative():
+    # A NaN advantage (inside the clip range, off it, past the log-ratio's clamp) or a NaN old
+    # log-prob is not clipped away: its token's loss is NaN, and the closed form's derivative is
+    # autograd's of the value (NaN for the advantage where the clamp passes the gradient, 0 past
+    # it and for a NaN log-ratio, whatever the advantage); the other tokens keep their numbers.
     policy = losses.ClippedPolicyLoss(clip_low=0.2, clip_high=0.28, dual_clip=3.0, entropy_coef=0.01)
-    logprob = torch.tensor([-1.0, -1.0, -1.0, -1.0, -1.0], dtype=torch.float64, requires_grad=True)
-    inputs = dict(
-        advantages=torch.tensor([math.nan, 1.0, math.nan, -1.0, 0.5], dtype=torch.float64),
-        old_logprob=torch.tensor([-1.2, math.nan, -2.0, -0.5, -1.1], dtype=torch.float64),
-        weight=torch.ones(5, dtype=torch.float64),
-    )
-    entropy = torch.ones(5, dtype=torch.float64)
+    log_ratio = torch.tensor([0.2, math.nan, 1.0, 21.0, math.nan, math.nan, 0.5, 0.1], dtype=torch.float64)
+    advantages = torch.tensor([math.nan, 1.0, math.nan, math.nan, math.inf, math.nan, -1.0, 0.5]).double()
+    logprob = torch.full((8,), -1.0, dtype=torch.float64, requires_grad=True)
+    inputs = dict(advantages=advantages, old_logprob=-1.0 - log_ratio, weight=torch.ones(8, dtype=torch.float64))
+    entropy = torch.ones(8, dtype=torch.float64)
     loss = policy(logprob, entropy, **inputs)
     (grad,) = torch.autograd.grad(loss.sum(), logprob)
     closed_loss, closed_grad, _ = policy.with_grads(logprob.detach(), entropy, **inputs)
-    assert loss[:3].isnan().all() and loss[3:].isfinite().all(), loss
-    assert grad[[0, 2]].isnan().all() and grad[1] == 0 and grad[3:].isfinite().all(), grad
+    assert loss[:6].isnan().all() and loss[6:].isfinite().all(), loss
+    assert grad[[0, 2]].isnan().all() and (grad[[1, 3, 4, 5]] == 0).all() and grad[6:].isfinite().all(), grad
     torch.testing.assert_close(closed_loss, loss.detach(), rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(closed_grad, grad, rtol=1e-12, atol=0, equal_nan=True)
+    torch.testing.assert_close(closed_grad, grad, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize(

@@ -659,11 +659,14 @@ class FusedLMHead:
     def _range_over_ranks(self, value: int, output: torch.Tensor) -> Tuple[int, int]:
         """The least and the most of ``value`` over the ranks of the head's tensor-parallel group;
         ``value`` itself while a CUDA graph is captured (no host read there: each rank decides alone)."""
-        group = tensor_parallel_group(*self._stock_layers[-1])
-        capturing = output.is_cuda and torch.cuda.is_current_stream_capturing()
+        chunk, layer = self._stock_layers[-1]
+        group = tensor_parallel_group(chunk, layer)
+        # The model's device, which the group's backend serves (a CPU copy handed over under NCCL too).
+        device = next(chunk.parameters(), output).device
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if group is None or capturing or torch.distributed.get_world_size(group) == 1:
             return value, value
-        both = torch.tensor([value, -value], device=output.device)
+        both = torch.tensor([value, -value], device=device)
         torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=group)
         most, negated_fewest = both.tolist()
         return -negated_fewest, most

@@ -35,6 +35,7 @@ another batch's log-probs: errors of O(1).
 """
 
 import dataclasses
+import datetime
 import gc
 import weakref
 
@@ -286,10 +287,10 @@ def test_the_head_computes_each_output_with_its_own_forward():
 def ranks_decide_together_worker() -> None:
     """A tensor nothing links, while the ranks of the group hold different live outputs: what a
     gloo worker thread or NCCL's watchdog does for a moment with the memory of a freed output that
-    a collective wrote (a sequence-parallel gather's). Here one rank keeps outputs the other frees,
-    or each keeps another model's.
-    Every rank must raise: a rank that computed while another raised would wait in the op's
-    collectives (this worker ends after the checks, so such a rank fails at once, not at a timeout)."""
+    a collective wrote (a sequence-parallel gather's). Here the ranks keep different outputs on
+    purpose. Every rank must raise: a rank that computed while another raised would wait in the
+    op's collectives, so each check ends at a barrier that fails after a minute, not at gloo's
+    30-minute timeout."""
     harness.tensor_parallel(2)
     rank = torch.distributed.get_rank()
     model, other = harness.build_gpt(), harness.build_gpt(seed=99)
@@ -297,34 +298,38 @@ def ranks_decide_together_worker() -> None:
     batch = harness.make_batch(seed=7)
     targets = batch[3]
     stray = torch.randn(harness.BATCH, harness.SEQ, harness.HIDDEN)
-    with torch.no_grad():
+
+    def every_rank_raises(*match):
+        gc.collect()
+        expect_error(RuntimeError, match, head.logprobs, stray, targets)
+        torch.distributed.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+
+    with torch.no_grad():  # every forward runs on both ranks: it is collective under TP
         held = harness.forward(model, batch)
-        if rank == 0:
-            del held
-    gc.collect()
-    where = "no forward's output is alive on some ranks of the tensor-parallel group"
-    expect_error(RuntimeError, ("nothing links", where), head.logprobs, stray, targets)
+    if rank == 0:
+        del held
+    every_rank_raises("nothing links", "no forward's output is alive on some ranks of the tensor-parallel group")
+    # This head's output on rank 0, both models' on rank 1.
     with torch.no_grad():
-        held_other = harness.forward(other, batch)
-        if rank == 0:
-            held = held_other
-            del held_other
-    gc.collect()
-    # Rank 0 holds the other model's output alone (the one it could be), rank 1 both models'.
-    other_model = ("another wrapped model", other_head.name)
-    several = other_model if rank == 0 else ("nothing links", head.name, other_head.name, "could have made it")
-    expect_error(RuntimeError, several, head.logprobs, stray, targets)
-    # One live forward on each rank, but not the same model's: rank 1 now holds this head's alone.
-    if rank == 1:
+        held, held_other = harness.forward(model, batch), harness.forward(other, batch)
+    if rank == 0:
         del held_other
-    gc.collect()
-    mixed = other_model if rank == 0 else ("nothing links", f"not {head.name}'s")
-    expect_error(RuntimeError, mixed, head.logprobs, stray, targets)
-    # Both hold the other model's output alone: each names it.
+    several = ("another rank", "several forwards") if rank == 0 else (head.name, other_head.name)
+    every_rank_raises("nothing links", "could have made it", *several)
+    # The other model's output on rank 0, this head's on rank 1.
+    with torch.no_grad():
+        fresh = harness.forward(other, batch)
+    if rank == 0:
+        held = fresh  # in place of this head's
+    else:
+        del held_other
+    del fresh
+    other_model = ("another wrapped model", other_head.name)
+    every_rank_raises(*(other_model if rank == 0 else ("nothing links", f"not {head.name}'s")))
+    # The other model's output alone on both: each names it.
     with torch.no_grad():
         held = harness.forward(other, batch)
-    gc.collect()
-    expect_error(RuntimeError, other_model, head.logprobs, stray, targets)
+    every_rank_raises(*other_model)
     unwrap_model(model)
     unwrap_model(other)
 

@@ -250,11 +250,11 @@ def check_refusals(model, batches, label):
     # A collective's pending work (a gloo worker thread) can hold the last sequence-parallel gather's
     # output a moment longer, on either rank; the registry's entries are read here without pruning.
     deadline = time.monotonic() + 30
-    while any(not entry.storage.expired() for entry in provenance._entries) and time.monotonic() < deadline:
+    while any(not entry.storage.expired() for entry in list(provenance._entries)) and time.monotonic() < deadline:
         time.sleep(0.01)
     gc.collect()
     # The collection itself forgets the expired entries (their calls hold the output weights).
-    assert not provenance._entries, label
+    assert not provenance._entries, (label, len(provenance._entries))
     stray = torch.randn(harness.BATCH, harness.SEQ, harness.HIDDEN)
     expect_error(RuntimeError, ("nothing links", "no forward's output is alive"), policy_head.logprobs, stray, targets)
     unwrap_model(model)

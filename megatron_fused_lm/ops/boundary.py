@@ -231,10 +231,8 @@ class Logits(torch.autograd.Function):
         problem = ShardProblem(logits, None, target_column, temperature=temperature, kept_mask=kept_mask)
         grad_logits, softcap = torch.empty_like(logits), ctx.options.softcap
         with autocast_off(logits.device):
-            rows_per_chunk, saved = (
-                chunk_rows(ctx.options.token_chunk, logits.shape[-1]),
-                SavedStatistics(lse, mean_logit),
-            )
+            rows_per_chunk = chunk_rows(ctx.options.token_chunk, logits.shape[-1])
+            saved = SavedStatistics(lse, mean_logit)
             block_logits = given_logits(logits, temperature, softcap)
             chunks = chunk_logit_grads(
                 block_logits, problem, saved=saved, upstream=upstream, token_chunk=rows_per_chunk, softcap=softcap

@@ -23,7 +23,7 @@ from .boundary import autocast_off
 from .chunking import chunk_rows, given_logits, product_logits
 from .distributed import all_gather_stacked, group_rank, group_size, merge_across_group
 from .inputs import RowSelection, check_linear_inputs, check_logits, live_columns, row_temperatures
-from .options import HeadOptions, check_softcap, checked_number
+from .options import HeadOptions, checked_number
 from .rank_check import check_across_ranks
 from .softmax import summarize
 from .top_keys import MAX_ID, NO_KEY, keyed_logits, shard_top_keys
@@ -79,7 +79,6 @@ def fused_linear_topk(
         rows for the torch form).
     """
     check_linear_inputs(hidden, weight)
-    softcap = check_softcap(softcap)
     resolved = registry.resolve(backend, hidden.device)
     options = HeadOptions.checked(backend=resolved.name, token_chunk=token_chunk, tp_group=tp_group, softcap=softcap)
     check_across_ranks(
@@ -89,7 +88,7 @@ def fused_linear_topk(
         weight,
         temperature=temperature,
         vocab_size=vocab_size,
-        softcap=softcap,
+        softcap=options.softcap,
         settings=dict(backend=resolved.name, token_chunk=options.token_chunk, k=k),
     )
     temperature = row_temperatures(temperature, RowSelection(hidden.shape[:-1], None, None, None), hidden.device)
@@ -131,7 +130,6 @@ def logits_topk(
     bfloat16 or float16; rank ``r`` owns global ids ``[r * vocab_shard, (r + 1) * vocab_shard)``):
     the same results, forward only."""
     check_logits(logits)
-    softcap = check_softcap(softcap)
     options = HeadOptions.checked(backend="torch", token_chunk=token_chunk, tp_group=tp_group, softcap=softcap)
     check_across_ranks(
         "logits_topk",
@@ -140,7 +138,7 @@ def logits_topk(
         None,
         temperature=temperature,
         vocab_size=vocab_size,
-        softcap=softcap,
+        softcap=options.softcap,
         settings=dict(token_chunk=options.token_chunk, k=k),
     )
     temperature = row_temperatures(temperature, RowSelection(logits.shape[:-1], None, None, None), logits.device)

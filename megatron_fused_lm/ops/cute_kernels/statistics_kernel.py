@@ -481,7 +481,7 @@ def cute_split_statistics(
     key = (hidden.dtype, cluster_m, group_m, stages, uniform)
     if key not in _compiled:
         kernel = StatisticsKernel(cluster_m, group_m, stages, uniform)
-        configuration = (str(hidden.dtype), cluster_m, group_m, stages, uniform)
+        configuration = (str(hidden.dtype), *key[1:])  # plain values, for the file cache's entry name
         _compiled[key] = cached_kernel(Path(__file__), configuration, lambda: _compile(kernel, hidden.dtype))
     _compiled[key](hidden, weight, target_column, temperature, parts, tiles_per_split, num_splits, num_clusters)
     return parts

@@ -1,8 +1,8 @@
 """Where a float32 head's products could go faster (issue 61, item 3): Triton's 3xTF32 (``tl.dot``'s
 "tf32x3", which splits each float32 tile into its TF32 high and low parts at every k step) against
-operands split once in memory (``tf32_parts``: the high parts, TF32-rounded, and the remainders)
-and multiplied by three "tf32" dots, and one "tf32" dot as the speed ceiling; ``out = a @ b.T``
-with both operands k-major, as the forward kernel reads them, on tile shapes of ``--tiles``. Each
+operands split once in memory (``tf32_parts``: the high parts, TF32-rounded or truncated, and the
+remainders) and multiplied by three "tf32" dots, and one "tf32" dot as the speed ceiling;
+``out = a @ b.T`` with both operands k-major, as the forward kernel reads them, on tile shapes of ``--tiles``. Each
 variant's time (median of 7 calls) and its error norm against float64 over the float64 result's
 norm, beside cuBLAS's float32 product with TF32 off. A diagnostic of the kernels' arithmetic, not
 a benchmark of the package: the ops do not run here.
@@ -23,7 +23,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from devkit.measure import median_ms
 from megatron_fused_lm.ops.kernels.epilogue import grouped_tile
 
-VARIANTS = {"tf32x3": 0, "tf32_once": 1, "split_once": 2}
+# The kernel's variant for each name; "split_truncated" runs "split_once"'s kernel on the float32
+# operands themselves and their remainders after truncation, which is exact if the tensor cores
+# read a float32 operand as its truncated TF32 high part (then only the remainders need storing).
+VARIANTS = {"tf32x3": 0, "tf32_once": 1, "split_once": 2, "split_truncated": 2}
 
 
 @triton.jit
@@ -61,10 +64,10 @@ def split_product_kernel(
     tl.store(out_ptr + out_rows[:, None].to(tl.int64) * columns + out_cols[None, :], acc, mask=valid)
 
 
-def tf32_parts(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(high, low)`` float32: ``values`` rounded to TF32's 10 mantissa bits (to nearest, ties away
-    from zero) and the exact remainder."""
-    high = ((values.view(torch.int32) + 0x1000) & -0x2000).view(torch.float32)
+def tf32_parts(values: torch.Tensor, rounded: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(high, low)`` float32: ``values`` cut to TF32's 10 mantissa bits (rounded to nearest, ties
+    away from zero; or truncated) and the exact remainder."""
+    high = ((values.view(torch.int32) + (0x1000 if rounded else 0)) & -0x2000).view(torch.float32)
     return high, values - high
 
 
@@ -81,17 +84,19 @@ def main():
     b = torch.randn(vocab, hidden_size, device=device, generator=gen) * 0.02
     expected = a.double() @ b.double().t()
     (a_high, a_low), (b_high, b_low) = tf32_parts(a), tf32_parts(b)
+    a_cut, b_cut = tf32_parts(a, rounded=False)[1], tf32_parts(b, rounded=False)[1]
     out, rows = torch.empty(tokens, vocab, device=device), []
     for name, variant in VARIANTS.items():
         left, right = (a_high, b_high) if name == "split_once" else (a, b)
+        a_rest, b_rest = (a_cut, b_cut) if name == "split_truncated" else (a_low, b_low)
         for tiles in args.tiles.split(";"):
             block_m, block_n, block_k, warps, stages = (int(part) for part in tiles.split(","))
 
             def desc(tensor, block):
                 return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), block)
 
-            operands = (desc(left, [block_m, block_k]), desc(a_low, [block_m, block_k]))
-            operands += (desc(right, [block_n, block_k]), desc(b_low, [block_n, block_k]))
+            operands = (desc(left, [block_m, block_k]), desc(a_rest, [block_m, block_k]))
+            operands += (desc(right, [block_n, block_k]), desc(b_rest, [block_n, block_k]))
             grid = (triton.cdiv(tokens, block_m) * triton.cdiv(vocab, block_n),)
 
             def step():

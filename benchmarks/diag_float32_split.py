@@ -1,9 +1,10 @@
 """Where a float32 head's products could go faster (issue 61, item 3): Triton's 3xTF32 (``tl.dot``'s
 "tf32x3", which splits each float32 tile into its TF32 high and low parts at every k step) against
 operands split once in memory (``tf32_parts``: the high parts, TF32-rounded or truncated, and the
-remainders) and multiplied by three "tf32" dots, and one "tf32" dot as the speed ceiling;
-``out = a @ b.T`` with both operands k-major, as the forward kernel reads them, on tile shapes of ``--tiles``. Each
-variant's time (median of 7 calls) and its error norm against float64 over the float64 result's
+remainders) and multiplied by three "tf32" dots, the left operand split in registers against the
+right one's stored parts, and one "tf32" dot as the speed ceiling; ``out = a @ b.T`` with both
+operands k-major, as the forward kernel reads them, on tile shapes of ``--tiles``. Each variant's
+time (median of 7 calls) and its error norm against float64 over the float64 result's
 norm, beside cuBLAS's float32 product with TF32 off. A diagnostic of the kernels' arithmetic, not
 a benchmark of the package: the ops do not run here.
 
@@ -26,7 +27,11 @@ from megatron_fused_lm.ops.kernels.epilogue import grouped_tile
 # The kernel's variant for each name; "split_truncated" runs "split_once"'s kernel on the float32
 # operands themselves and their remainders after truncation, which is exact if the tensor cores
 # read a float32 operand as its truncated TF32 high part (then only the remainders need storing).
-VARIANTS = {"tf32x3": 0, "tf32_once": 1, "split_once": 2, "split_truncated": 2}
+# "split_left" splits the left operand in registers (by truncation; wgmma may read it from there)
+# and reads the right one's truncated parts from memory, as a package kernel would store only the
+# weight's; "split_left_truncated" passes the right operand itself as its high part.
+VARIANTS = {"tf32x3": 0, "tf32_once": 1, "split_once": 2, "split_truncated": 2, "split_left": 3}
+VARIANTS["split_left_truncated"] = 3
 
 
 @triton.jit
@@ -55,6 +60,11 @@ def split_product_kernel(
             acc = tl.dot(a, b, acc, input_precision="tf32x3")
         elif VARIANT == 1:
             acc = tl.dot(a, b, acc, input_precision="tf32")
+        elif VARIANT == 3:
+            a_high = (a.to(tl.int32, bitcast=True) & -0x2000).to(tl.float32, bitcast=True)
+            small = tl.dot(a - a_high, b, input_precision="tf32")
+            small = tl.dot(a_high, tl.trans(b_low_desc.load([col0, k_step * BLOCK_K])), small, input_precision="tf32")
+            acc = tl.dot(a_high, b, acc + small, input_precision="tf32")
         else:  # the small terms first, then the high parts' product
             small = tl.dot(a_low_desc.load([row0, k_step * BLOCK_K]), b, input_precision="tf32")
             small = tl.dot(a, tl.trans(b_low_desc.load([col0, k_step * BLOCK_K])), small, input_precision="tf32")
@@ -84,11 +94,12 @@ def main():
     b = torch.randn(vocab, hidden_size, device=device, generator=gen) * 0.02
     expected = a.double() @ b.double().t()
     (a_high, a_low), (b_high, b_low) = tf32_parts(a), tf32_parts(b)
-    a_cut, b_cut = tf32_parts(a, rounded=False)[1], tf32_parts(b, rounded=False)[1]
+    a_cut = tf32_parts(a, rounded=False)[1]
+    b_truncated, b_cut = tf32_parts(b, rounded=False)
     out, rows = torch.empty(tokens, vocab, device=device), []
     for name, variant in VARIANTS.items():
-        left, right = (a_high, b_high) if name == "split_once" else (a, b)
-        a_rest, b_rest = (a_cut, b_cut) if name == "split_truncated" else (a_low, b_low)
+        left, right = (a_high, b_high) if name == "split_once" else (a, b_truncated if name == "split_left" else b)
+        a_rest, b_rest = (a_low, b_low) if name == "split_once" else (a_cut, b_cut)
         for tiles in args.tiles.split(";"):
             block_m, block_n, block_k, warps, stages = (int(part) for part in tiles.split(","))
 

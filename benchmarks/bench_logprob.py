@@ -248,15 +248,15 @@ class Benchmark:
         return logprob, grad_hidden, mean_loss_oracle(inputs)
 
     def record_sft_error(self, row, method, inputs, sample, reference, grad):
-        """The hidden gradient's error (``grad``: what the timed step left), then the log-prob
-        error of the method's per-token forward and the error of the mean loss it returns."""
+        """The hidden gradient's error (``grad``: what the timed step left), the error of the mean
+        loss the method returns, then the log-prob error of its per-token forward."""
         ref_logprob, ref_grad, ref_loss = reference
         try:
             row["grad_hidden_error"] = grad_error(grad, sample, ref_grad)
             del grad
-            logprob = sft_logprob(method, self.competitors, inputs)
-            row["logprob_max_error"] = sample_error(logprob, sample, ref_logprob)
             row["mean_loss_error"] = abs(float(sft_mean_loss(method, self.competitors, inputs)) - ref_loss)
+            logprob = sft_logprob(method, self.competitors, inputs)  # after: a peer may return no per-token loss
+            row["logprob_max_error"] = sample_error(logprob, sample, ref_logprob)
         except Exception as error:  # keep the timing; say why the error check is absent
             row["note"] = f"error check failed: {type(error).__name__}: {error}"
         release_memory()

@@ -27,7 +27,10 @@ FORWARD_METHODS = ("floor1", "triton", "cute", *PEERS)
 # "liger_native" is the mean of its per-token NLL (no entropy term).
 # "torch_lce" is PyTorch's own torch.nn.functional.linear_cross_entropy with its default chunking
 # options (torch_linear_cross_entropy says where it comes from on an older torch).
-SFT_METHODS = ("floor", "stock", "ours", "ours_main_grad", "recompute", "liger", "cce", "torch_lce", "liger_native")
+# "quack" is Dao-AILab's quack chunked linear cross-entropy (its scaled-exponential route where
+# quack takes it), "quack_basic" its basic route: a mean or a sum, no per-token losses.
+SFT_PEERS = ("liger", "cce", "torch_lce", "liger_native", "quack", "quack_basic")
+SFT_METHODS = ("floor", "stock", "ours", "ours_main_grad", "recompute", *SFT_PEERS)
 # A policy loss known in the forward (the RL loss); "floor3" is the three GEMMs, as for SFT. The
 # peers compute it as "recompute" does: the loss on their log-prob and entropy, then autograd.
 RL_LOSS_METHODS = ("floor3", "stock", "recompute", "ours", "ours_main_grad", *PEERS)
@@ -69,6 +72,11 @@ def import_competitors(native_shapes=None, device="cuda"):
         found["liger_flsce"] = liger_scaled_cross_entropy()
     except (ImportError, RuntimeError) as error:
         missing["liger_flsce"] = f"liger-kernel's CuTe kernel cannot run here ({error})"
+    for method, use_scaled_exp in (("quack", None), ("quack_basic", False)):
+        try:
+            found[method] = quack_cross_entropy(use_scaled_exp)
+        except (ImportError, TypeError) as error:  # TypeError: quack's cache key on a DSL it cannot key
+            missing[method] = f"quack cannot run here ({type(error).__name__}: {error})"
     if native_shapes is None:
         missing["liger_native"] = "not selected"
     else:
@@ -122,6 +130,22 @@ def torch_linear_cross_entropy():
 
     def loss(hidden, weight, targets, reduction="mean"):
         return function(hidden, weight, targets, reduction=reduction, options=LinearCrossEntropyOptions())
+
+    return loss
+
+
+def quack_cross_entropy(use_scaled_exp):
+    """Dao-AILab's quack ``chunked_linear_cross_entropy`` as ``(hidden, weight, targets,
+    reduction=...)``, a mean or a sum only: ``use_scaled_exp=None`` lets quack pick its scaled-
+    exponential route where it runs (SM90, bf16, a vocabulary in multiples of 128), ``False`` its
+    basic one. quack keys its kernels' cache on the DSL's code unless that lies under a
+    ``site-packages`` folder: unpacked elsewhere, its import raises a ``TypeError``."""
+    from quack.linear_cross_entropy import chunked_linear_cross_entropy
+
+    def loss(hidden, weight, targets, reduction="mean"):
+        if reduction == "none":
+            raise NotImplementedError("quack's chunked op returns a mean or a sum, no per-token losses")
+        return chunked_linear_cross_entropy(hidden, weight, targets, reduction=reduction, use_scaled_exp=use_scaled_exp)
 
     return loss
 
@@ -240,7 +264,7 @@ def sft_loss(method, competitors, hidden, weight, targets, reduction, weights=No
     log-prob of the per-token op, as Megatron's labels path computes it; ``ours`` is
     ``fused_linear_loss`` with ``losses.cross_entropy`` and token-mean ``weights`` (made here when
     not given); ``ours_main_grad`` the same through ``main_grad_route`` with ``main_grad``."""
-    if method in ("liger", "cce", "torch_lce"):
+    if method in ("liger", "cce", "torch_lce", "quack", "quack_basic"):
         return competitors[method](hidden, weight, targets, reduction=reduction)
     if method == "liger_native":
         logprob, _ = competitors[method](hidden, weight, targets, 1.0, return_entropy=False)

@@ -37,6 +37,8 @@ METHOD_STYLES = {
     "cute": ("ours (CuTe DSL forward statistics)", "tab:cyan", "h"),
     "cce": ("cut-cross-entropy", "tab:brown", "D"),
     "torch_lce": ("PyTorch linear_cross_entropy (default options)", "tab:gray", "d"),
+    "quack": ("quack chunked linear CE (its scaled-exp route)", "gold", "p"),
+    "quack_basic": ("quack chunked linear CE (basic route)", "khaki", "8"),
     "recompute": ("recompute (our per-token op, then the loss: 4 GEMMs)", "tab:green", "v"),
     "ours_main_grad": ("ours, weight gradient into Megatron's main_grad", "tab:red", "X"),
     "floor": ("GEMM floor (cuBLAS products alone)", "0.35", None),
@@ -55,6 +57,8 @@ SHORT_NAMES = {
     "liger": "liger-kernel",
     "cce": "cut-cross-entropy",
     "torch_lce": "PyTorch's linear_cross_entropy",
+    "quack": "quack",
+    "quack_basic": "quack (basic route)",
 }
 # The policy loss of the RL-loss section, for titles.
 RL_LOSS_TITLE = "RL loss known in the forward: clipped policy loss + entropy bonus, token mean"
@@ -495,7 +499,7 @@ def write_plots(results, folder):
     if "sft" in sections:
         path = os.path.join(folder, "bench_sft.png")
         title = "SFT: mean cross-entropy"
-        methods = ("stock", "liger", "cce", "torch_lce", "liger_native", "recompute", "ours", "floor")
+        methods = ("stock", "liger", "cce", "torch_lce", "quack", "liger_native", "recompute", "ours", "floor")
         bar_panels(pyplot, results, "sft", methods, title, path)
         written.append(path)
     if "rl_loss" in sections:

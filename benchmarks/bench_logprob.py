@@ -17,7 +17,9 @@ deviation about 4). Sections (``--sections``):
 - ``sft``: mean cross-entropy: ``stock``, ``ours`` (``fused_linear_loss`` with
   ``losses.cross_entropy``: the gradients finished in the forward, three GEMMs), ``recompute`` (the
   mean of ``-fused_linear_logprob``, as the labels path computes it: four GEMMs), ``liger``
-  (liger-kernel's fused linear cross-entropy), ``cce`` (Apple's cut-cross-entropy),
+  (liger-kernel's fused linear cross-entropy), ``cce`` (Apple's cut-cross-entropy), ``torch_lce``
+  (PyTorch's ``linear_cross_entropy``), ``quack`` and ``quack_basic`` (quack's chunked linear
+  cross-entropy, its scaled-exponential route where it takes it and its basic one; a mean only),
   ``liger_native`` (the mean of its per-token NLL) and ``floor`` (three GEMMs); a missing package
   (or a peer that cannot run on this device) gives a ``missing`` row with the reason, never a number;
 - ``rl_loss``: a policy loss known in the forward (``losses.ClippedPolicyLoss``, clip 0.2 / 0.28,

@@ -29,8 +29,8 @@ FORWARD_METHODS = ("floor1", "triton", "cute", *PEERS)
 # options (torch_linear_cross_entropy says where it comes from on an older torch).
 # "quack" is Dao-AILab's quack chunked linear cross-entropy (its scaled-exponential route where
 # quack takes it), "quack_basic" its basic route: a mean or a sum, no per-token losses.
-SFT_PEERS = ("liger", "cce", "torch_lce", "liger_native", "quack", "quack_basic")
-SFT_METHODS = ("floor", "stock", "ours", "ours_main_grad", "recompute", *SFT_PEERS)
+LOSS_PEERS = ("liger", "cce", "torch_lce", "quack", "quack_basic")  # (hidden, weight, targets, reduction=...)
+SFT_METHODS = ("floor", "stock", "ours", "ours_main_grad", "recompute", *LOSS_PEERS, "liger_native")
 # A policy loss known in the forward (the RL loss); "floor3" is the three GEMMs, as for SFT. The
 # peers compute it as "recompute" does: the loss on their log-prob and entropy, then autograd.
 RL_LOSS_METHODS = ("floor3", "stock", "recompute", "ours", "ours_main_grad", *PEERS)
@@ -265,7 +265,7 @@ def sft_loss(method, competitors, hidden, weight, targets, reduction, weights=No
     log-prob of the per-token op, as Megatron's labels path computes it; ``ours`` is
     ``fused_linear_loss`` with ``losses.cross_entropy`` and token-mean ``weights`` (made here when
     not given); ``ours_main_grad`` the same through ``main_grad_route`` with ``main_grad``."""
-    if method in ("liger", "cce", "torch_lce", "quack", "quack_basic"):
+    if method in LOSS_PEERS:
         return competitors[method](hidden, weight, targets, reduction=reduction)
     if method == "liger_native":
         logprob, _ = competitors[method](hidden, weight, targets, 1.0, return_entropy=False)
